@@ -1,0 +1,29 @@
+"""Backends behind one small interface (see :mod:`wsserver.backends.base`)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .base import Backend, GenerationRequest, TokenSink
+
+__all__ = ["Backend", "GenerationRequest", "TokenSink", "create_backend"]
+
+
+def create_backend(config: Config) -> Backend:
+    """The backend the configuration names. Nothing is loaded yet."""
+    kind = config.backend.kind
+    if kind == "fake":
+        from .fake import FakeBackend
+
+        fake = config.backend.fake
+        return FakeBackend(
+            tokens_per_s=fake.tokens_per_s,
+            prefill_ms_per_token=fake.prefill_ms_per_token,
+            parallel=fake.parallel,
+            max_waiting=fake.max_waiting,
+        )
+    if kind == "llama":
+        # Imported lazily: llama_cpp is heavy and only this backend needs it.
+        from .llama import LlamaBackend
+
+        return LlamaBackend.from_config(config.backend.llama)
+    raise ValueError(f"unknown backend kind {kind!r}")  # config validation prevents this

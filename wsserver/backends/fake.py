@@ -1,0 +1,145 @@
+"""A deterministic stand-in for a model, for tests and benchmarks.
+
+The text depends only on (prompt or messages, seed): the same request always
+gives the same text, and a larger ``max_tokens`` extends it. Words come from a
+small vocabulary that includes multi-byte UTF-8 (accents, CJK, emoji); those
+words are emitted as *byte-level tokens* of one to three bytes each, so
+characters arrive split across tokens exactly as a byte-fallback tokenizer
+delivers them, and the real :class:`~wsserver.textstream.TextAssembler` has to
+put them back together.
+
+Timing is simulated with waits on the request's cancel event, so a cancel
+interrupts both the simulated prefill and the pause between tokens at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+
+import orjson
+
+from ..errors import GenerationCancelled
+from ..session import Outcome
+from ..textstream import TextAssembler
+from .base import Backend, GenerationRequest, TokenSink
+
+__all__ = ["FakeBackend", "fake_tokens"]
+
+_WORDS = (
+    "the", "stream", "of", "tokens", "flows", "to", "every", "client", "without", "pause",
+    "and", "a", "model", "speaks", "while", "sockets", "wait", "café", "naïve", "über",
+    "日本語", "テキスト", "中文", "한국어", "😀", "🚀", "👩‍💻", "Ωmega", "façade", "∑",
+)
+
+
+def _rng(request: GenerationRequest) -> random.Random:
+    source = request.prompt if request.prompt is not None else orjson.dumps(
+        [[m.role, m.content] for m in request.messages or ()]
+    ).decode()
+    digest = hashlib.sha256(f"{request.seed}\x00{source}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def fake_tokens(request: GenerationRequest) -> "FakeTokenStream":
+    """The (infinite) token stream of a request, as raw bytes per token."""
+    return FakeTokenStream(_rng(request))
+
+
+class FakeTokenStream:
+    """Yields the byte tokens of an endless deterministic text."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._pending: list[bytes] = []
+        self._first = True
+
+    def __iter__(self) -> "FakeTokenStream":
+        return self
+
+    def __next__(self) -> bytes:
+        while not self._pending:
+            self._pending = self._next_word()
+        return self._pending.pop(0)
+
+    def _next_word(self) -> list[bytes]:
+        word = self._rng.choice(_WORDS)
+        text = word if self._first else " " + word
+        self._first = False
+        data = text.encode()
+        if data.isascii():
+            return [data]
+        # Split non-ASCII words into 1-3 byte pieces, cutting inside characters.
+        pieces = []
+        while data:
+            size = self._rng.randint(1, 3)
+            pieces.append(data[:size])
+            data = data[size:]
+        return pieces
+
+
+class FakeBackend(Backend):
+    """Deterministic fake model with a configurable speed."""
+
+    def __init__(
+        self,
+        *,
+        tokens_per_s: float = 50.0,
+        prefill_ms_per_token: float = 0.0,
+        parallel: int = 0,
+        max_waiting: int = 64,
+        model_name: str = "fake",
+    ) -> None:
+        self.tokens_per_s = tokens_per_s
+        self.prefill_ms_per_token = prefill_ms_per_token
+        self.slots = parallel
+        self.max_waiting = max_waiting
+        self.model_name = model_name
+
+    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        if request.prompt is not None:
+            size = len(request.prompt.encode())
+        else:
+            size = sum(len(m.content.encode()) + 4 for m in request.messages or ())
+        # Roughly what a BPE tokenizer gives for English: four bytes a token.
+        return max(1, size // 4)
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        slot: int,
+        sink: TokenSink,
+        cancel: threading.Event,
+    ) -> Outcome:
+        prompt_tokens = self.count_prompt_tokens(request)
+        prefill_s = prompt_tokens * self.prefill_ms_per_token / 1000.0
+        if prefill_s > 0 and cancel.wait(prefill_s):
+            raise GenerationCancelled(request.id)
+        sink.prompt_processed(prompt_tokens)
+        assembler = TextAssembler(request.stop)
+        interval = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+        start = time.monotonic()
+        produced = 0
+        for token in fake_tokens(request):
+            if produced >= request.max_tokens:
+                break
+            if interval:
+                # Pace against the start time so rounding does not drift.
+                delay = start + produced * interval - time.monotonic()
+                if delay > 0 and cancel.wait(delay):
+                    raise GenerationCancelled(request.id)
+            elif cancel.is_set():
+                raise GenerationCancelled(request.id)
+            produced += 1
+            text = assembler.feed(token)
+            if assembler.stopped:
+                sink.emit(text, 1)
+                return Outcome("stop", prompt_tokens, produced)
+            sink.emit(text, 1)
+        tail = assembler.flush()
+        if tail:
+            sink.emit(tail, 0)
+        return Outcome("length", prompt_tokens, produced)

@@ -1,0 +1,111 @@
+"""The bounded channel from a producer thread to the event loop.
+
+One channel per running request, built on :mod:`janus` (a queue with a
+blocking sync side and an awaitable async side). Its size bounds a
+connection's memory: at most ``capacity`` items, each one token's text. When
+the sender is parked in a slow ``send()``, the channel fills and
+:meth:`Channel.emit` blocks the producer in a condition wait — no polling, no
+CPU. :meth:`Channel.close` (cancel, disconnect, shutdown) shuts the queue down
+with ``immediate=True``, which wakes a blocked producer at once with an
+exception, and discards whatever was still queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import janus
+
+from .errors import GenerationCancelled, GenerationStalled
+from .session import Outcome
+
+__all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDone:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    outcome: Outcome
+
+
+Item = Piece | PromptDone | End
+
+
+class Channel:
+    """Producer → loop queue, implementing the backends' ``TokenSink``.
+
+    Create it on the event loop. The producer thread calls :meth:`emit`,
+    :meth:`prompt_processed` and :meth:`end`; the loop reads :attr:`queue`.
+    """
+
+    def __init__(self, capacity: int, *, stall_timeout: float | None = None) -> None:
+        self.queue: janus.Queue[Item] = janus.Queue(maxsize=capacity)
+        self.cancel = threading.Event()
+        self._stall_timeout = stall_timeout
+        # Written by the producer thread only; read for metrics and tests.
+        self.blocked_seconds = 0.0
+        self.blocked_cpu_seconds = 0.0
+        self.blocked_since: float | None = None
+        self.tokens = 0
+
+    # ------------------------------------------------------------ producer side
+
+    def prompt_processed(self, prompt_tokens: int) -> None:
+        self._put(PromptDone(prompt_tokens))
+
+    def emit(self, text: str, tokens: int = 1) -> None:
+        self.tokens += tokens
+        self._put(Piece(text, tokens))
+
+    def end(self, outcome: Outcome) -> None:
+        self._put(End(outcome))
+
+    def _put(self, item: Item) -> None:
+        if self.cancel.is_set():
+            raise GenerationCancelled()
+        sync_q = self.queue.sync_q
+        try:
+            sync_q.put_nowait(item)
+            return
+        except janus.SyncQueueFull:
+            pass
+        except janus.SyncQueueShutDown:
+            raise GenerationCancelled() from None
+        # Full: the client reads slower than the model writes. Block here.
+        wall, cpu = time.monotonic(), time.thread_time()
+        self.blocked_since = wall
+        try:
+            sync_q.put(item, timeout=self._stall_timeout)
+        except janus.SyncQueueShutDown:
+            raise GenerationCancelled() from None
+        except janus.SyncQueueFull:
+            raise GenerationStalled() from None
+        finally:
+            self.blocked_since = None
+            self.blocked_seconds += time.monotonic() - wall
+            self.blocked_cpu_seconds += time.thread_time() - cpu
+
+    # ------------------------------------------------------------ loop side
+
+    def close(self) -> None:
+        """Cancel: wake the producer and discard what is queued. Idempotent."""
+        self.cancel.set()
+        self.queue.shutdown(immediate=True)
+
+    def buffered_bytes(self) -> int:
+        """UTF-8 bytes of text waiting in the queue (a snapshot)."""
+        with self.queue._sync_mutex:  # janus has no public snapshot API
+            items = list(self.queue._queue)
+        return sum(len(i.text.encode()) for i in items if isinstance(i, Piece))

@@ -1,0 +1,85 @@
+"""Command line: ``wsserver serve`` and ``wsserver config show``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .config import LoadedConfig, describe, load_config
+from .errors import ConfigError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wsserver", description="Stream a local LLM over WebSocket.")
+    parser.add_argument("--version", action="version", version=f"wsserver {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", metavar="PATH", help="TOML configuration file")
+        p.add_argument("--host", help="address to bind (server.host)")
+        p.add_argument("--port", type=int, help="port to bind, 0 = any free port (server.port)")
+        p.add_argument("--backend", choices=("fake", "llama"), help="backend.kind")
+        p.add_argument("--model", metavar="PATH", help="GGUF file for the llama backend")
+        p.add_argument("--log-format", choices=("text", "json"), help="server.log_format")
+        p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override any key, e.g. --set stream.flush_ms=20 (repeatable)",
+        )
+
+    common(sub.add_parser("serve", help="run the server"))
+    config = sub.add_parser("config", help="inspect the configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    common(config_sub.add_parser("show", help="print the effective configuration and its sources"))
+    return parser
+
+
+def _load(args: argparse.Namespace) -> LoadedConfig:
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value.strip()
+    flags = {
+        "server.host": args.host,
+        "server.port": args.port,
+        "backend.kind": args.backend,
+        "backend.llama.model": args.model,
+        "server.log_format": args.log_format,
+        "server.log_level": args.log_level,
+    }
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    return load_config(path=args.config, overrides=overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        loaded = _load(args)
+    except ConfigError as exc:
+        print(f"wsserver: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        sys.stdout.write(describe(loaded))
+        return 0
+    from .logs import setup_logging
+    from .server import run
+
+    config = loaded.config
+    setup_logging(level=config.server.log_level, fmt=config.server.log_format)
+    try:
+        return asyncio.run(run(config))
+    except ConfigError as exc:
+        print(f"wsserver: configuration error: {exc}", file=sys.stderr)
+        return 2

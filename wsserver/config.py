@@ -1,0 +1,287 @@
+"""Configuration: one frozen object, loaded once at the edge.
+
+Precedence, highest first: command-line flag > environment variable
+(``WSSERVER_<SECTION>_<KEY>``, e.g. ``WSSERVER_SERVER_PORT`` or
+``WSSERVER_BACKEND_FAKE_TOKENS_PER_S``) > ``--config`` file > built-in
+defaults. config/default.toml lists every key with the built-in default and a
+comment; a test keeps the two equal.
+
+Validation is strict: an unknown key, a wrong type or a value out of range is a
+:class:`~wsserver.errors.ConfigError` naming the key and where it came from,
+and the server refuses to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "BackendConfig",
+    "Config",
+    "FakeConfig",
+    "LlamaConfig",
+    "LimitsConfig",
+    "ServerConfig",
+    "StreamConfig",
+    "load_config",
+]
+
+
+def _key(default: Any, *, low: float | None = None, high: float | None = None,
+         choices: tuple[str, ...] | None = None) -> Any:
+    meta = {"low": low, "high": high, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = _key("127.0.0.1")
+    port: int = _key(8765, low=0, high=65535)
+    #: SO_SNDBUF for accepted sockets, bytes (0 = the kernel's autotuning,
+    #: which hides backpressure behind megabytes of buffer).
+    sndbuf: int = _key(16384, low=0, high=1 << 26)
+    #: websockets write_limit high-water mark, bytes.
+    write_limit: int = _key(16384, low=1024, high=1 << 26)
+    max_frame_bytes: int = _key(1 << 20, low=1024, high=1 << 28)
+    #: A send() that makes no progress this long aborts the connection.
+    send_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
+    #: Close connections that sent nothing and ran nothing this long (0 = never).
+    idle_timeout_s: float = _key(600.0, low=0.0, high=86400.0)
+    #: Requests still running at shutdown get this long to finish.
+    shutdown_grace_s: float = _key(5.0, low=0.0, high=3600.0)
+    #: websockets keepalive ping interval (0 = off).
+    ping_interval_s: float = _key(20.0, low=0.0, high=3600.0)
+    log_level: str = _key("info", choices=("debug", "info", "warning", "error"))
+    log_format: str = _key("text", choices=("text", "json"))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    flush_ms: float = _key(30.0, low=0.0, high=10000.0)
+    flush_tokens: int = _key(5, low=1, high=100000)
+    queue_tokens: int = _key(64, low=1, high=1 << 20)
+    #: A producer blocked by a non-reading client longer than this ends its
+    #: request with reason ``error``, code ``stalled`` (0 = wait forever).
+    stall_timeout_s: float = _key(30.0, low=0.0, high=86400.0)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_prompt_chars: int = _key(100_000, low=1, high=1 << 26)
+    max_messages: int = _key(256, low=1, high=100000)
+    max_tokens: int = _key(4096, low=1, high=1 << 20)
+    default_max_tokens: int = _key(256, low=1, high=1 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class FakeConfig:
+    tokens_per_s: float = _key(50.0, low=0.0, high=1e7)
+    prefill_ms_per_token: float = _key(0.0, low=0.0, high=10000.0)
+    parallel: int = _key(0, low=0, high=100000)
+    max_waiting: int = _key(64, low=0, high=100000)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    model: str = _key("")
+    n_ctx: int = _key(4096, low=16, high=1 << 20)
+    n_threads: int = _key(0, low=0, high=1024)
+    n_batch: int = _key(512, low=1, high=1 << 16)
+    parallel: int = _key(1, low=1, high=64)
+    max_waiting: int = _key(64, low=0, high=100000)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    kind: str = _key("fake", choices=("fake", "llama"))
+    fake: FakeConfig = field(default_factory=FakeConfig)
+    llama: LlamaConfig = field(default_factory=LlamaConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+
+def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], dataclasses.Field[Any]]:
+    """Every settable key of a config class, as a path → field map."""
+    out: dict[tuple[str, ...], dataclasses.Field[Any]] = {}
+    for f in dataclasses.fields(cls):
+        path = (*prefix, f.name)
+        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SECTIONS):
+            out.update(_leaves(_SECTIONS[f.type if isinstance(f.type, str) else f.type.__name__], path))
+        else:
+            out[path] = f
+    return out
+
+
+_SECTIONS: dict[str, type] = {
+    "ServerConfig": ServerConfig,
+    "StreamConfig": StreamConfig,
+    "LimitsConfig": LimitsConfig,
+    "FakeConfig": FakeConfig,
+    "LlamaConfig": LlamaConfig,
+    "BackendConfig": BackendConfig,
+}
+
+KEYS: dict[tuple[str, ...], dataclasses.Field[Any]] = _leaves(Config)
+
+
+def env_name(path: tuple[str, ...]) -> str:
+    return "WSSERVER_" + "_".join(path).upper()
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    name = ".".join(path)
+    kind = type(_default(f))
+    if isinstance(value, str) and source.startswith(("env", "flag")) and kind is not str:
+        # Environment variables and --set values are strings: parse them as TOML values.
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{name} (from {source}): cannot parse {value!r} as {kind.__name__}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} (from {source}): expected a list of strings, got {value!r}")
+    elif type(value) is not kind:
+        raise ConfigError(
+            f"{name} (from {source}): expected {kind.__name__}, got {type(value).__name__} {value!r}"
+        )
+    low, high, choices = f.metadata.get("low"), f.metadata.get("high"), f.metadata.get("choices")
+    if low is not None and value < low or high is not None and value > high:
+        raise ConfigError(f"{name} (from {source}): {value!r} is out of range [{low:g}, {high:g}]")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name} (from {source}): {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _flatten(table: Mapping[str, Any], source: str, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in table.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and path not in KEYS:
+            if not any(k[: len(path)] == path for k in KEYS):
+                raise ConfigError(f"unknown section [{'.'.join(path)}] in {source}")
+            out.update(_flatten(value, source, path))
+        elif path not in KEYS:
+            raise ConfigError(f"unknown key {'.'.join(path)} in {source}")
+        else:
+            out[path] = value
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedConfig:
+    config: Config
+    #: Where each key's effective value came from ("default", "file PATH", "env NAME", "flag").
+    sources: Mapping[str, str]
+
+
+def load_config(
+    *,
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> LoadedConfig:
+    """Build the effective configuration. ``overrides`` maps dotted keys to flag values."""
+    env = os.environ if env is None else env
+    values: dict[tuple[str, ...], Any] = {p: _default(f) for p, f in KEYS.items()}
+    sources: dict[tuple[str, ...], str] = {p: "default" for p in KEYS}
+    if path is not None:
+        source = f"file {path}"
+        try:
+            table = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        for key, value in _flatten(table, source).items():
+            values[key] = _coerce(key, KEYS[key], value, source)
+            sources[key] = source
+    known_env = {env_name(p): p for p in KEYS}
+    for name, raw in env.items():
+        if not name.startswith("WSSERVER_"):
+            continue
+        key = known_env.get(name)
+        if key is None:
+            raise ConfigError(f"unknown environment variable {name}")
+        values[key] = _coerce(key, KEYS[key], raw, f"env {name}")
+        sources[key] = f"env {name}"
+    for dotted, value in (overrides or {}).items():
+        key = tuple(dotted.split("."))
+        if key not in KEYS:
+            raise ConfigError(f"unknown key {dotted} (from flag)")
+        values[key] = _coerce(key, KEYS[key], value, "flag")
+        sources[key] = "flag"
+    config = _build(Config, values, ())
+    limits = config.limits
+    if limits.default_max_tokens > limits.max_tokens:
+        raise ConfigError("limits.default_max_tokens must not exceed limits.max_tokens")
+    return LoadedConfig(config=config, sources={".".join(k): v for k, v in sources.items()})
+
+
+def _build(cls: type, values: Mapping[tuple[str, ...], Any], prefix: tuple[str, ...]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        path = (*prefix, f.name)
+        if path in values:
+            kwargs[f.name] = values[path]
+        else:
+            section = f.type if isinstance(f.type, str) else f.type.__name__
+            kwargs[f.name] = _build(_SECTIONS[section], values, path)
+    return cls(**kwargs)
+
+
+def describe(loaded: LoadedConfig) -> str:
+    """The effective configuration as TOML-ish lines with each value's source."""
+    lines: list[str] = []
+    section: tuple[str, ...] | None = None
+    flat = {p: v for p, v in _iter_values(loaded.config, ())}
+    for path in KEYS:
+        if path[:-1] != section:
+            section = path[:-1]
+            lines.append(f"\n[{'.'.join(section)}]")
+        value = flat[path]
+        rendered = _toml_value(value)
+        lines.append(f"{path[-1]} = {rendered:<24} # {loaded.sources['.'.join(path)]}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _iter_values(obj: Any, prefix: tuple[str, ...]) -> Any:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _iter_values(value, (*prefix, f.name))
+        else:
+            yield (*prefix, f.name), value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

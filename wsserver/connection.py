@@ -1,0 +1,398 @@
+"""One WebSocket connection: receive loop, producers and the paced sender.
+
+This is the thin asyncio layer around :class:`~wsserver.session.Session`. Per
+connection:
+
+* the **receive loop** (:meth:`Connection.run`) always runs, so a ``cancel`` is
+  read even while a stream is backed up; it parses frames, asks the session
+  what to do, and carries out the effects;
+* each started request gets a **producer** thread running the backend, a
+  bounded :class:`~wsserver.channel.Channel` to the loop, and a **sender**
+  coroutine that coalesces the channel's tokens into ``delta`` frames
+  (:class:`~wsserver.pacing.Coalescer`) and awaits ``send()``.
+
+``send()`` waits while the transport holds more than ``write_limit`` bytes (the
+listening socket also gets a small ``SO_SNDBUF``), so a slow reader parks the
+sender; the channel fills; the producer blocks. Every send is bounded by
+``send_timeout``: a client that does not read at all is aborted rather than
+allowed to hang the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import janus
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from .backends.base import GenerationRequest
+from .channel import Channel, End, Item, Piece, PromptDone
+from .errors import BackendError, GenerationCancelled, GenerationStalled, ProtocolError
+from .pacing import Coalescer
+from .protocol import Cancel, Error, Generate, Hello, ServerFrame, parse_client_frame, serialize
+from .session import Effect, Outcome, Send, Session, StartGeneration, StopGeneration
+
+if TYPE_CHECKING:
+    from .server import Server
+
+__all__ = ["Connection"]
+
+log = logging.getLogger("wsserver.connection")
+
+
+@dataclass(eq=False)
+class Generation:
+    """The live parts of one started request."""
+
+    request: Generate
+    channel: Channel
+    task: asyncio.Task[None] | None = None
+    acquire: asyncio.Task[int] | None = None
+    thread: threading.Thread | None = None
+    exited: asyncio.Future[None] | None = None
+    stopped: bool = False
+    slot: int | None = None
+    sender_chars: int = field(default=0)
+
+    def stop(self) -> None:
+        """Cancel: wake and end the producer, stop waiting for a slot. Idempotent."""
+        self.stopped = True
+        self.channel.close()
+        if self.acquire is not None and not self.acquire.done():
+            self.acquire.cancel()
+
+
+class Connection:
+    """Serves one client. Create per handshake and ``await run()``."""
+
+    def __init__(self, server: Server, websocket: ServerConnection, conn_id: str) -> None:
+        self.server = server
+        self.ws = websocket
+        self.conn_id = conn_id
+        config = server.config
+        self.session = Session()
+        self.generations: dict[str, Generation] = {}
+        self._send_timeout = config.server.send_timeout_s
+        self._idle_timeout = config.server.idle_timeout_s or None
+        self._flush_window = config.stream.flush_ms / 1000.0
+        self._flush_tokens = config.stream.flush_tokens
+        self._queue_tokens = config.stream.queue_tokens
+        self._stall_timeout = config.stream.stall_timeout_s or None
+        self._loop = asyncio.get_running_loop()
+        self.closed = False
+
+    # ------------------------------------------------------------ receive loop
+
+    async def run(self) -> None:
+        server = self.server
+        try:
+            await self._send(
+                Hello(model=server.backend.model_name, server=server.server_name, limits=server.limits)
+            )
+            while True:
+                idle = self._idle_timeout if not self.generations else None
+                try:
+                    async with asyncio.timeout(idle):
+                        message = await self.ws.recv()
+                except TimeoutError:
+                    log.info("conn=%s idle for %.0fs; closing", self.conn_id, idle)
+                    await self._close(1000, "idle timeout")
+                    return
+                await self._receive(message)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed = True
+            await self._teardown()
+
+    async def _receive(self, message: str | bytes) -> None:
+        now = self._loop.time()
+        try:
+            frame = parse_client_frame(message, self.server.limits)
+        except ProtocolError as exc:
+            log.debug("conn=%s refused frame: %s %s", self.conn_id, exc.code, exc.message)
+            await self._apply(self.session.refuse(exc))
+            return
+        await self._apply(self.session.handle(frame, now))
+
+    async def _apply(self, effects: Iterable[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Send):
+                frame = effect.frame
+                if isinstance(frame, Error):
+                    log.info(
+                        "conn=%s id=%s refused: %s %s", self.conn_id, frame.id, frame.code, frame.message
+                    )
+                elif frame.__class__.__name__ == "Done":
+                    self._log_done(frame)
+                await self._send(frame)
+            elif isinstance(effect, StartGeneration):
+                self._start(effect.request)
+            elif isinstance(effect, StopGeneration):
+                generation = self.generations.get(effect.id)
+                if generation is not None:
+                    log.info("conn=%s id=%s cancel", self.conn_id, effect.id)
+                    generation.stop()
+
+    # ------------------------------------------------------------ generation
+
+    def _start(self, request: Generate) -> None:
+        channel = Channel(self._queue_tokens, stall_timeout=self._stall_timeout)
+        generation = Generation(request=request, channel=channel)
+        self.generations[request.id] = generation
+        generation.task = asyncio.create_task(
+            self._run_generation(generation), name=f"generation-{self.conn_id}-{request.id}"
+        )
+
+    async def _run_generation(self, gen: Generation) -> None:
+        request_id = gen.request.id
+        scheduler = self.server.scheduler
+        try:
+            gen.acquire = asyncio.ensure_future(
+                scheduler.acquire(request_id, lambda position: self._queued(request_id, position))
+            )
+            try:
+                gen.slot = await gen.acquire
+            except asyncio.CancelledError:
+                if gen.stopped:
+                    return  # cancelled while waiting for the model
+                raise
+            except ProtocolError as exc:
+                self.session.reject(request_id)
+                await self._send_safely(self.session.refuse(exc))
+                return
+            if gen.stopped:
+                return
+            frame = self.session.started(request_id, self._loop.time())
+            if frame is None:
+                return
+            log.info("conn=%s id=%s started slot=%s", self.conn_id, request_id, gen.slot)
+            await self._send(frame)
+            self._spawn_producer(gen)
+            await self._pump(gen)
+        except ConnectionClosed:
+            gen.stop()
+        except Exception:
+            log.exception("conn=%s id=%s sender failed", self.conn_id, request_id)
+            gen.stop()
+        finally:
+            if gen.exited is not None:
+                # Never leave a producer behind: wait for its thread to exit.
+                await asyncio.shield(gen.exited)
+            if gen.slot is not None:
+                scheduler.release(gen.slot)
+            self.generations.pop(request_id, None)
+            if not self.closed:
+                await self._send_safely(self.session.producer_stopped(request_id, self._loop.time()))
+
+    def _queued(self, request_id: str, position: int) -> None:
+        frame = self.session.queued(request_id, position)
+        if frame is not None:
+            self._spawn_send(frame)
+
+    def _spawn_send(self, frame: ServerFrame) -> None:
+        task = asyncio.create_task(self._send_safely([Send(frame)]))
+        self.server.background.add(task)
+        task.add_done_callback(self.server.background.discard)
+
+    def _spawn_producer(self, gen: Generation) -> None:
+        loop = self._loop
+        gen.exited = loop.create_future()
+        request = GenerationRequest.from_frame(
+            gen.request, default_max_tokens=self.server.limits.default_max_tokens
+        )
+        backend = self.server.backend
+        assert gen.slot is not None
+        slot = gen.slot
+        exited = gen.exited
+        conn_id = self.conn_id
+
+        def produce() -> None:
+            channel = gen.channel
+            try:
+                outcome = backend.generate(request, slot=slot, sink=channel, cancel=channel.cancel)
+                channel.end(outcome)
+            except GenerationCancelled:
+                pass
+            except GenerationStalled:
+                _call_soon(loop, self._producer_failed, gen, Outcome(
+                    reason="error",
+                    completion_tokens=channel.tokens,
+                    error_code="stalled",
+                    error_message="the client did not read for the stall timeout",
+                ))
+            except Exception as exc:
+                if not isinstance(exc, BackendError):
+                    log.exception("conn=%s id=%s backend failed", conn_id, request.id)
+                message = str(exc) if isinstance(exc, BackendError) else "the backend failed"
+                outcome = Outcome(
+                    reason="error",
+                    completion_tokens=channel.tokens,
+                    error_code="internal",
+                    error_message=message,
+                )
+                try:
+                    channel.end(outcome)
+                except (GenerationCancelled, GenerationStalled):
+                    _call_soon(loop, self._producer_failed, gen, outcome)
+            finally:
+                _call_soon(loop, _set_result, exited)
+
+        gen.thread = threading.Thread(
+            target=produce, name=f"wsserver-producer-{self.conn_id}-{request.id}", daemon=True
+        )
+        gen.thread.start()
+
+    def _producer_failed(self, gen: Generation, outcome: Outcome) -> None:
+        """On the loop: the producer ended abnormally and could not queue its end."""
+        done = self.session.finish(gen.request.id, outcome, self._loop.time())
+        gen.channel.close()
+        if done is not None:
+            self._log_done(done)
+            self._spawn_send(done)
+
+    async def _pump(self, gen: Generation) -> None:
+        """The sender: channel → coalesced ``delta`` frames → socket."""
+        request_id = gen.request.id
+        queue = gen.channel.queue.async_q
+        coalescer = Coalescer(flush_window=self._flush_window, flush_tokens=self._flush_tokens)
+        loop = self._loop
+        session = self.session
+        while True:
+            if coalescer.due(loop.time()):
+                text, tokens = coalescer.take(loop.time())
+                frame = session.delta(request_id, text, tokens, loop.time())
+                if frame is None:
+                    return
+                await self._send(frame)
+                continue
+            try:
+                if coalescer.pending:
+                    async with asyncio.timeout_at(coalescer.deadline()):
+                        item = await queue.get()
+                else:
+                    item = await queue.get()
+            except TimeoutError:
+                continue
+            except janus.AsyncQueueShutDown:
+                return
+            end = self._take(gen, coalescer, item)
+            # Merge whatever else is already waiting: one frame, not many.
+            while end is None:
+                try:
+                    item = queue.get_nowait()
+                except (janus.AsyncQueueEmpty, janus.AsyncQueueShutDown):
+                    break
+                end = self._take(gen, coalescer, item)
+            if end is not None:
+                now = loop.time()
+                text, tokens = coalescer.take(now)
+                if text or tokens:
+                    frame = session.delta(request_id, text, tokens, now)
+                    if frame is not None:
+                        await self._send(frame)
+                done = session.finish(request_id, end.outcome, loop.time())
+                if done is not None:
+                    self._log_done(done)
+                    await self._send(done)
+                return
+
+    def _take(self, gen: Generation, coalescer: Coalescer, item: Item) -> End | None:
+        if isinstance(item, Piece):
+            coalescer.add(item.text, item.tokens)
+            return None
+        if isinstance(item, PromptDone):
+            self.session.prompt_processed(gen.request.id, item.prompt_tokens)
+            return None
+        return item
+
+    # ------------------------------------------------------------ sending
+
+    async def _send(self, frame: ServerFrame) -> None:
+        """Send one frame; abort the connection if the client stops reading."""
+        data = serialize(frame)
+        try:
+            async with asyncio.timeout(self._send_timeout):
+                await self.ws.send(data, text=True)
+        except TimeoutError:
+            log.warning(
+                "conn=%s send made no progress for %.1fs; aborting the connection",
+                self.conn_id,
+                self._send_timeout,
+            )
+            self.ws.transport.abort()
+            raise ConnectionClosed(None, None) from None
+
+    async def _send_safely(self, effects: Iterable[Effect]) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._apply(effects)
+
+    async def _close(self, code: int, reason: str) -> None:
+        """Close with a handshake, or abort if the client does not take part."""
+        try:
+            async with asyncio.timeout(self._send_timeout):
+                await self.ws.close(code, reason)
+        except TimeoutError:
+            self.ws.transport.abort()
+
+    async def _teardown(self) -> None:
+        generations = list(self.generations.values())
+        for gen in generations:
+            gen.stop()
+        tasks = [g.task for g in generations if g.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _log_done(self, frame: ServerFrame) -> None:
+        log.info("conn=%s id=%s done %s", self.conn_id, getattr(frame, "id", None), _done_summary(frame))
+
+    # ------------------------------------------------------------ inspection
+
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds for its client: channel + write buffer."""
+        total = 0
+        for gen in list(self.generations.values()):
+            total += gen.channel.buffered_bytes()
+        transport = self.ws.transport
+        if transport is not None and not transport.is_closing():
+            total += transport.get_write_buffer_size()
+        return total
+
+    async def shutdown(self) -> None:
+        """Server shutdown: end running requests as cancelled, then close 1001."""
+        request_id = self.session.active_id
+        if request_id is not None:
+            await self._send_safely(self.session.handle(Cancel(id=request_id), self._loop.time()))
+        await self._close(1001, "server shutting down")
+
+
+def _done_summary(frame: ServerFrame) -> str:
+    reason = getattr(frame, "reason", "?")
+    usage = getattr(frame, "usage", None)
+    timings = getattr(frame, "timings", None)
+    if usage is None or timings is None:
+        return reason
+    ttft = "-" if timings.ttft_ms is None else f"{timings.ttft_ms:.1f}ms"
+    return (
+        f"reason={reason} prompt_tokens={usage.prompt_tokens} "
+        f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
+        f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
+    )
+
+
+def _set_result(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: object, *args: object) -> None:
+    # The loop may already be closed at interpreter shutdown; nothing to tell then.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]

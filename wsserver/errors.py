@@ -1,0 +1,90 @@
+"""Every error wsserver raises, in one place.
+
+Hierarchy::
+
+    WsServerError
+    ├── ProtocolError        the peer sent something we refuse; carries a wire code
+    │                        and the request id it concerns (or None).
+    ├── ConfigError          the configuration is invalid; the server will not start.
+    ├── BackendError         a backend failed; goes over the wire as code ``internal``
+    │   └── ModelLoadError   the model could not be loaded.
+    ├── GenerationCancelled  raised inside a producer thread when its request was
+    │                        cancelled; never leaves the producer.
+    └── GenerationStalled    raised inside a producer thread when the client did
+                             not drain the channel for ``stall_timeout``.
+
+Only :class:`ProtocolError` and the fixed set of codes in :data:`WIRE_CODES`
+ever reach a client; tracebacks and exception text from third-party code never do.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "WIRE_CODES",
+    "BackendError",
+    "ConfigError",
+    "GenerationCancelled",
+    "GenerationStalled",
+    "ModelLoadError",
+    "ProtocolError",
+    "WsServerError",
+]
+
+#: Codes an ``error`` frame (or the ``error`` member of a ``done`` frame with
+#: reason ``error``) may carry in protocol v1. Changing this set is a breaking
+#: change of the wire protocol.
+WIRE_CODES: Final = frozenset(
+    {
+        "bad_json",
+        "bad_request",
+        "unknown_type",
+        "duplicate_id",
+        "unknown_id",
+        "busy",
+        "too_large",
+        "overloaded",
+        "rate_limited",
+        "stalled",
+        "internal",
+    }
+)
+
+
+class WsServerError(Exception):
+    """Base class of every wsserver error."""
+
+
+class ProtocolError(WsServerError):
+    """A client frame was refused. ``code`` is one of :data:`WIRE_CODES`."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        if code not in WIRE_CODES:
+            raise ValueError(f"unknown wire code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class ConfigError(WsServerError):
+    """The configuration is invalid; the message says which key and why."""
+
+
+class BackendError(WsServerError):
+    """A backend failed while serving a request. Reported as ``internal``."""
+
+    code: Final = "internal"
+
+
+class ModelLoadError(BackendError):
+    """The model could not be loaded."""
+
+
+class GenerationCancelled(WsServerError):
+    """The request was cancelled; the producer unwinds and exits."""
+
+
+class GenerationStalled(WsServerError):
+    """The client did not read for longer than the stall timeout."""

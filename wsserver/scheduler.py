@@ -1,0 +1,116 @@
+"""Fair sharing of the model's slots (contexts) across connections.
+
+A llama.cpp context serves one generation at a time, so a backend offers a
+fixed number of *slots*. Requests from every connection wait for one in a
+single FIFO; each waiter is told its 1-based position whenever it changes
+(the ``queued`` frame). More than ``max_waiting`` waiters → ``overloaded``.
+Until the model has loaded no slot is handed out, so requests that arrive
+during a load simply wait their turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import ProtocolError
+
+__all__ = ["Scheduler"]
+
+PositionCallback = Callable[[int], None]
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    future: asyncio.Future[int]
+    on_position: PositionCallback
+    position: int = field(default=0)
+
+
+class Scheduler:
+    """FIFO of requests waiting for one of ``slots`` slots (0 = unlimited)."""
+
+    def __init__(self, slots: int, max_waiting: int, *, ready: bool = True) -> None:
+        self._unlimited = slots <= 0
+        self._free: list[int] = list(range(slots)) if slots > 0 else []
+        self._next_unlimited = 0
+        self._busy: set[int] = set()
+        self._max_waiting = max_waiting
+        self._waiters: deque[_Waiter] = deque()
+        self._ready = ready
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> int:
+        return len(self._busy)
+
+    def open(self) -> None:
+        """The model is loaded: start handing out slots."""
+        self._ready = True
+        self._dispatch()
+
+    async def acquire(self, request_id: str, on_position: PositionCallback) -> int:
+        """Wait for a slot and return it. Cancelling the wait leaves the queue."""
+        if self._ready and not self._waiters:
+            slot = self._take()
+            if slot is not None:
+                return slot
+        if len(self._waiters) >= self._max_waiting:
+            raise ProtocolError(
+                "overloaded",
+                f"{len(self._waiters)} requests are already waiting for the model",
+                request_id,
+            )
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), on_position)
+        self._waiters.append(waiter)
+        self._announce()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                # The slot was handed over just as we were cancelled: give it back.
+                self.release(waiter.future.result())
+            else:
+                self._waiters.remove(waiter)
+                self._announce()
+            raise
+
+    def release(self, slot: int) -> None:
+        self._busy.discard(slot)
+        if not self._unlimited:
+            self._free.append(slot)
+            self._free.sort()
+        self._dispatch()
+
+    def _take(self) -> int | None:
+        if self._unlimited:
+            slot = self._next_unlimited
+            self._next_unlimited += 1
+        elif self._free:
+            slot = self._free.pop(0)
+        else:
+            return None
+        self._busy.add(slot)
+        return slot
+
+    def _dispatch(self) -> None:
+        if not self._ready:
+            return
+        while self._waiters:
+            slot = self._take()
+            if slot is None:
+                break
+            waiter = self._waiters.popleft()
+            waiter.future.set_result(slot)
+        self._announce()
+
+    def _announce(self) -> None:
+        for index, waiter in enumerate(self._waiters, start=1):
+            if waiter.position != index:
+                waiter.position = index
+                waiter.on_position(index)

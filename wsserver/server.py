@@ -1,0 +1,231 @@
+"""The asyncio server: listening socket, handshake, lifecycle, shutdown.
+
+Only this layer (with :mod:`wsserver.connection` and :mod:`wsserver.http`)
+imports websockets. It owns the backend, the scheduler that shares the
+backend's slots, and the set of live connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from websockets.asyncio.server import Server as WsServer
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
+
+from . import __version__
+from .backends import Backend, create_backend
+from .config import Config
+from .connection import Connection
+from .protocol import Limits
+from .scheduler import Scheduler
+
+__all__ = ["Server", "run"]
+
+log = logging.getLogger("wsserver.server")
+
+
+def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
+    """A listening TCP socket whose accepted sockets inherit a small send buffer.
+
+    Linux autotunes send buffers to megabytes, which would swallow a slow
+    client's backlog before ``send()`` ever waits: the backpressure signal
+    would arrive seconds and megabytes late.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sndbuf > 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        sock.bind(address)
+        sock.listen(512)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Server:
+    """A wsserver instance. ``await start()``, then ``await stop()``."""
+
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else create_backend(config)
+        self.server_name = f"wsserver/{__version__}"
+        limits = config.limits
+        self.limits = Limits(
+            max_frame_bytes=config.server.max_frame_bytes,
+            max_prompt_chars=limits.max_prompt_chars,
+            max_messages=limits.max_messages,
+            max_tokens=limits.max_tokens,
+            default_max_tokens=limits.default_max_tokens,
+        )
+        self.scheduler = Scheduler(self.backend.slots, self.backend.max_waiting, ready=False)
+        self.connections: dict[str, Connection] = {}
+        self.background: set[asyncio.Task[Any]] = set()
+        self.ready = asyncio.Event()
+        self.load_error: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._ws_server: WsServer | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        #: Extra HTTP routes (path → handler) answered on the WebSocket port.
+        self.http_routes: dict[str, Callable[[Server, Request], Response]] = {}
+
+    @property
+    def port(self) -> int:
+        assert self._ws_server is not None
+        return int(self._ws_server.sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        assert self._ws_server is not None
+        host, port = self._ws_server.sockets[0].getsockname()[:2]
+        if ":" in host:
+            host = f"[{host}]"
+        return f"ws://{host}:{port}/"
+
+    async def start(self) -> None:
+        """Listen, then load the model in the background."""
+        server = self.config.server
+        sock = make_listening_socket(server.host, server.port, sndbuf=server.sndbuf)
+        from .http import process_request
+
+        self._ws_server = await serve(
+            self._handle,
+            sock=sock,
+            process_request=lambda conn, request: process_request(self, conn, request),
+            max_size=server.max_frame_bytes,
+            write_limit=server.write_limit,
+            ping_interval=server.ping_interval_s or None,
+            ping_timeout=server.ping_interval_s or None,
+            close_timeout=server.send_timeout_s,
+            server_header=self.server_name,
+        )
+        log.info(
+            "wsserver %s listening on %s (backend %s)",
+            __version__,
+            self.url,
+            self.config.backend.kind,
+        )
+        self._load_task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        log.info("loading model %s", self.backend.model_name)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            await asyncio.to_thread(self.backend.load)
+        except Exception as exc:
+            self.load_error = exc
+            log.error("model failed to load: %s", exc)
+            raise
+        self.scheduler.open()
+        self.ready.set()
+        log.info(
+            "ready: model %s loaded in %.1fs; serving %s",
+            self.backend.model_name,
+            loop.time() - started,
+            self.url,
+        )
+
+    async def wait_ready(self) -> None:
+        """Wait until the model is loaded; raises if loading failed."""
+        assert self._load_task is not None
+        await asyncio.shield(self._load_task)
+
+    async def _handle(self, websocket: ServerConnection) -> None:
+        conn_id = f"c{next(self._ids)}"
+        connection = Connection(self, websocket, conn_id)
+        self.connections[conn_id] = connection
+        peer = websocket.remote_address
+        log.info("conn=%s open from %s", conn_id, peer[0] if peer else "?")
+        try:
+            await connection.run()
+        finally:
+            del self.connections[conn_id]
+            log.info("conn=%s closed", conn_id)
+
+    def producer_threads(self) -> int:
+        """Live producer threads across all connections (for tests and metrics)."""
+        return sum(
+            1
+            for c in list(self.connections.values())
+            for g in list(c.generations.values())
+            if g.thread is not None and g.thread.is_alive()
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting; give running requests ``grace`` seconds; end the rest
+        as ``cancelled``; close every connection with 1001."""
+        if self._stopping:
+            return
+        self._stopping = True
+        grace = self.config.server.shutdown_grace_s if grace is None else grace
+        assert self._ws_server is not None
+        ws_server = self._ws_server
+        ws_server.close(close_connections=False)
+        log.info("shutting down: %d connection(s), grace %.1fs", len(self.connections), grace)
+        busy = [c for c in self.connections.values() if c.generations]
+        if busy and grace > 0:
+            waits = [
+                asyncio.gather(*(g.task for g in list(c.generations.values()) if g.task))
+                for c in busy
+            ]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await asyncio.gather(*waits, return_exceptions=True)
+        await asyncio.gather(
+            *(c.shutdown() for c in list(self.connections.values())), return_exceptions=True
+        )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.server.send_timeout_s + 1):
+                await ws_server.wait_closed()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        await asyncio.to_thread(self.backend.close)
+        log.info("stopped")
+
+
+async def run(config: Config, *, backend: Backend | None = None) -> int:
+    """Serve until SIGINT or SIGTERM; a second signal exits at once."""
+    server = Server(config, backend)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting now")
+            import os
+
+            os._exit(1)
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await server.start()
+    load = server._load_task
+    assert load is not None
+    stop_wait = asyncio.create_task(stop.wait())
+    await asyncio.wait({stop_wait, load}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done() and load.exception() is not None:
+        stop_wait.cancel()
+        await server.stop(grace=0)
+        return 1
+    await stop_wait
+    await server.stop()
+    return 0

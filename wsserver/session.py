@@ -1,0 +1,358 @@
+"""The per-connection request state machine (sans-I/O).
+
+Theory of operation
+-------------------
+A connection runs at most one request at a time. The client sees a request go
+through ``accepted → (queued) → started → delta* → done``; the server also has
+to track the *producer* (the generation thread), whose life does not match the
+client's view: after a ``cancel`` the client gets ``done`` at once, while the
+producer may need one more model step to notice and exit. The session keeps
+both views:
+
+* ``active`` is the request the client considers running (``None`` after its
+  ``done`` was emitted). Frames for any other ID are refused or dropped.
+* ``producer`` is the ID whose producer thread is still alive. A new request is
+  accepted while an old producer winds down, but its :class:`StartGeneration`
+  effect is held back until :meth:`Session.producer_stopped` reports the old
+  thread gone, so two producers of one connection never overlap.
+
+The I/O layer feeds the session with client frames (:meth:`Session.handle`)
+and with what the producer reports (:meth:`Session.started`,
+:meth:`Session.delta`, :meth:`Session.finish`, :meth:`Session.producer_stopped`),
+and carries out the returned effects in order. Every method takes ``now`` (a
+monotonic time in seconds) so that timings are computed here, deterministically.
+
+Request states and the events that move them (rows not listed are refused)::
+
+    state      event                      next       effects
+    ---------  -------------------------  ---------  -----------------------------------
+    (none)     generate / restart(new)    WAITING    StartGeneration (maybe deferred)
+    WAITING    queued(position)           WAITING    Send(queued)
+    WAITING    started                    RUNNING    Send(started)
+    WAITING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
+    RUNNING    delta                      RUNNING    frame returned to the sender
+    RUNNING    finish(outcome)            DONE       Send(done stop|length|error)
+    RUNNING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
+    DONE       any producer report        DONE       nothing (late reports are dropped)
+
+Because a request leaves ``WAITING``/``RUNNING`` exactly once, it gets exactly
+one ``done``, and nothing for its ID is emitted after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .errors import ProtocolError
+from .protocol import (
+    Cancel,
+    ClientFrame,
+    Delta,
+    Done,
+    DoneReason,
+    Error,
+    Generate,
+    Queued,
+    Restart,
+    ServerFrame,
+    Started,
+    Timings,
+    Usage,
+)
+
+__all__ = [
+    "Effect",
+    "Outcome",
+    "RequestState",
+    "Send",
+    "Session",
+    "StartGeneration",
+    "StopGeneration",
+]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send this frame to the client."""
+
+    frame: ServerFrame
+
+
+@dataclass(frozen=True, slots=True)
+class StartGeneration:
+    """Acquire the model and start a producer for this request."""
+
+    request: Generate
+
+
+@dataclass(frozen=True, slots=True)
+class StopGeneration:
+    """Stop the producer of this request (it may be waiting for the model)."""
+
+    id: str
+
+
+Effect = Send | StartGeneration | StopGeneration
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a producer ended, as the backend reports it."""
+
+    reason: DoneReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Generate
+    received: float
+    state: RequestState = RequestState.WAITING
+    started: float | None = None
+    first_delta: float | None = None
+    seq: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    position: int | None = None
+    deferred: bool = field(default=False)
+
+
+class Session:
+    """State of one connection. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, *, id_memory: int = 1000, restart_memory: int = 16) -> None:
+        self._id_memory = id_memory
+        self._restart_memory = restart_memory
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._inputs: OrderedDict[str, Generate] = OrderedDict()
+        self._active: _Request | None = None
+        self._producer: str | None = None
+        self._deferred: _Request | None = None
+
+    # ------------------------------------------------------------ inspection
+
+    @property
+    def active_id(self) -> str | None:
+        """The request the client considers running, if any."""
+        return None if self._active is None else self._active.request.id
+
+    @property
+    def producer_id(self) -> str | None:
+        """The request whose producer is alive (or about to start), if any."""
+        return self._producer
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        if self._active is not None and self._active.request.id == request_id:
+            return self._active.state
+        return RequestState.DONE if request_id in self._seen else None
+
+    # ------------------------------------------------------------ client frames
+
+    def handle(self, frame: ClientFrame, now: float) -> list[Effect]:
+        """Apply a client frame. Refusals come back as an ``error`` frame."""
+        try:
+            if isinstance(frame, Generate):
+                return self._accept(frame, now)
+            if isinstance(frame, Cancel):
+                return self._cancel(frame.id, now)
+            return self._restart(frame, now)
+        except ProtocolError as exc:
+            return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
+
+    def refuse(self, exc: ProtocolError) -> list[Effect]:
+        """Turn a parse error into the ``error`` frame the client gets."""
+        return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
+
+    def _accept(self, request: Generate, now: float) -> list[Effect]:
+        if request.id in self._seen:
+            raise ProtocolError("duplicate_id", f"id {request.id!r} was already used", request.id)
+        if self._active is not None:
+            raise ProtocolError(
+                "busy", f"request {self._active.request.id!r} is still running", request.id
+            )
+        self._remember(request)
+        entry = _Request(request=request, received=now)
+        self._active = entry
+        if self._producer is not None:
+            # The previous producer is still winding down; start when it is gone.
+            entry.deferred = True
+            self._deferred = entry
+            return []
+        self._producer = request.id
+        return [StartGeneration(request)]
+
+    def _cancel(self, request_id: str, now: float) -> list[Effect]:
+        active = self._active
+        if active is None or active.request.id != request_id:
+            raise ProtocolError("unknown_id", f"no running request {request_id!r}", request_id)
+        return self._end_cancelled(active, now)
+
+    def _restart(self, frame: Restart, now: float) -> list[Effect]:
+        old = self._inputs.get(frame.id)
+        if old is None:
+            raise ProtocolError(
+                "unknown_id", f"no recent request {frame.id!r} to restart", frame.new_id
+            )
+        if frame.new_id in self._seen:
+            raise ProtocolError(
+                "duplicate_id", f"id {frame.new_id!r} was already used", frame.new_id
+            )
+        effects: list[Effect] = []
+        active = self._active
+        if active is not None:
+            if active.request.id != frame.id:
+                raise ProtocolError(
+                    "busy", f"request {active.request.id!r} is still running", frame.new_id
+                )
+            effects.extend(self._end_cancelled(active, now))
+        new = frame.apply(old)
+        if new.prompt is None and new.messages is None:  # pragma: no cover - apply() keeps one
+            raise ProtocolError("bad_request", "restart has no input", frame.new_id)
+        effects.extend(self._accept(new, now))
+        return effects
+
+    def _end_cancelled(self, entry: _Request, now: float) -> list[Effect]:
+        effects: list[Effect] = []
+        if entry.deferred:
+            # Never started: there is no producer of its own to stop.
+            self._deferred = None
+        else:
+            effects.append(StopGeneration(entry.request.id))
+        effects.append(Send(self._done(entry, Outcome(reason="cancelled"), now)))
+        return effects
+
+    def _remember(self, request: Generate) -> None:
+        self._seen[request.id] = None
+        while len(self._seen) > self._id_memory:
+            self._seen.popitem(last=False)
+        self._inputs[request.id] = request
+        while len(self._inputs) > self._restart_memory:
+            self._inputs.popitem(last=False)
+
+    # ------------------------------------------------------------ producer reports
+
+    def queued(self, request_id: str, position: int) -> ServerFrame | None:
+        entry = self._current(request_id)
+        if entry is None or entry.state is not RequestState.WAITING or entry.position == position:
+            return None
+        entry.position = position
+        return Queued(id=request_id, position=position)
+
+    def started(self, request_id: str, now: float) -> ServerFrame | None:
+        entry = self._current(request_id)
+        if entry is None or entry.state is not RequestState.WAITING:
+            return None
+        entry.state = RequestState.RUNNING
+        entry.started = now
+        return Started(id=request_id)
+
+    def prompt_processed(self, request_id: str, prompt_tokens: int) -> None:
+        entry = self._current(request_id)
+        if entry is not None:
+            entry.prompt_tokens = prompt_tokens
+
+    def delta(self, request_id: str, text: str, tokens: int, now: float) -> Delta | None:
+        """The next ``delta`` frame for this text, or ``None`` if the request ended."""
+        entry = self._current(request_id)
+        if entry is None or entry.state is not RequestState.RUNNING:
+            return None
+        entry.completion_tokens += tokens
+        if not text:
+            return None
+        if entry.first_delta is None:
+            entry.first_delta = now
+        frame = Delta(id=request_id, seq=entry.seq, text=text)
+        entry.seq += 1
+        return frame
+
+    def finish(self, request_id: str, outcome: Outcome, now: float) -> Done | None:
+        """The producer ended by itself. ``None`` if the request already ended."""
+        entry = self._current(request_id)
+        if entry is None:
+            return None
+        return self._done(entry, outcome, now)
+
+    def reject(self, request_id: str) -> None:
+        """The request was accepted here but refused before it started (the
+        model queue was full): forget it without a ``done`` — the client gets
+        an ``error`` frame instead, as for any refused ``generate``."""
+        entry = self._current(request_id)
+        if entry is None or entry.state is not RequestState.WAITING:
+            return
+        entry.state = RequestState.DONE
+        self._active = None
+        if self._producer == request_id:
+            self._producer = None
+
+    def producer_stopped(self, request_id: str, now: float) -> list[Effect]:
+        """The producer thread of ``request_id`` has exited and freed the model."""
+        if self._producer != request_id:
+            return []
+        self._producer = None
+        entry = self._active
+        if entry is not None and entry.request.id == request_id and entry.state is not RequestState.DONE:
+            # A producer that exits without reporting an end is a backend bug;
+            # the request still gets its one ``done``.
+            return [
+                Send(
+                    self._done(
+                        entry,
+                        Outcome(
+                            reason="error",
+                            error_code="internal",
+                            error_message="generation ended unexpectedly",
+                        ),
+                        now,
+                    )
+                )
+            ]
+        deferred = self._deferred
+        if deferred is None:
+            return []
+        self._deferred = None
+        deferred.deferred = False
+        self._producer = deferred.request.id
+        return [StartGeneration(deferred.request)]
+
+    # ------------------------------------------------------------ helpers
+
+    def _current(self, request_id: str) -> _Request | None:
+        entry = self._active
+        if entry is None or entry.request.id != request_id or entry.state is RequestState.DONE:
+            return None
+        return entry
+
+    def _done(self, entry: _Request, outcome: Outcome, now: float) -> Done:
+        entry.state = RequestState.DONE
+        if self._active is entry:
+            self._active = None
+        started = entry.started if entry.started is not None else now
+        generating = max(now - started, 1e-9)
+        completion = max(outcome.completion_tokens, entry.completion_tokens)
+        prompt = outcome.prompt_tokens or entry.prompt_tokens
+        return Done(
+            id=entry.request.id,
+            reason=outcome.reason,
+            usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+            timings=Timings(
+                queued_ms=(started - entry.received) * 1000.0,
+                ttft_ms=None
+                if entry.first_delta is None
+                else (entry.first_delta - entry.received) * 1000.0,
+                total_ms=(now - entry.received) * 1000.0,
+                tokens_per_s=completion / generating if entry.started is not None else 0.0,
+            ),
+            error_code=outcome.error_code,
+            error_message=outcome.error_message,
+        )

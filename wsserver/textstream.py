@@ -1,0 +1,80 @@
+"""Bytes from a model → text that is safe to put on the wire (sans-I/O).
+
+Byte-level tokens split multi-byte characters: a CJK character or an emoji may
+arrive as two to four tokens, and decoding each alone yields U+FFFD. A stop
+string may likewise arrive over several tokens. :class:`TextAssembler` decodes
+incrementally, holds back an incomplete character, and holds back any tail of
+the text that could still become a stop string, so that what it releases is
+always final: valid UTF-8, never part of a stop string, never taken back.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+__all__ = ["TextAssembler"]
+
+
+class TextAssembler:
+    """Incremental UTF-8 decoder with stop-string detection."""
+
+    __slots__ = ("_decoder", "_held", "_max_stop", "_stops", "stopped")
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = tuple(s for s in stop if s)
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+        #: Set once a stop string was seen; nothing more is released after it.
+        self.stopped = False
+
+    def feed(self, data: bytes) -> str:
+        """Add a token's bytes; return the text that is now final (maybe "")."""
+        if self.stopped:
+            return ""
+        return self._release(self._decoder.decode(data, final=False))
+
+    def feed_text(self, text: str) -> str:
+        """Add already-decoded text (for backends that yield ``str``)."""
+        if self.stopped:
+            return ""
+        return self._release(text)
+
+    def flush(self) -> str:
+        """End of generation: release what was held back (a stray partial byte
+        sequence becomes U+FFFD, as llama.cpp's own detokenizer does)."""
+        if self.stopped:
+            return ""
+        text = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return self._cut_at_stop(text)[0]
+
+    def _release(self, new: str) -> str:
+        if not new:
+            return ""
+        if not self._stops:
+            return new
+        text = self._held + new
+        head, hit = self._cut_at_stop(text)
+        if hit:
+            self._held = ""
+            return head
+        # Keep back the longest tail that is a prefix of some stop string.
+        keep = 0
+        for length in range(min(self._max_stop - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(s.startswith(tail) for s in self._stops):
+                keep = length
+                break
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def _cut_at_stop(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut < 0:
+            return text, False
+        self.stopped = True
+        return text[:cut], True
