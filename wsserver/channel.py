@@ -58,6 +58,8 @@ class Channel:
         self.blocked_seconds = 0.0
         self.blocked_cpu_seconds = 0.0
         self.blocked_since: float | None = None
+        #: Set while the producer is blocked on a full channel (metrics, tests).
+        self.blocked = threading.Event()
         self.tokens = 0
 
     # ------------------------------------------------------------ producer side
@@ -86,6 +88,7 @@ class Channel:
         # Full: the client reads slower than the model writes. Block here.
         wall, cpu = time.monotonic(), time.thread_time()
         self.blocked_since = wall
+        self.blocked.set()
         try:
             sync_q.put(item, timeout=self._stall_timeout)
         except janus.SyncQueueShutDown:
@@ -93,6 +96,7 @@ class Channel:
         except janus.SyncQueueFull:
             raise GenerationStalled() from None
         finally:
+            self.blocked.clear()
             self.blocked_since = None
             self.blocked_seconds += time.monotonic() - wall
             self.blocked_cpu_seconds += time.thread_time() - cpu

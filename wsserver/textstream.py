@@ -22,7 +22,7 @@ class TextAssembler:
     __slots__ = ("_decoder", "_held", "_max_stop", "_stops", "stopped")
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
         self._stops = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._held = ""
@@ -42,8 +42,13 @@ class TextAssembler:
         return self._release(text)
 
     def flush(self) -> str:
-        """End of generation: release what was held back (a stray partial byte
-        sequence becomes U+FFFD, as llama.cpp's own detokenizer does)."""
+        """End of generation: release what was held back.
+
+        Bytes that never formed a valid character (generation ended inside
+        one, or the model emitted invalid UTF-8) are dropped, as
+        llama-cpp-python's own completion text drops them (``errors="ignore"``),
+        so the streamed text equals the non-streamed one.
+        """
         if self.stopped:
             return ""
         text = self._held + self._decoder.decode(b"", final=True)

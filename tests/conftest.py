@@ -1,0 +1,169 @@
+"""Shared test helpers.
+
+Every timeout derives from one unit, ``WSSERVER_TEST_UNIT`` seconds (default
+1.0): slow machines scale it up instead of editing tests. Nothing here sleeps
+to synchronise; helpers wait on events with generous timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from wsserver.config import Config, load_config
+from wsserver.server import Server
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))
+
+
+def timeout(units: float = 10.0) -> float:
+    """A generous timeout, in scaled units."""
+    return units * UNIT
+
+
+def make_config(**overrides: Any) -> Config:
+    """A config for tests: fake backend, any free port, no environment."""
+    # Long outputs are the point of several tests: lift the max_tokens limit.
+    values: dict[str, Any] = {"server.port": 0, "backend.kind": "fake", "limits.max_tokens": 1_000_000}
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return load_config(env={}, overrides=values).config
+
+
+@contextlib.asynccontextmanager
+async def running_server(config: Config | None = None, **overrides: Any) -> AsyncIterator[Server]:
+    """A real server on 127.0.0.1, port 0; stopped (and checked for leaks) after."""
+    server = Server(config if config is not None else make_config(**overrides))
+    await server.start()
+    try:
+        async with asyncio.timeout(timeout(60)):
+            await server.wait_ready()
+        yield server
+    finally:
+        await server.stop(grace=0)
+        # No producer thread may outlive the server.
+        leftover = [t.name for t in threading.enumerate() if t.name.startswith("wsserver-producer-")]
+        assert not leftover, f"producer threads leaked: {leftover}"
+
+
+SCHEMA = json.loads((ROOT / "docs" / "protocol.schema.json").read_text())
+jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+def _validator(definition: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]})
+
+
+SERVER_FRAME = _validator("ServerFrame")
+CLIENT_FRAME = _validator("ClientFrame")
+
+
+def validate_server_frame(message: str | bytes) -> dict[str, Any]:
+    """Check a raw server frame against docs/protocol.schema.json; return it parsed."""
+    assert isinstance(message, str), "server frames must be text frames"
+    obj: dict[str, Any] = json.loads(message)
+    SERVER_FRAME.validate(obj)
+    return obj
+
+
+@pytest.fixture
+def unit() -> float:
+    return UNIT
+
+
+class Wire:
+    """A plain websockets client that checks every server frame against the schema.
+
+    Tests that need to see the raw protocol use this instead of the bundled
+    client, so that a bug in one cannot hide a bug in the other.
+    """
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.frames: list[dict[str, Any]] = []
+        self.hello: dict[str, Any] | None = None
+
+    async def send(self, frame: dict[str, Any] | str | bytes) -> None:
+        if isinstance(frame, dict):
+            frame = json.dumps(frame)
+        await self.ws.send(frame)
+
+    async def recv(self, units: float = 10.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout(units)):
+            message = await self.ws.recv()
+        frame = validate_server_frame(message)
+        self.frames.append(frame)
+        return frame
+
+    async def until(self, predicate: Any, units: float = 10.0) -> list[dict[str, Any]]:
+        """Frames up to and including the first one matching ``predicate``."""
+        seen = []
+        async with asyncio.timeout(timeout(units)):
+            while True:
+                frame = await self.recv(units)
+                seen.append(frame)
+                if predicate(frame):
+                    return seen
+
+    async def done(self, request_id: str, units: float = 10.0) -> tuple[str, list[dict[str, Any]]]:
+        """Read to ``request_id``'s done; return its text and its frames."""
+        await self.until(lambda f: f["type"] == "done" and f["id"] == request_id, units)
+        mine = [f for f in self.frames if f.get("id") == request_id]
+        return text_of(mine, request_id), mine
+
+
+def text_of(frames: list[dict[str, Any]], request_id: str) -> str:
+    deltas = [f for f in frames if f["type"] == "delta" and f["id"] == request_id]
+    assert [d["seq"] for d in deltas] == list(range(len(deltas))), "seq must count 0, 1, 2 ..."
+    return "".join(d["text"] for d in deltas)
+
+
+@contextlib.asynccontextmanager
+async def wire(server: Server, **connect_kwargs: Any) -> AsyncIterator[Wire]:
+    from websockets.asyncio.client import connect
+
+    async with connect(server.url, **connect_kwargs) as ws:
+        client = Wire(ws)
+        client.hello = await client.recv()
+        assert client.hello["type"] == "hello"
+        yield client
+
+
+def expected_fake_text(prompt: str, max_tokens: int, seed: int | None = None, stop: tuple[str, ...] = ()) -> str:
+    """The fake backend's text for a request, computed without the server.
+
+    Decodes the raw token bytes in one go — an oracle independent of the
+    incremental decoder the server uses.
+    """
+    from wsserver.backends.base import GenerationRequest
+    from wsserver.backends.fake import fake_tokens
+
+    request = GenerationRequest(
+        id="oracle", prompt=prompt, messages=None, max_tokens=max_tokens, temperature=0.8,
+        top_p=0.95, top_k=40, seed=seed, stop=stop,
+    )
+    tokens = fake_tokens(request)
+    data = b"".join(next(tokens) for _ in range(max_tokens))
+    text = data.decode("utf-8", errors="ignore")
+    for s in stop:
+        cut = text.find(s)
+        if cut >= 0:
+            text = text[:cut]
+    return text
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight llama GGUF (tests/tiny_gguf.py), written once per session."""
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
