@@ -126,6 +126,14 @@ class Stream:
             self._error = GenerationError(frame.code, frame.message, frame.id)
             self._end()
 
+    def _abandon(self) -> None:
+        """The caller cancelled or restarted: text not yet read is dropped too."""
+        self._abandoned = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        if self._ended.is_set():
+            self._queue.put_nowait(_END)
+
     def _fail(self, error: GenerationError) -> None:
         if self.done is None and self._error is None:
             self._error = error
@@ -214,7 +222,7 @@ class Client:
         request_id = new_id or self.new_id()
         old = self._streams.get(old_id)
         if old is not None:
-            old._abandoned = True
+            old._abandon()
         frame = {"type": "restart", "id": old_id, "new_id": request_id, **overrides}
         return self._open(request_id, frame)
 
@@ -222,7 +230,7 @@ class Client:
         """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream._abandoned = True
+            stream._abandon()
         await self._send({"type": "cancel", "id": request_id})
         if stream is None:
             return None

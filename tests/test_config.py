@@ -1,0 +1,100 @@
+"""Configuration loading: precedence, validation, and default.toml kept in sync."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from wsserver.cli import main
+from wsserver.config import KEYS, describe, env_name, load_config
+from wsserver.errors import ConfigError
+
+
+def test_default_toml_lists_every_key_with_the_builtin_default() -> None:
+    from_file = load_config(path=ROOT / "config" / "default.toml", env={})
+    assert from_file.config == load_config(env={}).config
+    assert all(source.startswith("file") for source in from_file.sources.values()), [
+        k for k, v in from_file.sources.items() if not v.startswith("file")
+    ]
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[server]\nport = 1111\nhost = \"::1\"\n[stream]\nflush_ms = 12\n")
+    env = {"WSSERVER_SERVER_PORT": "2222", "WSSERVER_BACKEND_FAKE_TOKENS_PER_S": "7.5"}
+    loaded = load_config(path=path, env=env, overrides={"server.port": "3333"})
+    config = loaded.config
+    assert config.server.port == 3333 and loaded.sources["server.port"] == "flag"
+    assert config.backend.fake.tokens_per_s == 7.5
+    assert loaded.sources["backend.fake.tokens_per_s"] == "env WSSERVER_BACKEND_FAKE_TOKENS_PER_S"
+    assert config.server.host == "::1" and loaded.sources["server.host"] == f"file {path}"
+    assert config.stream.flush_ms == 12.0  # an int in TOML is fine for a float key
+    assert loaded.sources["stream.queue_tokens"] == "default"
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("[server]\nprot = 1\n", "unknown key server.prot"),
+        ("[sever]\nport = 1\n", "unknown section [sever]"),
+        ("[server]\nport = \"80\"\n", "expected int"),
+        ("[server]\nport = 70000\n", "out of range"),
+        ("[backend]\nkind = \"gpt\"\n", "not one of"),
+        ("[stream]\nflush_tokens = 0\n", "out of range"),
+        ("[limits]\ndefault_max_tokens = 10\nmax_tokens = 5\n", "default_max_tokens"),
+        ("not toml", "cannot read config file"),
+    ],
+)
+def test_invalid_files_are_refused_with_a_clear_message(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path=path, env={})
+
+
+def test_invalid_env_and_flags() -> None:
+    with pytest.raises(ConfigError, match="unknown environment variable WSSERVER_NOPE"):
+        load_config(env={"WSSERVER_NOPE": "1"})
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(env={"WSSERVER_SERVER_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="unknown key x.y"):
+        load_config(env={}, overrides={"x.y": 1})
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(path="/nonexistent/wsserver.toml", env={})
+
+
+def test_env_names_are_derived_from_keys() -> None:
+    assert env_name(("backend", "llama", "n_ctx")) == "WSSERVER_BACKEND_LLAMA_N_CTX"
+    assert len({env_name(k) for k in KEYS}) == len(KEYS)
+
+
+def test_config_show_prints_values_and_sources(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(__import__("os").environ):
+        if name.startswith("WSSERVER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("WSSERVER_STREAM_FLUSH_MS", "20")
+    assert main(["config", "show", "--port", "9999", "--set", "stream.flush_tokens=3"]) == 0
+    out = capsys.readouterr().out
+    assert "[server]" in out and "[backend.fake]" in out
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if "=" in line}
+    assert "9999" in lines["port"] and "# flag" in lines["port"]
+    assert "20.0" in lines["flush_ms"] and "env WSSERVER_STREAM_FLUSH_MS" in lines["flush_ms"]
+    assert "# flag" in lines["flush_tokens"]
+    assert "# default" in lines["host"]
+
+
+def test_cli_refuses_bad_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "--set", "server.port=-1"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert main(["config", "show", "--set", "nonsense"]) == 2
+
+
+def test_describe_round_trips_through_toml() -> None:
+    import tomllib
+
+    text = describe(load_config(env={}))
+    parsed = tomllib.loads(text)
+    assert parsed["server"]["port"] == 8765
