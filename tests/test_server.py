@@ -397,6 +397,7 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
         stream__queue_tokens=64,
         server__sndbuf=16384,
         server__write_limit=16384,
+        stream__stall_timeout_s=60.0,
     ) as server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
@@ -443,6 +444,45 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
         slow_deltas = [f for f in frames if f["type"] == "delta"]
         fast_deltas = [f for f in fast_frames if f["type"] == "delta"]
         assert max(len(f["text"]) for f in slow_deltas) > max(len(f["text"]) for f in fast_deltas) / 2
+
+
+async def stalled_client(server: object, request: dict[str, object]) -> Wire:
+    """A real client with a tiny receive buffer that reads only up to ``started``."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))  # type: ignore[attr-defined]
+    ws = await connect(server.url, sock=sock, max_queue=4)  # type: ignore[attr-defined]
+    client = Wire(ws)
+    client.hello = await client.recv()
+    await client.send(request)
+    await client.until(lambda f: f["type"] == "started")
+    return client
+
+
+async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
+    async with running_server(
+        backend__fake__parallel=1,
+        backend__fake__tokens_per_s=0.0,
+        stream__stall_timeout_s=0.5,
+        server__send_timeout_s=60.0,
+    ) as server:
+        stalled = await stalled_client(
+            server, {"type": "generate", "id": "hog", "prompt": "x", "max_tokens": 10**6}
+        )
+        async with wire(server) as other:
+            await other.send({"type": "generate", "id": "next", "prompt": "my turn", "max_tokens": 5})
+            frames = await other.until(lambda f: f["type"] == "started")
+            assert [f["type"] for f in frames] == ["queued", "started"]
+            text, _ = await other.done("next")
+            assert text == expected_fake_text("my turn", 5)
+        # The stalled client reads again: its stream ended with an explicit reason.
+        frames = await stalled.until(lambda f: f["type"] == "done", units=60)
+        done = frames[-1]
+        assert (done["reason"], done["error"]["code"]) == ("error", "stalled")
+        text = text_of([f for f in stalled.frames if f.get("id") == "hog"], "hog")
+        assert text == expected_fake_text("x", done["usage"]["completion_tokens"])[: len(text)]
+        await stalled.ws.close()
 
 
 # ---------------------------------------------------------------- model queue
