@@ -246,3 +246,9 @@ def test_client_frames_the_parser_accepts_match_the_schema() -> None:
 def test_hello_lists_every_limit() -> None:
     wire = Limits().to_wire()
     assert set(wire) == {"max_frame_bytes", "max_prompt_chars", "max_messages", "max_tokens", "default_max_tokens"}
+
+
+def test_clients_ignore_limits_they_do_not_know() -> None:
+    data = b'{"type":"hello","protocol":1,"server":"wsserver/9","model":"m","limits":{"max_tokens":5,"future_limit":1}}'
+    hello = parse_server_frame(data)
+    assert isinstance(hello, Hello) and hello.limits.max_tokens == 5

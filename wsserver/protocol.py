@@ -438,10 +438,12 @@ def parse_server_frame(data: str | bytes) -> ServerFrame:
     if kind == "error":
         return Error(id=obj["id"], code=obj["code"], message=obj["message"])
     if kind == "hello":
+        # Servers may add limits within v1: keep the ones this client knows.
+        known = {f.name for f in fields(Limits)}
         return Hello(
             model=obj["model"],
             server=obj["server"],
-            limits=Limits(**obj["limits"]),
+            limits=Limits(**{k: v for k, v in obj["limits"].items() if k in known}),
             protocol=obj["protocol"],
         )
     raise ValueError(f"unknown server frame type {kind!r}")
