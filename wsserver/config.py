@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = [
     "FakeConfig",
     "LlamaConfig",
     "LimitsConfig",
+    "SecurityConfig",
     "ServerConfig",
     "StreamConfig",
     "load_config",
@@ -63,6 +65,10 @@ class ServerConfig:
     ping_interval_s: float = _key(20.0, low=0.0, high=3600.0)
     log_level: str = _key("info", choices=("debug", "info", "warning", "error"))
     log_format: str = _key("text", choices=("text", "json"))
+    #: How often the event-loop lag probe runs, milliseconds.
+    loop_probe_ms: float = _key(100.0, low=1.0, high=60000.0)
+    #: While requests wait for the model, log the queue depth this often (0 = never).
+    queue_log_s: float = _key(5.0, low=0.0, high=3600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,7 @@ class StreamConfig:
     queue_tokens: int = _key(64, low=1, high=1 << 20)
     #: A producer blocked by a non-reading client longer than this ends its
     #: request with reason ``error``, code ``stalled`` (0 = wait forever).
-    stall_timeout_s: float = _key(30.0, low=0.0, high=86400.0)
+    stall_timeout_s: float = _key(5.0, low=0.0, high=86400.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,28 @@ class LimitsConfig:
     max_messages: int = _key(256, low=1, high=100000)
     max_tokens: int = _key(4096, low=1, high=1 << 20)
     default_max_tokens: int = _key(256, low=1, high=1 << 20)
+    #: Open WebSocket connections in total; more are refused with 503 (0 = no limit).
+    max_connections: int = _key(256, low=0, high=1 << 20)
+    #: Open WebSocket connections per client IP; more are refused with 429 (0 = no limit).
+    max_connections_per_ip: int = _key(64, low=0, high=1 << 20)
+    #: Sustained client frames per second per connection (token bucket; 0 = no limit).
+    frames_per_s: float = _key(100.0, low=0.0, high=1e6)
+    #: Bucket size: frames a client may send in a burst.
+    frames_burst: int = _key(200, low=1, high=1 << 20)
+    #: This many rate-limited frames within 10 s close the connection with 1008.
+    flood_close_after: int = _key(100, low=1, high=1 << 20)
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    #: Shared secret; "" = no authentication. Prefer WSSERVER_SECURITY_AUTH_TOKEN.
+    auth_token: str = _key("")
+    #: Accept WebSocket handshakes without an Origin header (non-browser clients).
+    allow_missing_origin: bool = _key(True)
+    #: Origins accepted besides the server's own and loopback ones ("*" = any).
+    allowed_origins: list[str] = _key([])  # noqa: RUF009 - a default_factory
+    #: Host names accepted in the Host header besides IP literals, localhost and server.host.
+    allowed_hosts: list[str] = _key([])  # noqa: RUF009 - a default_factory
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +131,7 @@ class LlamaConfig:
 
 @dataclass(frozen=True, slots=True)
 class BackendConfig:
-    kind: str = _key("fake", choices=("fake", "llama"))
+    kind: str = _key("llama", choices=("fake", "llama"))
     fake: FakeConfig = field(default_factory=FakeConfig)
     llama: LlamaConfig = field(default_factory=LlamaConfig)
 
@@ -113,6 +141,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
 
 
@@ -121,8 +150,10 @@ def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], da
     out: dict[tuple[str, ...], dataclasses.Field[Any]] = {}
     for f in dataclasses.fields(cls):
         path = (*prefix, f.name)
-        if dataclasses.is_dataclass(f.type) or (isinstance(f.type, str) and f.type in _SECTIONS):
-            out.update(_leaves(_SECTIONS[f.type if isinstance(f.type, str) else f.type.__name__], path))
+        # Annotations are strings (``from __future__ import annotations``).
+        section = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if section in _SECTIONS:
+            out.update(_leaves(_SECTIONS[section], path))
         else:
             out[path] = f
     return out
@@ -132,6 +163,7 @@ _SECTIONS: dict[str, type] = {
     "ServerConfig": ServerConfig,
     "StreamConfig": StreamConfig,
     "LimitsConfig": LimitsConfig,
+    "SecurityConfig": SecurityConfig,
     "FakeConfig": FakeConfig,
     "LlamaConfig": LlamaConfig,
     "BackendConfig": BackendConfig,
@@ -147,7 +179,8 @@ def env_name(path: tuple[str, ...]) -> str:
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]
+    factory: Any = f.default_factory
+    return factory()
 
 
 def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source: str) -> Any:
@@ -223,11 +256,11 @@ def load_config(
     for name, raw in env.items():
         if not name.startswith("WSSERVER_"):
             continue
-        key = known_env.get(name)
-        if key is None:
+        env_key = known_env.get(name)
+        if env_key is None:
             raise ConfigError(f"unknown environment variable {name}")
-        values[key] = _coerce(key, KEYS[key], raw, f"env {name}")
-        sources[key] = f"env {name}"
+        values[env_key] = _coerce(env_key, KEYS[env_key], raw, f"env {name}")
+        sources[env_key] = f"env {name}"
     for dotted, value in (overrides or {}).items():
         key = tuple(dotted.split("."))
         if key not in KEYS:
@@ -238,7 +271,21 @@ def load_config(
     limits = config.limits
     if limits.default_max_tokens > limits.max_tokens:
         raise ConfigError("limits.default_max_tokens must not exceed limits.max_tokens")
+    token = config.security.auth_token
+    if token and not _TOKEN_RE.fullmatch(token):
+        # The token travels in a Sec-WebSocket-Protocol value, which only allows
+        # RFC 7230 token characters.
+        raise ConfigError(
+            f"security.auth_token (from {sources[('security', 'auth_token')]}): "
+            "use 1-512 characters of A-Z a-z 0-9 and !#$%&'*+-.^_`|~"
+        )
     return LoadedConfig(config=config, sources={".".join(k): v for k, v in sources.items()})
+
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,512}")
+
+#: Keys whose values ``describe()`` never prints.
+SECRET_KEYS = frozenset({("security", "auth_token")})
 
 
 def _build(cls: type, values: Mapping[tuple[str, ...], Any], prefix: tuple[str, ...]) -> Any:
@@ -263,8 +310,9 @@ def describe(loaded: LoadedConfig) -> str:
             section = path[:-1]
             lines.append(f"\n[{'.'.join(section)}]")
         value = flat[path]
-        rendered = _toml_value(value)
-        lines.append(f"{path[-1]} = {rendered:<24} # {loaded.sources['.'.join(path)]}")
+        rendered = '"***"' if path in SECRET_KEYS and value else _toml_value(value)
+        assignment = f"{path[-1]} = {rendered}"
+        lines.append(f"{assignment:<36} # {loaded.sources['.'.join(path)]}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 

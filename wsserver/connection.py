@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,9 +36,28 @@ from websockets.exceptions import ConnectionClosed
 from .backends.base import GenerationRequest
 from .channel import Channel, End, Item, Piece, PromptDone
 from .errors import BackendError, GenerationCancelled, GenerationStalled, ProtocolError
+from .logs import context
 from .pacing import Coalescer
-from .protocol import Cancel, Error, Generate, Hello, ServerFrame, parse_client_frame, serialize
-from .session import Effect, Outcome, Send, Session, StartGeneration, StopGeneration
+from .protocol import (
+    Cancel,
+    Done,
+    Error,
+    Generate,
+    Hello,
+    ServerFrame,
+    parse_client_frame,
+    serialize,
+)
+from .security import FrameLimiter
+from .session import (
+    Effect,
+    Outcome,
+    RequestState,
+    Send,
+    Session,
+    StartGeneration,
+    StopGeneration,
+)
 
 if TYPE_CHECKING:
     from .server import Server
@@ -45,6 +65,25 @@ if TYPE_CHECKING:
 __all__ = ["Connection"]
 
 log = logging.getLogger("wsserver.connection")
+
+
+class PeerAwareConnection(ServerConnection):
+    """A websockets connection that reports the client's close frame at once.
+
+    websockets only ends ``recv()`` when the TCP connection is gone. A client
+    that closes while a stream is backed up cannot receive our closing frame
+    behind the queued deltas, so that takes until ``close_timeout``; all that
+    time the producer would keep running for nobody. The peer's close frame is
+    the signal to stop: ``on_peer_close`` is called as soon as it arrives.
+    """
+
+    on_peer_close: Callable[[], None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.protocol.close_rcvd is not None and self.on_peer_close is not None:
+            callback, self.on_peer_close = self.on_peer_close, None
+            callback()
 
 
 @dataclass(eq=False)
@@ -60,6 +99,12 @@ class Generation:
     stopped: bool = False
     slot: int | None = None
     sender_chars: int = field(default=0)
+    #: Loop time at which a cancel (or restart) frame stopped this request.
+    cancel_requested: float | None = None
+    #: Loop time at which the server began handling the request (for log timings).
+    created: float = 0.0
+    #: Loop time at which the producer thread of a cancelled request exited.
+    exited_at: float | None = None
 
     def stop(self) -> None:
         """Cancel: wake and end the producer, stop waiting for a slot. Idempotent."""
@@ -87,6 +132,16 @@ class Connection:
         self._stall_timeout = config.stream.stall_timeout_s or None
         self._loop = asyncio.get_running_loop()
         self.closed = False
+        if isinstance(websocket, PeerAwareConnection):
+            websocket.on_peer_close = self._peer_closed
+        self._metrics = server.metrics
+        limits = config.limits
+        self._frame_limiter = FrameLimiter(
+            rate=limits.frames_per_s,
+            burst=limits.frames_burst,
+            close_after=limits.flood_close_after,
+            now=self._loop.time(),
+        )
 
     # ------------------------------------------------------------ receive loop
 
@@ -96,13 +151,18 @@ class Connection:
             await self._send(
                 Hello(model=server.backend.model_name, server=server.server_name, limits=server.limits)
             )
+            idle = self._idle_timeout
             while True:
-                idle = self._idle_timeout if not self.generations else None
                 try:
+                    # Cancelling recv() is safe in websockets: no frame is lost.
                     async with asyncio.timeout(idle):
                         message = await self.ws.recv()
                 except TimeoutError:
-                    log.info("conn=%s idle for %.0fs; closing", self.conn_id, idle)
+                    if self.generations:
+                        continue  # a request is running: the connection is not idle
+                    log.info(
+                        "conn=%s idle for %.0fs; closing", self.conn_id, idle, extra=context(self.conn_id)
+                    )
                     await self._close(1000, "idle timeout")
                     return
                 await self._receive(message)
@@ -114,10 +174,29 @@ class Connection:
 
     async def _receive(self, message: str | bytes) -> None:
         now = self._loop.time()
+        verdict = self._frame_limiter.check(now)
+        if verdict != "ok":
+            if verdict == "flood":
+                log.warning(
+                    "conn=%s kept sending over the frame rate limit; closing",
+                    self.conn_id,
+                    extra=context(self.conn_id),
+                )
+                await self._close_discarding(1008, "frame rate limit exceeded")
+                raise ConnectionClosed(None, None)
+            limited = ProtocolError("rate_limited", "too many frames; slow down")
+            await self._apply(self.session.refuse(limited))
+            return
         try:
             frame = parse_client_frame(message, self.server.limits)
         except ProtocolError as exc:
-            log.debug("conn=%s refused frame: %s %s", self.conn_id, exc.code, exc.message)
+            log.debug(
+                "conn=%s refused frame: %s %s",
+                self.conn_id,
+                exc.code,
+                exc.message,
+                extra=context(self.conn_id, exc.request_id),
+            )
             await self._apply(self.session.refuse(exc))
             return
         await self._apply(self.session.handle(frame, now))
@@ -127,8 +206,14 @@ class Connection:
             if isinstance(effect, Send):
                 frame = effect.frame
                 if isinstance(frame, Error):
+                    self._metrics.errors.labels(frame.code).inc()
                     log.info(
-                        "conn=%s id=%s refused: %s %s", self.conn_id, frame.id, frame.code, frame.message
+                        "conn=%s id=%s refused: %s %s",
+                        self.conn_id,
+                        frame.id,
+                        frame.code,
+                        frame.message,
+                        extra=context(self.conn_id, frame.id, code=frame.code),
                     )
                 elif frame.__class__.__name__ == "Done":
                     self._log_done(frame)
@@ -138,14 +223,31 @@ class Connection:
             elif isinstance(effect, StopGeneration):
                 generation = self.generations.get(effect.id)
                 if generation is not None:
-                    log.info("conn=%s id=%s cancel", self.conn_id, effect.id)
+                    log.info(
+                        "conn=%s id=%s cancel", self.conn_id, effect.id, extra=context(self.conn_id, effect.id)
+                    )
+                    generation.cancel_requested = self._loop.time()
+                    if generation.exited is not None:
+                        # Cancel latency ends when the thread is gone and its slot
+                        # free (released by an earlier callback on the same future),
+                        # not when this connection's sender gets round to it.
+                        generation.exited.add_done_callback(
+                            functools.partial(_mark_exited, generation, self._loop)
+                        )
                     generation.stop()
+
+    def _peer_closed(self) -> None:
+        """The client sent its close frame: stop producing for it right away."""
+        log.info("conn=%s client is closing; stopping its generation", self.conn_id, extra=context(self.conn_id))
+        self.closed = True
+        for gen in list(self.generations.values()):
+            gen.stop()
 
     # ------------------------------------------------------------ generation
 
     def _start(self, request: Generate) -> None:
         channel = Channel(self._queue_tokens, stall_timeout=self._stall_timeout)
-        generation = Generation(request=request, channel=channel)
+        generation = Generation(request=request, channel=channel, created=self._loop.time())
         self.generations[request.id] = generation
         generation.task = asyncio.create_task(
             self._run_generation(generation), name=f"generation-{self.conn_id}-{request.id}"
@@ -173,29 +275,73 @@ class Connection:
             frame = self.session.started(request_id, self._loop.time())
             if frame is None:
                 return
-            log.info("conn=%s id=%s started slot=%s", self.conn_id, request_id, gen.slot)
+            queued_ms = (self._loop.time() - gen.created) * 1000.0
+            log.info(
+                "conn=%s id=%s started slot=%s queued=%.1fms",
+                self.conn_id,
+                request_id,
+                gen.slot,
+                queued_ms,
+                extra=context(self.conn_id, request_id, slot=gen.slot, queued_ms=round(queued_ms, 3)),
+            )
             await self._send(frame)
             self._spawn_producer(gen)
             await self._pump(gen)
         except ConnectionClosed:
             gen.stop()
         except Exception:
-            log.exception("conn=%s id=%s sender failed", self.conn_id, request_id)
+            log.exception(
+                "conn=%s id=%s sender failed", self.conn_id, request_id, extra=context(self.conn_id, request_id)
+            )
             gen.stop()
         finally:
             if gen.exited is not None:
                 # Never leave a producer behind: wait for its thread to exit.
+                # (Its slot was released the moment it exited; see _spawn_producer.)
                 await asyncio.shield(gen.exited)
-            if gen.slot is not None:
+                thread = gen.thread
+                if thread is not None and thread.is_alive():
+                    # ``exited`` is set from the thread's last lines; the thread
+                    # itself ends a moment later. Join it, so that "stopped"
+                    # means gone (a leak check right after cannot see it).
+                    await asyncio.to_thread(thread.join, 5.0)
+            elif gen.slot is not None:
                 scheduler.release(gen.slot)
+            self._producer_gone(gen)
             self.generations.pop(request_id, None)
             if not self.closed:
                 await self._send_safely(self.session.producer_stopped(request_id, self._loop.time()))
 
+    def _producer_gone(self, gen: Generation) -> None:
+        """Metrics and a log line once the producer has exited and the slot is free."""
+        self._metrics.producer_finished(gen)
+        if gen.cancel_requested is not None:
+            end = gen.exited_at if gen.exited_at is not None else self._loop.time()
+            latency = end - gen.cancel_requested
+            self._metrics.cancel_latency.observe(latency)
+            log.info(
+                "conn=%s id=%s producer stopped %.1fms after the cancel",
+                self.conn_id,
+                gen.request.id,
+                latency * 1000.0,
+                extra=context(self.conn_id, gen.request.id, cancel_latency_ms=round(latency * 1000.0, 3)),
+            )
+
     def _queued(self, request_id: str, position: int) -> None:
         frame = self.session.queued(request_id, position)
         if frame is not None:
-            self._spawn_send(frame)
+            task = asyncio.create_task(self._send_queued(request_id, frame))
+            self.server.background.add(task)
+            task.add_done_callback(self.server.background.discard)
+
+    async def _send_queued(self, request_id: str, frame: ServerFrame) -> None:
+        # This runs as a task, after the scheduler's callback: meanwhile a cancel
+        # may have ended the request and sent its done. Check at the last moment
+        # (no await between the check and the write) so that a queued frame
+        # never follows its done.
+        if self.session.state_of(request_id) is not RequestState.WAITING:
+            return
+        await self._send_safely([Send(frame)])
 
     def _spawn_send(self, frame: ServerFrame) -> None:
         task = asyncio.create_task(self._send_safely([Send(frame)]))
@@ -205,6 +351,12 @@ class Connection:
     def _spawn_producer(self, gen: Generation) -> None:
         loop = self._loop
         gen.exited = loop.create_future()
+        # The model is free as soon as the producer thread is gone, even if the
+        # sender is still stuck on a slow socket with the last frames.
+        scheduler = self.server.scheduler
+        assert gen.slot is not None
+        granted: int = gen.slot
+        gen.exited.add_done_callback(lambda _: scheduler.release(granted))
         request = GenerationRequest.from_frame(
             gen.request, default_max_tokens=self.server.limits.default_max_tokens
         )
@@ -230,7 +382,9 @@ class Connection:
                 ))
             except Exception as exc:
                 if not isinstance(exc, BackendError):
-                    log.exception("conn=%s id=%s backend failed", conn_id, request.id)
+                    log.exception(
+                        "conn=%s id=%s backend failed", conn_id, request.id, extra=context(conn_id, request.id)
+                    )
                 message = str(exc) if isinstance(exc, BackendError) else "the backend failed"
                 outcome = Outcome(
                     reason="error",
@@ -255,8 +409,7 @@ class Connection:
         done = self.session.finish(gen.request.id, outcome, self._loop.time())
         gen.channel.close()
         if done is not None:
-            self._log_done(done)
-            self._spawn_send(done)
+            self._spawn_send(done)  # logged (and counted) when sent, like every done
 
     async def _pump(self, gen: Generation) -> None:
         """The sender: channel → coalesced ``delta`` frames → socket."""
@@ -268,9 +421,12 @@ class Connection:
         while True:
             if coalescer.due(loop.time()):
                 text, tokens = coalescer.take(loop.time())
+                self._metrics.tokens.inc(tokens)
                 frame = session.delta(request_id, text, tokens, loop.time())
                 if frame is None:
                     return
+                if frame.seq == 0:
+                    self._log_first_text(gen)
                 await self._send(frame)
                 continue
             try:
@@ -294,9 +450,12 @@ class Connection:
             if end is not None:
                 now = loop.time()
                 text, tokens = coalescer.take(now)
+                self._metrics.tokens.inc(tokens)
                 if text or tokens:
                     frame = session.delta(request_id, text, tokens, now)
                     if frame is not None:
+                        if frame.seq == 0:
+                            self._log_first_text(gen)
                         await self._send(frame)
                 done = session.finish(request_id, end.outcome, loop.time())
                 if done is not None:
@@ -326,6 +485,7 @@ class Connection:
                 "conn=%s send made no progress for %.1fs; aborting the connection",
                 self.conn_id,
                 self._send_timeout,
+                extra=context(self.conn_id, self.session.active_id),
             )
             self.ws.transport.abort()
             raise ConnectionClosed(None, None) from None
@@ -342,6 +502,16 @@ class Connection:
         except TimeoutError:
             self.ws.transport.abort()
 
+    async def _close_discarding(self, code: int, reason: str) -> None:
+        """Close while discarding what the client still sends: its close frame may
+        sit behind a backlog of messages that nobody would read any more (reading
+        pauses at ``max_queue``). Call only from the receive loop."""
+        closing = asyncio.create_task(self._close(code, reason))
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await self.ws.recv()
+        await closing
+
     async def _teardown(self) -> None:
         generations = list(self.generations.values())
         for gen in generations:
@@ -351,7 +521,35 @@ class Connection:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _log_done(self, frame: ServerFrame) -> None:
-        log.info("conn=%s id=%s done %s", self.conn_id, getattr(frame, "id", None), _done_summary(frame))
+        fields: dict[str, object] = {}
+        if isinstance(frame, Done):
+            self._metrics.done(frame)
+            timings = frame.timings
+            fields = {
+                "reason": frame.reason,
+                "queued_ms": round(timings.queued_ms, 3),
+                "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
+                "total_ms": round(timings.total_ms, 3),
+                "completion_tokens": frame.usage.completion_tokens,
+            }
+        request_id = getattr(frame, "id", None)
+        log.info(
+            "conn=%s id=%s done %s",
+            self.conn_id,
+            request_id,
+            _done_summary(frame),
+            extra=context(self.conn_id, request_id, **fields),
+        )
+
+    def _log_first_text(self, gen: Generation) -> None:
+        ttft_ms = (self._loop.time() - gen.created) * 1000.0
+        log.info(
+            "conn=%s id=%s first text ttft=%.1fms",
+            self.conn_id,
+            gen.request.id,
+            ttft_ms,
+            extra=context(self.conn_id, gen.request.id, ttft_ms=round(ttft_ms, 3)),
+        )
 
     # ------------------------------------------------------------ inspection
 
@@ -365,12 +563,23 @@ class Connection:
             total += transport.get_write_buffer_size()
         return total
 
-    async def shutdown(self) -> None:
-        """Server shutdown: end running requests as cancelled, then close 1001."""
-        request_id = self.session.active_id
-        if request_id is not None:
-            await self._send_safely(self.session.handle(Cancel(id=request_id), self._loop.time()))
-        await self._close(1001, "server shutting down")
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Server shutdown: end running requests as cancelled, then close 1001.
+
+        Within ``timeout`` seconds, or the connection is aborted: a client
+        that does not read must not hold up the server's exit.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                request_id = self.session.active_id
+                if request_id is not None:
+                    await self._send_safely(self.session.handle(Cancel(id=request_id), self._loop.time()))
+                await self._close(1001, "server shutting down")
+        except TimeoutError:
+            log.info(
+                "conn=%s did not take part in closing; aborting", self.conn_id, extra=context(self.conn_id)
+            )
+            self.ws.transport.abort()
 
 
 def _done_summary(frame: ServerFrame) -> str:
@@ -385,6 +594,10 @@ def _done_summary(frame: ServerFrame) -> str:
         f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
         f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
     )
+
+
+def _mark_exited(gen: Generation, loop: asyncio.AbstractEventLoop, _: object) -> None:
+    gen.exited_at = loop.time()
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -2,22 +2,31 @@
 
 A request that asks for a WebSocket upgrade continues to the handshake; any
 other request is answered here: health probes, and the routes registered in
-``Server.http_routes`` (the web page, metrics).
+``Server.http_routes`` (the web page), and ``/metrics``. Only GET and HEAD
+are served (405 otherwise); everything but ``/healthz`` first passes the Host,
+Origin, token and connection-limit checks of :mod:`wsserver.security`.
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
+from websockets.protocol import State
+
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .security import Refusal, offered_subprotocols
 
 if TYPE_CHECKING:
     from .server import Server
 
 __all__ = ["process_request", "text_response"]
+
+log = logging.getLogger("wsserver.http")
 
 
 def text_response(status: HTTPStatus, body: str | bytes, content_type: str = "text/plain; charset=utf-8") -> Response:
@@ -28,22 +37,85 @@ def text_response(status: HTTPStatus, body: str | bytes, content_type: str = "te
             ("Content-Length", str(len(data))),
             ("Cache-Control", "no-store"),
             ("X-Content-Type-Options", "nosniff"),
+            # websockets half-closes the connection after any HTTP answer and
+            # waits for the peer to close; without this header a browser keeps
+            # the socket for reuse, holding that wait (and a server stop) up.
+            ("Connection", "close"),
         ]
     )
     return Response(status.value, status.phrase, headers, data)
 
 
+def _vet(server: Server, connection: ServerConnection, request: Request, *, upgrade: bool) -> Refusal | None:
+    """Host, Origin, token and connection limits, in that order."""
+    headers = request.headers
+    gate = server.gatekeeper
+    hosts = headers.get_all("Host")
+    refusal = gate.check_host(hosts)
+    if refusal is None and upgrade:
+        refusal = gate.check_origin(headers.get_all("Origin"), hosts)
+    if refusal is None:
+        offered = offered_subprotocols(headers.get_all("Sec-WebSocket-Protocol"))
+        refusal = gate.check_auth(headers.get_all("Authorization"), offered, upgrade=upgrade)
+    if refusal is None and upgrade:
+        peer = connection.remote_address
+        refusal = server.connection_limiter.admit(
+            connection,
+            peer[0] if peer else "?",
+            lambda: connection.protocol.state is not State.CLOSED,
+        )
+    return refusal
+
+
 def _is_upgrade(request: Request) -> bool:
-    upgrade = request.headers.get("Upgrade", "")
-    return upgrade.lower() == "websocket"
+    # get_all: a repeated header must not raise (MultipleValuesError) here.
+    return any(value.strip().lower() == "websocket" for value in request.headers.get_all("Upgrade"))
 
 
 def process_request(server: Server, connection: ServerConnection, request: Request) -> Response | None:
-    if _is_upgrade(request):
-        return None
+    """Answer plain HTTP, or vet a WebSocket handshake (``None`` lets it proceed).
+
+    Every request but ``/healthz`` passes the checks of :mod:`wsserver.security`.
+    """
+    response = _respond(server, connection, request)
+    if response is not None and request.method == "HEAD":
+        # Same headers (Content-Length included) as GET, no body.
+        response = Response(response.status_code, response.reason_phrase, response.headers, b"")
+    return response
+
+
+def _respond(server: Server, connection: ServerConnection, request: Request) -> Response | None:
     path = request.path.split("?", 1)[0]
+    if request.method not in ("GET", "HEAD"):
+        response = text_response(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed\n")
+        response.headers["Allow"] = "GET, HEAD"
+        return response
     if path == "/healthz":
         return text_response(HTTPStatus.OK, "ok\n")
+    upgrade = _is_upgrade(request) and request.method == "GET"
+    refusal = _vet(server, connection, request, upgrade=upgrade)
+    if refusal is not None:
+        server.metrics.handshakes_refused.labels(refusal.reason).inc()
+        peer = connection.remote_address
+        log.info(
+            "refused %s %s from %s: %d %s",
+            "handshake" if upgrade else "request",
+            path[:100],
+            peer[0] if peer else "?",
+            refusal.status.value,
+            refusal.message.strip(),
+            extra={"status": refusal.status.value, "refusal": refusal.reason},
+        )
+        response = text_response(refusal.status, refusal.message)
+        if refusal.status is HTTPStatus.UNAUTHORIZED:
+            response.headers["WWW-Authenticate"] = 'Bearer, Basic realm="wsserver", charset="UTF-8"'
+        elif refusal.status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
+            response.headers["Retry-After"] = "1"
+        return response
+    if upgrade:
+        return None
+    if path == "/metrics":
+        return text_response(HTTPStatus.OK, server.metrics.render(), METRICS_CONTENT_TYPE)
     if path == "/readyz":
         if server.ready.is_set():
             return text_response(HTTPStatus.OK, "ready\n")

@@ -8,20 +8,41 @@ import time
 
 import orjson
 
-__all__ = ["setup_logging"]
+__all__ = ["JsonFormatter", "context", "setup_logging"]
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_STANDARD_ATTRS = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+
+
+def context(conn: str, request: str | None = None, **fields: object) -> dict[str, object]:
+    """``extra=`` for a log line about a connection and (optionally) one request.
+
+    The JSON formatter emits these as fields (``conn``, ``request``, timings),
+    so a log line can be found by ID without parsing its message.
+    """
+    out: dict[str, object] = {"conn": conn}
+    if request is not None:
+        out["request"] = request
+    out.update(fields)
+    return out
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, message, then any ``extra`` fields."""
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
         }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD_ATTRS and key not in entry:
+                entry[key] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(entry).decode()
+        return orjson.dumps(entry, default=str).decode()
 
 
 def setup_logging(*, level: str = "info", fmt: str = "text") -> None:

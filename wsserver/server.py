@@ -13,23 +13,32 @@ import itertools
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from . import __version__
 from .backends import Backend, create_backend
 from .config import Config
-from .connection import Connection
+from .connection import Connection, PeerAwareConnection
+from .logs import context
+from .metrics import Metrics
 from .protocol import Limits
 from .scheduler import Scheduler
+from .security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
+from .web import install_web_routes
 
 __all__ = ["Server", "run"]
 
 log = logging.getLogger("wsserver.server")
+
+#: At shutdown, how long connections get for their last frames and closing
+#: handshake once the grace period is over (then they are aborted).
+_FAREWELL_S = 0.4
 
 
 def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
@@ -53,6 +62,13 @@ def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket
         sock.close()
         raise
     return sock
+
+
+def _select_subprotocol(
+    connection: ServerConnection, offered: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    selected = select_subprotocol(offered)
+    return None if selected is None else Subprotocol(selected)
 
 
 class Server:
@@ -81,6 +97,12 @@ class Server:
         self._stopping = False
         #: Extra HTTP routes (path → handler) answered on the WebSocket port.
         self.http_routes: dict[str, Callable[[Server, Request], Response]] = {}
+        self.gatekeeper = Gatekeeper(config)
+        self.connection_limiter = ConnectionLimiter(
+            max_total=limits.max_connections, max_per_ip=limits.max_connections_per_ip
+        )
+        self.metrics = Metrics(self)
+        install_web_routes(self)
 
     @property
     def port(self) -> int:
@@ -111,6 +133,11 @@ class Server:
             ping_timeout=server.ping_interval_s or None,
             close_timeout=server.send_timeout_s,
             server_header=self.server_name,
+            select_subprotocol=_select_subprotocol,
+            create_connection=PeerAwareConnection,
+            # Token frames are small and frequent: deflate would cost CPU on
+            # every frame and ~100 KB of zlib state per connection.
+            compression=None,
         )
         log.info(
             "wsserver %s listening on %s (backend %s)",
@@ -118,6 +145,10 @@ class Server:
             self.url,
             self.config.backend.kind,
         )
+        warning = exposure_warning(self.config)
+        if warning is not None:
+            log.warning("%s", warning)
+        self.metrics.start()
         self._load_task = asyncio.create_task(self._load())
 
     async def _load(self) -> None:
@@ -148,13 +179,18 @@ class Server:
         conn_id = f"c{next(self._ids)}"
         connection = Connection(self, websocket, conn_id)
         self.connections[conn_id] = connection
+        self.metrics.connections_total.inc()
         peer = websocket.remote_address
-        log.info("conn=%s open from %s", conn_id, peer[0] if peer else "?")
+        log.info("conn=%s open from %s", conn_id, peer[0] if peer else "?", extra=context(conn_id))
         try:
             await connection.run()
         finally:
             del self.connections[conn_id]
-            log.info("conn=%s closed", conn_id)
+            self.connection_limiter.release(websocket)
+            self.metrics.connection_closed(websocket.close_code)
+            log.info(
+                "conn=%s closed (code %s)", conn_id, websocket.close_code, extra=context(conn_id)
+            )
 
     def producer_threads(self) -> int:
         """Live producer threads across all connections (for tests and metrics)."""
@@ -176,21 +212,25 @@ class Server:
         ws_server = self._ws_server
         ws_server.close(close_connections=False)
         log.info("shutting down: %d connection(s), grace %.1fs", len(self.connections), grace)
-        busy = [c for c in self.connections.values() if c.generations]
-        if busy and grace > 0:
-            waits = [
-                asyncio.gather(*(g.task for g in list(c.generations.values()) if g.task))
-                for c in busy
-            ]
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(grace):
-                    await asyncio.gather(*waits, return_exceptions=True)
+        running = [
+            g.task
+            for c in list(self.connections.values())
+            for g in list(c.generations.values())
+            if g.task is not None
+        ]
+        if running and grace > 0:
+            # asyncio.wait, not gather: a timeout must not cancel the requests.
+            await asyncio.wait(running, timeout=grace)
+        # The farewell (done cancelled, close 1001) is bounded: a client that
+        # does not read is aborted rather than allowed to hold up the exit.
         await asyncio.gather(
-            *(c.shutdown() for c in list(self.connections.values())), return_exceptions=True
+            *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
+            return_exceptions=True,
         )
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.server.send_timeout_s + 1):
+            async with asyncio.timeout(_FAREWELL_S):
                 await ws_server.wait_closed()
+        await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         await asyncio.to_thread(self.backend.close)

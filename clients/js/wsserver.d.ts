@@ -1,0 +1,322 @@
+/**
+ * Types for wsserver.js, the browser/Electron/Node client of wsserver's
+ * WebSocket protocol v1 (docs/protocol.md).
+ */
+
+export declare const PROTOCOL_VERSION: 1;
+/** The subprotocol offered, with `bearer.<token>`, when a token is given. */
+export declare const SUBPROTOCOL: "wsserver.v1";
+
+// ------------------------------------------------------------------ frames
+
+export interface ChatMessage {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+
+/** The input and sampling options of a request. Give `prompt` or `messages`. */
+export interface GenerateParams {
+  prompt?: string;
+  messages?: ChatMessage[];
+  /** Integer ≥ 1, at most `hello.limits.max_tokens`. */
+  max_tokens?: number;
+  /** ≥ 0. */
+  temperature?: number;
+  /** In [0, 1]. */
+  top_p?: number;
+  /** Integer ≥ 0 (0 = no limit). */
+  top_k?: number;
+  /** Integer in [0, 2**32). */
+  seed?: number;
+  /** A stop string or up to 4 of them. */
+  stop?: string | string[];
+}
+
+export interface Limits {
+  max_frame_bytes: number;
+  max_prompt_chars: number;
+  max_messages: number;
+  max_tokens: number;
+  default_max_tokens: number;
+}
+
+export interface HelloFrame {
+  type: "hello";
+  protocol: number;
+  server: string;
+  model: string;
+  limits: Limits;
+}
+
+export interface QueuedFrame {
+  type: "queued";
+  id: string;
+  position: number;
+}
+
+export interface StartedFrame {
+  type: "started";
+  id: string;
+}
+
+export interface DeltaFrame {
+  type: "delta";
+  id: string;
+  seq: number;
+  text: string;
+}
+
+export type DoneReason = "stop" | "length" | "cancelled" | "error";
+
+export interface DoneFrame {
+  type: "done";
+  id: string;
+  reason: DoneReason;
+  usage: { prompt_tokens: number; completion_tokens: number };
+  timings: {
+    queued_ms: number;
+    /** `null` when no text was sent. */
+    ttft_ms: number | null;
+    total_ms: number;
+    tokens_per_s: number;
+  };
+  /** Present when `reason` is `"error"`. */
+  error?: { code: string; message: string };
+  /**
+   * Set by the client (never by the server) on the `done` of a request
+   * cancelled before it was sent.
+   */
+  local?: true;
+}
+
+export type ErrorCode =
+  | "bad_json"
+  | "bad_request"
+  | "unknown_type"
+  | "duplicate_id"
+  | "unknown_id"
+  | "busy"
+  | "too_large"
+  | "overloaded"
+  | "rate_limited"
+  | "stalled"
+  | "internal";
+
+export interface ErrorFrame {
+  type: "error";
+  id: string | null;
+  code: ErrorCode;
+  message: string;
+}
+
+export type ServerFrame =
+  | HelloFrame
+  | QueuedFrame
+  | StartedFrame
+  | DeltaFrame
+  | DoneFrame
+  | ErrorFrame;
+
+// ------------------------------------------------------------------ errors
+
+/** Codes the client adds to the server's {@link ErrorCode}s. */
+export type ClientErrorCode = "connection_lost" | "closed" | "protocol";
+
+export declare class WsError extends Error {
+  constructor(
+    code: string,
+    message: string,
+    details?: { requestId?: string | null; frame?: ServerFrame | null },
+  );
+  /** `"WsError"`. */
+  readonly name: string;
+  /** A server {@link ErrorCode} or a {@link ClientErrorCode}. */
+  readonly code: ErrorCode | ClientErrorCode | (string & {});
+  readonly requestId: string | null;
+  /** The frame that carried the error, if any. */
+  readonly frame: ServerFrame | null;
+}
+
+// ------------------------------------------------------------------ events
+
+type Unsubscribe = () => void;
+
+declare class Emitter<Events> {
+  /** Add a listener; returns a function that removes it. */
+  on<K extends keyof Events>(type: K, listener: (detail: Events[K]) => void): Unsubscribe;
+  off<K extends keyof Events>(type: K, listener: (detail: Events[K]) => void): void;
+}
+
+/**
+ * - `connecting`: a socket is being opened (first time or a retry).
+ * - `open`: the server's `hello` arrived; requests go out at once.
+ * - `reconnecting`: waiting `delayMs` before the next attempt.
+ * - `closed`: `close()` was called, reconnect is off, or attempts ran out.
+ */
+export type ConnectionState = "connecting" | "open" | "reconnecting" | "closed";
+
+export interface StateEvent {
+  state: ConnectionState;
+  previous: ConnectionState;
+  /** Failed attempts since the last successful connection. */
+  attempt: number;
+  /** With `reconnecting`: the wait before the next attempt. */
+  delayMs: number | null;
+  /** The close code of the socket that dropped, if any. */
+  code: number | null;
+  reason: string | null;
+}
+
+export interface ClientEvents {
+  state: StateEvent;
+  hello: HelloFrame;
+  /** Every frame as received, before routing (for logs and tests). */
+  frame: ServerFrame;
+  /** An error not tied to a live request. */
+  error: WsError;
+}
+
+export interface StreamEvents {
+  queued: { position: number };
+  started: undefined;
+  /** The text of each `delta` frame, as it arrives. */
+  delta: string;
+  done: DoneFrame;
+  error: WsError;
+}
+
+// ------------------------------------------------------------------ options
+
+export interface ReconnectOptions {
+  /** First retry delay. Default 250 ms. */
+  initialDelayMs?: number;
+  /** Cap of the delay. Default 10 000 ms. */
+  maxDelayMs?: number;
+  /** Growth per failed attempt. Default 2. */
+  factor?: number;
+  /** Up to this fraction is taken off each delay at random. Default 0.25. */
+  jitter?: number;
+  /** Give up (state `closed`) after this many failed attempts. Default Infinity. */
+  maxAttempts?: number;
+}
+
+export interface ClientOptions {
+  /**
+   * Sent as the subprotocol `bearer.<token>` beside `wsserver.v1` (browsers
+   * cannot set an Authorization header on a WebSocket). Must be an RFC 7230
+   * token: hex or base64url.
+   */
+  token?: string;
+  /** `true` (default) for the default backoff, `false` to never reconnect. */
+  reconnect?: boolean | ReconnectOptions;
+  /** Connect in the constructor (default). With `false`, call `connect()`. */
+  connect?: boolean;
+  /** A WebSocket implementation, where there is no global one. */
+  WebSocket?: typeof WebSocket;
+  /** Prefix of generated request IDs (default: random). */
+  idPrefix?: string;
+}
+
+export interface RequestOptions {
+  /** The request ID (default: generated). 1–64 of `[A-Za-z0-9_.:-]`. */
+  id?: string;
+  /** Aborting it cancels the request. */
+  signal?: AbortSignal;
+  onQueued?: (detail: { position: number }) => void;
+  onStarted?: () => void;
+  onDelta?: (text: string) => void;
+  onDone?: (frame: DoneFrame) => void;
+  onError?: (error: WsError) => void;
+}
+
+// ------------------------------------------------------------------ classes
+
+/**
+ * - `pending`: waiting for the connection to open.
+ * - `sent`: sent; no `queued` or `started` yet.
+ * - `queued`, `running`: as the server reported.
+ * - `cancelling`: cancelled by the caller; waiting for the server's `done`.
+ * - `done`: the `done` frame arrived.
+ * - `failed`: refused by the server, or the connection was lost or closed.
+ */
+export type StreamStatus =
+  | "pending"
+  | "sent"
+  | "queued"
+  | "running"
+  | "cancelling"
+  | "done"
+  | "failed";
+
+/**
+ * One request. `for await (const text of stream)` yields its text (pieces that
+ * arrived while the loop was busy are merged); leaving the loop early cancels
+ * the request. Iteration throws a {@link WsError} if the request is refused,
+ * ends with reason `error`, or its connection drops.
+ */
+export declare class GenerationStream
+  extends Emitter<StreamEvents>
+  implements AsyncIterable<string>
+{
+  readonly id: string;
+  /** The frame sent (or to be sent). */
+  readonly frame: Record<string, unknown>;
+  /** The full input, as a restart reuses it. */
+  readonly input: GenerateParams;
+  readonly status: StreamStatus;
+  /** Queue position while `queued`, else `null`. */
+  readonly position: number | null;
+  /**
+   * All text received before the request ended or was cancelled (a piece the
+   * loop had not taken yet when it was cancelled is here, but not yielded).
+   */
+  readonly text: string;
+  /** True after `done` or a failure. */
+  readonly finished: boolean;
+  /** True after `cancel()`, `restart()` or leaving the loop early. */
+  readonly abandoned: boolean;
+  /**
+   * The server's `done` frame (any reason, including `cancelled` and
+   * `error`). Rejects with a {@link WsError} when the request ends without
+   * one: refused, connection lost, client closed.
+   */
+  readonly done: Promise<DoneFrame>;
+  /** Cancel in-band; text stops at once; resolves with the `done` frame. */
+  cancel(): Promise<DoneFrame>;
+  /** `client.restart(this, overrides, options)`. */
+  restart(overrides?: Partial<GenerateParams>, options?: RequestOptions): GenerationStream;
+  /** Read to the end. */
+  result(): Promise<{ text: string; done: DoneFrame }>;
+  [Symbol.asyncIterator](): AsyncIterator<string>;
+}
+
+export declare class WsClient extends Emitter<ClientEvents> {
+  constructor(url: string | URL, options?: ClientOptions);
+  readonly url: string;
+  readonly state: ConnectionState;
+  /** The current connection's `hello`, or `null`. */
+  readonly hello: HelloFrame | null;
+  /** Incremented for every socket the client opens. */
+  readonly epoch: number;
+  /** Connect now, or retry at once while `reconnecting`. */
+  connect(): void;
+  /** Resolves with `hello` once open; rejects if the client closes first. */
+  ready(): Promise<HelloFrame>;
+  /** Close and stop reconnecting; live requests fail with code `closed`. */
+  close(code?: number, reason?: string): void;
+  /** A fresh request ID. */
+  newId(): string;
+  /** Start a request (sent now, or once the connection opens). */
+  generate(params: GenerateParams, options?: RequestOptions): GenerationStream;
+  /**
+   * Regenerate `old` with `overrides`: an in-band `restart` on the same
+   * connection, else a new `generate` with `old`'s remembered input.
+   */
+  restart(
+    old: GenerationStream | string,
+    overrides?: Partial<GenerateParams>,
+    options?: RequestOptions,
+  ): GenerationStream;
+  /** Cancel by ID; `null` if no live request has that ID. */
+  cancel(id: string): Promise<DoneFrame | null>;
+}

@@ -1,0 +1,965 @@
+/**
+ * A dependency-free client for wsserver's WebSocket protocol v1.
+ *
+ * Works wherever a standard `WebSocket` exists: browsers, Electron renderers,
+ * Node ≥ 22 (or any Node with a WebSocket implementation passed in).
+ *
+ *     import { WsClient } from "./wsserver.js";
+ *
+ *     const client = new WsClient("ws://127.0.0.1:8765/");
+ *     const stream = client.generate({ prompt: "Once upon a time", max_tokens: 64 });
+ *     for await (const text of stream) output.append(text);
+ *     const done = await stream.done;          // the server's `done` frame
+ *
+ * Theory of operation
+ * -------------------
+ * One socket at a time carries every request. Each request is a
+ * {@link GenerationStream}, keyed by its request ID; the socket's message
+ * handler routes every frame by ID to its stream. A stream the caller gave up
+ * on (`cancel()`, `restart()`, leaving a `for await` loop early) stops
+ * accepting text at once: deltas already on the wire for it are dropped here,
+ * so late text can never reach the caller. Its `done` promise still settles
+ * with the server's `done` frame, which the protocol guarantees is the last
+ * frame of that ID.
+ *
+ * When the socket drops, every request that was sent on it fails with
+ * `WsError` code `connection_lost`: the server forgot it, and replaying it
+ * could run (and bill) a generation twice, so that decision stays with the
+ * caller. Requests made while the client is connecting wait and are sent
+ * once the server's `hello` arrives. The client then reconnects with
+ * exponential backoff and jitter unless `reconnect: false`.
+ *
+ * @module wsserver
+ */
+
+/** The wire protocol this module speaks. */
+export const PROTOCOL_VERSION = 1;
+
+/** The subprotocol offered when a token is given. */
+export const SUBPROTOCOL = "wsserver.v1";
+
+/** Request IDs the server accepts. */
+const ID_RE = /^[A-Za-z0-9_.:-]{1,64}$/;
+
+/**
+ * Characters allowed in a `Sec-WebSocket-Protocol` value (an RFC 7230 token).
+ * `new WebSocket()` throws a SyntaxError on anything else, so we check first
+ * and say why.
+ */
+const TOKEN_RE = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+
+/** How many finished request IDs (and inputs, for `restart`) to remember. */
+const RECENT_LIMIT = 64;
+
+/** @typedef {import("./wsserver.d.ts").GenerateParams} GenerateParams */
+/** @typedef {import("./wsserver.d.ts").RequestOptions} RequestOptions */
+/** @typedef {import("./wsserver.d.ts").ClientOptions} ClientOptions */
+/** @typedef {import("./wsserver.d.ts").ReconnectOptions} ReconnectOptions */
+/** @typedef {import("./wsserver.d.ts").ConnectionState} ConnectionState */
+/** @typedef {import("./wsserver.d.ts").StreamStatus} StreamStatus */
+/** @typedef {import("./wsserver.d.ts").HelloFrame} HelloFrame */
+/** @typedef {import("./wsserver.d.ts").DoneFrame} DoneFrame */
+/** @typedef {import("./wsserver.d.ts").ServerFrame} ServerFrame */
+/** @typedef {import("./wsserver.d.ts").StateEvent} StateEvent */
+
+/**
+ * An error for one request, or for the client.
+ *
+ * `code` is a server error code (`busy`, `duplicate_id`, `unknown_id`,
+ * `overloaded`, `internal`, …, including the code of a `done` frame with
+ * reason `error`) or one of the client's own: `connection_lost` (the socket
+ * dropped while the request was in flight), `closed` (`client.close()` was
+ * called), `protocol` (the server broke protocol v1).
+ */
+export class WsError extends Error {
+  /**
+   * @param {string} code
+   * @param {string} message
+   * @param {{ requestId?: string | null, frame?: ServerFrame | null }} [details]
+   */
+  constructor(code, message, { requestId = null, frame = null } = {}) {
+    super(`${code}: ${message}`);
+    this.name = "WsError";
+    /** @type {string} */
+    this.code = code;
+    /** @type {string | null} */
+    this.requestId = requestId;
+    /** @type {ServerFrame | null} */
+    this.frame = frame;
+  }
+}
+
+/**
+ * A minimal event emitter: `on()` returns a function that removes the
+ * listener. A listener that throws does not stop the others or the client;
+ * the exception is reported asynchronously, like a DOM event listener's.
+ *
+ * @template {Record<string, any>} Events
+ */
+class Emitter {
+  /** @type {Map<keyof Events, Set<(detail: any) => void>>} */
+  #listeners = new Map();
+
+  /**
+   * @template {keyof Events} K
+   * @param {K} type
+   * @param {(detail: Events[K]) => void} listener
+   * @returns {() => void} a function that removes the listener
+   */
+  on(type, listener) {
+    let set = this.#listeners.get(type);
+    if (!set) this.#listeners.set(type, (set = new Set()));
+    set.add(listener);
+    return () => this.off(type, listener);
+  }
+
+  /**
+   * @template {keyof Events} K
+   * @param {K} type
+   * @param {(detail: Events[K]) => void} listener
+   */
+  off(type, listener) {
+    this.#listeners.get(type)?.delete(listener);
+  }
+
+  /**
+   * @template {keyof Events} K
+   * @param {K} type
+   * @param {Events[K]} detail
+   */
+  emit(type, detail) {
+    const set = this.#listeners.get(type);
+    if (!set) return;
+    for (const listener of [...set]) {
+      try {
+        listener(detail);
+      } catch (error) {
+        queueMicrotask(() => {
+          throw error;
+        });
+      }
+    }
+  }
+}
+
+/**
+ * One request: iterate it for text; `done` settles with the server's `done`
+ * frame.
+ *
+ * Iteration yields strings. When the consumer is slower than the network,
+ * text that arrived meanwhile is merged into one string: nothing is lost or
+ * reordered, and a busy UI handles fewer, larger pieces. Leaving the loop
+ * early (`break`, `return`, an exception) cancels the request.
+ *
+ * Events (`stream.on(type, listener)`): `queued` ({position}), `started`,
+ * `delta` (the text of each frame, as it arrives), `done` (the frame),
+ * `error` (a WsError).
+ *
+ * @extends {Emitter<import("./wsserver.d.ts").StreamEvents>}
+ */
+export class GenerationStream extends Emitter {
+  /** @type {WsClient} */
+  #client;
+  /** @type {string[]} */
+  #chunks = [];
+  /** @type {((value: void) => void) | null} */
+  #wake = null;
+  /** True once iteration can yield nothing more. */
+  #ended = false;
+  /** True once the caller gave up; text for this ID is dropped from then on. */
+  #abandoned = false;
+  /** @type {WsError | null} */
+  #error = null;
+  /** @type {(frame: DoneFrame) => void} */
+  #resolveDone = () => {};
+  /** @type {(error: WsError) => void} */
+  #rejectDone = () => {};
+  #nextSeq = 0;
+  #iterating = false;
+  /** True once the server showed it accepted the request (queued, started or text). */
+  #acknowledged = false;
+
+  /**
+   * @param {WsClient} client
+   * @param {string} id
+   * @param {Record<string, unknown>} frame the request frame to send
+   * @param {Record<string, unknown>} input the request's full input, for a later restart
+   * @internal use `client.generate()` / `client.restart()`
+   */
+  constructor(client, id, frame, input) {
+    super();
+    this.#client = client;
+    /** The request ID (unique on its connection). */
+    this.id = id;
+    /** The frame sent (or to be sent) to the server. */
+    this.frame = frame;
+    /** The request's input (prompt or messages and options), as `restart` would reuse it. */
+    this.input = input;
+    /** @type {StreamStatus} */
+    this.status = "pending";
+    /** The queue position while queued, else `null`. @type {number | null} */
+    this.position = null;
+    /**
+     * All text received before the request ended or was cancelled, including
+     * any the loop had not taken yet when it was cancelled.
+     */
+    this.text = "";
+    /** The connection epoch the request was sent on (internal). @type {number} */
+    this.epoch = -1;
+    /** @type {Promise<DoneFrame>} */
+    this.done = new Promise((resolve, reject) => {
+      this.#resolveDone = resolve;
+      this.#rejectDone = reject;
+    });
+    // `done` may reject (refused request, lost connection) while nobody
+    // awaits it; that must not become an unhandled rejection.
+    this.done.catch(() => {});
+  }
+
+  /** Whether the request has ended (done, failed or cancelled before it was sent). */
+  get finished() {
+    return this.status === "done" || this.status === "failed";
+  }
+
+  /** Whether the caller cancelled or restarted this request. */
+  get abandoned() {
+    return this.#abandoned;
+  }
+
+  /**
+   * Cancel in-band. Iteration ends at once and no more text is delivered;
+   * resolves with the server's `done` frame (reason `cancelled`, or the
+   * natural reason if the request ended first).
+   *
+   * @returns {Promise<DoneFrame>}
+   */
+  cancel() {
+    this.#client._cancel(this);
+    return this.done;
+  }
+
+  /**
+   * Regenerate: shorthand for `client.restart(this, overrides)`.
+   *
+   * @param {Partial<GenerateParams>} [overrides]
+   * @param {RequestOptions} [options]
+   * @returns {GenerationStream}
+   */
+  restart(overrides = {}, options = {}) {
+    return this.#client.restart(this, overrides, options);
+  }
+
+  /**
+   * Read to the end; resolves with the whole text and the `done` frame.
+   *
+   * @returns {Promise<{ text: string, done: DoneFrame }>}
+   */
+  async result() {
+    for await (const _ of this) {
+      // Text accumulates in `this.text`.
+    }
+    return { text: this.text, done: await this.done };
+  }
+
+  /** @returns {AsyncIterableIterator<string>} */
+  [Symbol.asyncIterator]() {
+    if (this.#iterating) throw new Error("a GenerationStream can be iterated only once");
+    this.#iterating = true;
+    return {
+      next: () => this.#next(),
+      return: async () => {
+        if (!this.finished && !this.#abandoned) this.#client._cancel(this);
+        this.#endIteration();
+        return { value: undefined, done: true };
+      },
+      [Symbol.asyncIterator]() {
+        return this;
+      },
+    };
+  }
+
+  /** @returns {Promise<IteratorResult<string>>} */
+  async #next() {
+    for (;;) {
+      if (this.#chunks.length > 0) {
+        const value = this.#chunks.length === 1 ? this.#chunks[0] : this.#chunks.join("");
+        this.#chunks = [];
+        return { value, done: false };
+      }
+      if (this.#ended) {
+        if (this.#error) throw this.#error;
+        return { value: undefined, done: true };
+      }
+      await new Promise((resolve) => {
+        this.#wake = resolve;
+      });
+    }
+  }
+
+  #signal() {
+    const wake = this.#wake;
+    this.#wake = null;
+    wake?.();
+  }
+
+  #endIteration() {
+    this.#ended = true;
+    this.#signal();
+  }
+
+  // ---------------------------------------------------------------- client side
+  // Called by WsClient only.
+
+  /**
+   * @param {number} epoch
+   * @internal
+   */
+  _markSent(epoch) {
+    this.epoch = epoch;
+    this.status = "sent";
+  }
+
+  /**
+   * The caller gave up: from now on no text reaches it.
+   * @internal
+   */
+  _abandon() {
+    if (this.#abandoned || this.finished) return;
+    this.#abandoned = true;
+    this.#chunks = [];
+    if (this.status !== "pending") this.status = "cancelling";
+    this.#endIteration();
+  }
+
+  /**
+   * Route one frame of this request.
+   * @param {ServerFrame} frame
+   * @internal
+   */
+  _handle(frame) {
+    if (this.finished) return;
+    if (frame.type === "queued" || frame.type === "started" || frame.type === "delta") {
+      this.#acknowledged = true;
+    }
+    switch (frame.type) {
+      case "queued":
+        if (this.#abandoned) return;
+        this.status = "queued";
+        this.position = frame.position;
+        this.emit("queued", { position: frame.position });
+        return;
+      case "started":
+        if (this.#abandoned) return;
+        this.status = "running";
+        this.position = null;
+        this.emit("started", undefined);
+        return;
+      case "delta":
+        if (this.#abandoned) return; // a late frame of a cancelled request
+        if (frame.seq !== this.#nextSeq || typeof frame.text !== "string") {
+          this._fail(
+            new WsError("protocol", `delta seq ${frame.seq} where ${this.#nextSeq} was due`, {
+              requestId: this.id,
+              frame,
+            }),
+          );
+          return;
+        }
+        this.#nextSeq += 1;
+        this.text += frame.text;
+        this.#chunks.push(frame.text);
+        this.#signal();
+        this.emit("delta", frame.text);
+        return;
+      case "done":
+        this._finishDone(frame);
+        return;
+      case "error":
+        // Frames are answered in order, so once the request was acknowledged
+        // an error is about a later frame: our cancel. A rate-limited cancel
+        // leaves the request running, and its `done` still comes.
+        if (this.#abandoned && this.#acknowledged && frame.code === "rate_limited") return;
+        this._fail(new WsError(frame.code, frame.message, { requestId: this.id, frame }));
+        return;
+      default:
+        return;
+    }
+  }
+
+  /**
+   * @param {DoneFrame} frame
+   * @internal
+   */
+  _finishDone(frame) {
+    if (this.finished) return;
+    this.status = "done";
+    this.position = null;
+    if (frame.reason === "error" && !this.#abandoned) {
+      const code = frame.error?.code ?? "internal";
+      const message = frame.error?.message ?? "generation failed";
+      this.#error = new WsError(code, message, { requestId: this.id, frame });
+      this.emit("error", this.#error);
+    }
+    this.#endIteration();
+    this.#resolveDone(frame);
+    this.emit("done", frame);
+  }
+
+  /**
+   * The request ended without a `done` frame: refused, lost, or closed.
+   * @param {WsError} error
+   * @internal
+   */
+  _fail(error) {
+    if (this.finished) return;
+    this.status = "failed";
+    this.position = null;
+    if (!this.#abandoned) this.#error = error;
+    this.#endIteration();
+    this.#rejectDone(error);
+    this.emit("error", error);
+  }
+}
+
+/** @type {Required<ReconnectOptions>} */
+const RECONNECT_DEFAULTS = {
+  initialDelayMs: 250,
+  maxDelayMs: 10_000,
+  factor: 2,
+  jitter: 0.25,
+  maxAttempts: Infinity,
+};
+
+/**
+ * A connection to wsserver that reconnects by itself.
+ *
+ * Events (`client.on(type, listener)`): `state` ({state, previous, attempt,
+ * delayMs, code, reason}), `hello` (the server's hello frame), `frame` (every
+ * frame as received, before routing — for logging and tests), `error`
+ * (a WsError not tied to a live request).
+ *
+ * @extends {Emitter<import("./wsserver.d.ts").ClientEvents>}
+ */
+export class WsClient extends Emitter {
+  /** @type {WebSocket | null} */
+  #ws = null;
+  /** Incremented for every socket; frames and closes of an old socket are ignored. */
+  #epoch = 0;
+  /** @type {ConnectionState} */
+  #state = "closed";
+  /** Failed attempts since the last successful hello. */
+  #attempt = 0;
+  /** @type {ReturnType<typeof setTimeout> | null} */
+  #timer = null;
+  /** @type {Map<string, GenerationStream>} live requests by ID */
+  #streams = new Map();
+  /** @type {GenerationStream[]} requests waiting for the connection */
+  #outbox = [];
+  /** @type {Map<string, GenerationStream>} recently finished requests, for restart */
+  #recent = new Map();
+  /** @type {HelloFrame | null} */
+  #hello = null;
+  #closedByUser = false;
+  #counter = 0;
+  #prefix;
+  /** @type {Required<ReconnectOptions> | null} */
+  #reconnect;
+  /** @type {string[] | undefined} */
+  #protocols;
+  /** @type {typeof WebSocket} */
+  #WebSocket;
+  /** @type {(() => void) | null} */
+  #onlineCleanup = null;
+
+  /**
+   * @param {string | URL} url a ws:// or wss:// URL
+   * @param {ClientOptions} [options]
+   */
+  constructor(url, options = {}) {
+    super();
+    /** The server URL. */
+    this.url = String(url);
+    const { token, reconnect = true, connect = true, idPrefix } = options;
+    const impl = options.WebSocket ?? globalThis.WebSocket;
+    if (typeof impl !== "function") {
+      throw new TypeError("no WebSocket implementation: pass options.WebSocket");
+    }
+    this.#WebSocket = impl;
+    if (token != null && token !== "") {
+      if (!TOKEN_RE.test(token)) {
+        throw new TypeError(
+          "the token must be an RFC 7230 token (letters, digits and !#$%&'*+-.^_`|~) " +
+            "to travel as a Sec-WebSocket-Protocol value; use a hex or base64url token",
+        );
+      }
+      this.#protocols = [SUBPROTOCOL, `bearer.${token}`];
+    }
+    if (reconnect === false) this.#reconnect = null;
+    else this.#reconnect = { ...RECONNECT_DEFAULTS, ...(reconnect === true ? {} : reconnect) };
+    if (idPrefix !== undefined && !/^[A-Za-z0-9_.:-]{1,40}$/.test(idPrefix)) {
+      throw new TypeError("idPrefix must be 1-40 characters of A-Z a-z 0-9 _ . : -");
+    }
+    this.#prefix = idPrefix ?? randomPrefix();
+    if (connect) this.connect();
+  }
+
+  /** The connection state. @returns {ConnectionState} */
+  get state() {
+    return this.#state;
+  }
+
+  /** The server's `hello` of the current connection (null until it arrives). */
+  get hello() {
+    return this.#hello;
+  }
+
+  /** Incremented for every new socket (a new server-side session). */
+  get epoch() {
+    return this.#epoch;
+  }
+
+  /**
+   * Connect now: the first time, or to retry at once while `reconnecting`
+   * (or after `close()`). Does nothing while connecting or open.
+   */
+  connect() {
+    if (this.#state === "connecting" || this.#state === "open") return;
+    this.#closedByUser = false;
+    this.#clearTimer();
+    this.#watchOnline();
+    this.#openSocket();
+  }
+
+  /**
+   * Resolves with the server's `hello` once the connection is open; rejects
+   * if the client is closed before that.
+   *
+   * @returns {Promise<HelloFrame>}
+   */
+  ready() {
+    if (this.#state === "open" && this.#hello) return Promise.resolve(this.#hello);
+    return new Promise((resolve, reject) => {
+      const offHello = this.on("hello", (hello) => {
+        offHello();
+        offState();
+        resolve(hello);
+      });
+      const offState = this.on("state", ({ state }) => {
+        if (state === "closed") {
+          offHello();
+          offState();
+          reject(new WsError("closed", "the client is closed"));
+        }
+      });
+    });
+  }
+
+  /**
+   * Close the connection and stop reconnecting. Requests in flight or waiting
+   * fail with code `closed`.
+   *
+   * @param {number} [code]
+   * @param {string} [reason]
+   */
+  close(code = 1000, reason = "") {
+    this.#closedByUser = true;
+    this.#clearTimer();
+    this.#onlineCleanup?.();
+    this.#onlineCleanup = null;
+    const ws = this.#ws;
+    this.#ws = null;
+    this.#epoch += 1;
+    if (ws) {
+      detach(ws);
+      try {
+        ws.close(code, reason);
+      } catch {
+        ws.close();
+      }
+    }
+    this.#failAll(new WsError("closed", "the client was closed"), true);
+    this.#setState("closed", {});
+  }
+
+  /** A fresh request ID. */
+  newId() {
+    this.#counter += 1;
+    return `${this.#prefix}-${this.#counter}`;
+  }
+
+  /**
+   * Start a request. Returns at once; the request is sent now, or when the
+   * connection opens.
+   *
+   * @param {GenerateParams} params `prompt` or `messages`, and sampling options
+   * @param {RequestOptions} [options]
+   * @returns {GenerationStream}
+   */
+  generate(params, options = {}) {
+    const input = clean(params);
+    const id = this.#takeId(options.id);
+    const frame = { type: "generate", id, ...input };
+    return this.#submit(new GenerationStream(this, id, frame, input), options);
+  }
+
+  /**
+   * Regenerate: cancel `old` if it still runs (its late text is dropped), then
+   * run its input again with `overrides` (for example a new `seed` or
+   * `temperature`). On the connection `old` ran on, this is one in-band
+   * `restart` frame; if that connection is gone, the client sends the
+   * remembered input as a new `generate` instead.
+   *
+   * @param {GenerationStream | string} old the stream or its ID
+   * @param {Partial<GenerateParams>} [overrides]
+   * @param {RequestOptions} [options]
+   * @returns {GenerationStream}
+   */
+  restart(old, overrides = {}, options = {}) {
+    const oldId = typeof old === "string" ? old : old.id;
+    const previous =
+      typeof old === "string" ? (this.#streams.get(old) ?? this.#recent.get(old)) : old;
+    const changes = clean(overrides);
+    const id = this.#takeId(options.id);
+    /** @type {Record<string, unknown>} */
+    let input = changes;
+    if (previous) {
+      input = { ...previous.input, ...changes };
+      if ("prompt" in changes) delete input.messages;
+      else if ("messages" in changes) delete input.prompt;
+    }
+    let frame;
+    const sameConnection =
+      previous && previous.status !== "pending" && previous.epoch === this.#epoch && this.#state === "open";
+    if (!previous || sameConnection) {
+      frame = { type: "restart", id: oldId, new_id: id, ...changes };
+    } else {
+      // The server never saw `old` (still waiting to be sent) or has
+      // forgotten it (another connection): send its input afresh.
+      frame = { type: "generate", id, ...input };
+    }
+    if (previous) this._cancel(previous, frame.type === "restart");
+    return this.#submit(new GenerationStream(this, id, frame, input), options);
+  }
+
+  /**
+   * Cancel a request by ID. Resolves with its `done` frame, or `null` if this
+   * client knows no live request of that ID.
+   *
+   * @param {string} id
+   * @returns {Promise<DoneFrame | null>}
+   */
+  cancel(id) {
+    const stream = this.#streams.get(id);
+    if (!stream) return Promise.resolve(null);
+    return stream.cancel();
+  }
+
+  // ---------------------------------------------------------------- internals
+
+  /**
+   * Abandon a stream and, unless a restart frame does it, cancel it on the server.
+   *
+   * @param {GenerationStream} stream
+   * @param {boolean} [implicit] the restart frame about to be sent cancels it
+   * @internal
+   */
+  _cancel(stream, implicit = false) {
+    if (stream.finished || stream.abandoned) return;
+    stream._abandon();
+    if (stream.status === "pending") {
+      // Never sent: nothing to tell the server.
+      this.#outbox = this.#outbox.filter((s) => s !== stream);
+      this.#streams.delete(stream.id);
+      stream._finishDone(localCancelledDone(stream.id));
+      this.#remember(stream);
+      return;
+    }
+    if (!implicit && stream.epoch === this.#epoch && this.#ws && this.#state === "open") {
+      this.#send({ type: "cancel", id: stream.id });
+    }
+  }
+
+  /** @param {string | undefined} id */
+  #takeId(id) {
+    if (id === undefined) return this.newId();
+    if (!ID_RE.test(id)) throw new TypeError("a request id is 1-64 characters of A-Z a-z 0-9 _ . : -");
+    if (this.#streams.has(id)) throw new TypeError(`request id ${id} is in use`);
+    return id;
+  }
+
+  /**
+   * @param {GenerationStream} stream
+   * @param {RequestOptions} options
+   */
+  #submit(stream, options) {
+    if (options.onQueued) stream.on("queued", options.onQueued);
+    if (options.onStarted) stream.on("started", options.onStarted);
+    if (options.onDelta) stream.on("delta", options.onDelta);
+    if (options.onDone) stream.on("done", options.onDone);
+    if (options.onError) stream.on("error", options.onError);
+    const signal = options.signal;
+    if (signal) {
+      const abort = () => this._cancel(stream);
+      if (signal.aborted) queueMicrotask(abort);
+      else {
+        signal.addEventListener("abort", abort, { once: true });
+        stream.done.finally(() => signal.removeEventListener("abort", abort)).catch(() => {});
+      }
+    }
+    this.#streams.set(stream.id, stream);
+    if (this.#closedByUser) {
+      queueMicrotask(() => this.#finish(stream, new WsError("closed", "the client is closed")));
+    } else if (this.#state === "open") {
+      this.#sendRequest(stream);
+    } else {
+      this.#outbox.push(stream);
+    }
+    return stream;
+  }
+
+  /** @param {GenerationStream} stream */
+  #sendRequest(stream) {
+    stream._markSent(this.#epoch);
+    this.#send(stream.frame);
+  }
+
+  /** @param {Record<string, unknown>} frame */
+  #send(frame) {
+    this.#ws?.send(JSON.stringify(frame));
+  }
+
+  #openSocket() {
+    this.#epoch += 1;
+    const epoch = this.#epoch;
+    this.#hello = null;
+    this.#setState("connecting", { attempt: this.#attempt });
+    /** @type {WebSocket} */
+    let ws;
+    try {
+      ws = this.#protocols ? new this.#WebSocket(this.url, this.#protocols) : new this.#WebSocket(this.url);
+    } catch (error) {
+      // A malformed URL will not get better by retrying.
+      this.#failAll(new WsError("closed", `cannot open ${this.url}: ${error}`), true);
+      this.#setState("closed", { reason: String(error) });
+      return;
+    }
+    this.#ws = ws;
+    ws.onmessage = (event) => {
+      if (epoch === this.#epoch) this.#onMessage(event.data);
+    };
+    ws.onclose = (event) => {
+      if (epoch === this.#epoch) this.#onClose(event.code, event.reason);
+    };
+    // Failures are reported through `close`, which always follows `error`.
+    ws.onerror = () => {};
+  }
+
+  /** @param {unknown} data */
+  #onMessage(data) {
+    if (typeof data !== "string") {
+      this.emit("error", new WsError("protocol", "the server sent a binary frame"));
+      return;
+    }
+    /** @type {ServerFrame} */
+    let frame;
+    try {
+      frame = JSON.parse(data);
+    } catch {
+      this.emit("error", new WsError("protocol", "the server sent invalid JSON"));
+      return;
+    }
+    if (frame === null || typeof frame !== "object" || typeof frame.type !== "string") {
+      this.emit("error", new WsError("protocol", "the server sent a frame without a type"));
+      return;
+    }
+    this.emit("frame", frame);
+    if (frame.type === "hello") {
+      this.#onHello(frame);
+      return;
+    }
+    const id = "id" in frame ? frame.id : null;
+    const stream = typeof id === "string" ? this.#streams.get(id) : undefined;
+    if (stream) {
+      stream._handle(frame);
+      if (stream.finished) this.#finish(stream);
+      return;
+    }
+    if (frame.type === "error" && !(typeof id === "string" && this.#recent.has(id))) {
+      // Not about a live request (an error about a finished one — a cancel
+      // that raced the natural end — is expected and dropped).
+      this.emit("error", new WsError(frame.code, frame.message, { requestId: id, frame }));
+    }
+    // Anything else for an unknown or finished ID is a late frame: dropped.
+  }
+
+  /** @param {HelloFrame} hello */
+  #onHello(hello) {
+    if (hello.protocol !== PROTOCOL_VERSION) {
+      this.emit(
+        "error",
+        new WsError("protocol", `server speaks protocol ${hello.protocol}, not ${PROTOCOL_VERSION}`),
+      );
+    }
+    this.#hello = hello;
+    this.#attempt = 0;
+    this.#setState("open", {});
+    this.emit("hello", hello);
+    const waiting = this.#outbox;
+    this.#outbox = [];
+    for (const stream of waiting) {
+      if (this.#state !== "open") {
+        this.#outbox.push(stream);
+      } else if (!stream.finished) {
+        this.#sendRequest(stream);
+      }
+    }
+  }
+
+  /**
+   * @param {number} code
+   * @param {string} reason
+   */
+  #onClose(code, reason) {
+    const ws = this.#ws;
+    if (ws) detach(ws);
+    this.#ws = null;
+    this.#hello = null;
+    this.#failAll(
+      new WsError("connection_lost", `the connection closed (code ${code}${reason ? `, ${reason}` : ""})`),
+      false,
+    );
+    if (this.#closedByUser) return;
+    const options = this.#reconnect;
+    if (!options || this.#attempt >= options.maxAttempts) {
+      this.#failAll(new WsError("closed", "the connection closed and will not reconnect"), true);
+      this.#setState("closed", { code, reason });
+      return;
+    }
+    this.#attempt += 1;
+    const base = Math.min(options.maxDelayMs, options.initialDelayMs * options.factor ** (this.#attempt - 1));
+    const delayMs = Math.round(base * (1 - options.jitter * Math.random()));
+    this.#setState("reconnecting", { attempt: this.#attempt, delayMs, code, reason });
+    this.#timer = setTimeout(() => {
+      this.#timer = null;
+      this.#openSocket();
+    }, delayMs);
+  }
+
+  /**
+   * Fail the requests sent on the lost connection, and also those still
+   * waiting to be sent if `waiting` is true.
+   *
+   * @param {WsError} error
+   * @param {boolean} waiting
+   */
+  #failAll(error, waiting) {
+    for (const stream of [...this.#streams.values()]) {
+      if (stream.status === "pending" && !waiting) continue;
+      this.#finish(stream, new WsError(error.code, error.message, { requestId: stream.id }));
+    }
+    if (waiting) this.#outbox = [];
+  }
+
+  /**
+   * Forget a live request, failing it first if `error` is given.
+   *
+   * @param {GenerationStream} stream
+   * @param {WsError} [error]
+   */
+  #finish(stream, error) {
+    if (error) stream._fail(error);
+    if (this.#streams.get(stream.id) === stream) this.#streams.delete(stream.id);
+    this.#remember(stream);
+  }
+
+  /** @param {GenerationStream} stream */
+  #remember(stream) {
+    this.#recent.delete(stream.id);
+    this.#recent.set(stream.id, stream);
+    for (const id of this.#recent.keys()) {
+      if (this.#recent.size <= RECENT_LIMIT) break;
+      this.#recent.delete(id);
+    }
+  }
+
+  /**
+   * @param {ConnectionState} state
+   * @param {Partial<StateEvent>} details
+   */
+  #setState(state, details) {
+    const previous = this.#state;
+    this.#state = state;
+    this.emit("state", {
+      state,
+      previous,
+      attempt: this.#attempt,
+      delayMs: null,
+      code: null,
+      reason: null,
+      ...details,
+    });
+  }
+
+  #clearTimer() {
+    if (this.#timer !== null) clearTimeout(this.#timer);
+    this.#timer = null;
+  }
+
+  /** In a browser, retry at once when the network comes back. */
+  #watchOnline() {
+    if (this.#onlineCleanup || typeof globalThis.addEventListener !== "function") return;
+    const retry = () => {
+      if (this.#state === "reconnecting") this.connect();
+    };
+    globalThis.addEventListener("online", retry);
+    this.#onlineCleanup = () => globalThis.removeEventListener("online", retry);
+  }
+}
+
+/**
+ * Drop `undefined` and `null` members: the server refuses `null` where it
+ * expects a number, and an empty form field is naturally `null`.
+ *
+ * @param {object | null | undefined} params
+ * @returns {Record<string, unknown>}
+ */
+function clean(params) {
+  /** @type {Record<string, unknown>} */
+  const out = {};
+  for (const [key, value] of Object.entries(params ?? {})) {
+    if (value !== undefined && value !== null) out[key] = value;
+  }
+  return out;
+}
+
+/** @param {WebSocket} ws */
+function detach(ws) {
+  ws.onmessage = null;
+  ws.onclose = null;
+  ws.onerror = null;
+}
+
+/**
+ * The `done` a request cancelled before it was sent gets: the server never
+ * saw it, so the client writes what the server would have said.
+ *
+ * @param {string} id
+ * @returns {DoneFrame}
+ */
+function localCancelledDone(id) {
+  return {
+    type: "done",
+    id,
+    reason: "cancelled",
+    usage: { prompt_tokens: 0, completion_tokens: 0 },
+    timings: { queued_ms: 0, ttft_ms: null, total_ms: 0, tokens_per_s: 0 },
+    local: true,
+  };
+}
+
+function randomPrefix() {
+  const bytes = new Uint8Array(4);
+  if (globalThis.crypto?.getRandomValues) globalThis.crypto.getRandomValues(bytes);
+  else for (let i = 0; i < bytes.length; i++) bytes[i] = Math.floor(Math.random() * 256);
+  return "r" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}

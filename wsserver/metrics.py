@@ -1,0 +1,301 @@
+"""Prometheus metrics and the event-loop lag probe.
+
+Each :class:`~wsserver.server.Server` owns a :class:`Metrics` with its own
+:class:`~prometheus_client.CollectorRegistry` (tests run many servers in one
+process; the global registry would mix them). ``/metrics`` renders it.
+
+Two kinds of values:
+
+* **events** — counters and histograms updated where things happen (a request
+  ends, a producer exits, a frame is refused). These calls are cheap: a lock
+  and an addition.
+* **state** — connections, running and waiting requests, bytes buffered per
+  connection, producers blocked right now. These are read from the server at
+  scrape time by :class:`_LiveCollector`, so nothing has to keep them in sync.
+
+The probe task wakes every ``server.loop_probe_ms`` and measures how late it
+woke: that lateness is the time every other callback on the loop waited too
+(a frame to send, a cancel to read). It also logs the model queue's depth
+while requests wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from . import __version__
+from .protocol import Done
+
+if TYPE_CHECKING:
+    from .connection import Generation
+    from .server import Server
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+log = logging.getLogger("wsserver.metrics")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Request phases run from milliseconds (a fast first token) to minutes (a long answer).
+_REQUEST_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+# Cancel latency and loop lag should stay far below 100 ms; resolve the low end.
+_FAST_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+class Metrics:
+    """Every metric of one server, and the loop-lag probe."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        info = Gauge(
+            "wsserver_info",
+            "Server version, backend and model (value 1).",
+            ["version", "backend", "model"],
+            registry=r,
+        )
+        info.labels(__version__, server.config.backend.kind, server.backend.model_name).set(1)
+        self.connections_total = Counter(
+            "wsserver_connections", "WebSocket connections accepted.", registry=r
+        )
+        self.connection_closes = Counter(
+            "wsserver_connection_closes",
+            "Connections ended, by close code (1006 = aborted).",
+            ["code"],
+            registry=r,
+        )
+        self.handshakes_refused = Counter(
+            "wsserver_handshakes_refused",
+            "HTTP requests and handshakes refused: host, origin, auth, connections, connections_per_ip.",
+            ["reason"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "wsserver_requests", "Requests ended (done frames), by reason.", ["reason"], registry=r
+        )
+        self.tokens = Counter(
+            "wsserver_tokens_generated", "Tokens generated and handed to the sender.", registry=r
+        )
+        self.errors = Counter(
+            "wsserver_errors",
+            "Error frames sent and requests ended with reason error, by wire code.",
+            ["code"],
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "wsserver_request_queue_seconds",
+            "Time from receiving a request to its start (waiting for the model).",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "wsserver_request_ttft_seconds",
+            "Time from receiving a request to sending its first text.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.total_time = Histogram(
+            "wsserver_request_duration_seconds",
+            "Time from receiving a request to its done frame.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.cancel_latency = Histogram(
+            "wsserver_cancel_latency_seconds",
+            "Time from a cancel (or restart) frame to its producer thread's exit and the model slot's release.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "wsserver_event_loop_lag_seconds",
+            "How late the periodic probe callback ran: the delay every callback on the loop saw.",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
+        #: Recent probe results (seconds), newest last, for tests and diagnostics.
+        self.loop_lag_samples: deque[float] = deque(maxlen=100_000)
+        #: Blocked seconds of producers that have exited (live ones are read at scrape time).
+        self.blocked_seconds_finished = 0.0
+        r.register(_LiveCollector(server, self))
+        self._probe: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ events
+
+    def connection_closed(self, code: int | None) -> None:
+        self.connection_closes.labels(str(code if code is not None else 1006)).inc()
+
+    def done(self, frame: Done) -> None:
+        """A request ended: record its phases from the ``done`` frame's timings."""
+        self.requests.labels(frame.reason).inc()
+        if frame.error_code is not None:
+            self.errors.labels(frame.error_code).inc()
+        timings = frame.timings
+        if frame.reason != "cancelled" or timings.queued_ms < timings.total_ms:
+            # A request cancelled while it waited never started: no queue time.
+            self.queue_time.observe(timings.queued_ms / 1000.0)
+        if timings.ttft_ms is not None:
+            self.ttft.observe(timings.ttft_ms / 1000.0)
+        self.total_time.observe(timings.total_ms / 1000.0)
+
+    def producer_finished(self, generation: Generation) -> None:
+        """A producer exited (or a request ended before it had one)."""
+        self.blocked_seconds_finished += generation.channel.blocked_seconds
+
+    # ------------------------------------------------------------ HTTP
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------ probe
+
+    def start(self) -> None:
+        if self._probe is None:
+            self._probe = asyncio.create_task(self._run_probe(), name="wsserver-loop-probe")
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+            self._probe = None
+
+    async def _run_probe(self) -> None:
+        config = self.server.config.server
+        interval = config.loop_probe_ms / 1000.0
+        queue_log = config.queue_log_s
+        loop = asyncio.get_running_loop()
+        next_queue_log = loop.time()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(interval)
+            now = loop.time()
+            lag = max(0.0, now - start - interval)
+            self.loop_lag.observe(lag)
+            self.loop_lag_samples.append(lag)
+            if queue_log and now >= next_queue_log:
+                scheduler = self.server.scheduler
+                if scheduler.waiting:
+                    log.info(
+                        "queue: %d request(s) waiting for the model, %d running",
+                        scheduler.waiting,
+                        scheduler.busy,
+                        extra={"queued": scheduler.waiting, "running": scheduler.busy},
+                    )
+                    next_queue_log = now + queue_log
+
+
+class _LiveCollector(Collector):
+    """Values read from the server at scrape time."""
+
+    def __init__(self, server: Server, metrics: Metrics) -> None:
+        self._server = server
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(live=True))
+
+    def _families(self, live: bool = False) -> Iterable[Metric]:
+        server = self._server
+        connections = list(server.connections.values()) if live else []
+        generations = [g for c in connections for g in list(c.generations.values())]
+        buffered = [c.buffered_bytes() for c in connections]
+        scheduler = server.scheduler
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value if live else None)
+
+        yield gauge("wsserver_open_connections", "Open WebSocket connections.", len(connections))
+        yield gauge(
+            "wsserver_requests_active",
+            "Requests holding a model slot (started, or winding down after a cancel).",
+            scheduler.busy,
+        )
+        yield gauge(
+            "wsserver_requests_queued", "Requests waiting for a model slot.", scheduler.waiting
+        )
+        yield gauge(
+            "wsserver_producer_threads",
+            "Live producer (generation) threads.",
+            sum(1 for g in generations if g.thread is not None and g.thread.is_alive()),
+        )
+        yield gauge(
+            "wsserver_producers_blocked",
+            "Producers blocked right now because their client reads slower than the model writes.",
+            sum(1 for g in generations if g.channel.blocked_since is not None),
+        )
+        yield gauge(
+            "wsserver_connection_buffered_bytes_max",
+            "Largest number of bytes one connection holds for its client (channel + write buffer).",
+            max(buffered, default=0),
+        )
+        yield gauge(
+            "wsserver_connection_buffered_bytes_sum",
+            "Bytes held for clients across all connections (channels + write buffers).",
+            sum(buffered),
+        )
+        blocked = CounterMetricFamily(
+            "wsserver_producer_blocked_seconds",
+            "Time producers spent blocked by backpressure (a full channel).",
+        )
+        if live:
+            blocked.add_metric(
+                [], self._metrics.blocked_seconds_finished + _live_blocked(generations)
+            )
+        yield blocked
+
+
+def _live_blocked(generations: list[Generation]) -> float:
+    now = time.monotonic()
+    total = 0.0
+    for generation in generations:
+        channel = generation.channel
+        total += channel.blocked_seconds
+        since = channel.blocked_since
+        if since is not None:
+            total += max(0.0, now - since)
+    return total

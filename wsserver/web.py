@@ -1,0 +1,116 @@
+"""The chat page and the JS client, served on the WebSocket port.
+
+``GET /`` answers with clients/web/index.html; its assets and the JS client
+module (clients/js/wsserver.js) are served beside it. The files are read from
+the source tree, so an edit shows on the next reload; each is cached until its
+modification time or size changes.
+
+Every response carries a Content-Security-Policy that allows only this
+origin's scripts and styles, and WebSocket connections back to the host the
+page was loaded from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from websockets.http11 import Request, Response
+
+from .http import text_response
+
+if TYPE_CHECKING:
+    from .server import Server
+
+__all__ = ["CLIENTS_DIR", "install_web_routes"]
+
+#: The bundled clients, relative to the source tree (wsserver/ is beside clients/).
+CLIENTS_DIR: Final = Path(__file__).resolve().parents[1] / "clients"
+
+
+@dataclass(frozen=True, slots=True)
+class _Asset:
+    path: Path
+    content_type: str
+
+
+_ASSETS: Final = {
+    "/": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
+    "/index.html": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
+    "/app.js": _Asset(CLIENTS_DIR / "web" / "app.js", "text/javascript; charset=utf-8"),
+    "/style.css": _Asset(CLIENTS_DIR / "web" / "style.css", "text/css; charset=utf-8"),
+    "/wsserver.js": _Asset(CLIENTS_DIR / "js" / "wsserver.js", "text/javascript; charset=utf-8"),
+}
+
+# A Host header is copied into the policy only if it is a plain host[:port];
+# anything else could smuggle policy directives.
+_HOST_RE: Final = re.compile(
+    r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?"
+)
+
+
+def _content_security_policy(request: Request) -> str:
+    # CSP Level 3 lets 'self' match ws:/wss: of the page's own host, but not
+    # every browser in use implements that, so the host is named as well.
+    host = request.headers.get("Host", "")
+    sockets = f" ws://{host} wss://{host}" if _HOST_RE.fullmatch(host) else ""
+    return (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        f"connect-src 'self'{sockets}; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+
+
+class _FileCache:
+    """Bytes of each asset, reread when the file's mtime or size changes."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Path, tuple[int, int, bytes]] = {}
+
+    def read(self, path: Path) -> bytes:
+        stat = path.stat()
+        entry = self._entries.get(path)
+        if entry is not None and entry[0] == stat.st_mtime_ns and entry[1] == stat.st_size:
+            return entry[2]
+        data = path.read_bytes()
+        self._entries[path] = (stat.st_mtime_ns, stat.st_size, data)
+        return data
+
+
+def _serve(cache: _FileCache, asset: _Asset, request: Request) -> Response:
+    method = request.method
+    if method not in ("GET", "HEAD"):
+        response = text_response(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed\n")
+        response.headers["Allow"] = "GET, HEAD"
+        return response
+    try:
+        body = cache.read(asset.path)
+    except OSError:
+        return text_response(
+            HTTPStatus.NOT_FOUND, f"{asset.path.name} is missing from this install\n"
+        )
+    response = text_response(HTTPStatus.OK, body, asset.content_type)
+    response.headers["Content-Security-Policy"] = _content_security_policy(request)
+    response.headers["Referrer-Policy"] = "no-referrer"
+    if method == "HEAD":
+        # Same headers (Content-Length included), no body.
+        response.body = b""
+    return response
+
+
+def install_web_routes(server: Server) -> None:
+    """Register the page, its assets and the JS client in ``server.http_routes``."""
+    cache = _FileCache()
+    for route, asset in _ASSETS.items():
+        server.http_routes[route] = _handler(cache, asset)
+
+
+def _handler(cache: _FileCache, asset: _Asset) -> Callable[[Server, Request], Response]:
+    def handle(server: Server, request: Request) -> Response:
+        return _serve(cache, asset, request)
+
+    return handle
