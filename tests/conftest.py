@@ -34,7 +34,11 @@ def timeout(units: float = 10.0) -> float:
 def make_config(**overrides: Any) -> Config:
     """A config for tests: fake backend, any free port, no environment."""
     # Long outputs are the point of several tests: lift the max_tokens limit.
-    values: dict[str, Any] = {"server.port": 0, "backend.kind": "fake", "limits.max_tokens": 1_000_000}
+    values: dict[str, Any] = {
+        "server.port": 0,
+        "backend.kind": "fake",
+        "limits.max_tokens": 1_000_000,
+    }
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load_config(env={}, overrides=values).config
 
@@ -51,7 +55,9 @@ async def running_server(config: Config | None = None, **overrides: Any) -> Asyn
     finally:
         await server.stop(grace=0)
         # No producer thread may outlive the server.
-        leftover = [t.name for t in threading.enumerate() if t.name.startswith("wsserver-producer-")]
+        leftover = [
+            t.name for t in threading.enumerate() if t.name.startswith("wsserver-producer-")
+        ]
         assert not leftover, f"producer threads leaked: {leftover}"
 
 
@@ -60,7 +66,9 @@ jsonschema.Draft202012Validator.check_schema(SCHEMA)
 
 
 def _validator(definition: str) -> jsonschema.Draft202012Validator:
-    return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]})
+    return jsonschema.Draft202012Validator(
+        {"$ref": f"#/$defs/{definition}", "$defs": SCHEMA["$defs"]}
+    )
 
 
 SERVER_FRAME = _validator("ServerFrame")
@@ -138,7 +146,9 @@ async def wire(server: Server, **connect_kwargs: Any) -> AsyncIterator[Wire]:
         yield client
 
 
-def expected_fake_text(prompt: str, max_tokens: int, seed: int | None = None, stop: tuple[str, ...] = ()) -> str:
+def expected_fake_text(
+    prompt: str, max_tokens: int, seed: int | None = None, stop: tuple[str, ...] = ()
+) -> str:
     """The fake backend's text for a request, computed without the server.
 
     Decodes the raw token bytes in one go — an oracle independent of the
@@ -148,8 +158,15 @@ def expected_fake_text(prompt: str, max_tokens: int, seed: int | None = None, st
     from wsserver.backends.fake import fake_tokens
 
     request = GenerationRequest(
-        id="oracle", prompt=prompt, messages=None, max_tokens=max_tokens, temperature=0.8,
-        top_p=0.95, top_k=40, seed=seed, stop=stop,
+        id="oracle",
+        prompt=prompt,
+        messages=None,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        top_p=0.95,
+        top_k=40,
+        seed=seed,
+        stop=stop,
     )
     tokens = fake_tokens(request)
     data = b"".join(next(tokens) for _ in range(max_tokens))

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import os
 import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, expected_fake_text, running_server, timeout
 from wsserver_client import Client, GenerationError
 from wsserver_client.cli import Chat
 
 
 async def test_generate_iterates_text_and_reports_done() -> None:
-    async with running_server(backend__fake__tokens_per_s=0.0) as server, Client(server.url) as client:
+    async with (
+        running_server(backend__fake__tokens_per_s=0.0) as server,
+        Client(server.url) as client,
+    ):
         assert client.hello is not None and client.hello.model == "fake"
         stream = client.generate("hello there", max_tokens=40, seed=5)
         pieces = [text async for text in stream]
@@ -26,7 +27,10 @@ async def test_generate_iterates_text_and_reports_done() -> None:
 
 
 async def test_cancel_drops_late_text_and_returns_done() -> None:
-    async with running_server(backend__fake__tokens_per_s=300.0) as server, Client(server.url) as client:
+    async with (
+        running_server(backend__fake__tokens_per_s=300.0) as server,
+        Client(server.url) as client,
+    ):
         stream = client.generate("long one", max_tokens=100000)
         seen = []
         async for text in stream:
@@ -41,7 +45,10 @@ async def test_cancel_drops_late_text_and_returns_done() -> None:
 
 
 async def test_restart_and_refusals() -> None:
-    async with running_server(backend__fake__tokens_per_s=500.0) as server, Client(server.url) as client:
+    async with (
+        running_server(backend__fake__tokens_per_s=500.0) as server,
+        Client(server.url) as client,
+    ):
         first = client.generate("story", max_tokens=10000, seed=2)
         async for _ in first:
             break
@@ -58,7 +65,9 @@ async def test_restart_and_refusals() -> None:
 
 
 async def test_queued_positions_are_visible() -> None:
-    async with running_server(backend__fake__parallel=1, backend__fake__tokens_per_s=200.0) as server:
+    async with running_server(
+        backend__fake__parallel=1, backend__fake__tokens_per_s=200.0
+    ) as server:
         async with Client(server.url) as a, Client(server.url) as b:
             first = a.generate("a", max_tokens=30)
             async for _ in first:
@@ -84,7 +93,10 @@ async def test_streams_fail_when_the_connection_drops() -> None:
 
 
 async def test_chat_streams_regenerates_and_cancels_in_band() -> None:
-    async with running_server(backend__fake__tokens_per_s=0.0) as server, Client(server.url) as client:
+    async with (
+        running_server(backend__fake__tokens_per_s=0.0) as server,
+        Client(server.url) as client,
+    ):
         out = io.StringIO()
         chat = Chat(client, out=out, options={"max_tokens": 12})
         assert await chat.handle("/regen\n")
@@ -105,7 +117,10 @@ def test_chat_cli_end_to_end_in_a_terminal_process() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
     server = subprocess.Popen(
         [sys.executable, "-m", "wsserver", "serve", "--backend", "fake", "--port", "0"],
-        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert server.stderr is not None
@@ -117,7 +132,11 @@ def test_chat_cli_end_to_end_in_a_terminal_process() -> None:
         assert url, "server did not report its URL"
         chat = subprocess.run(
             [sys.executable, "-m", "wsserver_client.cli", url, "--max-tokens", "8"],
-            input="hello\n/quit\n", capture_output=True, text=True, timeout=timeout(30), env=env,
+            input="hello\n/quit\n",
+            capture_output=True,
+            text=True,
+            timeout=timeout(30),
+            env=env,
         )
         assert chat.returncode == 0, chat.stderr
         assert expected_fake_text("hello", 8) in chat.stdout

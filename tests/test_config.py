@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from wsserver.cli import main
 from wsserver.config import KEYS, describe, env_name, load_config
 from wsserver.errors import ConfigError
@@ -23,7 +23,7 @@ def test_default_toml_lists_every_key_with_the_builtin_default() -> None:
 
 def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[server]\nport = 1111\nhost = \"::1\"\n[stream]\nflush_ms = 12\n")
+    path.write_text('[server]\nport = 1111\nhost = "::1"\n[stream]\nflush_ms = 12\n')
     env = {"WSSERVER_SERVER_PORT": "2222", "WSSERVER_BACKEND_FAKE_TOKENS_PER_S": "7.5"}
     loaded = load_config(path=path, env=env, overrides={"server.port": "3333"})
     config = loaded.config
@@ -40,15 +40,17 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     [
         ("[server]\nprot = 1\n", "unknown key server.prot"),
         ("[sever]\nport = 1\n", "unknown section [sever]"),
-        ("[server]\nport = \"80\"\n", "expected int"),
+        ('[server]\nport = "80"\n', "expected int"),
         ("[server]\nport = 70000\n", "out of range"),
-        ("[backend]\nkind = \"gpt\"\n", "not one of"),
+        ('[backend]\nkind = "gpt"\n', "not one of"),
         ("[stream]\nflush_tokens = 0\n", "out of range"),
         ("[limits]\ndefault_max_tokens = 10\nmax_tokens = 5\n", "default_max_tokens"),
         ("not toml", "cannot read config file"),
     ],
 )
-def test_invalid_files_are_refused_with_a_clear_message(tmp_path: Path, toml: str, message: str) -> None:
+def test_invalid_files_are_refused_with_a_clear_message(
+    tmp_path: Path, toml: str, message: str
+) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(toml)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -60,7 +62,7 @@ def test_invalid_env_and_flags() -> None:
         load_config(env={"WSSERVER_NOPE": "1"})
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(env={"WSSERVER_SERVER_PORT": "eighty"})
-    with pytest.raises(ConfigError, match="unknown key x.y"):
+    with pytest.raises(ConfigError, match=r"unknown key x\.y"):
         load_config(env={}, overrides={"x.y": 1})
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(path="/nonexistent/wsserver.toml", env={})
@@ -71,7 +73,9 @@ def test_env_names_are_derived_from_keys() -> None:
     assert len({env_name(k) for k in KEYS}) == len(KEYS)
 
 
-def test_config_show_prints_values_and_sources(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_show_prints_values_and_sources(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in list(__import__("os").environ):
         if name.startswith("WSSERVER_"):
             monkeypatch.delenv(name)

@@ -6,8 +6,8 @@ import json
 
 import orjson
 import pytest
-
 from conftest import CLIENT_FRAME, SERVER_FRAME
+
 from wsserver.errors import WIRE_CODES, ProtocolError
 from wsserver.protocol import (
     Cancel,
@@ -60,7 +60,14 @@ def test_generate_with_prompt_and_every_option() -> None:
         }
     )
     assert frame == Generate(
-        id="a-1.b:c_D", prompt="hi", max_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=42, stop=("\n",)
+        id="a-1.b:c_D",
+        prompt="hi",
+        max_tokens=5,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=3,
+        seed=42,
+        stop=("\n",),
     )
 
 
@@ -86,7 +93,9 @@ def test_cancel_and_restart() -> None:
 
 def test_restart_apply_overrides_and_input_switch() -> None:
     old = Generate(id="o", prompt="p", max_tokens=9, seed=1)
-    assert Restart("o", "n", {"max_tokens": 3}).apply(old) == Generate(id="n", prompt="p", max_tokens=3, seed=1)
+    assert Restart("o", "n", {"max_tokens": 3}).apply(old) == Generate(
+        id="n", prompt="p", max_tokens=3, seed=1
+    )
     messages = (Message("user", "m"),)
     switched = Restart("o", "n", {"messages": messages}).apply(old)
     assert switched.prompt is None and switched.messages == messages
@@ -113,7 +122,7 @@ def test_id_length_bounds() -> None:
         ("[]", "bad_json"),
         ("null", "bad_json"),
         ("42", "bad_json"),
-        ("\"generate\"", "bad_json"),
+        ('"generate"', "bad_json"),
         ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 1e999}', "bad_json"),
         ("[" * 2000 + "]" * 2000, "bad_json"),
         # Type missing, wrong or unknown.
@@ -123,7 +132,10 @@ def test_id_length_bounds() -> None:
         ('{"type": "hello"}', "unknown_type"),
         # Fields missing, wrong-typed, out of range, or unknown.
         ('{"type": "generate", "id": "a"}', "bad_request"),
-        ('{"type": "generate", "id": "a", "prompt": "x", "messages": [{"role":"user","content":"y"}]}', "bad_request"),
+        (
+            '{"type": "generate", "id": "a", "prompt": "x", "messages": [{"role":"user","content":"y"}]}',
+            "bad_request",
+        ),
         ('{"type": "generate", "id": 7, "prompt": "x"}', "bad_request"),
         ('{"type": "generate", "id": "a b", "prompt": "x"}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": null}', "bad_request"),
@@ -131,7 +143,10 @@ def test_id_length_bounds() -> None:
         ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 1.5}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 0}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 51}', "bad_request"),
-        ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 99999999999999999999999}', "bad_request"),
+        (
+            '{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 99999999999999999999999}',
+            "bad_request",
+        ),
         ('{"type": "generate", "id": "a", "prompt": "x", "temperature": "hot"}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "temperature": -0.1}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "top_p": 1.5}', "bad_request"),
@@ -140,20 +155,35 @@ def test_id_length_bounds() -> None:
         ('{"type": "generate", "id": "a", "prompt": "x", "seed": 4294967296}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "stop": ""}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "stop": [1]}', "bad_request"),
-        ('{"type": "generate", "id": "a", "prompt": "x", "stop": ["a","b","c","d","e"]}', "bad_request"),
+        (
+            '{"type": "generate", "id": "a", "prompt": "x", "stop": ["a","b","c","d","e"]}',
+            "bad_request",
+        ),
         ('{"type": "generate", "id": "a", "prompt": "x", "stop": {"a": 1}}', "bad_request"),
         ('{"type": "generate", "id": "a", "prompt": "x", "bogus": 1}', "bad_request"),
         ('{"type": "generate", "id": "a", "messages": []}', "bad_request"),
         ('{"type": "generate", "id": "a", "messages": "hi"}', "bad_request"),
-        ('{"type": "generate", "id": "a", "messages": [{"role": "robot", "content": "x"}]}', "bad_request"),
-        ('{"type": "generate", "id": "a", "messages": [{"role": "user", "content": 1}]}', "bad_request"),
+        (
+            '{"type": "generate", "id": "a", "messages": [{"role": "robot", "content": "x"}]}',
+            "bad_request",
+        ),
+        (
+            '{"type": "generate", "id": "a", "messages": [{"role": "user", "content": 1}]}',
+            "bad_request",
+        ),
         ('{"type": "generate", "id": "a", "messages": [{"role": "user"}]}', "bad_request"),
-        ('{"type": "generate", "id": "a", "messages": [{"role": "user", "content": "x", "name": "n"}]}', "bad_request"),
+        (
+            '{"type": "generate", "id": "a", "messages": [{"role": "user", "content": "x", "name": "n"}]}',
+            "bad_request",
+        ),
         ('{"type": "generate", "id": "a", "messages": [1]}', "bad_request"),
         ('{"type": "cancel"}', "bad_request"),
         ('{"type": "cancel", "id": "a", "extra": true}', "bad_request"),
         ('{"type": "restart", "id": "a"}', "bad_request"),
-        ('{"type": "restart", "id": "a", "new_id": "b", "prompt": "x", "messages": [{"role":"user","content":"y"}]}', "bad_request"),
+        (
+            '{"type": "restart", "id": "a", "new_id": "b", "prompt": "x", "messages": [{"role":"user","content":"y"}]}',
+            "bad_request",
+        ),
         # Too large.
         ('{"type": "generate", "id": "a", "prompt": "' + "x" * 101 + '"}', "too_large"),
         ("x" * 5000, "too_large"),
@@ -169,14 +199,19 @@ def test_binary_frames_are_refused() -> None:
 
 def test_too_many_messages_and_message_chars() -> None:
     many = [{"role": "user", "content": "x"}] * 4
-    assert refused(json.dumps({"type": "generate", "id": "a", "messages": many})).code == "bad_request"
+    assert (
+        refused(json.dumps({"type": "generate", "id": "a", "messages": many})).code == "bad_request"
+    )
     big = [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]
     assert refused(json.dumps({"type": "generate", "id": "a", "messages": big})).code == "too_large"
 
 
 def test_errors_carry_the_request_id_when_it_is_readable() -> None:
     assert refused('{"type": "generate", "id": "mine", "prompt": 1}').request_id == "mine"
-    assert refused('{"type": "restart", "id": "old", "new_id": "new", "top_k": -1}').request_id == "new"
+    assert (
+        refused('{"type": "restart", "id": "old", "new_id": "new", "top_k": -1}').request_id
+        == "new"
+    )
     assert refused('{"type": "nope", "id": "x1"}').request_id == "x1"
     assert refused('{"type": "generate", "id": "bad id", "prompt": "x"}').request_id is None
 
@@ -245,7 +280,13 @@ def test_client_frames_the_parser_accepts_match_the_schema() -> None:
 
 def test_hello_lists_every_limit() -> None:
     wire = Limits().to_wire()
-    assert set(wire) == {"max_frame_bytes", "max_prompt_chars", "max_messages", "max_tokens", "default_max_tokens"}
+    assert set(wire) == {
+        "max_frame_bytes",
+        "max_prompt_chars",
+        "max_messages",
+        "max_tokens",
+        "default_max_tokens",
+    }
 
 
 def test_clients_ignore_limits_they_do_not_know() -> None:

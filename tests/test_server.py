@@ -10,25 +10,24 @@ import time
 
 import janus
 import pytest
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
-
 from conftest import (
     Wire,
     expected_fake_text,
-    make_config,
     running_server,
     text_of,
     timeout,
     wire,
 )
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 
 def producer_threads(request_id: str | None = None) -> list[threading.Thread]:
     return [
         t
         for t in threading.enumerate()
-        if t.name.startswith("wsserver-producer-") and (request_id is None or t.name.endswith(f"-{request_id}"))
+        if t.name.startswith("wsserver-producer-")
+        and (request_id is None or t.name.endswith(f"-{request_id}"))
     ]
 
 
@@ -54,7 +53,9 @@ async def test_hello_describes_server_and_limits() -> None:
 
 async def test_stream_delivers_the_exact_text_in_order() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, wire(server) as client:
-        await client.send({"type": "generate", "id": "a", "prompt": "tell me", "max_tokens": 300, "seed": 7})
+        await client.send(
+            {"type": "generate", "id": "a", "prompt": "tell me", "max_tokens": 300, "seed": 7}
+        )
         text, frames = await client.done("a")
         kinds = [f["type"] for f in frames]
         assert kinds[0] == "started"
@@ -71,7 +72,15 @@ async def test_same_request_gives_same_text_and_seed_changes_it() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, wire(server) as client:
         texts = []
         for request_id, seed in (("a", 1), ("b", 1), ("c", 2)):
-            await client.send({"type": "generate", "id": request_id, "prompt": "p", "max_tokens": 50, "seed": seed})
+            await client.send(
+                {
+                    "type": "generate",
+                    "id": request_id,
+                    "prompt": "p",
+                    "max_tokens": 50,
+                    "seed": seed,
+                }
+            )
             texts.append((await client.done(request_id))[0])
         assert texts[0] == texts[1]
         assert texts[0] != texts[2]
@@ -79,9 +88,12 @@ async def test_same_request_gives_same_text_and_seed_changes_it() -> None:
 
 async def test_multibyte_characters_are_never_split() -> None:
     # The fake backend emits CJK, emoji and accents as 1-3 byte tokens.
-    async with running_server(
-        backend__fake__tokens_per_s=0.0, stream__flush_tokens=1, stream__flush_ms=0.0
-    ) as server, wire(server) as client:
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=0.0, stream__flush_tokens=1, stream__flush_ms=0.0
+        ) as server,
+        wire(server) as client,
+    ):
         await client.send({"type": "generate", "id": "m", "prompt": "unicode", "max_tokens": 400})
         text, frames = await client.done("m")
         deltas = [f["text"] for f in frames if f["type"] == "delta"]
@@ -96,10 +108,15 @@ async def test_stop_string_ends_with_reason_stop_and_is_not_emitted() -> None:
     prompt = "stop test"
     full = expected_fake_text(prompt, 200)
     stop = full.split()[10]  # a word that occurs in the text
-    async with running_server(
-        backend__fake__tokens_per_s=0.0, stream__flush_tokens=1, stream__flush_ms=0.0
-    ) as server, wire(server) as client:
-        await client.send({"type": "generate", "id": "s", "prompt": prompt, "max_tokens": 200, "stop": stop})
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=0.0, stream__flush_tokens=1, stream__flush_ms=0.0
+        ) as server,
+        wire(server) as client,
+    ):
+        await client.send(
+            {"type": "generate", "id": "s", "prompt": prompt, "max_tokens": 200, "stop": stop}
+        )
         text, frames = await client.done("s")
         assert frames[-1]["reason"] == "stop"
         assert text == full[: full.find(stop)]
@@ -137,8 +154,13 @@ async def test_cancel_mid_stream_ends_at_once_with_nothing_after() -> None:
 
 async def test_cancel_during_prefill_is_answered_within_50ms() -> None:
     # 400 prompt tokens x 25 ms = 10 s of simulated prompt processing.
-    async with running_server(backend__fake__prefill_ms_per_token=25.0) as server, wire(server) as client:
-        await client.send({"type": "generate", "id": "p", "prompt": "word " * 320, "max_tokens": 10})
+    async with (
+        running_server(backend__fake__prefill_ms_per_token=25.0) as server,
+        wire(server) as client,
+    ):
+        await client.send(
+            {"type": "generate", "id": "p", "prompt": "word " * 320, "max_tokens": 10}
+        )
         await client.until(lambda f: f["type"] == "started")
         sent = time.perf_counter()
         await client.send({"type": "cancel", "id": "p"})
@@ -158,7 +180,12 @@ async def test_cancel_unknown_or_finished_id_is_refused_and_touches_nothing() ->
         await client.done("f")
         await client.send({"type": "cancel", "id": "f"})
         error = (await client.until(lambda f: f["type"] == "error"))[-1]
-        assert error == {"type": "error", "id": "f", "code": "unknown_id", "message": error["message"]}
+        assert error == {
+            "type": "error",
+            "id": "f",
+            "code": "unknown_id",
+            "message": error["message"],
+        }
         await client.send({"type": "generate", "id": "g", "prompt": "b", "max_tokens": 50})
         await client.until(lambda f: f["type"] == "started")
         await client.send({"type": "cancel", "id": "nope"})
@@ -173,10 +200,14 @@ async def test_cancel_racing_the_natural_end_yields_exactly_one_done() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, wire(server) as client:
         for n in range(30):
             request_id = f"r{n}"
-            await client.send({"type": "generate", "id": request_id, "prompt": "race", "max_tokens": 1 + n % 4})
+            await client.send(
+                {"type": "generate", "id": request_id, "prompt": "race", "max_tokens": 1 + n % 4}
+            )
             await client.send({"type": "cancel", "id": request_id})
             frames = await client.until(
-                lambda f, r=request_id: f["id"] == r and f["type"] in ("done", "error") and f["type"] == "done"
+                lambda f, r=request_id: (
+                    f["id"] == r and f["type"] in ("done", "error") and f["type"] == "done"
+                )
             )
             assert frames[-1]["reason"] in ("length", "cancelled")
         # A late cancel after a natural end is refused with unknown_id, never a second done.
@@ -191,12 +222,16 @@ async def test_cancel_racing_the_natural_end_yields_exactly_one_done() -> None:
 
 async def test_restart_old_done_precedes_every_frame_of_new() -> None:
     async with running_server(backend__fake__tokens_per_s=300.0) as server, wire(server) as client:
-        await client.send({"type": "generate", "id": "one", "prompt": "regen me", "max_tokens": 10000, "seed": 3})
+        await client.send(
+            {"type": "generate", "id": "one", "prompt": "regen me", "max_tokens": 10000, "seed": 3}
+        )
         await client.until(lambda f: f["type"] == "delta")
         await client.send({"type": "restart", "id": "one", "new_id": "two", "max_tokens": 40})
         text, _ = await client.done("two")
         ids = [f["id"] for f in client.frames if f["type"] != "hello"]
-        old_done = next(i for i, f in enumerate(client.frames) if f["type"] == "done" and f["id"] == "one")
+        old_done = next(
+            i for i, f in enumerate(client.frames) if f["type"] == "done" and f["id"] == "one"
+        )
         first_new = next(i for i, f in enumerate(client.frames) if f.get("id") == "two")
         assert old_done < first_new
         assert "one" not in ids[ids.index("two") :]
@@ -209,8 +244,10 @@ async def test_restart_after_done_regenerates_and_rapid_restarts_never_mix() -> 
         await client.send({"type": "generate", "id": "r0", "prompt": "again", "max_tokens": 5})
         first, _ = await client.done("r0")
         for n in range(1, 15):
-            await client.send({"type": "restart", "id": f"r{n - 1}", "new_id": f"r{n}", "max_tokens": 500})
-        text, frames = await client.done("r14")
+            await client.send(
+                {"type": "restart", "id": f"r{n - 1}", "new_id": f"r{n}", "max_tokens": 500}
+            )
+        text, _frames = await client.done("r14")
         assert text == expected_fake_text("again", 500)
         assert first == expected_fake_text("again", 5)
         for n in range(1, 14):
@@ -271,9 +308,15 @@ BAD_FRAMES = [
     ('{"type": "generate", "id": "a", "prompt": 5}', "bad_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 0}', "bad_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 1e400}', "bad_json"),
-    ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 123456789012345678901234567890}', "bad_request"),
+    (
+        '{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 123456789012345678901234567890}',
+        "bad_request",
+    ),
     ('{"type": "generate", "id": "a", "prompt": "x", "temperature": -1}', "bad_request"),
-    ('{"type": "generate", "id": "a", "prompt": "x", "stop": ["a","b","c","d","e"]}', "bad_request"),
+    (
+        '{"type": "generate", "id": "a", "prompt": "x", "stop": ["a","b","c","d","e"]}',
+        "bad_request",
+    ),
     ('{"type": "generate", "id": "a", "prompt": "x", "extra": 1}', "bad_request"),
     ("[" * 5000 + "]" * 5000, "bad_json"),
     ('{"type": "cancel"}', "bad_request"),
@@ -319,7 +362,9 @@ async def test_disconnect_mid_generation_stops_producer_and_leaks_nothing() -> N
         for n in range(6):
             async with wire(server, close_timeout=timeout(10)) as client:
                 request_id = f"gone{n}"
-                await client.send({"type": "generate", "id": request_id, "prompt": "x", "max_tokens": 10**6})
+                await client.send(
+                    {"type": "generate", "id": request_id, "prompt": "x", "max_tokens": 10**6}
+                )
                 await client.until(lambda f: f["type"] == "delta")
                 if n % 2:
                     # A clean close: the close frame alone must stop the producer,
@@ -347,9 +392,12 @@ async def test_disconnect_mid_generation_stops_producer_and_leaks_nothing() -> N
 async def test_first_delta_is_immediate_then_frames_respect_the_window() -> None:
     # 400 tokens at 1000 tokens/s with a 100 ms window: ~0.4 s, so at most ~5
     # window flushes plus the immediate first one (count flushing disabled).
-    async with running_server(
-        backend__fake__tokens_per_s=1000.0, stream__flush_ms=100.0, stream__flush_tokens=100000
-    ) as server, wire(server) as client:
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=1000.0, stream__flush_ms=100.0, stream__flush_tokens=100000
+        ) as server,
+        wire(server) as client,
+    ):
         await client.send({"type": "generate", "id": "w", "prompt": "pace", "max_tokens": 400})
         text, frames = await client.done("w")
         deltas = [f for f in frames if f["type"] == "delta"]
@@ -364,9 +412,12 @@ async def test_first_delta_is_immediate_then_frames_respect_the_window() -> None
 
 
 async def test_token_count_flushes_before_the_window() -> None:
-    async with running_server(
-        backend__fake__tokens_per_s=500.0, stream__flush_ms=10000.0, stream__flush_tokens=5
-    ) as server, wire(server) as client:
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=500.0, stream__flush_ms=10000.0, stream__flush_tokens=5
+        ) as server,
+        wire(server) as client,
+    ):
         await client.send({"type": "generate", "id": "n", "prompt": "count", "max_tokens": 100})
         text, frames = await client.done("n")
         deltas = [f for f in frames if f["type"] == "delta"]
@@ -406,7 +457,9 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
         async with connect(server.url, sock=sock, max_queue=4) as ws:
             client = Wire(ws)
             client.hello = await client.recv()
-            await client.send({"type": "generate", "id": "slow", "prompt": "stall", "max_tokens": max_tokens})
+            await client.send(
+                {"type": "generate", "id": "slow", "prompt": "stall", "max_tokens": max_tokens}
+            )
             await client.until(lambda f: f["type"] == "started")
             (connection,) = server.connections.values()
             generation = connection.generations["slow"]
@@ -437,13 +490,17 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
             assert frames[-1]["usage"]["completion_tokens"] == max_tokens
         slow_text = text
         async with wire(server) as fast:
-            await fast.send({"type": "generate", "id": "fast", "prompt": "stall", "max_tokens": max_tokens})
+            await fast.send(
+                {"type": "generate", "id": "fast", "prompt": "stall", "max_tokens": max_tokens}
+            )
             fast_text, fast_frames = await fast.done("fast", units=120)
         assert slow_text == fast_text == expected_fake_text("stall", max_tokens)
         # While it was stuck, deltas merged: the slow reader got fewer, larger frames.
         slow_deltas = [f for f in frames if f["type"] == "delta"]
         fast_deltas = [f for f in fast_frames if f["type"] == "delta"]
-        assert max(len(f["text"]) for f in slow_deltas) > max(len(f["text"]) for f in fast_deltas) / 2
+        assert (
+            max(len(f["text"]) for f in slow_deltas) > max(len(f["text"]) for f in fast_deltas) / 2
+        )
 
 
 async def stalled_client(server: object, request: dict[str, object]) -> Wire:
@@ -471,7 +528,9 @@ async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
             server, {"type": "generate", "id": "hog", "prompt": "x", "max_tokens": 10**6}
         )
         async with wire(server) as other:
-            await other.send({"type": "generate", "id": "next", "prompt": "my turn", "max_tokens": 5})
+            await other.send(
+                {"type": "generate", "id": "next", "prompt": "my turn", "max_tokens": 5}
+            )
             frames = await other.until(lambda f: f["type"] == "started")
             assert [f["type"] for f in frames] == ["queued", "started"]
             text, _ = await other.done("next")
@@ -489,7 +548,9 @@ async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
 
 
 async def test_requests_wait_in_fifo_order_with_queued_positions() -> None:
-    async with running_server(backend__fake__parallel=1, backend__fake__tokens_per_s=200.0) as server:
+    async with running_server(
+        backend__fake__parallel=1, backend__fake__tokens_per_s=200.0
+    ) as server:
         async with wire(server) as a, wire(server) as b, wire(server) as c:
             await a.send({"type": "generate", "id": "a", "prompt": "first", "max_tokens": 40})
             await a.until(lambda f: f["type"] == "started")
@@ -509,23 +570,29 @@ async def test_requests_wait_in_fifo_order_with_queued_positions() -> None:
 
 
 async def test_cancel_while_queued_and_overload() -> None:
-    async with running_server(
-        backend__fake__parallel=1, backend__fake__max_waiting=1, backend__fake__tokens_per_s=100.0
-    ) as server:
-        async with wire(server) as a, wire(server) as b, wire(server) as c:
-            await a.send({"type": "generate", "id": "a", "prompt": "hold", "max_tokens": 10000})
-            await a.until(lambda f: f["type"] == "started")
-            await b.send({"type": "generate", "id": "b", "prompt": "wait"})
-            await b.until(lambda f: f["type"] == "queued")
-            await c.send({"type": "generate", "id": "c", "prompt": "too many"})
-            error = (await c.until(lambda f: f["type"] == "error"))[-1]
-            assert (error["code"], error["id"]) == ("overloaded", "c")
-            await b.send({"type": "cancel", "id": "b"})
-            done = (await b.until(lambda f: f["type"] == "done"))[-1]
-            assert done["reason"] == "cancelled"
-            # c may try again now that the queue has room, and gets position 1.
-            await c.send({"type": "generate", "id": "c2", "prompt": "retry", "max_tokens": 3})
-            assert (await c.recv())["position"] == 1
-            await a.send({"type": "cancel", "id": "a"})
-            await a.until(lambda f: f["type"] == "done")
-            await c.done("c2")
+    async with (
+        running_server(
+            backend__fake__parallel=1,
+            backend__fake__max_waiting=1,
+            backend__fake__tokens_per_s=100.0,
+        ) as server,
+        wire(server) as a,
+        wire(server) as b,
+        wire(server) as c,
+    ):
+        await a.send({"type": "generate", "id": "a", "prompt": "hold", "max_tokens": 10000})
+        await a.until(lambda f: f["type"] == "started")
+        await b.send({"type": "generate", "id": "b", "prompt": "wait"})
+        await b.until(lambda f: f["type"] == "queued")
+        await c.send({"type": "generate", "id": "c", "prompt": "too many"})
+        error = (await c.until(lambda f: f["type"] == "error"))[-1]
+        assert (error["code"], error["id"]) == ("overloaded", "c")
+        await b.send({"type": "cancel", "id": "b"})
+        done = (await b.until(lambda f: f["type"] == "done"))[-1]
+        assert done["reason"] == "cancelled"
+        # c may try again now that the queue has room, and gets position 1.
+        await c.send({"type": "generate", "id": "c2", "prompt": "retry", "max_tokens": 3})
+        assert (await c.recv())["position"] == 1
+        await a.send({"type": "cancel", "id": "a"})
+        await a.until(lambda f: f["type"] == "done")
+        await c.done("c2")

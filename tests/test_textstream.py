@@ -51,7 +51,11 @@ def test_text_input_and_invalid_bytes() -> None:
     assert "".join(feed_all(assembler, [b"\xff", b"ok", b"\xe6\x97"])) == "ok"
 
 
-@given(st.text(max_size=60), st.lists(st.integers(1, 4), max_size=60), st.sampled_from(["", "\n\n", "é!", "ab"]))
+@given(
+    st.text(max_size=60),
+    st.lists(st.integers(1, 4), max_size=60),
+    st.sampled_from(["", "\n\n", "é!", "ab"]),
+)
 def test_any_split_gives_the_text_up_to_the_stop(text: str, cuts: list[int], stop: str) -> None:
     data = text.encode()
     chunks, i = [], 0

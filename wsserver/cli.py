@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +16,9 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsserver", description="Stream a local LLM over WebSocket.")
+    parser = argparse.ArgumentParser(
+        prog="wsserver", description="Stream a local LLM over WebSocket."
+    )
     parser.add_argument("--version", action="version", version=f"wsserver {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

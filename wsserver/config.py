@@ -28,8 +28,8 @@ __all__ = [
     "BackendConfig",
     "Config",
     "FakeConfig",
-    "LlamaConfig",
     "LimitsConfig",
+    "LlamaConfig",
     "SecurityConfig",
     "ServerConfig",
     "StreamConfig",
@@ -37,8 +37,13 @@ __all__ = [
 ]
 
 
-def _key(default: Any, *, low: float | None = None, high: float | None = None,
-         choices: tuple[str, ...] | None = None) -> Any:
+def _key(
+    default: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     meta = {"low": low, "high": high, "choices": choices}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -145,7 +150,9 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
 
 
-def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], dataclasses.Field[Any]]:
+def _leaves(
+    cls: type, prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], dataclasses.Field[Any]]:
     """Every settable key of a config class, as a path → field map."""
     out: dict[tuple[str, ...], dataclasses.Field[Any]] = {}
     for f in dataclasses.fields(cls):
@@ -191,7 +198,9 @@ def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source
         try:
             value = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            raise ConfigError(f"{name} (from {source}): cannot parse {value!r} as {kind.__name__}") from None
+            raise ConfigError(
+                f"{name} (from {source}): cannot parse {value!r} as {kind.__name__}"
+            ) from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is list:
@@ -202,14 +211,16 @@ def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source
             f"{name} (from {source}): expected {kind.__name__}, got {type(value).__name__} {value!r}"
         )
     low, high, choices = f.metadata.get("low"), f.metadata.get("high"), f.metadata.get("choices")
-    if low is not None and value < low or high is not None and value > high:
+    if (low is not None and value < low) or (high is not None and value > high):
         raise ConfigError(f"{name} (from {source}): {value!r} is out of range [{low:g}, {high:g}]")
     if choices is not None and value not in choices:
         raise ConfigError(f"{name} (from {source}): {value!r} is not one of {', '.join(choices)}")
     return value
 
 
-def _flatten(table: Mapping[str, Any], source: str, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+def _flatten(
+    table: Mapping[str, Any], source: str, prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], Any]:
     out: dict[tuple[str, ...], Any] = {}
     for key, value in table.items():
         path = (*prefix, key)

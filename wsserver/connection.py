@@ -149,7 +149,9 @@ class Connection:
         server = self.server
         try:
             await self._send(
-                Hello(model=server.backend.model_name, server=server.server_name, limits=server.limits)
+                Hello(
+                    model=server.backend.model_name, server=server.server_name, limits=server.limits
+                )
             )
             idle = self._idle_timeout
             while True:
@@ -161,7 +163,10 @@ class Connection:
                     if self.generations:
                         continue  # a request is running: the connection is not idle
                     log.info(
-                        "conn=%s idle for %.0fs; closing", self.conn_id, idle, extra=context(self.conn_id)
+                        "conn=%s idle for %.0fs; closing",
+                        self.conn_id,
+                        idle,
+                        extra=context(self.conn_id),
                     )
                     await self._close(1000, "idle timeout")
                     return
@@ -224,7 +229,10 @@ class Connection:
                 generation = self.generations.get(effect.id)
                 if generation is not None:
                     log.info(
-                        "conn=%s id=%s cancel", self.conn_id, effect.id, extra=context(self.conn_id, effect.id)
+                        "conn=%s id=%s cancel",
+                        self.conn_id,
+                        effect.id,
+                        extra=context(self.conn_id, effect.id),
                     )
                     generation.cancel_requested = self._loop.time()
                     if generation.exited is not None:
@@ -238,7 +246,11 @@ class Connection:
 
     def _peer_closed(self) -> None:
         """The client sent its close frame: stop producing for it right away."""
-        log.info("conn=%s client is closing; stopping its generation", self.conn_id, extra=context(self.conn_id))
+        log.info(
+            "conn=%s client is closing; stopping its generation",
+            self.conn_id,
+            extra=context(self.conn_id),
+        )
         self.closed = True
         for gen in list(self.generations.values()):
             gen.stop()
@@ -282,7 +294,9 @@ class Connection:
                 request_id,
                 gen.slot,
                 queued_ms,
-                extra=context(self.conn_id, request_id, slot=gen.slot, queued_ms=round(queued_ms, 3)),
+                extra=context(
+                    self.conn_id, request_id, slot=gen.slot, queued_ms=round(queued_ms, 3)
+                ),
             )
             await self._send(frame)
             self._spawn_producer(gen)
@@ -291,7 +305,10 @@ class Connection:
             gen.stop()
         except Exception:
             log.exception(
-                "conn=%s id=%s sender failed", self.conn_id, request_id, extra=context(self.conn_id, request_id)
+                "conn=%s id=%s sender failed",
+                self.conn_id,
+                request_id,
+                extra=context(self.conn_id, request_id),
             )
             gen.stop()
         finally:
@@ -310,7 +327,9 @@ class Connection:
             self._producer_gone(gen)
             self.generations.pop(request_id, None)
             if not self.closed:
-                await self._send_safely(self.session.producer_stopped(request_id, self._loop.time()))
+                await self._send_safely(
+                    self.session.producer_stopped(request_id, self._loop.time())
+                )
 
     def _producer_gone(self, gen: Generation) -> None:
         """Metrics and a log line once the producer has exited and the slot is free."""
@@ -324,7 +343,9 @@ class Connection:
                 self.conn_id,
                 gen.request.id,
                 latency * 1000.0,
-                extra=context(self.conn_id, gen.request.id, cancel_latency_ms=round(latency * 1000.0, 3)),
+                extra=context(
+                    self.conn_id, gen.request.id, cancel_latency_ms=round(latency * 1000.0, 3)
+                ),
             )
 
     def _queued(self, request_id: str, position: int) -> None:
@@ -374,16 +395,24 @@ class Connection:
             except GenerationCancelled:
                 pass
             except GenerationStalled:
-                _call_soon(loop, self._producer_failed, gen, Outcome(
-                    reason="error",
-                    completion_tokens=channel.tokens,
-                    error_code="stalled",
-                    error_message="the client did not read for the stall timeout",
-                ))
+                _call_soon(
+                    loop,
+                    self._producer_failed,
+                    gen,
+                    Outcome(
+                        reason="error",
+                        completion_tokens=channel.tokens,
+                        error_code="stalled",
+                        error_message="the client did not read for the stall timeout",
+                    ),
+                )
             except Exception as exc:
                 if not isinstance(exc, BackendError):
                     log.exception(
-                        "conn=%s id=%s backend failed", conn_id, request.id, extra=context(conn_id, request.id)
+                        "conn=%s id=%s backend failed",
+                        conn_id,
+                        request.id,
+                        extra=context(conn_id, request.id),
                     )
                 message = str(exc) if isinstance(exc, BackendError) else "the backend failed"
                 outcome = Outcome(
@@ -573,11 +602,15 @@ class Connection:
             async with asyncio.timeout(timeout):
                 request_id = self.session.active_id
                 if request_id is not None:
-                    await self._send_safely(self.session.handle(Cancel(id=request_id), self._loop.time()))
+                    await self._send_safely(
+                        self.session.handle(Cancel(id=request_id), self._loop.time())
+                    )
                 await self._close(1001, "server shutting down")
         except TimeoutError:
             log.info(
-                "conn=%s did not take part in closing; aborting", self.conn_id, extra=context(self.conn_id)
+                "conn=%s did not take part in closing; aborting",
+                self.conn_id,
+                extra=context(self.conn_id),
             )
             self.ws.transport.abort()
 

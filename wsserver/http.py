@@ -29,7 +29,9 @@ __all__ = ["process_request", "text_response"]
 log = logging.getLogger("wsserver.http")
 
 
-def text_response(status: HTTPStatus, body: str | bytes, content_type: str = "text/plain; charset=utf-8") -> Response:
+def text_response(
+    status: HTTPStatus, body: str | bytes, content_type: str = "text/plain; charset=utf-8"
+) -> Response:
     data = body.encode() if isinstance(body, str) else body
     headers = Headers(
         [
@@ -46,7 +48,9 @@ def text_response(status: HTTPStatus, body: str | bytes, content_type: str = "te
     return Response(status.value, status.phrase, headers, data)
 
 
-def _vet(server: Server, connection: ServerConnection, request: Request, *, upgrade: bool) -> Refusal | None:
+def _vet(
+    server: Server, connection: ServerConnection, request: Request, *, upgrade: bool
+) -> Refusal | None:
     """Host, Origin, token and connection limits, in that order."""
     headers = request.headers
     gate = server.gatekeeper
@@ -72,7 +76,9 @@ def _is_upgrade(request: Request) -> bool:
     return any(value.strip().lower() == "websocket" for value in request.headers.get_all("Upgrade"))
 
 
-def process_request(server: Server, connection: ServerConnection, request: Request) -> Response | None:
+def process_request(
+    server: Server, connection: ServerConnection, request: Request
+) -> Response | None:
     """Answer plain HTTP, or vet a WebSocket handshake (``None`` lets it proceed).
 
     Every request but ``/healthz`` passes the checks of :mod:`wsserver.security`.

@@ -50,7 +50,9 @@ def setup_logging(*, level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        formatter = logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+        formatter = logging.Formatter(
+            "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S"
+        )
         formatter.converter = time.localtime
         handler.setFormatter(formatter)
     root = logging.getLogger("wsserver")

@@ -20,7 +20,14 @@ __all__ = ["Coalescer"]
 class Coalescer:
     """Accumulates text pieces and says when they should be flushed."""
 
-    __slots__ = ("_flushed_once", "_last_flush", "_parts", "_tokens", "flush_tokens", "flush_window")
+    __slots__ = (
+        "_flushed_once",
+        "_last_flush",
+        "_parts",
+        "_tokens",
+        "flush_tokens",
+        "flush_window",
+    )
 
     def __init__(self, *, flush_window: float, flush_tokens: int) -> None:
         if flush_window < 0 or flush_tokens < 1:

@@ -246,7 +246,9 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
     has_prompt = "prompt" in options
     has_messages = "messages" in options
     if has_prompt == has_messages:
-        raise ProtocolError("bad_request", "give exactly one of 'prompt' and 'messages'", request_id)
+        raise ProtocolError(
+            "bad_request", "give exactly one of 'prompt' and 'messages'", request_id
+        )
     return Generate(id=request_id, **options)
 
 
@@ -390,7 +392,9 @@ def _to_wire(frame: ServerFrame) -> dict[str, Any]:
             },
             "timings": {
                 "queued_ms": round(frame.timings.queued_ms, 3),
-                "ttft_ms": None if frame.timings.ttft_ms is None else round(frame.timings.ttft_ms, 3),
+                "ttft_ms": None
+                if frame.timings.ttft_ms is None
+                else round(frame.timings.ttft_ms, 3),
                 "total_ms": round(frame.timings.total_ms, 3),
                 "tokens_per_s": round(frame.timings.tokens_per_s, 3),
             },

@@ -301,7 +301,11 @@ class Session:
             return []
         self._producer = None
         entry = self._active
-        if entry is not None and entry.request.id == request_id and entry.state is not RequestState.DONE:
+        if (
+            entry is not None
+            and entry.request.id == request_id
+            and entry.state is not RequestState.DONE
+        ):
             # A producer that exits without reporting an end is a backend bug;
             # the request still gets its one ``done``.
             return [

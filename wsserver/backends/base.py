@@ -87,9 +87,11 @@ class Backend(abc.ABC):
 
     def load(self) -> None:
         """Load the model. Blocking; called once on a worker thread."""
+        return None  # a backend with nothing to load needs no override
 
     def close(self) -> None:
         """Release the model. Called once at shutdown, after every producer ended."""
+        return None
 
     @abc.abstractmethod
     def generate(

@@ -29,21 +29,50 @@ from .base import Backend, GenerationRequest, TokenSink
 __all__ = ["FakeBackend", "fake_tokens"]
 
 _WORDS = (
-    "the", "stream", "of", "tokens", "flows", "to", "every", "client", "without", "pause",
-    "and", "a", "model", "speaks", "while", "sockets", "wait", "café", "naïve", "über",
-    "日本語", "テキスト", "中文", "한국어", "😀", "🚀", "👩‍💻", "Ωmega", "façade", "∑",
+    "the",
+    "stream",
+    "of",
+    "tokens",
+    "flows",
+    "to",
+    "every",
+    "client",
+    "without",
+    "pause",
+    "and",
+    "a",
+    "model",
+    "speaks",
+    "while",
+    "sockets",
+    "wait",
+    "café",
+    "naïve",
+    "über",
+    "日本語",
+    "テキスト",
+    "中文",
+    "한국어",
+    "😀",
+    "🚀",
+    "👩‍💻",
+    "Ωmega",
+    "façade",
+    "∑",
 )
 
 
 def _rng(request: GenerationRequest) -> random.Random:
-    source = request.prompt if request.prompt is not None else orjson.dumps(
-        [[m.role, m.content] for m in request.messages or ()]
-    ).decode()
+    source = (
+        request.prompt
+        if request.prompt is not None
+        else orjson.dumps([[m.role, m.content] for m in request.messages or ()]).decode()
+    )
     digest = hashlib.sha256(f"{request.seed}\x00{source}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def fake_tokens(request: GenerationRequest) -> "FakeTokenStream":
+def fake_tokens(request: GenerationRequest) -> FakeTokenStream:
     """The (infinite) token stream of a request, as raw bytes per token."""
     return FakeTokenStream(_rng(request))
 
@@ -56,7 +85,7 @@ class FakeTokenStream:
         self._pending: list[bytes] = []
         self._first = True
 
-    def __iter__(self) -> "FakeTokenStream":
+    def __iter__(self) -> FakeTokenStream:
         return self
 
     def __next__(self) -> bytes:

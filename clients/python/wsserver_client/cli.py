@@ -47,7 +47,9 @@ def _format_done(stream: Stream) -> str:
 class Chat:
     """The interactive loop, with its input and output injectable for tests."""
 
-    def __init__(self, client: Client, *, out: TextIO = sys.stdout, options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, client: Client, *, out: TextIO = sys.stdout, options: dict[str, Any] | None = None
+    ) -> None:
         self.client = client
         self.out = out
         self.options: dict[str, Any] = dict(options or {})
@@ -110,12 +112,14 @@ async def _run(url: str, token: str | None, options: dict[str, Any]) -> int:
     try:
         client = Client(url, token=token)
         await client.connect()
-    except (OSError, Exception) as exc:  # noqa: BLE001 - any failure to connect is reported plainly
+    except (OSError, Exception) as exc:
         print(f"wsserver-chat: cannot connect to {url}: {exc}", file=sys.stderr)
         return 1
     hello = client.hello
     assert hello is not None
-    print(f"connected to {hello.server}, model {hello.model}. Ctrl-C cancels, /regen restarts, /quit exits.")
+    print(
+        f"connected to {hello.server}, model {hello.model}. Ctrl-C cancels, /regen restarts, /quit exits."
+    )
     chat = Chat(client, options=options)
     quit_event = asyncio.Event()
 
@@ -148,14 +152,18 @@ async def _run(url: str, token: str | None, options: dict[str, Any]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wsserver-chat", description="Chat with a wsserver in the terminal.")
+    parser = argparse.ArgumentParser(
+        prog="wsserver-chat", description="Chat with a wsserver in the terminal."
+    )
     parser.add_argument("url", nargs="?", default="ws://127.0.0.1:8765/")
     parser.add_argument("--token", help="auth token, if the server requires one")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--temperature", type=float)
     args = parser.parse_args(argv)
     options = {
-        k: v for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature}.items() if v is not None
+        k: v
+        for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature}.items()
+        if v is not None
     }
     try:
         return asyncio.run(_run(args.url, args.token, options))

@@ -184,7 +184,9 @@ class Client:
         headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        self.ws = await connect(self.url, additional_headers=headers or None, **self._connect_kwargs)
+        self.ws = await connect(
+            self.url, additional_headers=headers or None, **self._connect_kwargs
+        )
         first = parse_server_frame(await self.ws.recv())
         if not isinstance(first, Hello):
             raise GenerationError("bad_request", f"expected hello, got {first!r}")
@@ -271,4 +273,3 @@ class Client:
             for stream in list(self._streams.values()):
                 stream._fail(error)
             self._streams.clear()
-
