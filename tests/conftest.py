@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -133,6 +134,27 @@ def text_of(frames: list[dict[str, Any]], request_id: str) -> str:
     deltas = [f for f in frames if f["type"] == "delta" and f["id"] == request_id]
     assert [d["seq"] for d in deltas] == list(range(len(deltas))), "seq must count 0, 1, 2 ..."
     return "".join(d["text"] for d in deltas)
+
+
+@contextlib.asynccontextmanager
+async def slow_wire(
+    server: Server, *, rcvbuf: int = 8192, max_queue: int = 4
+) -> AsyncIterator[Wire]:
+    """A :class:`Wire` with a tiny socket receive buffer and message queue.
+
+    When the test stops reading, the server feels it within kilobytes instead
+    of the megabytes that Linux would otherwise buffer on loopback.
+    """
+    from websockets.asyncio.client import connect
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    async with connect(server.url, sock=sock, max_queue=max_queue) as ws:
+        client = Wire(ws)
+        client.hello = await client.recv()
+        yield client
 
 
 @contextlib.asynccontextmanager

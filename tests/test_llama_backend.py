@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -24,9 +23,8 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from conftest import Wire, make_config, running_server, timeout, wire  # noqa: E402
+from conftest import make_config, running_server, slow_wire, timeout, wire  # noqa: E402
 from tiny_gguf import write_tiny_gguf  # noqa: E402
-from websockets.asyncio.client import connect  # noqa: E402
 from wsserver_client import Client  # noqa: E402
 
 from wsserver.backends.base import GenerationRequest  # noqa: E402
@@ -754,13 +752,7 @@ async def test_server_slow_reader_is_stalled_out_and_the_context_moves_on(tiny_g
         server__sndbuf=1024,
         server__write_limit=1024,
     ) as server:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        async with connect(server.url, sock=sock, max_queue=1) as ws, wire(server) as other:
-            slow = Wire(ws)
-            slow.hello = await slow.recv()
+        async with slow_wire(server, rcvbuf=1024, max_queue=1) as slow, wire(server) as other:
             await slow.send(
                 {
                     "type": "generate",
@@ -792,13 +784,7 @@ async def test_server_slow_reader_loses_nothing(tiny_gguf: Path) -> None:
         server__sndbuf=1024,
         server__write_limit=1024,
     ) as server:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        async with connect(server.url, sock=sock, max_queue=1) as ws:
-            slow = Wire(ws)
-            slow.hello = await slow.recv()
+        async with slow_wire(server, rcvbuf=1024, max_queue=1) as slow:
             await slow.send(
                 {
                     "type": "generate",

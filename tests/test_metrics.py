@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 from typing import Any
 
 import pytest
-from conftest import Wire, running_server, timeout, wire
+from conftest import running_server, slow_wire, timeout, wire
 from prometheus_client.parser import text_string_to_metric_families
 from test_security import http
-from websockets.asyncio.client import connect
 
 from wsserver.logs import JsonFormatter
 
@@ -196,13 +194,7 @@ async def test_backpressure_shows_in_blocked_producers_and_buffered_bytes() -> N
     async with running_server(
         backend__fake__tokens_per_s=0.0, stream__stall_timeout_s=0.0, limits__max_tokens=100_000
     ) as server:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        async with connect(server.url, sock=sock, max_queue=2) as ws:
-            client = Wire(ws)
-            await client.recv()  # hello
+        async with slow_wire(server, rcvbuf=4096, max_queue=2) as client:
             await client.send({"type": "generate", "id": "s", "prompt": "p", "max_tokens": 100_000})
             await client.until(lambda f: f["type"] == "started")
             # From here on the client reads nothing. The producer blocks for a

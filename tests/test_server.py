@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import socket
 import threading
 import time
 
 import janus
 import pytest
 from conftest import (
-    Wire,
     expected_fake_text,
     running_server,
+    slow_wire,
     text_of,
     timeout,
     wire,
 )
-from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 
@@ -450,13 +448,7 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
         server__write_limit=16384,
         stream__stall_timeout_s=60.0,
     ) as server:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        async with connect(server.url, sock=sock, max_queue=4) as ws:
-            client = Wire(ws)
-            client.hello = await client.recv()
+        async with slow_wire(server) as client:
             await client.send(
                 {"type": "generate", "id": "slow", "prompt": "stall", "max_tokens": max_tokens}
             )
@@ -503,20 +495,6 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
         )
 
 
-async def stalled_client(server: object, request: dict[str, object]) -> Wire:
-    """A real client with a tiny receive buffer that reads only up to ``started``."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))  # type: ignore[attr-defined]
-    ws = await connect(server.url, sock=sock, max_queue=4)  # type: ignore[attr-defined]
-    client = Wire(ws)
-    client.hello = await client.recv()
-    await client.send(request)
-    await client.until(lambda f: f["type"] == "started")
-    return client
-
-
 async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
     async with running_server(
         backend__fake__parallel=1,
@@ -524,24 +502,26 @@ async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
         stream__stall_timeout_s=0.5,
         server__send_timeout_s=60.0,
     ) as server:
-        stalled = await stalled_client(
-            server, {"type": "generate", "id": "hog", "prompt": "x", "max_tokens": 10**6}
-        )
-        async with wire(server) as other:
-            await other.send(
-                {"type": "generate", "id": "next", "prompt": "my turn", "max_tokens": 5}
+        async with slow_wire(server) as stalled:
+            await stalled.send(
+                {"type": "generate", "id": "hog", "prompt": "x", "max_tokens": 10**6}
             )
-            frames = await other.until(lambda f: f["type"] == "started")
-            assert [f["type"] for f in frames] == ["queued", "started"]
-            text, _ = await other.done("next")
-            assert text == expected_fake_text("my turn", 5)
-        # The stalled client reads again: its stream ended with an explicit reason.
-        frames = await stalled.until(lambda f: f["type"] == "done", units=60)
-        done = frames[-1]
-        assert (done["reason"], done["error"]["code"]) == ("error", "stalled")
-        text = text_of([f for f in stalled.frames if f.get("id") == "hog"], "hog")
-        assert text == expected_fake_text("x", done["usage"]["completion_tokens"])[: len(text)]
-        await stalled.ws.close()
+            await stalled.until(lambda f: f["type"] == "started")
+            # From here on the stalled client reads nothing while another waits.
+            async with wire(server) as other:
+                await other.send(
+                    {"type": "generate", "id": "next", "prompt": "my turn", "max_tokens": 5}
+                )
+                frames = await other.until(lambda f: f["type"] == "started")
+                assert [f["type"] for f in frames] == ["queued", "started"]
+                text, _ = await other.done("next")
+                assert text == expected_fake_text("my turn", 5)
+            # The stalled client reads again: its stream ended with an explicit reason.
+            frames = await stalled.until(lambda f: f["type"] == "done", units=60)
+            done = frames[-1]
+            assert (done["reason"], done["error"]["code"]) == ("error", "stalled")
+            text = text_of([f for f in stalled.frames if f.get("id") == "hog"], "hog")
+            assert text == expected_fake_text("x", done["usage"]["completion_tokens"])[: len(text)]
 
 
 # ---------------------------------------------------------------- model queue
