@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import threading
 import time
 
@@ -576,3 +577,12 @@ async def test_cancel_while_queued_and_overload() -> None:
         await a.send({"type": "cancel", "id": "a"})
         await a.until(lambda f: f["type"] == "done")
         await c.done("c2")
+
+
+async def test_accepted_sockets_have_nodelay_and_the_small_send_buffer() -> None:
+    async with running_server(server__sndbuf=16384) as server, wire(server):
+        (connection,) = server.connections.values()
+        sock = connection.ws.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        # Linux doubles the requested size for its bookkeeping.
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 2 * 16384

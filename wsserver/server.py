@@ -50,7 +50,11 @@ def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket
     """
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: accepted sockets inherit the protocol number, and
+    # asyncio enables TCP_NODELAY only on sockets that say they are TCP.
+    # Without it Nagle's algorithm holds a first delta behind the unacknowledged
+    # ``started`` frame until the client's delayed ACK, up to ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if sndbuf > 0:
