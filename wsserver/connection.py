@@ -24,9 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import janus
@@ -35,9 +33,10 @@ from websockets.exceptions import ConnectionClosed
 
 from .backends.base import GenerationRequest
 from .channel import Channel, End, Item, Piece, PromptDone
-from .errors import BackendError, GenerationCancelled, GenerationStalled, ProtocolError
+from .errors import ProtocolError
 from .logs import context
 from .pacing import Coalescer
+from .producer import Generation, start_producer
 from .protocol import (
     Cancel,
     Done,
@@ -84,34 +83,6 @@ class PeerAwareConnection(ServerConnection):
         if self.protocol.close_rcvd is not None and self.on_peer_close is not None:
             callback, self.on_peer_close = self.on_peer_close, None
             callback()
-
-
-@dataclass(eq=False)
-class Generation:
-    """The live parts of one started request."""
-
-    request: Generate
-    channel: Channel
-    task: asyncio.Task[None] | None = None
-    acquire: asyncio.Task[int] | None = None
-    thread: threading.Thread | None = None
-    exited: asyncio.Future[None] | None = None
-    stopped: bool = False
-    slot: int | None = None
-    sender_chars: int = field(default=0)
-    #: Loop time at which a cancel (or restart) frame stopped this request.
-    cancel_requested: float | None = None
-    #: Loop time at which the server began handling the request (for log timings).
-    created: float = 0.0
-    #: Loop time at which the producer thread of a cancelled request exited.
-    exited_at: float | None = None
-
-    def stop(self) -> None:
-        """Cancel: wake and end the producer, stop waiting for a slot. Idempotent."""
-        self.stopped = True
-        self.channel.close()
-        if self.acquire is not None and not self.acquire.done():
-            self.acquire.cancel()
 
 
 class Connection:
@@ -370,68 +341,24 @@ class Connection:
         task.add_done_callback(self.server.background.discard)
 
     def _spawn_producer(self, gen: Generation) -> None:
-        loop = self._loop
-        gen.exited = loop.create_future()
         # The model is free as soon as the producer thread is gone, even if the
         # sender is still stuck on a slow socket with the last frames.
-        scheduler = self.server.scheduler
         assert gen.slot is not None
         granted: int = gen.slot
-        gen.exited.add_done_callback(lambda _: scheduler.release(granted))
+        scheduler = self.server.scheduler
         request = GenerationRequest.from_frame(
             gen.request, default_max_tokens=self.server.limits.default_max_tokens
         )
-        backend = self.server.backend
-        assert gen.slot is not None
-        slot = gen.slot
-        exited = gen.exited
-        conn_id = self.conn_id
-
-        def produce() -> None:
-            channel = gen.channel
-            try:
-                outcome = backend.generate(request, slot=slot, sink=channel, cancel=channel.cancel)
-                channel.end(outcome)
-            except GenerationCancelled:
-                pass
-            except GenerationStalled:
-                _call_soon(
-                    loop,
-                    self._producer_failed,
-                    gen,
-                    Outcome(
-                        reason="error",
-                        completion_tokens=channel.tokens,
-                        error_code="stalled",
-                        error_message="the client did not read for the stall timeout",
-                    ),
-                )
-            except Exception as exc:
-                if not isinstance(exc, BackendError):
-                    log.exception(
-                        "conn=%s id=%s backend failed",
-                        conn_id,
-                        request.id,
-                        extra=context(conn_id, request.id),
-                    )
-                message = str(exc) if isinstance(exc, BackendError) else "the backend failed"
-                outcome = Outcome(
-                    reason="error",
-                    completion_tokens=channel.tokens,
-                    error_code="internal",
-                    error_message=message,
-                )
-                try:
-                    channel.end(outcome)
-                except (GenerationCancelled, GenerationStalled):
-                    _call_soon(loop, self._producer_failed, gen, outcome)
-            finally:
-                _call_soon(loop, _set_result, exited)
-
-        gen.thread = threading.Thread(
-            target=produce, name=f"wsserver-producer-{self.conn_id}-{request.id}", daemon=True
+        start_producer(
+            gen,
+            self.server.backend,
+            request,
+            loop=self._loop,
+            on_failed=self._producer_failed,
+            on_exit=lambda: scheduler.release(granted),
+            name=f"wsserver-producer-{self.conn_id}-{request.id}",
+            log_context=context(self.conn_id, request.id),
         )
-        gen.thread.start()
 
     def _producer_failed(self, gen: Generation, outcome: Outcome) -> None:
         """On the loop: the producer ended abnormally and could not queue its end."""
@@ -631,14 +558,3 @@ def _done_summary(frame: ServerFrame) -> str:
 
 def _mark_exited(gen: Generation, loop: asyncio.AbstractEventLoop, _: object) -> None:
     gen.exited_at = loop.time()
-
-
-def _set_result(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: object, *args: object) -> None:
-    # The loop may already be closed at interpreter shutdown; nothing to tell then.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]

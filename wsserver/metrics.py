@@ -38,7 +38,7 @@ from . import __version__
 from .protocol import Done
 
 if TYPE_CHECKING:
-    from .connection import Generation
+    from .producer import Generation
     from .server import Server
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
