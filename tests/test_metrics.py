@@ -78,7 +78,9 @@ async def test_metrics_endpoint_counts_requests_tokens_and_phases() -> None:
         for histogram in ("queue", "ttft", "duration"):
             assert after[f"wsserver_request_{histogram}_seconds_count"] == 1
         assert after['wsserver_errors_total{code="bad_json"}'] == 1
-        assert after["wsserver_producer_threads"] == 0
+        # (Producer threads are checked at shutdown by running_server: right
+        # after a done, the thread may still be on its way out.)
+        assert "wsserver_producer_threads" in after
         assert after["wsserver_producer_blocked_seconds_total"] >= 0
 
 

@@ -586,3 +586,37 @@ async def test_accepted_sockets_have_nodelay_and_the_small_send_buffer() -> None
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         # Linux doubles the requested size for its bookkeeping.
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 2 * 16384
+
+
+async def test_a_slow_but_steady_reader_is_never_stalled() -> None:
+    """Progress, not speed, decides: a client that keeps reading gets everything,
+    even while another request waits for the model it holds."""
+    max_tokens = 20000
+    async with running_server(
+        backend__fake__parallel=1,
+        backend__fake__tokens_per_s=0.0,
+        stream__stall_timeout_s=4.0,
+        server__send_timeout_s=30.0,
+    ) as server:
+        async with slow_wire(server) as client, wire(server) as waiting:
+            await client.send(
+                {"type": "generate", "id": "steady", "prompt": "slow", "max_tokens": max_tokens}
+            )
+            await client.until(lambda f: f["type"] == "started")
+            await waiting.send({"type": "generate", "id": "w", "prompt": "next", "max_tokens": 3})
+            assert (await waiting.recv())["type"] == "queued"
+            loop = asyncio.get_running_loop()
+            # The simulated client reads one frame every 10 ms: a pacing delay
+            # of the client under test, not a wait for the server.
+            while True:
+                frame = await client.recv(units=60)
+                if frame["type"] == "done":
+                    break
+                pause = loop.create_future()
+                loop.call_later(0.01, pause.set_result, None)
+                await pause
+            assert frame["reason"] == "length", frame
+            text = text_of([f for f in client.frames if f.get("id") == "steady"], "steady")
+            assert text == expected_fake_text("slow", max_tokens)
+            # The waiting request gets the model once the steady one is done.
+            await waiting.done("w")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import janus
 
-from .errors import GenerationCancelled, GenerationStalled
+from .errors import GenerationCancelled
 from .session import Outcome
 
 __all__ = ["CancelEvent", "Channel", "End", "Item", "Piece", "PromptDone"]
@@ -86,10 +86,9 @@ class Channel:
     :meth:`prompt_processed` and :meth:`end`; the loop reads :attr:`queue`.
     """
 
-    def __init__(self, capacity: int, *, stall_timeout: float | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.queue: janus.Queue[Item] = janus.Queue(maxsize=capacity)
         self.cancel = CancelEvent()
-        self._stall_timeout = stall_timeout
         # Written by the producer thread only; read for metrics and tests.
         self.blocked_seconds = 0.0
         self.blocked_cpu_seconds = 0.0
@@ -126,11 +125,9 @@ class Channel:
         self.blocked_since = wall
         self.blocked.set()
         try:
-            sync_q.put(item, timeout=self._stall_timeout)
+            sync_q.put(item)
         except janus.SyncQueueShutDown:
             raise GenerationCancelled() from None
-        except janus.SyncQueueFull:
-            raise GenerationStalled() from None
         finally:
             self.blocked.clear()
             self.blocked_since = None

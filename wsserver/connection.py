@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import logging
+import struct
+import termios
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -101,6 +104,10 @@ class Connection:
         self._flush_tokens = config.stream.flush_tokens
         self._queue_tokens = config.stream.queue_tokens
         self._stall_timeout = config.stream.stall_timeout_s or None
+        sock = websocket.transport.get_extra_info("socket") if websocket.transport else None
+        self._socket_fd: int | None = sock.fileno() if sock is not None else None
+        # How often a blocked send looks at the client's progress.
+        self._watch_s = min(0.25, self._send_timeout / 4, (self._stall_timeout or 1.0) / 4)
         self._loop = asyncio.get_running_loop()
         self.closed = False
         if isinstance(websocket, PeerAwareConnection):
@@ -229,7 +236,7 @@ class Connection:
     # ------------------------------------------------------------ generation
 
     def _start(self, request: Generate) -> None:
-        channel = Channel(self._queue_tokens, stall_timeout=self._stall_timeout)
+        channel = Channel(self._queue_tokens)
         generation = Generation(request=request, channel=channel, created=self._loop.time())
         self.generations[request.id] = generation
         generation.task = asyncio.create_task(
@@ -386,7 +393,10 @@ class Connection:
                 await self._send(frame)
                 continue
             try:
-                if coalescer.pending:
+                # Wait for the window only with text pending: tokens whose bytes
+                # are held back (half a character) never make a flush due, and
+                # waiting on a past deadline for them would spin.
+                if coalescer.has_text:
                     async with asyncio.timeout_at(coalescer.deadline()):
                         item = await queue.get()
                 else:
@@ -431,20 +441,107 @@ class Connection:
     # ------------------------------------------------------------ sending
 
     async def _send(self, frame: ServerFrame) -> None:
-        """Send one frame; abort the connection if the client stops reading."""
+        """Send one frame. While the client reads slowly, watch its progress.
+
+        ``send()`` writes the frame at once and then waits while the write
+        buffer is above ``write_limit``. If that takes longer than one watch
+        interval, :meth:`_drain_watching` takes over the wait.
+        """
         data = serialize(frame)
         try:
-            async with asyncio.timeout(self._send_timeout):
+            async with asyncio.timeout(self._watch_s):
                 await self.ws.send(data, text=True)
+            return
         except TimeoutError:
-            log.warning(
-                "conn=%s send made no progress for %.1fs; aborting the connection",
-                self.conn_id,
-                self._send_timeout,
-                extra=context(self.conn_id, self.session.active_id),
-            )
-            self.ws.transport.abort()
-            raise ConnectionClosed(None, None) from None
+            # The frame is written; only the wait for the drain was cut short.
+            pass
+        await self._drain_watching()
+
+    async def _drain_watching(self) -> None:
+        """Wait for the write buffer to drain, judging the client by its progress.
+
+        Progress means the bytes outstanding to the client (write buffer plus
+        the kernel's unacknowledged queue) went down: the client is reading,
+        however slowly, and a slow reader is never cut off for its speed. With
+        no progress for ``stream.stall_timeout_s`` while a producer is blocked
+        on the full channel and another request waits for the model, that
+        request ends as ``stalled`` and the model goes to the next one; with
+        none for ``server.send_timeout_s`` the connection is aborted (keepalive
+        pings cannot tell: they queue behind the same buffer).
+        """
+        transport = self.ws.transport
+        loop = self._loop
+        last_size = self._outstanding_bytes()
+        last_progress = loop.time() - self._watch_s
+        while True:
+            try:
+                async with asyncio.timeout(self._watch_s):
+                    await self.ws.drain()
+                return
+            except TimeoutError:
+                pass
+            if transport.is_closing():
+                raise ConnectionClosed(None, None)
+            now = loop.time()
+            size = self._outstanding_bytes()
+            if size < last_size:
+                last_progress = now
+            last_size = size
+            idle = now - last_progress
+            if self._stall_timeout is not None and idle >= self._stall_timeout:
+                self._stall_blocked_producers()
+            if idle >= self._send_timeout:
+                log.warning(
+                    "conn=%s send made no progress for %.1fs; aborting the connection",
+                    self.conn_id,
+                    idle,
+                    extra=context(self.conn_id, self.session.active_id),
+                )
+                transport.abort()
+                raise ConnectionClosed(None, None)
+
+    def _outstanding_bytes(self) -> int:
+        """Bytes sent to this client that it has not yet received.
+
+        The transport's write buffer plus, on Linux, the socket's unacknowledged
+        send queue (SIOCOUTQ): the kernel's buffer shrinks as soon as the
+        client's TCP stack acknowledges data, long before the transport's
+        buffer moves, so a slow reader shows its progress at a fine grain.
+        """
+        size = self.ws.transport.get_write_buffer_size()
+        if self._socket_fd is not None:
+            try:
+                size += struct.unpack(
+                    "i", fcntl.ioctl(self._socket_fd, termios.TIOCOUTQ, b"\0\0\0\0")
+                )[0]
+            except OSError:
+                self._socket_fd = None
+        return size
+
+    def _stall_blocked_producers(self) -> None:
+        """End requests whose producer waits on a client that reads nothing,
+        when another request is waiting for the model (else nobody is harmed)."""
+        if self.server.scheduler.waiting == 0:
+            return
+        for gen in list(self.generations.values()):
+            if gen.channel.blocked.is_set() and not gen.stopped:
+                log.warning(
+                    "conn=%s id=%s client read nothing for %.1fs; ending the request as stalled",
+                    self.conn_id,
+                    gen.request.id,
+                    self._stall_timeout,
+                    extra=context(self.conn_id, gen.request.id),
+                )
+                gen.stopped = True
+                self._producer_failed(
+                    gen,
+                    Outcome(
+                        reason="error",
+                        completion_tokens=gen.channel.tokens,
+                        error_code="stalled",
+                        error_message="the client read nothing for the stall timeout",
+                    ),
+                )
 
     async def _send_safely(self, effects: Iterable[Effect]) -> None:
         with contextlib.suppress(ConnectionClosed):

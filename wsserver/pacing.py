@@ -45,6 +45,11 @@ class Coalescer:
         return self._tokens > 0 or bool(self._parts)
 
     @property
+    def has_text(self) -> bool:
+        """Whether text is waiting; only then can the window make a flush due."""
+        return bool(self._parts)
+
+    @property
     def pending_chars(self) -> int:
         return sum(len(p) for p in self._parts)
 
