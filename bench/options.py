@@ -1,0 +1,25 @@
+"""The harness's run options, passed to every section."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Options:
+    quick: bool = False
+    #: GGUF for the llama sections; None = the default model.
+    model: str | None = None
+    #: Threads for every llama contender (0 = all cores, as the server's default).
+    threads: int = 0
+    n_ctx: int = 4096
+    n_batch: int = 512
+    out: Path = Path("docs/benchmarks.md")
+    started: float = field(default_factory=time.monotonic)
+
+    def log(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"[bench {elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)

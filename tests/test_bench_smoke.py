@@ -1,0 +1,140 @@
+"""A smoke run of the benchmark harness, so that it cannot rot.
+
+``python -m bench --quick`` runs every section with short windows: the
+fake-backend sections always, the llama sections (in-process vs wsserver vs
+llama_cpp.server, cancel latency) on the tiny test model when the llama
+backend, llama-cpp-python's server extra and the ``tiny_gguf`` fixture are
+available. It writes into a temporary folder, never into docs/. The figures
+are not benchmarks (a random-weight model, seconds of load); the test only
+checks that every section ran and that its numbers are sane.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "benchmarks.md"
+UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))
+
+
+def _llama_ready() -> str | None:
+    """Why the llama sections cannot run here, or None if they can."""
+    for module in ("llama_cpp", "llama_cpp.server", "fastapi", "uvicorn", "sse_starlette"):
+        try:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        except ImportError:
+            return f"{module} is not installed"
+    if not (ROOT / "wsserver" / "backends" / "llama.py").exists():
+        return "wsserver has no llama backend"
+    return None
+
+
+@pytest.fixture
+def bench_model(request: pytest.FixtureRequest) -> str | None:
+    """The tiny GGUF for the llama sections, or None to run only the fake ones."""
+    if _llama_ready() is not None:
+        return None
+    try:
+        return str(request.getfixturevalue("tiny_gguf"))
+    except pytest.FixtureLookupError:
+        return None
+
+
+def _docs_state() -> tuple[float, int] | None:
+    return (DOCS.stat().st_mtime, DOCS.stat().st_size) if DOCS.exists() else None
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | None) -> None:
+    out = tmp_path / "report" / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--out", str(out)]
+    if bench_model is not None:
+        command += ["--model", bench_model]
+    else:
+        command += ["--sections", "ceiling", "slow", "idle"]
+    docs_before = _docs_state()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert _docs_state() == docs_before, "the smoke run must not touch docs/benchmarks.md"
+
+    # The printed table and the files.
+    assert "| measure | result |" in proc.stdout
+    text = out.read_text()
+    data: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
+    results = data["results"]
+    for heading in (
+        "## Summary",
+        "## Machine",
+        "## How to reproduce",
+        "## 3. Server ceiling",
+        "## 4. Slow consumers",
+        "## 5. Memory per idle connection",
+    ):
+        assert heading in text
+    assert data["meta"]["machine"]["nproc"] >= 1
+    assert data["meta"]["quick"] is True
+
+    # 3: every level delivered tokens, with frames and CPU accounted.
+    ceiling = results["ceiling"]
+    assert ceiling["status"] == "ok"
+    levels = {(r["concurrency"], r["mode"]) for r in ceiling["rows"]}
+    assert levels == {(n, m) for n in (1, 8, 64, 256) for m in ("coalesced", "per-token")}
+    for row in ceiling["rows"]:
+        assert row["tokens_per_s"] > 0 and row["frames_per_s"] > 0, row
+        assert row["tokens"] >= row["delta_frames"] > 0, row
+        assert row["lag_p50_ms"] is not None and 0 <= row["lag_p50_ms"] <= row["lag_p99_ms"], row
+        assert row["errors"] == [], row
+    assert "| 256 | coalesced |" in text
+
+    # 4: bounded buffers, complete texts.
+    slow = results["slow"]
+    assert slow["status"] == "ok"
+    assert slow["texts_complete"] == slow["texts_total"] == 16
+    assert 0 < slow["max_buffered_bytes"] < 1 << 20
+    assert slow["producer_blocked_cpu_s"] <= slow["producer_blocked_s"] + 0.5
+
+    # 5: a plausible per-connection figure.
+    idle = results["idle"]
+    assert idle["status"] == "ok"
+    assert 0 < idle["bytes_per_connection"] < 1 << 20
+
+    # The plots, when matplotlib is installed.
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out.parent / "bench" / "ceiling.png").stat().st_size > 1000
+
+    if bench_model is None:
+        return
+    # 1: every contender streamed text; wsserver reported token counts.
+    throughput = results["throughput"]
+    assert throughput["status"] == "ok", throughput.get("reason")
+    rows = {r["contender"]: r for r in throughput["rows"]}
+    assert {"in-process", "wsserver", "llama_cpp.server"} <= set(rows)
+    for row in rows.values():
+        assert row["ttft_ms"]["n"] > 0 and row["ttft_ms"]["median"] > 0, row
+    assert all(run["tokens"] for run in throughput["raw"]["wsserver"])
+    assert "## 1. Throughput and time to first token" in text
+
+    # 2: wsserver acknowledged every cancel and served the next request.
+    cancel = results["cancel"]
+    assert cancel["status"] == "ok", cancel.get("reason")
+    for phase in ("mid-decode", "mid-prefill"):
+        ws = next(r for r in cancel["rows"] if r["contender"] == "wsserver" and r["phase"] == phase)
+        assert ws["n"] > 0 and ws["timeouts"] == 0, ws
+        assert 0 < ws["ack_ms"]["max"] < 5000, ws
+        assert 0 < ws["next_first_ms"]["max"] < 30000, ws
+    assert (out.parent / "bench" / "cancel.png").exists() or importlib.util.find_spec(
+        "matplotlib"
+    ) is None
