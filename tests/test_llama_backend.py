@@ -290,8 +290,9 @@ def test_length_reason_and_context_limits(tiny_gguf: Path) -> None:
         long_prompt = "hello world " * 40
         n_prompt = small.count_prompt_tokens(request(long_prompt))
         assert n_prompt is not None and n_prompt >= 64
-        with pytest.raises(BackendError, match="context holds 64 tokens"):
+        with pytest.raises(BackendError, match="context holds 64 tokens") as info:
             run(small, request(long_prompt))
+        assert info.value.code == "too_large"
         # A prompt that fits: max_tokens is clamped to the room left, reason "length".
         prompt = "hello world " * 20
         n_prompt = small.count_prompt_tokens(request(prompt))

@@ -12,6 +12,7 @@ import janus
 import pytest
 from conftest import (
     expected_fake_text,
+    make_config,
     running_server,
     slow_wire,
     text_of,
@@ -19,6 +20,10 @@ from conftest import (
     wire,
 )
 from websockets.exceptions import ConnectionClosed
+
+from wsserver.backends.fake import FakeBackend
+from wsserver.errors import BackendError
+from wsserver.server import Server
 
 
 def producer_threads(request_id: str | None = None) -> list[threading.Thread]:
@@ -620,3 +625,32 @@ async def test_a_slow_but_steady_reader_is_never_stalled() -> None:
             assert text == expected_fake_text("slow", max_tokens)
             # The waiting request gets the model once the steady one is done.
             await waiting.done("w")
+
+
+class _FailingBackend(FakeBackend):
+    """Fails the way a backend reports a request it cannot serve."""
+
+    def generate(self, request, *, slot, sink, cancel):  # type: ignore[no-untyped-def]
+        if request.prompt == "too long":
+            raise BackendError("the prompt does not fit", code="too_large")
+        raise RuntimeError("secret internal detail")
+
+
+async def test_backend_failures_end_the_request_with_a_code_and_no_traceback() -> None:
+    server = Server(make_config(), backend=_FailingBackend())
+    await server.start()
+    try:
+        await server.wait_ready()
+        async with wire(server) as client:
+            await client.send({"type": "generate", "id": "a", "prompt": "too long"})
+            done = (await client.until(lambda f: f["type"] == "done"))[-1]
+            assert (done["reason"], done["error"]["code"]) == ("error", "too_large")
+            await client.send({"type": "generate", "id": "b", "prompt": "boom"})
+            done = (await client.until(lambda f: f["type"] == "done"))[-1]
+            assert (done["reason"], done["error"]["code"]) == ("error", "internal")
+            assert "secret" not in done["error"]["message"]
+            # The connection and the server carry on.
+            await client.send({"type": "cancel", "id": "b"})
+            assert (await client.recv())["code"] == "unknown_id"
+    finally:
+        await server.stop(grace=0)

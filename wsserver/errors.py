@@ -73,9 +73,17 @@ class ConfigError(WsServerError):
 
 
 class BackendError(WsServerError):
-    """A backend failed while serving a request. Reported as ``internal``."""
+    """A backend could not serve a request.
 
-    code: Final = "internal"
+    Reported in the request's ``done`` (reason ``error``) with ``code``:
+    ``internal`` by default, or a more precise wire code such as ``too_large``.
+    """
+
+    def __init__(self, message: str, *, code: str = "internal") -> None:
+        if code not in WIRE_CODES:
+            raise ValueError(f"unknown wire code {code!r}")
+        super().__init__(message)
+        self.code = code
 
 
 class ModelLoadError(BackendError):

@@ -101,12 +101,12 @@ def start_producer(
             if not isinstance(exc, BackendError):
                 # Unexpected: log the traceback here; the client only gets "internal".
                 log.exception("id=%s backend failed", request.id, extra=dict(log_context))
-            message = str(exc) if isinstance(exc, BackendError) else "the backend failed"
+            known = isinstance(exc, BackendError)
             failed = Outcome(
                 reason="error",
                 completion_tokens=channel.tokens,
-                error_code="internal",
-                error_message=message,
+                error_code=exc.code if isinstance(exc, BackendError) else "internal",
+                error_message=str(exc) if known else "the backend failed",
             )
             try:
                 channel.end(failed)

@@ -334,7 +334,8 @@ class LlamaBackend(Backend):
         if len(prompt_tokens) >= n_ctx:
             raise BackendError(
                 f"the prompt is {len(prompt_tokens)} tokens; the context holds {n_ctx} "
-                "tokens for prompt and completion together"
+                "tokens for prompt and completion together",
+                code="too_large",
             )
         # As llama-cpp-python does: the completion gets what room is left.
         max_tokens = min(request.max_tokens, n_ctx - len(prompt_tokens))
