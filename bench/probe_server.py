@@ -41,6 +41,7 @@ from typing import Any
 from wsserver.channel import Channel
 from wsserver.config import load_config
 from wsserver.logs import setup_logging
+from wsserver.metrics import loop_lags
 from wsserver.server import Server
 
 PROBE_INTERVAL = 0.010
@@ -75,11 +76,8 @@ class Probe:
         self._reset_at = time.monotonic()
 
     async def lag_probe(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(PROBE_INTERVAL)
-            self.lags.append(max(0.0, loop.time() - before - PROBE_INTERVAL))
+        async for lag in loop_lags(PROBE_INTERVAL):
+            self.lags.append(lag)
 
     async def sampler(self) -> None:
         while True:

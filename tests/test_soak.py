@@ -41,6 +41,8 @@ from conftest import UNIT, running_server, timeout, wire
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from wsserver.metrics import loop_lags
+
 CLIENTS = 32
 DURATION_S = float(os.environ.get("WSSERVER_SOAK_SECONDS", "60"))
 #: Growth of the server's process (the test process; the clients run elsewhere).
@@ -221,10 +223,10 @@ def _control_probe(seconds: float, interval: float, results: Any) -> None:
         loop = asyncio.get_running_loop()
         lags = []
         deadline = loop.time() + seconds
-        while loop.time() < deadline:
-            start = loop.time()
-            await asyncio.sleep(interval)  # the probe itself, as in wsserver.metrics
-            lags.append(max(0.0, loop.time() - start - interval))
+        async for lag in loop_lags(interval):  # the server's own probe
+            lags.append(lag)
+            if loop.time() >= deadline:
+                break
         return lags
 
     results.put(asyncio.run(main()))

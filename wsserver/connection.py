@@ -27,8 +27,8 @@ import functools
 import logging
 import struct
 import termios
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
 
 import janus
 from websockets.asyncio.server import ServerConnection
@@ -198,7 +198,7 @@ class Connection:
                         frame.message,
                         extra=context(self.conn_id, frame.id, code=frame.code),
                     )
-                elif frame.__class__.__name__ == "Done":
+                elif isinstance(frame, Done):
                     self._log_done(frame)
                 await self._send(frame)
             elif isinstance(effect, StartGeneration):
@@ -329,9 +329,7 @@ class Connection:
     def _queued(self, request_id: str, position: int) -> None:
         frame = self.session.queued(request_id, position)
         if frame is not None:
-            task = asyncio.create_task(self._send_queued(request_id, frame))
-            self.server.background.add(task)
-            task.add_done_callback(self.server.background.discard)
+            self._in_background(self._send_queued(request_id, frame))
 
     async def _send_queued(self, request_id: str, frame: ServerFrame) -> None:
         # This runs as a task, after the scheduler's callback: meanwhile a cancel
@@ -342,8 +340,9 @@ class Connection:
             return
         await self._send_safely([Send(frame)])
 
-    def _spawn_send(self, frame: ServerFrame) -> None:
-        task = asyncio.create_task(self._send_safely([Send(frame)]))
+    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run a send from a callback; the server keeps the task referenced."""
+        task = asyncio.create_task(coroutine)
         self.server.background.add(task)
         task.add_done_callback(self.server.background.discard)
 
@@ -372,7 +371,8 @@ class Connection:
         done = self.session.finish(gen.request.id, outcome, self._loop.time())
         gen.channel.close()
         if done is not None:
-            self._spawn_send(done)  # logged (and counted) when sent, like every done
+            # Logged (and counted) when sent, like every done.
+            self._in_background(self._send_safely([Send(done)]))
 
     async def _pump(self, gen: Generation) -> None:
         """The sender: channel → coalesced ``delta`` frames → socket."""
@@ -383,14 +383,8 @@ class Connection:
         session = self.session
         while True:
             if coalescer.due(loop.time()):
-                text, tokens = coalescer.take(loop.time())
-                self._metrics.tokens.inc(tokens)
-                frame = session.delta(request_id, text, tokens, loop.time())
-                if frame is None:
+                if not await self._flush(gen, coalescer):
                     return
-                if frame.seq == 0:
-                    self._log_first_text(gen)
-                await self._send(frame)
                 continue
             try:
                 # Wait for the window only with text pending: tokens whose bytes
@@ -414,20 +408,25 @@ class Connection:
                     break
                 end = self._take(gen, coalescer, item)
             if end is not None:
-                now = loop.time()
-                text, tokens = coalescer.take(now)
-                self._metrics.tokens.inc(tokens)
-                if text or tokens:
-                    frame = session.delta(request_id, text, tokens, now)
-                    if frame is not None:
-                        if frame.seq == 0:
-                            self._log_first_text(gen)
-                        await self._send(frame)
+                await self._flush(gen, coalescer)
                 done = session.finish(request_id, end.outcome, loop.time())
                 if done is not None:
                     self._log_done(done)
                     await self._send(done)
                 return
+
+    async def _flush(self, gen: Generation, coalescer: Coalescer) -> bool:
+        """Send everything pending as one delta. False if the request has ended."""
+        now = self._loop.time()
+        text, tokens = coalescer.take(now)
+        self._metrics.tokens.inc(tokens)
+        frame = self.session.delta(gen.request.id, text, tokens, now)
+        if frame is None:
+            return self.session.state_of(gen.request.id) is RequestState.RUNNING
+        if frame.seq == 0:
+            self._log_first_text(gen)
+        await self._send(frame)
+        return True
 
     def _take(self, gen: Generation, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
@@ -532,7 +531,6 @@ class Connection:
                     self._stall_timeout,
                     extra=context(self.conn_id, gen.request.id),
                 )
-                gen.stopped = True
                 self._producer_failed(
                     gen,
                     Outcome(
@@ -542,6 +540,7 @@ class Connection:
                         error_message="the client read nothing for the stall timeout",
                     ),
                 )
+                gen.stop()
 
     async def _send_safely(self, effects: Iterable[Effect]) -> None:
         with contextlib.suppress(ConnectionClosed):

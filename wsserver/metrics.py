@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .producer import Generation
     from .server import Server
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "Metrics", "loop_lags"]
 
 log = logging.getLogger("wsserver.metrics")
 
@@ -207,11 +207,8 @@ class Metrics:
         queue_log = config.queue_log_s
         loop = asyncio.get_running_loop()
         next_queue_log = loop.time()
-        while True:
-            start = loop.time()
-            await asyncio.sleep(interval)
+        async for lag in loop_lags(interval):
             now = loop.time()
-            lag = max(0.0, now - start - interval)
             self.loop_lag.observe(lag)
             self.loop_lag_samples.append(lag)
             if queue_log and now >= next_queue_log:
@@ -224,6 +221,20 @@ class Metrics:
                         extra={"queued": scheduler.waiting, "running": scheduler.busy},
                     )
                     next_queue_log = now + queue_log
+
+
+async def loop_lags(interval: float) -> AsyncIterator[float]:
+    """Event-loop lag, forever: ask to be woken in ``interval`` seconds and
+    yield how much later than that the loop got round to it.
+
+    The sleep is the measurement itself (a timer that fires late is the lag),
+    not a wait for some condition.
+    """
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval)  # sleep-ok: the probe's timer is what is measured
+        yield max(0.0, loop.time() - start - interval)
 
 
 class _LiveCollector(Collector):

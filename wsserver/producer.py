@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .backends.base import Backend, GenerationRequest
@@ -48,7 +48,6 @@ class Generation:
     exited: asyncio.Future[None] | None = None
     stopped: bool = False
     slot: int | None = None
-    sender_chars: int = field(default=0)
     #: Loop time at which a cancel (or restart) frame stopped this request.
     cancel_requested: float | None = None
     #: Loop time at which the server began handling the request (for log timings).
@@ -101,12 +100,12 @@ def start_producer(
             if not isinstance(exc, BackendError):
                 # Unexpected: log the traceback here; the client only gets "internal".
                 log.exception("id=%s backend failed", request.id, extra=dict(log_context))
-            known = isinstance(exc, BackendError)
+            known = exc if isinstance(exc, BackendError) else None
             failed = Outcome(
                 reason="error",
                 completion_tokens=channel.tokens,
-                error_code=exc.code if isinstance(exc, BackendError) else "internal",
-                error_message=str(exc) if known else "the backend failed",
+                error_code=known.code if known else "internal",
+                error_message=str(known) if known else "the backend failed",
             )
             try:
                 channel.end(failed)
