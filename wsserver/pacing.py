@@ -49,10 +49,6 @@ class Coalescer:
         """Whether text is waiting; only then can the window make a flush due."""
         return bool(self._parts)
 
-    @property
-    def pending_chars(self) -> int:
-        return sum(len(p) for p in self._parts)
-
     def add(self, text: str, tokens: int) -> None:
         if text:
             self._parts.append(text)

@@ -94,7 +94,6 @@ class Server:
         self.connections: dict[str, Connection] = {}
         self.background: set[asyncio.Task[Any]] = set()
         self.ready = asyncio.Event()
-        self.load_error: BaseException | None = None
         self._ids = itertools.count(1)
         self._ws_server: WsServer | None = None
         self._load_task: asyncio.Task[None] | None = None
@@ -162,7 +161,6 @@ class Server:
         try:
             await asyncio.to_thread(self.backend.load)
         except Exception as exc:
-            self.load_error = exc
             log.error("model failed to load: %s", exc)
             raise
         self.scheduler.open()

@@ -82,11 +82,8 @@ class _FileCache:
 
 
 def _serve(cache: _FileCache, asset: _Asset, request: Request) -> Response:
-    method = request.method
-    if method not in ("GET", "HEAD"):
-        response = text_response(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed\n")
-        response.headers["Allow"] = "GET, HEAD"
-        return response
+    # Methods other than GET/HEAD, and HEAD's empty body, are handled for every
+    # route in wsserver.http.process_request.
     try:
         body = cache.read(asset.path)
     except OSError:
@@ -96,9 +93,6 @@ def _serve(cache: _FileCache, asset: _Asset, request: Request) -> Response:
     response = text_response(HTTPStatus.OK, body, asset.content_type)
     response.headers["Content-Security-Policy"] = _content_security_policy(request)
     response.headers["Referrer-Policy"] = "no-referrer"
-    if method == "HEAD":
-        # Same headers (Content-Length included), no body.
-        response.body = b""
     return response
 
 
