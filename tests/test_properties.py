@@ -326,3 +326,69 @@ def test_valid_frames_only_with_prompt_producers(ops: list[tuple[str, str, str]]
             sim.producer_event(step)
     sim.drain()
     sim.check()
+
+
+#: Every field of every client frame, with a valid value for each.
+VALID_FIELDS: dict[str, dict[str, Any]] = {
+    "generate": {
+        "type": "generate",
+        "id": "a",
+        "prompt": "p",
+        "max_tokens": 4,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 3,
+        "seed": 1,
+        "stop": ["x"],
+    },
+    "generate_messages": {
+        "type": "generate",
+        "id": "a",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    "cancel": {"type": "cancel", "id": "a"},
+    "restart": {"type": "restart", "id": "a", "new_id": "b", "seed": 2, "max_tokens": 3},
+}
+
+
+@st.composite
+def frame_with_one_wild_value(draw: st.DrawFn) -> str:
+    """A valid frame with one field — or one part of a message — replaced by any
+    JSON value at all (lists and objects included, not only wrong scalars)."""
+    shape = dict(draw(st.sampled_from(sorted(VALID_FIELDS.items())))[1])
+    value = draw(JSON_VALUES)
+    target = draw(st.sampled_from([*sorted(shape), "messages.role", "messages.content"]))
+    if target.startswith("messages."):
+        part = target.split(".", 1)[1]
+        message: dict[str, Any] = {"role": "user", "content": "hi", part: value}
+        shape.pop("prompt", None)
+        shape["messages"] = [message]
+    else:
+        shape[target] = value
+    return json.dumps(shape)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(frame_with_one_wild_value())
+def test_any_json_value_in_any_field_is_a_frame_or_a_protocol_error(raw: str) -> None:
+    """Found by attacking 0.1.0: a list as ``role`` raised TypeError (close 1011)."""
+    test_parser_raises_only_protocol_errors.hypothesis.inner_test(raw)  # type: ignore[attr-defined]
+
+
+def test_a_list_or_object_as_role_is_bad_request() -> None:
+    for role in ([], ["user"], {}, {"a": 1}):
+        for kind in ("generate", "restart"):
+            frame: dict[str, Any] = {
+                "type": kind,
+                "id": "a",
+                "messages": [{"role": role, "content": "x"}],
+            }
+            if kind == "restart":
+                frame["new_id"] = "b"
+            try:
+                parse_client_frame(json.dumps(frame), LIMITS)
+            except ProtocolError as exc:
+                assert exc.code == "bad_request"
+                assert exc.request_id == ("b" if kind == "restart" else "a")
+            else:  # pragma: no cover - the assertion below reports it
+                raise AssertionError(f"{role!r} accepted as a role")

@@ -93,3 +93,111 @@ async def test_cancel_racing_a_handover_returns_the_slot() -> None:
         await b
     assert scheduler.busy == 0
     assert await scheduler.acquire("c", lambda p: None) == slot
+
+
+async def test_cancel_before_a_release_skips_the_cancelled_waiter() -> None:
+    """The wedge found by attacking 0.1.0: B is cancelled, and before B's task
+    resumes to leave the queue, A's release runs. B must not get the slot."""
+    scheduler = Scheduler(1, 10)
+    slot = await scheduler.acquire("a", lambda p: None)
+    pb = Positions()
+    b = asyncio.create_task(scheduler.acquire("b", pb))
+    await pb.changed()
+    b.cancel()  # B's future is cancelled now; its task runs its cleanup later
+    scheduler.release(slot)  # must skip B, not hand it the slot
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    assert (scheduler.busy, scheduler.free, scheduler.waiting) == (0, 1, 0)
+    assert await scheduler.acquire("c", lambda p: None) == slot
+
+
+async def test_cancel_before_release_with_a_live_waiter_behind() -> None:
+    scheduler = Scheduler(1, 10)
+    slot = await scheduler.acquire("a", lambda p: None)
+    pb, pc = Positions(), Positions()
+    b = asyncio.create_task(scheduler.acquire("b", pb))
+    await pb.changed()
+    c = asyncio.create_task(scheduler.acquire("c", pc))
+    await pc.changed()
+    b.cancel()
+    scheduler.release(slot)  # skips B, serves C
+    assert await c == slot
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    assert (scheduler.busy, scheduler.free, scheduler.waiting) == (1, 0, 0)
+
+
+async def test_releasing_a_slot_twice_is_refused() -> None:
+    scheduler = Scheduler(2, 10)
+    slot = await scheduler.acquire("a", lambda p: None)
+    scheduler.release(slot)
+    with pytest.raises(ValueError):
+        scheduler.release(slot)
+    assert scheduler.free == 2
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 3])
+def test_every_interleaving_of_two_waiters_keeps_the_books(capacity: int) -> None:
+    """All orders of: cancel B, release a held slot, one loop turn — exhaustively."""
+    import itertools
+
+    actions = ["cancel_b", "cancel_c", "release", "turn", "turn"]
+    for order in set(itertools.permutations(actions)):
+        run_interleaving(capacity, order)
+
+
+def run_interleaving(capacity: int, order: tuple[str, ...]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler = Scheduler(capacity, 10)
+        held = [
+            loop.run_until_complete(scheduler.acquire(f"h{n}", lambda p: None))
+            for n in range(capacity)
+        ]
+        b = loop.create_task(scheduler.acquire("b", lambda p: None))
+        c = loop.create_task(scheduler.acquire("c", lambda p: None))
+        one_turn(loop)
+        for action in order:
+            if action == "cancel_b":
+                b.cancel()
+            elif action == "cancel_c":
+                c.cancel()
+            elif action == "release" and held:
+                scheduler.release(held.pop())
+            else:
+                one_turn(loop)
+        finish(loop, scheduler, held, [b, c], capacity, order)
+    finally:
+        loop.close()
+
+
+def one_turn(loop: asyncio.AbstractEventLoop) -> None:
+    """Run exactly the callbacks that are ready now: one turn of the loop."""
+    loop.call_soon(loop.stop)
+    loop.run_forever()
+
+
+def finish(
+    loop: asyncio.AbstractEventLoop,
+    scheduler: Scheduler,
+    held: list[int],
+    tasks: list[asyncio.Task[int]],
+    capacity: int,
+    context: object,
+) -> None:
+    """Settle every task, release what was granted, and check the books."""
+    for _ in range(5):
+        one_turn(loop)
+    served = [t.result() for t in tasks if t.done() and not t.cancelled()]
+    pending = [t for t in tasks if not t.done()]
+    assert scheduler.free + scheduler.busy == capacity, context
+    assert set(served) | set(held) == scheduler.held(), context
+    assert len(served) + len(held) == scheduler.busy, context
+    for task in pending:
+        task.cancel()
+    for _ in range(3):
+        one_turn(loop)
+    assert all(t.done() for t in tasks), context
+    for slot in held + served + [t.result() for t in pending if not t.cancelled()]:
+        scheduler.release(slot)
+    assert (scheduler.free, scheduler.busy, scheduler.waiting) == (capacity, 0, 0), context

@@ -317,7 +317,8 @@ def _parse_messages(value: Any, limits: Limits, fail: Any, request_id: str) -> t
         if not isinstance(item, dict) or set(item) != {"role", "content"}:
             raise fail(f"messages[{index}] must be an object with exactly 'role' and 'content'")
         role, content = item["role"], item["content"]
-        if role not in _ROLES:
+        # isinstance first: ``in`` on a frozenset hashes, and a list is unhashable.
+        if not isinstance(role, str) or role not in _ROLES:
             raise fail(f"messages[{index}].role must be one of system, user, assistant")
         if not isinstance(content, str):
             raise fail(f"messages[{index}].content must be a string")

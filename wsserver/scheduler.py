@@ -6,6 +6,16 @@ single FIFO; each waiter is told its 1-based position whenever it changes
 (the ``queued`` frame). More than ``max_waiting`` waiters → ``overloaded``.
 Until the model has loaded no slot is handed out, so requests that arrive
 during a load simply wait their turn.
+
+Every interleaving of acquire, cancel and release must keep the books:
+free slots + held slots = capacity, and every waiter is served once or
+cancelled, never both. The subtle case is a waiter cancelled *before* a
+release hands it a slot: ``Task.cancel()`` cancels the future the task waits
+on at once, but the task leaves the queue only on a later loop turn, when it
+runs its ``except CancelledError``. So a release must skip waiters whose future
+is already done, and a cancelled waiter must leave the queue only if it is
+still in it. (The opposite order — the slot handed over, then the task
+cancelled before it resumes — is the waiter's to undo: it gives the slot back.)
 """
 
 from __future__ import annotations
@@ -49,6 +59,15 @@ class Scheduler:
     def busy(self) -> int:
         return len(self._busy)
 
+    @property
+    def free(self) -> int:
+        """Slots that can be handed out now (0 with unlimited slots)."""
+        return len(self._free)
+
+    def held(self) -> frozenset[int]:
+        """The slots handed out and not yet released."""
+        return frozenset(self._busy)
+
     def open(self) -> None:
         """The model is loaded: start handing out slots."""
         self._ready = True
@@ -75,12 +94,16 @@ class Scheduler:
             if waiter.future.done() and not waiter.future.cancelled():
                 # The slot was handed over just as we were cancelled: give it back.
                 self.release(waiter.future.result())
-            else:
+            elif waiter in self._waiters:
+                # A release in between may already have skipped (and dropped) us.
                 self._waiters.remove(waiter)
                 self._announce()
             raise
 
     def release(self, slot: int) -> None:
+        if slot not in self._busy:
+            # Releasing twice would hand one slot to two requests.
+            raise ValueError(f"slot {slot} is not held")
         self._busy.discard(slot)
         if not self._unlimited:
             self._free.append(slot)
@@ -102,11 +125,14 @@ class Scheduler:
         if not self._ready:
             return
         while self._waiters:
+            if self._waiters[0].future.done():
+                # Cancelled, its task not yet resumed: it must not get a slot.
+                self._waiters.popleft()
+                continue
             slot = self._take()
             if slot is None:
                 break
-            waiter = self._waiters.popleft()
-            waiter.future.set_result(slot)
+            self._waiters.popleft().future.set_result(slot)
         self._announce()
 
     def _announce(self) -> None:
