@@ -206,3 +206,12 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tiny_gguf import write_tiny_gguf
 
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
+async def handlers_finished(server: Server, units: float = 20.0) -> None:
+    """Wait until every connection handler of ``server`` has returned."""
+    assert server._ws_server is not None
+    handlers = set(server._ws_server.handler_tasks)
+    if handlers:
+        await asyncio.wait(handlers, timeout=timeout(units))
+    assert not server.connections, "connection handlers did not finish"

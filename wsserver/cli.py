@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -79,8 +80,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config = loaded.config
     setup_logging(level=config.server.log_level, fmt=config.server.log_format)
+    _raise_open_files_limit()
     try:
         return asyncio.run(run(config))
     except ConfigError as exc:
         print(f"wsserver: configuration error: {exc}", file=sys.stderr)
         return 2
+
+
+def _raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one.
+
+    Each connection holds a descriptor and 256 connections are allowed by
+    default; the common soft limit of 1024 is shared with the model's files
+    and half-open handshakes. Running out is survivable (asyncio retries the
+    accept, the log is rate-limited) but should not be the first line of
+    defence.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -27,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,6 +38,8 @@ from . import __version__
 from .protocol import Done
 
 if TYPE_CHECKING:
+    from websockets.protocol import Protocol
+
     from .producer import Generation
     from .server import Server
 
@@ -102,7 +104,7 @@ class Metrics:
         )
         self.connection_closes = Counter(
             "wsserver_connection_closes",
-            "Connections ended, by close code (1006 = aborted).",
+            "Connections ended, by close code: the one the server sent if it began the close, else the client's (1006 = aborted, other = a code the server does not know).",
             ["code"],
             registry=r,
         )
@@ -163,8 +165,8 @@ class Metrics:
 
     # ------------------------------------------------------------ events
 
-    def connection_closed(self, code: int | None) -> None:
-        self.connection_closes.labels(str(code if code is not None else 1006)).inc()
+    def connection_closed(self, protocol: Protocol) -> None:
+        self.connection_closes.labels(close_label(protocol)).inc()
 
     def done(self, frame: Done) -> None:
         """A request ended: record its phases from the ``done`` frame's timings."""
@@ -221,6 +223,31 @@ class Metrics:
                         extra={"queued": scheduler.waiting, "running": scheduler.busy},
                     )
                     next_queue_log = now + queue_log
+
+
+#: Close codes that get a label of their own; any other code a client sends is
+#: "other", so that clients cannot mint a time series per code.
+KNOWN_CLOSE_CODES: Final = frozenset(
+    {1000, 1001, 1002, 1003, 1005, 1006, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014}
+)
+
+
+def close_label(protocol: Protocol) -> str:
+    """The close code to count for a finished connection.
+
+    When the server began the closing handshake (1002, 1007, 1008, 1009, 1011,
+    1001 at shutdown …), the code it sent — a client that does not echo the
+    close would otherwise make it look like an abort (1006). Otherwise the
+    code the client sent, or 1006 when no close frame came at all.
+    """
+    sent, received = protocol.close_sent, protocol.close_rcvd
+    if sent is not None and not protocol.close_rcvd_then_sent:
+        code = int(sent.code)
+    elif received is not None:
+        code = int(received.code)
+    else:
+        code = 1006
+    return str(code) if code in KNOWN_CLOSE_CODES else "other"
 
 
 async def loop_lags(interval: float) -> AsyncIterator[float]:

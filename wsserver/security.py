@@ -20,8 +20,11 @@ and it cannot forge them. So every handshake and HTTP request passes, in order:
    (the server selects ``wsserver.v1``, so the token is never echoed); for a
    browser loading a page, HTTP Basic with the token as password. Compared in
    constant time. Otherwise 401. Only ``/healthz`` is exempt from 1-3.
-4. **Connection limits** (handshakes only) — in total (503) and per client IP
-   (429).
+4. **Connection limits** (handshakes only) — in total (503) and per client
+   (429). A "client" is an address group, not an address (:func:`client_group`):
+   an IPv4 address on its own, an IPv6 /64 (one host or LAN usually holds a
+   whole /64, so counting single v6 addresses would be no limit at all), and
+   all of loopback as one (127.0.0.2, .3, … are the same machine).
 
 After the handshake a :class:`FrameLimiter` per connection meters client
 frames with a token bucket: excess frames are refused with ``rate_limited``,
@@ -54,6 +57,7 @@ __all__ = [
     "FrameLimiter",
     "Gatekeeper",
     "Refusal",
+    "client_group",
     "exposure_warning",
     "select_subprotocol",
 ]
@@ -226,6 +230,27 @@ class Gatekeeper:
         return found[:4]
 
 
+def client_group(ip: str) -> str:
+    """The address group that the per-client connection limit counts.
+
+    Loopback (127.0.0.0/8 and ::1) is one group; an IPv4-mapped IPv6 address
+    counts as its IPv4 address; any other IPv6 address counts as its /64;
+    other IPv4 addresses count on their own. A string that is no IP address
+    (a Unix socket, a test double) is its own group.
+    """
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
 class ConnectionLimiter:
     """Counts admitted WebSocket connections, in total and per client IP (step 4).
 
@@ -246,7 +271,9 @@ class ConnectionLimiter:
             del self._admitted[key]
 
     def admit(self, key: Hashable, ip: str, alive: Callable[[], bool]) -> Refusal | None:
+        """Admit a connection from ``ip``, or say why not (counted by :func:`client_group`)."""
         self._prune()
+        ip = client_group(ip)
         if self._max_total and len(self._admitted) >= self._max_total:
             return Refusal(
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -268,7 +295,9 @@ class ConnectionLimiter:
         self._admitted.pop(key, None)
 
     def count(self, ip: str | None = None) -> int:
+        """Admitted connections, in all or from ``ip``'s address group."""
         self._prune()
+        ip = None if ip is None else client_group(ip)
         return sum(1 for other, _ in self._admitted.values() if ip is None or other == ip)
 
 

@@ -189,7 +189,7 @@ class Server:
         finally:
             del self.connections[conn_id]
             self.connection_limiter.release(websocket)
-            self.metrics.connection_closed(websocket.close_code)
+            self.metrics.connection_closed(websocket.protocol)
             log.info(
                 "conn=%s closed (code %s)", conn_id, websocket.close_code, extra=context(conn_id)
             )
