@@ -8,24 +8,33 @@ test_properties.py.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import gc
 import io
+import json
 import logging
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import handlers_finished, running_server, timeout, wire
+from conftest import Wire, handlers_finished, running_server, slow_wire, timeout, wire
 from test_metrics import scrape
-from test_security import refused_status
+from test_security import http, refused_status
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
+from wsserver.connection import Connection, PeerAwareConnection, memory_bound
 from wsserver.logs import RepeatFilter, TextFormatter, escape_controls, setup_logging
 from wsserver.security import ConnectionLimiter, client_group
+from wsserver.server import Server
 
 # ---------------------------------------------------------------- log injection
 
@@ -246,3 +255,219 @@ async def test_loopback_sources_share_one_per_client_limit() -> None:
         await handlers_finished(server)
         async with connect(server.url, local_addr=("127.0.0.5", 0)):
             pass  # room again once they left
+
+
+# ---------------------------------------------------------------- memory ceilings
+
+
+def _connection(server: Server) -> Connection:
+    """The newest connection (an earlier one may still be winding down)."""
+    return list(server.connections.values())[-1]
+
+
+def _raw_ws_socket(port: int) -> socket.socket:
+    """A blocking client socket after a WebSocket handshake, reading nothing more."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(timeout())
+    sock.connect(("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        (
+            "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    # The hello frame: once it is here, the server has registered the connection.
+    header = _recv_exactly(sock, 2)
+    length = header[1] & 0x7F
+    if length == 126:
+        length = int.from_bytes(_recv_exactly(sock, 2), "big")
+    assert b'"hello"' in _recv_exactly(sock, length)
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "server closed the connection"
+        data += chunk
+    return data
+
+
+def _masked(opcode: int, payload: bytes) -> bytes:
+    mask = os.urandom(4)
+    n = len(payload)
+    if n < 126:
+        header = bytes([0x80 | opcode, 0x80 | n])
+    elif n < 65536:
+        header = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        header = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def _send_until_refused(sock: socket.socket, data: bytes, stop: threading.Event) -> int:
+    """Send ``data`` over and over until the server stops reading or aborts."""
+    sent = 0
+    sock.settimeout(None)
+    with contextlib.suppress(OSError):
+        while not stop.is_set():
+            sock.sendall(data)
+            sent += len(data)
+    return sent
+
+
+async def test_a_never_reading_ping_sender_is_capped_then_aborted() -> None:
+    """Found by attacking 0.1.0: pongs piled up at ~17 MiB/s without limit."""
+    async with running_server(server__send_timeout_s=2.0, server__ping_interval_s=0) as server:
+        sock = await asyncio.to_thread(_raw_ws_socket, server.port)
+        stop = threading.Event()
+        pings = _masked(0x9, b"p" * 125) * 512  # 66 KB of pings per write
+        flood = asyncio.create_task(asyncio.to_thread(_send_until_refused, sock, pings, stop))
+        try:
+            connection = _connection(server)
+            ws = connection.ws
+            assert isinstance(ws, PeerAwareConnection)
+            async with asyncio.timeout(timeout(20)):
+                await ws.reading_paused.wait()
+            held = connection.held_bytes()
+            bound = memory_bound(server.config)
+            assert ws.output_overflows >= 1
+            assert held["send"] <= bound["send"], (held, bound)
+            assert held["receive"] <= bound["receive"], (held, bound)
+            # Nothing drains: after send_timeout_s the connection is aborted.
+            await handlers_finished(server)
+        finally:
+            stop.set()
+            sock.close()
+            await flood
+
+
+async def test_a_never_reading_client_sending_maximal_frames_stays_within_the_bound() -> None:
+    """Found by attacking 0.1.0: while the receive loop waited on a reply to a
+    client that does not read, websockets queued 16 more 1 MiB messages."""
+    async with running_server(
+        backend__fake__tokens_per_s=0,
+        server__send_timeout_s=timeout(30),  # the test ends it; see the ping test for the abort
+        stream__stall_timeout_s=0,
+    ) as server:
+        async with slow_wire(server) as client:
+            await client.send({"type": "generate", "id": "g", "prompt": "p", "max_tokens": 10**6})
+            await client.until(lambda f: f["type"] == "started")
+            client.ws.transport.pause_reading()  # from now on, read nothing
+            connection = _connection(server)
+            ws = connection.ws
+            assert isinstance(ws, PeerAwareConnection)
+            async with asyncio.timeout(timeout(20)):
+                await ws.writing_paused.wait()  # backed up: every reply now waits
+            size = server.config.server.max_frame_bytes - 100
+            frame = json.dumps({"type": "nope", "pad": "x" * (size - 30)})
+            sending = asyncio.create_task(_send_many(client, frame, 32))
+            async with asyncio.timeout(timeout(20)):
+                await ws.reading_paused.wait()
+            held = connection.held_bytes()
+            bound = memory_bound(server.config)
+            assert held["receive"] <= bound["receive"], (held, bound)
+            assert held["send"] <= bound["send"], (held, bound)
+            assert sum(held.values()) <= sum(bound.values())
+            client.ws.transport.abort()
+            await handlers_finished(server)
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionClosed):
+                await sending
+
+
+async def _send_many(client: Wire, frame: str, count: int) -> None:
+    for _ in range(count):
+        await client.send(frame)
+
+
+async def test_closed_connections_are_freed_without_the_cyclic_gc() -> None:
+    """Found by attacking 0.1.0: Connection → websocket → bound callback →
+    Connection kept every closed connection until the cyclic GC ran."""
+    gc.collect()
+    gc.disable()
+    try:
+        async with running_server() as server:
+            refs = []
+            for n in range(5):
+                async with wire(server) as client:
+                    refs.append(weakref.ref(_connection(server)))
+                    await client.send(
+                        {"type": "generate", "id": f"r{n}", "prompt": "p", "max_tokens": 3}
+                    )
+                    await client.done(f"r{n}")
+                    await client.send({"type": "generate", "id": f"s{n}", "prompt": "p"})
+                    await client.until(lambda f: f["type"] == "delta")
+                    if n % 2:  # ... and leave mid-stream, half of them without a close frame
+                        client.ws.transport.abort()
+            await handlers_finished(server)
+            alive = [ref() for ref in refs if ref() is not None]
+            assert not alive, f"{len(alive)} of {len(refs)} closed connections still alive"
+    finally:
+        gc.enable()
+
+
+# ---------------------------------------------------------------- health
+
+
+async def test_readyz_reports_a_slot_held_by_no_request() -> None:
+    """The last line of defence: a leaked slot (made here by hand) is not hidden."""
+    async with running_server(backend__fake__parallel=1) as server:
+        status, _, _ = await http(server, "/readyz")
+        assert status == 200
+        reported = asyncio.Event()
+        watcher = _OnRecord("do not balance", reported)
+        logging.getLogger("wsserver.metrics").addHandler(watcher)
+        try:
+            leaked = await server.scheduler.acquire("nobody", lambda p: None)
+            now = asyncio.get_running_loop().time()
+            assert server.orphaned_slots(now) == []  # between owners for a moment: fine
+            async with asyncio.timeout(timeout(20)):
+                await reported.wait()  # the periodic probe logs it after the grace
+        finally:
+            logging.getLogger("wsserver.metrics").removeHandler(watcher)
+        status, _, body = await http(server, "/readyz")
+        assert status == 503 and b"do not balance" in body
+        server.scheduler.release(leaked)
+        status, _, _ = await http(server, "/readyz")
+        assert status == 200
+
+
+class _OnRecord(logging.Handler):
+    def __init__(self, needle: str, event: asyncio.Event) -> None:
+        super().__init__(logging.DEBUG)
+        self.needle, self.event = needle, event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.needle in record.getMessage():
+            self.event.set()
+
+
+async def test_a_wild_role_while_a_request_runs_leaves_both_usable() -> None:
+    async with running_server() as server:
+        async with wire(server) as client:
+            await client.send({"type": "generate", "id": "a", "prompt": "p", "max_tokens": 20})
+            await client.send(
+                {"type": "generate", "id": "b", "messages": [{"role": ["x"], "content": "c"}]}
+            )
+            await client.send(
+                {
+                    "type": "restart",
+                    "id": "a",
+                    "new_id": "c",
+                    "messages": [{"role": {}, "content": "c"}],
+                }
+            )
+            errors = await client.until(lambda f: f["type"] == "error" and f["id"] == "c")
+            assert [f["code"] for f in errors if f["type"] == "error"] == ["bad_request"] * 2
+            text, frames = await client.done("a")
+            assert frames[-1]["reason"] == "length" and text
+            await client.send({"type": "generate", "id": "d", "prompt": "p", "max_tokens": 2})
+            assert (await client.done("d"))[1][-1]["reason"] == "length"

@@ -293,3 +293,30 @@ def test_reject_forgets_a_request_without_done() -> None:
     run_to_running(session, "b")
     session.reject("b")
     assert session.active_id == "b"
+
+
+def test_restart_memory_is_bounded_by_bytes_and_keeps_the_newest() -> None:
+    from wsserver.session import input_size
+
+    big = "🙂" * 10_000  # 4 bytes a character in memory
+    session = Session(restart_memory=16, restart_bytes=100_000)
+    for n in range(5):
+        request = Generate(id=f"r{n}", prompt=big + str(n))
+        session.handle(request, 0.0)
+        session.producer_stopped(f"r{n}", 0.0)
+        session.handle(Cancel(id=f"r{n}"), 0.0)
+    assert session.restart_bytes <= 100_000
+    assert session.restart_bytes == 2 * input_size(Generate(id="x", prompt=big + "0"))
+    # The two newest can be restarted, the older ones are forgotten.
+    assert _restart_error(session, "r4", "n4") is None
+    assert _restart_error(session, "r1", "n1") == "unknown_id"
+    # A single input larger than the budget is still kept: it is the newest.
+    tiny = Session(restart_bytes=10)
+    tiny.handle(Generate(id="a", prompt=big), 0.0)
+    assert tiny.restart_bytes == input_size(Generate(id="a", prompt=big))
+
+
+def _restart_error(session: Session, old: str, new: str) -> str | None:
+    effects = session.handle(Restart(id=old, new_id=new), 0.0)
+    errors = [e.frame.code for e in effects if isinstance(e, Send) and isinstance(e.frame, Error)]
+    return errors[0] if errors else None

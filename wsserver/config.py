@@ -60,6 +60,14 @@ class ServerConfig:
     #: websockets write_limit high-water mark, bytes.
     write_limit: int = _key(16384, low=1024, high=1 << 26)
     max_frame_bytes: int = _key(1 << 20, low=1024, high=1 << 28)
+    #: Hard ceiling on a connection's unsent output, whatever wrote it (our
+    #: frames, websockets' pongs): above it the client is no longer read from,
+    #: and aborted if it does not drain within send_timeout_s. At least
+    #: write_limit is used.
+    max_output_bytes: int = _key(1 << 18, low=1024, high=1 << 28)
+    #: Received frames websockets may queue while the receive loop is busy
+    #: (each up to max_frame_bytes); above it the client is no longer read from.
+    max_queue: int = _key(1, low=1, high=1024)
     #: A send() that makes no progress this long aborts the connection.
     send_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
     #: Close connections that sent nothing and ran nothing this long (0 = never).
@@ -92,6 +100,9 @@ class LimitsConfig:
     max_messages: int = _key(256, low=1, high=100000)
     max_tokens: int = _key(4096, low=1, high=1 << 20)
     default_max_tokens: int = _key(256, low=1, high=1 << 20)
+    #: Memory for the inputs a connection keeps for ``restart`` (the newest is
+    #: always kept, whatever its size), bytes.
+    restart_memory_bytes: int = _key(1 << 19, low=0, high=1 << 30)
     #: Open WebSocket connections in total; more are refused with 503 (0 = no limit).
     max_connections: int = _key(256, low=0, high=1 << 20)
     #: Open WebSocket connections per client IP; more are refused with 429 (0 = no limit).

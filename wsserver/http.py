@@ -123,9 +123,15 @@ def _respond(server: Server, connection: ServerConnection, request: Request) -> 
     if path == "/metrics":
         return text_response(HTTPStatus.OK, server.metrics.render(), METRICS_CONTENT_TYPE)
     if path == "/readyz":
-        if server.ready.is_set():
-            return text_response(HTTPStatus.OK, "ready\n")
-        return text_response(HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+        if not server.ready.is_set():
+            return text_response(HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+        orphans = server.orphaned_slots()
+        if orphans:
+            return text_response(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"scheduler books do not balance: slot(s) {orphans} held by no request\n",
+            )
+        return text_response(HTTPStatus.OK, "ready\n")
     handler = server.http_routes.get(path)
     if handler is not None:
         return handler(server, request)

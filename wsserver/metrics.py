@@ -209,10 +209,21 @@ class Metrics:
         queue_log = config.queue_log_s
         loop = asyncio.get_running_loop()
         next_queue_log = loop.time()
+        reported: list[int] = []
         async for lag in loop_lags(interval):
             now = loop.time()
             self.loop_lag.observe(lag)
             self.loop_lag_samples.append(lag)
+            orphans = self.server.orphaned_slots(now)
+            if orphans != reported:
+                if orphans:
+                    log.error(
+                        "scheduler books do not balance: slot(s) %s held by no request "
+                        "(a leak; /readyz reports it)",
+                        orphans,
+                        extra={"orphaned_slots": orphans},
+                    )
+                reported = orphans
             if queue_log and now >= next_queue_log:
                 scheduler = self.server.scheduler
                 if scheduler.waiting:

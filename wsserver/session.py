@@ -42,6 +42,7 @@ one ``done``, and nothing for its ID is emitted after it.
 from __future__ import annotations
 
 import enum
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -128,14 +129,28 @@ class _Request:
     deferred: bool = field(default=False)
 
 
+def input_size(request: Generate) -> int:
+    """The memory a request's input holds: its strings as Python stores them."""
+    if request.prompt is not None:
+        return sys.getsizeof(request.prompt)
+    return sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in request.messages or ())
+
+
 class Session:
     """State of one connection. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, *, id_memory: int = 1000, restart_memory: int = 16) -> None:
+    def __init__(
+        self, *, id_memory: int = 1000, restart_memory: int = 16, restart_bytes: int = 1 << 19
+    ) -> None:
         self._id_memory = id_memory
+        # Inputs kept for ``restart``: at most ``restart_memory`` of them and
+        # ``restart_bytes`` of text — bytes, not a count, bound the memory of
+        # an idle connection — but always the newest, whatever its size.
         self._restart_memory = restart_memory
+        self._restart_bytes = restart_bytes
         self._seen: OrderedDict[str, None] = OrderedDict()
-        self._inputs: OrderedDict[str, Generate] = OrderedDict()
+        self._inputs: OrderedDict[str, tuple[Generate, int]] = OrderedDict()
+        self._inputs_size = 0
         self._active: _Request | None = None
         self._producer: str | None = None
         self._deferred: _Request | None = None
@@ -199,8 +214,8 @@ class Session:
         return self._end_cancelled(active, now)
 
     def _restart(self, frame: Restart, now: float) -> list[Effect]:
-        old = self._inputs.get(frame.id)
-        if old is None:
+        kept = self._inputs.get(frame.id)
+        if kept is None:
             raise ProtocolError(
                 "unknown_id", f"no recent request {frame.id!r} to restart", frame.new_id
             )
@@ -216,7 +231,7 @@ class Session:
                     "busy", f"request {active.request.id!r} is still running", frame.new_id
                 )
             effects.extend(self._end_cancelled(active, now))
-        new = frame.apply(old)
+        new = frame.apply(kept[0])
         if new.prompt is None and new.messages is None:  # pragma: no cover - apply() keeps one
             raise ProtocolError("bad_request", "restart has no input", frame.new_id)
         effects.extend(self._accept(new, now))
@@ -236,9 +251,19 @@ class Session:
         self._seen[request.id] = None
         while len(self._seen) > self._id_memory:
             self._seen.popitem(last=False)
-        self._inputs[request.id] = request
-        while len(self._inputs) > self._restart_memory:
-            self._inputs.popitem(last=False)
+        size = input_size(request)
+        self._inputs[request.id] = (request, size)
+        self._inputs_size += size
+        while len(self._inputs) > 1 and (
+            len(self._inputs) > self._restart_memory or self._inputs_size > self._restart_bytes
+        ):
+            _, (_, dropped) = self._inputs.popitem(last=False)
+            self._inputs_size -= dropped
+
+    @property
+    def restart_bytes(self) -> int:
+        """Memory held by the inputs kept for ``restart`` (see :func:`input_size`)."""
+        return self._inputs_size
 
     # ------------------------------------------------------------ producer reports
 
