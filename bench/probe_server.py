@@ -69,6 +69,8 @@ class Probe:
         self.lags: list[float] = []
         self.sampling = False
         self.max_buffered = 0
+        #: Largest memory any one connection held, both directions (held_bytes()).
+        self.max_held = 0
         #: (seconds since reset, largest per-connection buffered bytes, RSS bytes)
         self.buffered_samples: list[tuple[float, int, int]] = []
         self.rss_max = 0
@@ -87,6 +89,7 @@ class Probe:
             largest = 0
             for conn_id, connection in list(self.server.connections.items()):
                 largest = max(largest, connection.buffered_bytes())
+                self.max_held = max(self.max_held, sum(connection.held_bytes().values()))
                 for request_id, generation in list(connection.generations.items()):
                     self.channels[(conn_id, request_id)] = generation.channel
             self.max_buffered = max(self.max_buffered, largest)
@@ -115,6 +118,7 @@ class Probe:
             "rss_bytes": _rss_bytes(),
             "rss_max_bytes": self.rss_max,
             "max_buffered_bytes": self.max_buffered,
+            "max_held_bytes": self.max_held,
             "buffered_samples": len(self.buffered_samples),
             "channels_seen": len(self.channels),
             "producer_blocked_s": blocked_s,
@@ -129,6 +133,7 @@ class Probe:
         if reset:
             self.lags = []
             self.max_buffered = 0
+            self.max_held = 0
             self.buffered_samples = []
             self.rss_max = _rss_bytes()
             self.channels = {}
