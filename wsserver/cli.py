@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
+import importlib.util
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -75,10 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(describe(loaded))
         return 0
+    config = loaded.config
+    if config.backend.kind == "llama" and importlib.util.find_spec("llama_cpp") is None:
+        sys.stderr.write(llama_missing_message())
+        return 2
     from .logs import setup_logging
     from .server import run
 
-    config = loaded.config
     setup_logging(level=config.server.log_level, fmt=config.server.log_format)
     _raise_open_files_limit()
     try:
@@ -103,3 +108,58 @@ def _raise_open_files_limit() -> None:
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+#: Portable llama.cpp build flags: AVX2/FMA/F16C, i.e. any x86-64 CPU from 2013
+#: on. scripts/install builds with the same flags (a test keeps them equal).
+LLAMA_CMAKE_ARGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+
+
+def _llama_extra() -> list[str]:
+    """The pinned requirements of the ``[llama]`` extra, from the installed metadata."""
+    try:
+        requires = importlib.metadata.requires("wsserver") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a bare source tree
+        requires = []
+    pins = []
+    for requirement in requires:
+        spec, _, marker = requirement.partition(";")
+        if marker.replace("'", '"').split() == ["extra", "==", '"llama"']:
+            pins.append(spec.replace(" ", ""))
+    return pins
+
+
+def llama_missing_message() -> str:
+    """What to run when the llama backend is asked for but llama-cpp-python is absent.
+
+    A plain ``pip install llama-cpp-python`` (or ``pip install wsserver[llama]``)
+    compiles llama.cpp with ``-march=native``, which is exactly the trap, so the
+    message gives the portable build first and the model second.
+    """
+    pins = _llama_extra()
+    llama = next((p for p in pins if p.startswith("llama-cpp-python")), "llama-cpp-python")
+    others = " ".join(p for p in pins if not p.startswith("llama-cpp-python"))
+    python = sys.executable or "python3"
+    lines = [
+        "wsserver: the llama backend needs llama-cpp-python, which is not installed",
+        f"for {python}. Build it with portable CPU flags:",
+        "",
+        f'  CMAKE_ARGS="{LLAMA_CMAKE_ARGS}" FORCE_CMAKE=1 \\',
+        f"    {python} -m pip install --no-cache-dir {llama}",
+    ]
+    if others:
+        lines += ["", "then the default model (or set backend.llama.model to a GGUF file):", ""]
+        lines += [f"  {python} -m pip install {others}"]
+    lines += [
+        "",
+        "Why: llama-cpp-python compiles llama.cpp with -march=native by default; on",
+        "CPUs with AMX that build dies with SIGILL at the first matrix multiplication,",
+        "and it does not run on other CPUs. --no-cache-dir because pip's wheel cache",
+        "ignores CMAKE_ARGS and would silently reuse a wheel built with other flags.",
+        "The build takes 6-12 minutes on 2 cores and needs a C/C++ compiler.",
+        "Step by step: docs/install.md.",
+        "",
+        "Or try the server without a model: wsserver serve --backend fake",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,8 +1,11 @@
 """The chat page and the JS client, served on the WebSocket port.
 
 ``GET /`` answers with clients/web/index.html; its assets and the JS client
-module (clients/js/wsserver.js) are served beside it. The files are read from
-the source tree, so an edit shows on the next reload; each is cached until its
+module (clients/js/wsserver.js) are served beside it. The files are package
+data of ``wsserver.clients`` (clients/ in the checkout, wsserver/clients/ in an
+installed wheel), found with :mod:`importlib.resources`, so an installed server
+serves its page from any directory. In the editable install they are the
+checkout's files, so an edit shows on the next reload: each is cached until its
 modification time or size changes.
 
 Every response carries a Content-Security-Policy that allows only this
@@ -16,6 +19,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -28,13 +33,13 @@ if TYPE_CHECKING:
 
 __all__ = ["CLIENTS_DIR", "install_web_routes"]
 
-#: The bundled clients, relative to the source tree (wsserver/ is beside clients/).
-CLIENTS_DIR: Final = Path(__file__).resolve().parents[1] / "clients"
+#: The one resource root: ``web/`` and ``js/`` below it (see clients/__init__.py).
+CLIENTS_DIR: Final[Traversable] = files("wsserver.clients")
 
 
 @dataclass(frozen=True, slots=True)
 class _Asset:
-    path: Path
+    path: Traversable
     content_type: str
 
 
@@ -69,15 +74,21 @@ class _FileCache:
     """Bytes of each asset, reread when the file's mtime or size changes."""
 
     def __init__(self) -> None:
-        self._entries: dict[Path, tuple[int, int, bytes]] = {}
+        self._entries: dict[str, tuple[int, int, bytes]] = {}
 
-    def read(self, path: Path) -> bytes:
+    def read(self, path: Traversable) -> bytes:
+        key = str(path)
+        entry = self._entries.get(key)
+        if not isinstance(path, Path):
+            # Not on a file system (imported from a zip): the contents cannot change.
+            if entry is None:
+                entry = self._entries[key] = (0, 0, path.read_bytes())
+            return entry[2]
         stat = path.stat()
-        entry = self._entries.get(path)
         if entry is not None and entry[0] == stat.st_mtime_ns and entry[1] == stat.st_size:
             return entry[2]
         data = path.read_bytes()
-        self._entries[path] = (stat.st_mtime_ns, stat.st_size, data)
+        self._entries[key] = (stat.st_mtime_ns, stat.st_size, data)
         return data
 
 

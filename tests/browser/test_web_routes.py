@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import http.client
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 
 from wsserver.web import CLIENTS_DIR, install_web_routes
 
-from .conftest import LiveServer, timeout
+from .conftest import ROOT, LiveServer, timeout
 
 ASSETS = {
     "/": ("web/index.html", "text/html; charset=utf-8"),
@@ -87,6 +88,11 @@ def test_a_strange_host_is_not_copied_into_the_policy() -> None:
     assert "connect-src 'self';" in policy
 
 
-def test_files_are_located_in_the_source_tree() -> None:
-    assert Path(CLIENTS_DIR, "web", "index.html").is_file()
-    assert Path(CLIENTS_DIR, "js", "wsserver.js").is_file()
+def test_the_editable_install_serves_the_checkouts_files() -> None:
+    # Found through importlib.resources (package data of wsserver.clients), which
+    # the editable install maps to clients/, so edits show on the next reload.
+    # tests/test_wheel.py checks the same lookup in an installed wheel.
+    assert files("wsserver.clients") == CLIENTS_DIR
+    assert Path(str(CLIENTS_DIR)) == ROOT / "clients"
+    assert Path(str(CLIENTS_DIR), "web", "index.html").is_file()
+    assert Path(str(CLIENTS_DIR), "js", "wsserver.js").is_file()
