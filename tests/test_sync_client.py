@@ -46,6 +46,9 @@ async def test_generate_iterates_text_and_reports_done() -> None:
                 stream = client.generate("hello there", max_tokens=40, seed=5)
                 pieces = list(stream)
                 result = client.generate("again", max_tokens=7).result()
+                # Waiting for the end sends a request that was not sent yet.
+                waited = client.generate("wait", max_tokens=2).wait_done()
+                assert waited is not None and waited.reason == "length"
                 return client.hello, pieces, stream, result
 
         hello, pieces, stream, result = await in_thread(scenario)

@@ -97,7 +97,9 @@ class Stream(Request):
         return self.client.cancel(self.id, timeout=timeout)
 
     def wait_done(self, timeout: float | None = None) -> Done | None:
-        """Wait for the end of the request without reading its text."""
+        """Wait for the end of the request without reading its text (sending
+        it first if it was not sent yet)."""
+        self.send()
         self.client._wait(lambda: self.finished, timeout)
         return self.done
 
