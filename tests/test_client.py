@@ -75,7 +75,7 @@ async def test_queued_positions_are_visible() -> None:
             second = await b.generate("b", max_tokens=3).result()
             await first.result()
         assert second.done.timings.queued_ms > 0
-        assert b._streams == {}
+        assert b.requests.live == {}
 
 
 async def test_streams_fail_when_the_connection_drops() -> None:
@@ -87,8 +87,9 @@ async def test_streams_fail_when_the_connection_drops() -> None:
             break
         assert client.ws is not None
         client.ws.transport.abort()
-        with pytest.raises(GenerationError):
+        with pytest.raises(GenerationError) as info:
             await stream.result()
+        assert info.value.code == "connection_lost"
         await client.close()
 
 

@@ -258,6 +258,8 @@ export declare class GenerationStream
   extends Emitter<StreamEvents>
   implements AsyncIterable<string>
 {
+  /** Internal: streams are made by `client.generate()` and `client.restart()`. */
+  constructor(client: WsClient, id: string, frame: Record<string, unknown>, input: GenerateParams);
   readonly id: string;
   /** The frame sent (or to be sent). */
   readonly frame: Record<string, unknown>;
@@ -320,3 +322,7 @@ export declare class WsClient extends Emitter<ClientEvents> {
   /** Cancel by ID; `null` if no live request has that ID. */
   cancel(id: string): Promise<DoneFrame | null>;
 }
+
+// Without this, every top-level declaration of a .d.ts module is exported,
+// `Emitter` included, which wsserver.js does not export.
+export {};

@@ -2,7 +2,8 @@
  * A dependency-free client for wsserver's WebSocket protocol v1.
  *
  * Works wherever a standard `WebSocket` exists: browsers, Electron renderers,
- * Node ≥ 22 (or any Node with a WebSocket implementation passed in).
+ * Node.js 22+ (Node 20 with --experimental-websocket), or anywhere a WebSocket
+ * implementation is passed in.
  *
  *     import { WsClient } from "./wsserver.js";
  *
@@ -750,8 +751,22 @@ export class WsClient extends Emitter {
     ws.onclose = (event) => {
       if (epoch === this.#epoch) this.#onClose(event.code, event.reason);
     };
-    // Failures are reported through `close`, which always follows `error`.
-    ws.onerror = () => {};
+    // Failures are reported through `close`, which follows `error` in the
+    // same task in browsers. Node 20's WebSocket (undici 6) fires only
+    // `error` when a connection cannot be opened and stays CONNECTING for
+    // ever, so if no `close` came by the next task, close it ourselves with
+    // the code a browser reports (1006), and the reconnect goes on.
+    ws.onerror = () => {
+      setTimeout(() => {
+        if (epoch !== this.#epoch || this.#ws !== ws) return;
+        this.#onClose(1006, "");
+        try {
+          ws.close();
+        } catch {
+          // Already closing or closed: nothing to release.
+        }
+      }, 0);
+    };
   }
 
   /** @param {unknown} data */
@@ -963,3 +978,15 @@ function randomPrefix() {
   else for (let i = 0; i < bytes.length; i++) bytes[i] = Math.floor(Math.random() * 256);
   return "r" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
+
+/**
+ * The module's exports, typed as wsserver.d.ts declares them. Nothing reads
+ * this object at run time: it is here so that `tsc -p clients/js` (run by
+ * scripts/lint and the test suite) checks each export — constructor,
+ * members, parameter and return types — against the hand-written
+ * declarations, and fails when the two drift apart.
+ *
+ * @type {typeof import("./wsserver.d.ts")}
+ */
+const declaredExports = { PROTOCOL_VERSION, SUBPROTOCOL, WsError, GenerationStream, WsClient };
+void declaredExports;

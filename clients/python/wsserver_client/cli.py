@@ -70,6 +70,8 @@ class Chat:
             async for text in stream:
                 self.out.write(text)
                 self.out.flush()
+            # A cancel ends the loop at once; its done follows.
+            await stream.wait_done()
         except GenerationError as exc:
             self.out.write(f"\n[refused: {exc.code}: {exc.message}]\n")
             return

@@ -4,84 +4,50 @@
         async for text in client.generate(prompt="Once upon a time"):
             print(text, end="", flush=True)
 
-One reader task receives every frame and routes it by request ID to its
-:class:`Stream`. Frames of a request the caller cancelled or restarted are
-dropped here, so late text can never reach the caller. The frame classes and
-their parsing are shared with the server (:mod:`wsserver.protocol`).
+One reader task receives every frame and hands it to the connection's
+:class:`~wsserver_client.core.RequestTable`, which routes it by request ID.
+The rules about requests — IDs, frames, and that nothing of a cancelled or
+restarted request reaches the caller — live in :mod:`wsserver_client.core`,
+shared with the synchronous client (:mod:`wsserver_client.sync`). The frame
+classes and their parsing are shared with the server (:mod:`wsserver.protocol`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.protocol import (
-    Delta,
-    Done,
-    Error,
-    Hello,
-    Queued,
-    ServerFrame,
-    Started,
-    parse_server_frame,
-)
+from wsserver.protocol import Done, Error, Hello
+
+from .core import GenerationError, Request, RequestResult, RequestTable
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
 
-class GenerationError(Exception):
-    """The server refused a request (``error`` frame) or the connection dropped."""
+class Stream(Request):
+    """One request's frames. Iterate for text; ``done`` is set at the end.
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.request_id = request_id
+    Leaving the loop early does not cancel the request (iterate again to read
+    on); :meth:`cancel` or :meth:`Client.restart` does.
+    """
 
+    def __init__(self, client: Client, request_id: str, frame: dict[str, Any]) -> None:
+        super().__init__(request_id, frame)
+        self.client = client
+        self._wake = asyncio.Event()
 
-@dataclass
-class RequestResult:
-    id: str
-    text: str
-    done: Done
-
-
-_END = object()
-
-
-@dataclass(eq=False)
-class Stream:
-    """One request's frames. Iterate for text; ``done`` is set at the end."""
-
-    client: Client
-    id: str
-    frame: dict[str, Any]
-    done: Done | None = None
-    started: bool = False
-    positions: list[int] = field(default_factory=list)
-    deltas: list[Delta] = field(default_factory=list)
-    _queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    _ended: asyncio.Event = field(default_factory=asyncio.Event)
-    _sent: bool = False
-    _abandoned: bool = False
-    _error: GenerationError | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
+    def changed(self) -> None:
+        self._wake.set()
 
     async def send(self) -> Stream:
         """Send the request frame (iteration does this by itself)."""
-        if not self._sent:
-            self._sent = True
+        if not self.sent:
+            self.sent = True
             await self.client._send(self.frame)
         return self
 
@@ -91,61 +57,37 @@ class Stream:
     async def _iterate(self) -> AsyncIterator[str]:
         await self.send()
         while True:
-            item = await self._queue.get()
-            if item is _END:
-                if self._error is not None:
-                    raise self._error
+            text = self.take()
+            if text is not None:
+                yield text
+            elif self.ended:
+                self.raise_for_error()
                 return
-            yield item
+            else:
+                # Nothing can happen between the checks above and clear():
+                # no await in between, so no wake-up is lost.
+                self._wake.clear()
+                await self._wake.wait()
 
     async def result(self) -> RequestResult:
         """Read to the end; return the whole text and the ``done`` frame."""
         async for _ in self:
             pass
-        assert self.done is not None
-        return RequestResult(id=self.id, text=self.text, done=self.done)
+        await self.wait_done()
+        return self.finished_result()
 
     async def cancel(self) -> Done | None:
-        """Cancel in-band and wait for this request's ``done``."""
+        """Cancel in-band and wait for this request's ``done``; once it has
+        ended, just return its ``done``."""
+        if self.finished:
+            return self.done
         return await self.client.cancel(self.id)
-
-    # Called by the client's reader task.
-    def _deliver(self, frame: ServerFrame) -> None:
-        if isinstance(frame, Delta):
-            if not self._abandoned:
-                self.deltas.append(frame)
-                self._queue.put_nowait(frame.text)
-        elif isinstance(frame, Queued):
-            self.positions.append(frame.position)
-        elif isinstance(frame, Started):
-            self.started = True
-        elif isinstance(frame, Done):
-            self.done = frame
-            self._end()
-        elif isinstance(frame, Error):
-            self._error = GenerationError(frame.code, frame.message, frame.id)
-            self._end()
-
-    def _abandon(self) -> None:
-        """The caller cancelled or restarted: text not yet read is dropped too."""
-        self._abandoned = True
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        if self._ended.is_set():
-            self._queue.put_nowait(_END)
-
-    def _fail(self, error: GenerationError) -> None:
-        if self.done is None and self._error is None:
-            self._error = error
-            self._end()
-
-    def _end(self) -> None:
-        self._queue.put_nowait(_END)
-        self._ended.set()
 
     async def wait_done(self) -> Done | None:
         """Wait for the end of the request without consuming its text."""
-        await self._ended.wait()
+        while not self.finished:
+            self._wake.clear()
+            await self._wake.wait()
         return self.done
 
 
@@ -166,12 +108,18 @@ class Client:
         if origin is not None:
             self._connect_kwargs["origin"] = origin
         self.ws: ClientConnection | None = None
-        self.hello: Hello | None = None
-        self.errors: list[Error] = []
-        self._streams: dict[str, Stream] = {}
+        self.requests: RequestTable[Stream] = RequestTable()
         self._reader: asyncio.Task[None] | None = None
-        self._ids = itertools.count(1)
-        self._prefix = os.urandom(3).hex()
+
+    @property
+    def hello(self) -> Hello | None:
+        """The server's ``hello`` (model, limits), once connected."""
+        return self.requests.hello
+
+    @property
+    def errors(self) -> list[Error]:
+        """``error`` frames about no live request."""
+        return self.requests.errors
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -187,10 +135,7 @@ class Client:
         self.ws = await connect(
             self.url, additional_headers=headers or None, **self._connect_kwargs
         )
-        first = parse_server_frame(await self.ws.recv())
-        if not isinstance(first, Hello):
-            raise GenerationError("bad_request", f"expected hello, got {first!r}")
-        self.hello = first
+        self.requests.hello_from(await self.ws.recv())
         self._reader = asyncio.create_task(self._read())
 
     async def close(self) -> None:
@@ -200,7 +145,7 @@ class Client:
             await asyncio.gather(self._reader, return_exceptions=True)
 
     def new_id(self) -> str:
-        return f"r{self._prefix}-{next(self._ids)}"
+        return self.requests.new_id()
 
     def generate(
         self,
@@ -211,29 +156,19 @@ class Client:
         **params: Any,
     ) -> Stream:
         """A request; iterate the returned stream for its text."""
-        request_id = id or self.new_id()
-        frame: dict[str, Any] = {"type": "generate", "id": request_id, **params}
-        if prompt is not None:
-            frame["prompt"] = prompt
-        if messages is not None:
-            frame["messages"] = messages
-        return self._open(request_id, frame)
+        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
+        return self.requests.add(Stream(self, request_id, frame))
 
-    def restart(self, old_id: str, *, new_id: str | None = None, **overrides: Any) -> Stream:
-        """Regenerate: cancel ``old_id`` if it runs, then run its input again."""
-        request_id = new_id or self.new_id()
-        old = self._streams.get(old_id)
-        if old is not None:
-            old._abandon()
-        frame = {"type": "restart", "id": old_id, "new_id": request_id, **overrides}
-        return self._open(request_id, frame)
+    def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
+        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
+        its input again with ``overrides``."""
+        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
+        return self.requests.add(Stream(self, request_id, frame))
 
     async def cancel(self, request_id: str) -> Done | None:
         """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream._abandon()
-        await self._send({"type": "cancel", "id": request_id})
+        stream, frame = self.requests.cancel_frame(request_id)
+        await self._send(frame)
         if stream is None:
             return None
         return await stream.wait_done()
@@ -243,33 +178,17 @@ class Client:
         assert self.ws is not None
         await self.ws.send(data)
 
-    def _open(self, request_id: str, frame: dict[str, Any]) -> Stream:
-        stream = Stream(client=self, id=request_id, frame=frame)
-        self._streams[request_id] = stream
-        return stream
-
     async def _send(self, frame: dict[str, Any]) -> None:
         assert self.ws is not None
         await self.ws.send(orjson.dumps(frame), text=True)
 
     async def _read(self) -> None:
         assert self.ws is not None
-        error = GenerationError("internal", "connection closed")
+        reason = "connection closed"
         try:
             async for message in self.ws:
-                frame = parse_server_frame(message)
-                request_id = getattr(frame, "id", None)
-                stream = self._streams.get(request_id) if request_id else None
-                if stream is None:
-                    if isinstance(frame, Error):
-                        self.errors.append(frame)
-                    continue
-                stream._deliver(frame)
-                if isinstance(frame, Done | Error):
-                    self._streams.pop(request_id, None)  # type: ignore[arg-type]
+                self.requests.receive(message)
         except ConnectionClosed as exc:
-            error = GenerationError("internal", f"connection closed: {exc}")
+            reason = f"connection closed: {exc}"
         finally:
-            for stream in list(self._streams.values()):
-                stream._fail(error)
-            self._streams.clear()
+            self.requests.lost(reason)

@@ -1,0 +1,250 @@
+// wsserver.js under Node.js, against a real wsserver (fake backend).
+//
+// Run by tests/test_js_node.py, which starts the server and a small control
+// endpoint and passes both in the environment:
+//
+//   WSSERVER_URL       ws://127.0.0.1:PORT/ of the server
+//   WSSERVER_CONTROL   http://127.0.0.1:PORT2/ — POST drop (abort every
+//                      connection, as a crash would), stop, start (same port),
+//                      GET cancelled (the server's count of `done` frames with
+//                      reason cancelled), expected?prompt=&max_tokens=&seed=
+//                      (the fake model's text, computed without the server)
+//   WSSERVER_TEST_UNIT scales every timeout, as in the Python suite
+//
+// Node 20 needs --experimental-websocket for the global WebSocket; Node 22
+// and later have it by default. Nothing here waits on a timer: every wait is
+// on an event of the client or the answer of the control endpoint.
+
+import { test } from "node:test";
+import assert from "node:assert/strict";
+
+import { WsClient, WsError } from "../wsserver.js";
+
+const SERVER = process.env.WSSERVER_URL;
+const CONTROL = process.env.WSSERVER_CONTROL;
+if (!SERVER || !CONTROL) {
+  throw new Error("run through tests/test_js_node.py (scripts/test): it starts the server");
+}
+const UNIT = Number(process.env.WSSERVER_TEST_UNIT ?? "1");
+const TIMEOUT = 30_000 * UNIT;
+
+/**
+ * @param {string} path
+ * @param {"GET" | "POST"} [method]
+ * @returns {Promise<any>}
+ */
+async function control(path, method = "GET") {
+  const response = await fetch(new URL(path, CONTROL), { method });
+  const body = await response.json();
+  if (!response.ok) throw new Error(`control ${path}: ${JSON.stringify(body)}`);
+  return body;
+}
+
+/**
+ * @param {string} prompt
+ * @param {number} maxTokens
+ * @param {number} [seed]
+ * @returns {Promise<string>}
+ */
+async function expectedText(prompt, maxTokens, seed) {
+  const query = new URLSearchParams({ prompt, max_tokens: String(maxTokens) });
+  if (seed !== undefined) query.set("seed", String(seed));
+  return (await control(`expected?${query}`)).text;
+}
+
+/** Resolves with the first piece of text the stream receives. */
+function firstDelta(stream) {
+  return new Promise((resolve) => {
+    const off = stream.on("delta", (text) => {
+      off();
+      resolve(text);
+    });
+  });
+}
+
+/** Resolves once `predicate(log)` holds for the client's state events so far. */
+function stateLog(client) {
+  /** @type {Array<import("../wsserver.d.ts").StateEvent>} */
+  const log = [];
+  /** @type {Array<[(log: typeof log) => boolean, () => void]>} */
+  const waiters = [];
+  client.on("state", (event) => {
+    log.push(event);
+    for (const waiter of [...waiters]) {
+      if (waiter[0](log)) {
+        waiters.splice(waiters.indexOf(waiter), 1);
+        waiter[1]();
+      }
+    }
+  });
+  const until = (predicate) =>
+    predicate(log) ? Promise.resolve() : new Promise((resolve) => waiters.push([predicate, resolve]));
+  return { log, until };
+}
+
+test("streams a request's text and its done frame", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER);
+  try {
+    // Made while still connecting: sent once the hello arrives.
+    const stream = client.generate({ prompt: "hello node", max_tokens: 40, seed: 3, top_p: null });
+    const events = [];
+    stream.on("started", () => events.push("started"));
+    let text = "";
+    let pieces = 0;
+    for await (const piece of stream) {
+      text += piece;
+      pieces += 1;
+    }
+    const done = await stream.done;
+    assert.equal(text, await expectedText("hello node", 40, 3));
+    assert.equal(stream.text, text);
+    assert.ok(pieces >= 2, `only ${pieces} piece(s)`);
+    assert.equal(done.reason, "length");
+    assert.equal(done.usage.completion_tokens, 40);
+    assert.equal(typeof done.timings.total_ms, "number");
+    assert.deepEqual(events, ["started"]);
+    assert.equal(stream.status, "done");
+    assert.equal(client.hello?.model, "fake");
+    assert.equal(client.hello?.protocol, 1);
+  } finally {
+    client.close();
+  }
+});
+
+test("cancel is in-band: done(cancelled) at once, no text after it", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER);
+  try {
+    await client.ready();
+    const before = (await control("cancelled")).count;
+    const stream = client.generate({ prompt: "cancel me", max_tokens: 100000 });
+    const seen = [];
+    let done = null;
+    let textAtCancel = null;
+    for await (const piece of stream) {
+      seen.push(piece);
+      const cancelling = stream.cancel();
+      textAtCancel = stream.text;
+      done = await cancelling;
+    }
+    assert.equal(seen.length, 1, "the loop ended at the cancel");
+    assert.equal(done?.reason, "cancelled");
+    assert.equal(stream.text, textAtCancel, "no text was accepted after the cancel");
+    assert.ok(stream.text.startsWith(seen[0]));
+    // The server ended the request because of our cancel frame, not a disconnect.
+    assert.equal((await control("cancelled")).count, before + 1);
+    // The connection stays usable.
+    const after = await client.generate({ prompt: "after", max_tokens: 5 }).result();
+    assert.equal(after.text, await expectedText("after", 5));
+    assert.equal(after.done.reason, "length");
+
+    // Leaving the loop early cancels too.
+    const broken = client.generate({ prompt: "break", max_tokens: 100000 });
+    for await (const _ of broken) break;
+    assert.equal((await broken.done).reason, "cancelled");
+  } finally {
+    client.close();
+  }
+});
+
+test("restart regenerates from the same input; the old stream gets nothing more", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER);
+  try {
+    const old = client.generate({ prompt: "restart me", max_tokens: 100000, seed: 2 });
+    const iterator = old[Symbol.asyncIterator]();
+    const first = await iterator.next();
+    assert.equal(first.done, false);
+    const again = client.restart(old, { max_tokens: 20 });
+    assert.equal(again.frame.type, "restart", "one in-band restart frame on the same connection");
+    const oldTextAtRestart = old.text;
+    const { text, done } = await again.result();
+    assert.equal(text, await expectedText("restart me", 20, 2));
+    assert.equal(done.reason, "length");
+    assert.equal((await old.done).reason, "cancelled");
+    assert.equal(old.text, oldTextAtRestart);
+    assert.deepEqual(await iterator.next(), { value: undefined, done: true });
+  } finally {
+    client.close();
+  }
+});
+
+test("a connection the server aborts: the request fails, is not replayed, the client reconnects", { timeout: TIMEOUT }, async () => {
+  /** @type {any[]} */
+  const sent = [];
+  class LoggingWebSocket extends WebSocket {
+    /** @param {string} data */
+    send(data) {
+      sent.push(JSON.parse(data));
+      super.send(data);
+    }
+  }
+  const client = new WsClient(SERVER, {
+    WebSocket: LoggingWebSocket,
+    reconnect: { initialDelayMs: 20, jitter: 0 },
+  });
+  const states = stateLog(client);
+  try {
+    await client.ready();
+    const stream = client.generate({ prompt: "in flight", max_tokens: 100000 });
+    const outcome = (async () => {
+      try {
+        for await (const _ of stream);
+        return null;
+      } catch (error) {
+        return error;
+      }
+    })();
+    await firstDelta(stream);
+    assert.equal((await control("drop", "POST")).dropped, 1);
+
+    const error = await outcome;
+    assert.ok(error instanceof WsError, String(error));
+    assert.equal(error.code, "connection_lost");
+    await assert.rejects(stream.done, (e) => e instanceof WsError && e.code === "connection_lost");
+    assert.equal(stream.status, "failed");
+
+    await states.until((log) => log.filter((e) => e.state === "open").length >= 2);
+    const next = await client.generate({ prompt: "after the drop", max_tokens: 5 }).result();
+    assert.equal(next.done.reason, "length");
+    assert.deepEqual(
+      states.log.slice(0, 4).map((e) => e.state),
+      ["open", "reconnecting", "connecting", "open"],
+    );
+    const generates = sent.filter((f) => f.type === "generate").map((f) => f.id);
+    assert.deepEqual(generates, [stream.id, generates[1]], "sent once, never replayed");
+    // A restart after the reconnect cannot be in-band (the server forgot the
+    // old request): the client sends the remembered input as a new generate.
+    const again = client.restart(stream, { max_tokens: 6 });
+    assert.equal(again.frame.type, "generate");
+    assert.equal((await again.result()).text, await expectedText("in flight", 6));
+  } finally {
+    client.close();
+  }
+});
+
+test("a server that shuts down and comes back: backoff, then open again", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER, {
+    reconnect: { initialDelayMs: 20, factor: 2, maxDelayMs: 160, jitter: 0 },
+  });
+  const states = stateLog(client);
+  try {
+    await client.ready();
+    await control("stop", "POST"); // closes every connection with 1001
+    await states.until((log) => log.filter((e) => e.state === "reconnecting").length >= 5);
+    await control("start", "POST");
+    await client.ready();
+    const retries = states.log.filter((e) => e.state === "reconnecting");
+    assert.equal(retries[0].code, 1001, "the server's going-away close");
+    assert.deepEqual(
+      retries.slice(0, 5).map((e) => e.delayMs),
+      [20, 40, 80, 160, 160],
+    );
+    assert.deepEqual(
+      retries.slice(0, 5).map((e) => e.attempt),
+      [1, 2, 3, 4, 5],
+    );
+    const result = await client.generate({ prompt: "back", max_tokens: 4 }).result();
+    assert.equal(result.text, await expectedText("back", 4));
+  } finally {
+    client.close();
+  }
+});

@@ -1,0 +1,47 @@
+// Never run: compiled by `tsc -p clients/js` (scripts/lint, tests/test_js_node.py).
+//
+// wsserver.js checks itself against wsserver.d.ts (its `declaredExports`);
+// this file checks the other direction: that the declarations, as a
+// TypeScript user imports them, still describe the API the READMEs document.
+
+import { WsClient, WsError, PROTOCOL_VERSION, type DoneFrame, type HelloFrame } from "./wsserver.js";
+
+export async function documentedUsage(output: { append(text: string): void }): Promise<void> {
+  const client = new WsClient("ws://127.0.0.1:8765/", {
+    reconnect: { initialDelayMs: 250, maxDelayMs: 10_000, factor: 2, jitter: 0.25 },
+  });
+  const off = client.on("state", ({ state, attempt, delayMs }) => {
+    const s: "connecting" | "open" | "reconnecting" | "closed" = state;
+    void [s, attempt, delayMs];
+  });
+  const hello: HelloFrame = await client.ready();
+  const protocol: number = hello.protocol === PROTOCOL_VERSION ? hello.protocol : 0;
+  void protocol;
+
+  const stream = client.generate({ prompt: "Once upon a time", max_tokens: 200, temperature: 0.8 });
+  stream.on("queued", ({ position }) => void position);
+  for await (const text of stream) output.append(text);
+  const done: DoneFrame = await stream.done;
+  const tokens: number = done.usage.completion_tokens + done.timings.tokens_per_s;
+  void tokens;
+
+  const controller = new AbortController();
+  const long = client.generate(
+    { messages: [{ role: "user", content: "Write a long story." }], stop: ["\n\n"] },
+    { signal: controller.signal, onDelta: (text: string) => output.append(text) },
+  );
+  const cancelled: DoneFrame = await long.cancel();
+  const again = client.restart(long, { seed: 7 });
+  const { text, done: againDone } = await again.result();
+  void [cancelled, text, againDone.reason];
+  const byId: DoneFrame | null = await client.cancel(again.id);
+  void byId;
+
+  try {
+    await client.generate({ prompt: "x" }).result();
+  } catch (error) {
+    if (error instanceof WsError && error.code === "connection_lost") output.append(error.message);
+  }
+  off();
+  client.close();
+}

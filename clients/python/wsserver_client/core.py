@@ -1,0 +1,262 @@
+"""The sans-I/O core of both Python clients: requests, their frames, their rules.
+
+The async client (:mod:`wsserver_client.client`) and the sync client
+(:mod:`wsserver_client.sync`) differ only in how they move bytes. Everything
+else lives here, once, with no socket, no asyncio and no websockets:
+
+* building the ``generate``, ``restart`` and ``cancel`` frames and the IDs;
+* routing each server frame by its request ID to a :class:`Request`;
+* the late-frame rule: once the caller cancels or restarts a request
+  (:meth:`Request.abandon`), none of its text reaches the caller any more —
+  neither frames still on the wire nor text already received but not yet
+  read. Its ``done`` is still recorded, because the protocol makes ``done``
+  the last frame of an ID;
+* failing every live request when the connection is lost.
+
+An I/O layer feeds received messages to :meth:`RequestTable.receive`, sends
+the frames this module builds, and waits (in its own way) until
+:meth:`Request.take` has text or :attr:`Request.ended` is true. A subclass of
+:class:`Request` can override :meth:`Request.changed` to be woken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from wsserver.protocol import (
+    Delta,
+    Done,
+    Error,
+    Hello,
+    Queued,
+    ServerFrame,
+    Started,
+    parse_server_frame,
+)
+
+__all__ = ["GenerationError", "Request", "RequestResult", "RequestTable"]
+
+
+class GenerationError(Exception):
+    """The server refused a request (``error`` frame) or the connection dropped.
+
+    ``code`` is the server's wire code (``busy``, ``unknown_id``,
+    ``bad_request``, …) or ``connection_lost`` when the connection closed
+    while the request was live.
+    """
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass
+class RequestResult:
+    """A finished request: its whole text and its ``done`` frame."""
+
+    id: str
+    text: str
+    done: Done
+
+
+class Request:
+    """One request's state: what arrived, what the caller has not read yet."""
+
+    def __init__(self, request_id: str, frame: dict[str, Any]) -> None:
+        self.id = request_id
+        #: The frame that starts the request (``generate`` or ``restart``).
+        self.frame = frame
+        #: The server's ``done`` frame, once it arrived.
+        self.done: Done | None = None
+        #: Why the request ended without a ``done`` (refused, connection lost).
+        self.error: GenerationError | None = None
+        self.started = False
+        #: Every queue position the server reported, in order.
+        self.positions: list[int] = []
+        #: The deltas received before the request ended or was abandoned.
+        self.deltas: list[Delta] = []
+        self.sent = False
+        self._abandoned = False
+        # The server answered the request frame (queued, started or text): an
+        # error after that is about a later frame of ours, i.e. our cancel.
+        self._acknowledged = False
+        self._unread: deque[str] = deque()
+
+    @property
+    def text(self) -> str:
+        """All text received (the caller may not have read all of it)."""
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the caller cancelled or restarted this request."""
+        return self._abandoned
+
+    @property
+    def finished(self) -> bool:
+        """True once ``done`` arrived or the request failed."""
+        return self.done is not None or self.error is not None
+
+    @property
+    def ended(self) -> bool:
+        """True when iteration can yield nothing more (but may still raise)."""
+        return not self._unread and (self.finished or self._abandoned)
+
+    @property
+    def ready(self) -> bool:
+        """True when :meth:`take` has text or the request :attr:`ended`: what
+        an I/O layer waits for."""
+        return bool(self._unread) or self.finished or self._abandoned
+
+    def take(self) -> str | None:
+        """The next piece of text for the caller, or ``None`` if there is none yet."""
+        return self._unread.popleft() if self._unread else None
+
+    def raise_for_error(self) -> None:
+        """Raise the request's :class:`GenerationError`, if it failed and the
+        caller still wanted it (an abandoned request ends quietly)."""
+        if self.error is not None and not self._abandoned:
+            raise self.error
+
+    def finished_result(self) -> RequestResult:
+        """The finished request (call once it is :attr:`finished`); raises if it
+        ended without a ``done``."""
+        if self.done is None:
+            raise self.error or GenerationError("internal", "the request has not ended", self.id)
+        return RequestResult(id=self.id, text=self.text, done=self.done)
+
+    def changed(self) -> None:
+        """Called after text arrived or the request ended; a hook for I/O layers."""
+
+    # ------------------------------------------------------------ table side
+
+    def deliver(self, frame: ServerFrame) -> None:
+        """Apply one server frame of this request."""
+        if self.finished:
+            return
+        if isinstance(frame, Delta):
+            self._acknowledged = True
+            if not self._abandoned:  # a late frame of a cancelled request is dropped
+                self.deltas.append(frame)
+                self._unread.append(frame.text)
+                self.changed()
+        elif isinstance(frame, Queued):
+            self._acknowledged = True
+            self.positions.append(frame.position)
+        elif isinstance(frame, Started):
+            self._acknowledged = True
+            self.started = True
+        elif isinstance(frame, Done):
+            self.done = frame
+            self.changed()
+        elif isinstance(frame, Error):
+            if self._abandoned and self._acknowledged and frame.code == "rate_limited":
+                return  # our cancel was refused; the request runs on and its done comes
+            self.fail(GenerationError(frame.code, frame.message, frame.id))
+
+    def abandon(self) -> None:
+        """The caller gave up: text not yet read is dropped, and so is any to come."""
+        self._abandoned = True
+        self._unread.clear()
+        self.changed()
+
+    def fail(self, error: GenerationError) -> None:
+        if not self.finished:
+            self.error = error
+            self.changed()
+
+
+R = TypeVar("R", bound=Request)
+
+
+class RequestTable(Generic[R]):
+    """One connection's live requests, by ID, and the frames that drive them."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, R] = {}
+        self.hello: Hello | None = None
+        #: ``error`` frames about no live request (for debugging and tests).
+        self.errors: list[Error] = []
+        self._ids = itertools.count(1)
+        self._prefix = os.urandom(3).hex()
+
+    def new_id(self) -> str:
+        return f"r{self._prefix}-{next(self._ids)}"
+
+    def hello_from(self, message: str | bytes) -> Hello:
+        """The connection's first frame, which must be ``hello``."""
+        first = parse_server_frame(message)
+        if not isinstance(first, Hello):
+            raise GenerationError("bad_request", f"expected hello, got {first!r}")
+        self.hello = first
+        return first
+
+    # Frames to send. The I/O layer wraps the frame in its Request subclass
+    # and registers it with add().
+
+    def generate_frame(
+        self,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        request_id: str | None,
+        params: dict[str, Any],
+    ) -> tuple[str, dict[str, Any]]:
+        request_id = request_id or self.new_id()
+        frame: dict[str, Any] = {"type": "generate", "id": request_id, **params}
+        if prompt is not None:
+            frame["prompt"] = prompt
+        if messages is not None:
+            frame["messages"] = messages
+        return request_id, frame
+
+    def restart_frame(
+        self, old: str | Request, new_id: str | None, overrides: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """Regenerate ``old``: the old request is abandoned at once (the server
+        cancels it, if it still runs, on receiving the frame)."""
+        old_id = old if isinstance(old, str) else old.id
+        previous = self.live.get(old_id)
+        if previous is not None:
+            previous.abandon()
+        request_id = new_id or self.new_id()
+        return request_id, {"type": "restart", "id": old_id, "new_id": request_id, **overrides}
+
+    def cancel_frame(self, request_id: str) -> tuple[R | None, dict[str, Any]]:
+        """Abandon ``request_id`` (if live) and the frame that cancels it."""
+        request = self.live.get(request_id)
+        if request is not None:
+            request.abandon()
+        return request, {"type": "cancel", "id": request_id}
+
+    def add(self, request: R) -> R:
+        self.live[request.id] = request
+        return request
+
+    # Frames received.
+
+    def receive(self, message: str | bytes) -> R | None:
+        """Route one received message; returns the request it was about, if live."""
+        frame = parse_server_frame(message)
+        request_id = getattr(frame, "id", None)
+        request = self.live.get(request_id) if request_id is not None else None
+        if request is None:
+            # Late frames of finished requests are dropped; errors kept for debugging.
+            if isinstance(frame, Error):
+                self.errors.append(frame)
+            return None
+        request.deliver(frame)
+        if request.finished:
+            del self.live[request.id]
+        return request
+
+    def lost(self, reason: str) -> None:
+        """The connection closed: every live request fails with ``connection_lost``."""
+        for request in list(self.live.values()):
+            request.fail(GenerationError("connection_lost", reason, request.id))
+        self.live.clear()

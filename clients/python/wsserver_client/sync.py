@@ -1,0 +1,258 @@
+"""A synchronous client for wsserver, built on websockets' sync client.
+
+    from wsserver_client.sync import Client
+
+    with Client("ws://127.0.0.1:8765/") as client:
+        for text in client.generate("Once upon a time", max_tokens=64):
+            print(text, end="", flush=True)
+
+The same shape as the async client (:mod:`wsserver_client.client`) and the
+same rules, because both run on :mod:`wsserver_client.core`: requests by ID,
+and nothing of a cancelled or restarted request reaches the caller.
+
+There is no reader thread of ours. websockets' sync connection receives in its
+own background thread; this module takes frames from it only while the
+caller iterates or waits (:meth:`Stream.result`, :meth:`Client.cancel`), and
+routes each to its request — so a loop that stops reading makes the server
+wait, which is the backpressure the server is built around. Use a client
+from one thread at a time.
+
+**Ctrl-C.** A ``KeyboardInterrupt`` inside ``for text in stream`` (nearly
+always raised while the loop waits for the next frame) cancels the request
+in-band — a ``cancel`` frame, then the server's ``done`` with reason
+``cancelled`` — and is raised again: the script stops as Python scripts do,
+and a caller who catches it finds ``stream.done.reason == "cancelled"``. An
+interrupt that lands in the loop body instead is not seen by the stream; it
+still leaves the ``with`` block, and closing the client cancels in-band
+whatever still runs before the connection closes. (A caller who catches
+``KeyboardInterrupt`` to carry on can call ``stream.cancel()``: it does nothing
+more if the request is already cancelled.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import orjson
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from wsserver.protocol import Done, Error, Hello
+
+from .core import GenerationError, Request, RequestResult, RequestTable
+
+__all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
+
+
+class Stream(Request):
+    """One request. Iterate for text; ``done`` is set at the end.
+
+    Leaving the loop with ``break`` does not cancel the request (iterate
+    again to read on); :meth:`cancel`, :meth:`Client.restart` or Ctrl-C does.
+    """
+
+    def __init__(self, client: Client, request_id: str, frame: dict[str, Any]) -> None:
+        super().__init__(request_id, frame)
+        self.client = client
+
+    def send(self) -> Stream:
+        """Send the request frame (iteration does this by itself)."""
+        if not self.sent:
+            self.sent = True
+            self.client._send(self.frame)
+        return self
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            self.send()
+            while True:
+                text = self.take()
+                if text is not None:
+                    yield text
+                elif self.ended:
+                    self.raise_for_error()
+                    return
+                else:
+                    self.client._wait(lambda: self.ready)
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Read to the end; return the whole text and the ``done`` frame."""
+        for _ in self:
+            pass
+        self.wait_done(timeout)
+        return self.finished_result()
+
+    def cancel(self, timeout: float | None = None) -> Done | None:
+        """Cancel in-band and wait for this request's ``done``; once it has
+        ended, just return its ``done``."""
+        if self.finished:
+            return self.done
+        return self.client.cancel(self.id, timeout=timeout)
+
+    def wait_done(self, timeout: float | None = None) -> Done | None:
+        """Wait for the end of the request without reading its text (sending
+        it first if it was not sent yet)."""
+        self.send()
+        self.client._wait(lambda: self.finished, timeout)
+        return self.done
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: cancel in-band, as far as the connection allows."""
+        if not self.sent or self.finished:
+            return
+        with contextlib.suppress(GenerationError, TimeoutError):
+            self.cancel(timeout=self.client.cancel_timeout)
+
+
+class Client:
+    """A connection to wsserver. Use as a context manager.
+
+    ``cancel_timeout`` bounds how long Ctrl-C and :meth:`close` wait for the
+    ``done`` of a request they cancel. Other keyword arguments go to
+    :func:`websockets.sync.client.connect` (``open_timeout``, ``max_size``, …).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        origin: str | None = None,
+        cancel_timeout: float = 10.0,
+        **connect_kwargs: Any,
+    ) -> None:
+        self.url = url
+        self.token = token
+        self.cancel_timeout = cancel_timeout
+        self._connect_kwargs = connect_kwargs
+        if origin is not None:
+            self._connect_kwargs["origin"] = origin
+        self.ws: ClientConnection | None = None
+        self.requests: RequestTable[Stream] = RequestTable()
+        self._lost: str | None = None
+        self._exit = contextlib.ExitStack()
+
+    @property
+    def hello(self) -> Hello | None:
+        """The server's ``hello`` (model, limits), once connected."""
+        return self.requests.hello
+
+    @property
+    def errors(self) -> list[Error]:
+        """``error`` frames about no live request."""
+        return self.requests.errors
+
+    def __enter__(self) -> Client:
+        self.connect()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        # Entered as a context manager: websockets >= 17.1 deprecates using
+        # connect()'s return value directly, and older versions allow both.
+        self.ws = self._exit.enter_context(
+            connect(self.url, additional_headers=headers or None, **self._connect_kwargs)
+        )
+        self.requests.hello_from(self.ws.recv(timeout=self._connect_kwargs.get("open_timeout", 10)))
+
+    def close(self) -> None:
+        """Cancel in-band what still runs, then close the connection."""
+        if self.ws is None:
+            return
+        running = [s for s in self.requests.live.values() if s.sent and not s.abandoned]
+        try:
+            with contextlib.suppress(GenerationError, TimeoutError):
+                for stream in running:
+                    self._send(self.requests.cancel_frame(stream.id)[1])
+                deadline = time.monotonic() + self.cancel_timeout
+                for stream in running:
+                    stream.wait_done(max(0.0, deadline - time.monotonic()))
+        finally:
+            self._exit.close()
+
+    def new_id(self) -> str:
+        return self.requests.new_id()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        id: str | None = None,
+        **params: Any,
+    ) -> Stream:
+        """A request; iterate the returned stream for its text."""
+        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
+        return self.requests.add(Stream(self, request_id, frame))
+
+    def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
+        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
+        its input again with ``overrides``."""
+        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
+        return self.requests.add(Stream(self, request_id, frame))
+
+    def cancel(self, request_id: str, *, timeout: float | None = None) -> Done | None:
+        """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
+        stream, frame = self.requests.cancel_frame(request_id)
+        self._send(frame)
+        if stream is None:
+            return None
+        return stream.wait_done(timeout)
+
+    def send_raw(self, data: str | bytes) -> None:
+        """Send a frame as is (for tests and debugging)."""
+        assert self.ws is not None
+        self.ws.send(data)
+
+    # ------------------------------------------------------------ internals
+
+    def _send(self, frame: dict[str, Any]) -> None:
+        assert self.ws is not None, "call connect() first"
+        if self._lost is not None:
+            raise GenerationError("connection_lost", self._lost, frame.get("id"))
+        try:
+            self.ws.send(orjson.dumps(frame), text=True)
+        except ConnectionClosed as exc:
+            self._connection_lost(exc)
+            raise GenerationError("connection_lost", self._lost or "", frame.get("id")) from exc
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
+        """Receive and route frames until ``ready()``.
+
+        Raises TimeoutError after ``timeout`` seconds, and GenerationError if
+        the connection is gone and ``ready()`` still is not true.
+        """
+        assert self.ws is not None, "call connect() first"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            if self._lost is not None:
+                raise GenerationError("connection_lost", self._lost)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                message = self.ws.recv(timeout=remaining)
+            except ConnectionClosed as exc:
+                self._connection_lost(exc)
+                continue
+            self.requests.receive(message)
+
+    def _connection_lost(self, exc: ConnectionClosed) -> None:
+        if self._lost is None:
+            self._lost = f"connection closed: {exc}"
+            self.requests.lost(self._lost)
