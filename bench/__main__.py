@@ -22,9 +22,9 @@ from typing import Any
 
 from . import cancel, ceiling, idle, slow, throughput
 from .common import Skip, git_commit, machine
+from .lineup import LlamaLineup
 from .options import Options
 from .report import SECTIONS, command_line, write
-from .session import LlamaSession
 
 ALIASES = {"1": "throughput", "2": "cancel", "3": "ceiling", "4": "slow", "5": "idle"}
 
@@ -90,7 +90,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
     if llama:
         opts.log("sections 1-2: llama contenders")
         try:
-            async with LlamaSession(opts) as session:
+            async with LlamaLineup(opts) as session:
                 if "throughput" in llama:
                     try:
                         results["throughput"] = await throughput.run(opts, session)

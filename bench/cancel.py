@@ -26,8 +26,8 @@ from typing import Any
 
 from .common import fmt, summary
 from .contenders import InProcess, PeerContender, WsContender
+from .lineup import NEXT_PROMPTS, PROMPTS, LlamaLineup, long_prompt
 from .options import Options
-from .session import NEXT_PROMPTS, PROMPTS, LlamaSession, long_prompt
 
 now = time.perf_counter
 NEXT_TOKENS = 8
@@ -182,7 +182,7 @@ async def _bounded(awaitable: Any, seconds: float) -> dict[str, Any]:
         return {"ack_ms": None, "next_first_ms": None, "error": f"no result within {seconds:g} s"}
 
 
-async def run(opts: Options, session: LlamaSession, decode_step_ms: float | None) -> dict[str, Any]:
+async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None) -> dict[str, Any]:
     assert session.inproc is not None and session.ws is not None
     quick = opts.quick
     reps = (

@@ -33,9 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
 
-from wsserver.backends.base import GenerationRequest  # noqa: E402
+from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.channel import CancelEvent  # noqa: E402
 from wsserver.errors import GenerationCancelled  # noqa: E402
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 300
@@ -145,8 +144,8 @@ async def end_to_end(model: str, n_threads: int, repeat: int) -> tuple[list[floa
     import orjson
     from websockets.asyncio.client import connect
 
+    from wsserver.aio import Server
     from wsserver.config import load_config
-    from wsserver.server import Server
 
     config = load_config(
         env={},

@@ -38,11 +38,11 @@ import threading
 import time
 from typing import Any
 
-from wsserver.channel import Channel
+from wsserver.aio import Server
+from wsserver.aio.channel import Channel
+from wsserver.aio.metrics import loop_lags
 from wsserver.config import load_config
 from wsserver.logs import setup_logging
-from wsserver.metrics import loop_lags
-from wsserver.server import Server
 
 PROBE_INTERVAL = 0.010
 SAMPLE_INTERVAL = 0.050
@@ -172,7 +172,7 @@ def _nodelay(server: Server) -> bool | None:
 def _patch_nodelay() -> None:
     """Diagnostic only: give the listening socket its TCP protocol number, so
     asyncio sets TCP_NODELAY on accepted sockets as it does for its own."""
-    import wsserver.server as server_module
+    import wsserver.aio.server as server_module
 
     original = server_module.make_listening_socket
 

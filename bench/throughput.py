@@ -21,8 +21,8 @@ from typing import Any
 
 from .common import fmt, summary
 from .contenders import Run
+from .lineup import PROMPTS, LlamaLineup
 from .options import Options
-from .session import PROMPTS, LlamaSession
 
 
 async def _complete(contender: Any, prompt: str, max_tokens: int, index: int) -> Run:
@@ -30,7 +30,7 @@ async def _complete(contender: Any, prompt: str, max_tokens: int, index: int) ->
     return run
 
 
-def contenders(session: LlamaSession) -> list[tuple[str, Any]]:
+def contenders(session: LlamaLineup) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("in-process", session.inproc), ("wsserver", session.ws)]
     if session.peer is not None:
         out.append(("llama_cpp.server", session.peer))
@@ -39,7 +39,7 @@ def contenders(session: LlamaSession) -> list[tuple[str, Any]]:
     return out
 
 
-async def run(opts: Options, session: LlamaSession) -> dict[str, Any]:
+async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
     repeats = 2 if opts.quick else 10
     max_tokens = 32 if opts.quick else 128
     entrants = contenders(session)
@@ -166,7 +166,7 @@ async def run(opts: Options, session: LlamaSession) -> dict[str, Any]:
 
 
 async def _spare_core(
-    opts: Options, session: LlamaSession, repeats: int, max_tokens: int
+    opts: Options, session: LlamaLineup, repeats: int, max_tokens: int
 ) -> dict[str, Any]:
     """Diagnostic: in-process and wsserver again, both with one llama.cpp thread
     fewer than cores, so that the server's event loop and the client always

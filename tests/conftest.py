@@ -20,8 +20,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from wsserver.aio import Server
 from wsserver.config import Config, load_config
-from wsserver.server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))

@@ -31,10 +31,11 @@ from test_security import http, refused_status
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.connection import Connection, PeerAwareConnection, memory_bound
+from wsserver.aio import Server
+from wsserver.aio.connection import Connection
+from wsserver.aio.peer import PeerAwareConnection, memory_bound
 from wsserver.logs import RepeatFilter, TextFormatter, escape_controls, setup_logging
 from wsserver.security import ConnectionLimiter, client_group
-from wsserver.server import Server
 
 # ---------------------------------------------------------------- log injection
 

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import pytest
 from conftest import ROOT, expected_fake_text, make_config, timeout
 
-from wsserver.server import Server
+from wsserver.aio import Server
 
 JS = ROOT / "clients" / "js"
 TSC = JS / "node_modules" / ".bin" / "tsc"

@@ -27,12 +27,11 @@ from conftest import Wire, make_config, running_server, slow_wire, timeout, wire
 from tiny_gguf import write_tiny_gguf  # noqa: E402
 from wsserver_client import Client  # noqa: E402
 
-from wsserver.backends.base import GenerationRequest  # noqa: E402
+from wsserver.aio import Server  # noqa: E402
+from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
 from wsserver.backends.llama import CHAT_FALLBACK_STOPS, LlamaBackend, plain_chat_prompt  # noqa: E402
-from wsserver.channel import CancelEvent  # noqa: E402
 from wsserver.errors import BackendError, GenerationCancelled  # noqa: E402
 from wsserver.protocol import Message  # noqa: E402
-from wsserver.server import Server  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

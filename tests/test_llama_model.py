@@ -30,8 +30,8 @@ from test_llama_backend import (  # noqa: E402
 )
 from wsserver_client import Client  # noqa: E402
 
+from wsserver.aio import Server  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.server import Server  # noqa: E402
 
 pytestmark = [pytest.mark.llama, pytest.mark.model]
 

@@ -23,6 +23,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from wsserver.backends.base import Outcome
 from wsserver.errors import ProtocolError
 from wsserver.protocol import (
     Delta,
@@ -35,7 +36,7 @@ from wsserver.protocol import (
     parse_client_frame,
     serialize,
 )
-from wsserver.session import Outcome, Send, Session, StartGeneration, StopGeneration
+from wsserver.session import Send, Session, StartGeneration, StopGeneration
 
 LIMITS = Limits(max_frame_bytes=4096, max_prompt_chars=200, max_messages=4, max_tokens=64)
 IDS = st.sampled_from(["a", "b", "c", "d", "e"])
@@ -203,16 +204,16 @@ class Simulation:
         session = self.session
         kind = action[0]
         if kind == "queued":
-            self.emit(session.queued(request_id, action[1]))
+            self.apply(session.queued(request_id, action[1]))
         elif kind == "started":
-            self.emit(session.started(request_id, self.tick()))
+            self.apply(session.started(request_id, self.tick()))
         elif kind == "prompt":
-            session.prompt_processed(request_id, action[1])
+            assert session.prompt_processed(request_id, action[1]) == []
         elif kind == "delta" and not self.producer_ended:
-            self.emit(session.delta(request_id, action[1], action[2], self.tick()))
+            self.apply(session.delta(request_id, action[1], action[2], self.tick()))
         elif kind == "finish" and not self.producer_ended:
             self.producer_ended = True
-            self.emit(
+            self.apply(
                 session.finish(
                     request_id, Outcome(reason=action[1], completion_tokens=1), self.tick()
                 )
@@ -224,14 +225,18 @@ class Simulation:
         ):
             # The model queue was full: the I/O layer sends an error, no done.
             before = session.active_id
-            session.reject(request_id)
+            full = ProtocolError("overloaded", "full", request_id)
+            effects = session.reject(request_id, full)
             if before == request_id and session.active_id is None:
                 self.refused.add(request_id)
-                self.emit(Error(id=request_id, code="overloaded", message="full"))
+                assert effects == [Send(Error(id=request_id, code="overloaded", message="full"))]
+                self.apply(effects)
                 # It never got a model slot or a thread: nothing is left to stop
                 # (the I/O layer's later producer_stopped report is a no-op).
                 self.producer = None
                 self.apply(session.producer_stopped(request_id, self.tick()))
+            else:
+                assert effects == [], "a request that was not waiting was refused"
         elif kind == "producer_stopped":
             self.producer = None
             self.apply(session.producer_stopped(request_id, self.tick()))
@@ -242,8 +247,8 @@ class Simulation:
             request_id = self.producer
             if request_id is None:
                 break
-            self.emit(self.session.started(request_id, self.tick()))
-            self.emit(self.session.finish(request_id, Outcome(reason="length"), self.tick()))
+            self.apply(self.session.started(request_id, self.tick()))
+            self.apply(self.session.finish(request_id, Outcome(reason="length"), self.tick()))
             self.producer = None
             self.apply(self.session.producer_stopped(request_id, self.tick()))
         assert self.producer is None, "a producer was left running"

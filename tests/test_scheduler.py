@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from wsserver.aio.scheduler import Scheduler
 from wsserver.errors import ProtocolError
-from wsserver.scheduler import Scheduler
 
 
 class Positions:

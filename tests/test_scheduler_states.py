@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from wsserver.aio.scheduler import Scheduler
 from wsserver.errors import ProtocolError
-from wsserver.scheduler import Scheduler
 
 
 def one_turn(loop: asyncio.AbstractEventLoop) -> None:

@@ -21,9 +21,9 @@ from conftest import (
 )
 from websockets.exceptions import ConnectionClosed
 
+from wsserver.aio import Server
 from wsserver.backends.fake import FakeBackend
 from wsserver.errors import BackendError
-from wsserver.server import Server
 
 
 def producer_threads(request_id: str | None = None) -> list[threading.Thread]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from wsserver.backends.base import Outcome
+from wsserver.errors import ProtocolError
 from wsserver.protocol import Cancel, Delta, Done, Error, Generate, Queued, Restart, Started
 from wsserver.session import (
-    Outcome,
     RequestState,
     Send,
     Session,
@@ -29,7 +30,7 @@ def error_code(effects: list[object]) -> str:
 
 def run_to_running(session: Session, request_id: str, now: float = 0.0) -> None:
     assert session.handle(gen(request_id), now) == [StartGeneration(gen(request_id))]
-    assert session.started(request_id, now + 0.001) == Started(id=request_id)
+    assert session.started(request_id, now + 0.001) == [Send(Started(id=request_id))]
 
 
 # ---------------------------------------------------------------- happy path
@@ -39,16 +40,16 @@ def test_generate_runs_streams_and_finishes_with_one_done() -> None:
     session = Session()
     assert session.handle(gen("a"), 10.0) == [StartGeneration(gen("a"))]
     assert session.state_of("a") is RequestState.WAITING
-    assert session.queued("a", 2) == Queued(id="a", position=2)
-    assert session.queued("a", 2) is None  # unchanged position: nothing to send
-    assert session.queued("a", 1) == Queued(id="a", position=1)
-    assert session.started("a", 10.5) == Started(id="a")
+    assert session.queued("a", 2) == [Send(Queued(id="a", position=2))]
+    assert session.queued("a", 2) == []  # unchanged position: nothing to send
+    assert session.queued("a", 1) == [Send(Queued(id="a", position=1))]
+    assert session.started("a", 10.5) == [Send(Started(id="a"))]
     assert session.state_of("a") is RequestState.RUNNING
     session.prompt_processed("a", 7)
-    assert session.delta("a", "", 1, 10.6) is None  # held-back bytes: counted, not sent
-    assert session.delta("a", "Hel", 1, 10.7) == Delta(id="a", seq=0, text="Hel")
-    assert session.delta("a", "lo", 2, 10.8) == Delta(id="a", seq=1, text="lo")
-    done = session.finish("a", Outcome("length", 7, 4), 11.5)
+    assert session.delta("a", "", 1, 10.6) == []  # held-back bytes: counted, not sent
+    assert session.delta("a", "Hel", 1, 10.7) == [Send(Delta(id="a", seq=0, text="Hel"))]
+    assert session.delta("a", "lo", 2, 10.8) == [Send(Delta(id="a", seq=1, text="lo"))]
+    (done,) = frames(session.finish("a", Outcome("length", 7, 4), 11.5))
     assert isinstance(done, Done)
     assert done.reason == "length"
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (7, 4)
@@ -67,11 +68,11 @@ def test_generate_runs_streams_and_finishes_with_one_done() -> None:
 def test_nothing_is_emitted_for_a_request_after_its_done() -> None:
     session = Session()
     run_to_running(session, "a")
-    assert session.finish("a", Outcome("stop"), 1.0) is not None
-    assert session.delta("a", "late", 1, 1.1) is None
-    assert session.finish("a", Outcome("length"), 1.2) is None
-    assert session.started("a", 1.3) is None
-    assert session.queued("a", 1) is None
+    assert session.finish("a", Outcome("stop"), 1.0) != []
+    assert session.delta("a", "late", 1, 1.1) == []
+    assert session.finish("a", Outcome("length"), 1.2) == []
+    assert session.started("a", 1.3) == []
+    assert session.queued("a", 1) == []
 
 
 def test_unknown_state_for_never_seen_ids() -> None:
@@ -88,7 +89,7 @@ def test_generate_while_running_is_busy_and_touches_nothing() -> None:
     assert error_code(effects) == "busy"
     assert frames(effects)[0].id == "b"  # type: ignore[attr-defined]
     assert session.active_id == "a"
-    assert session.delta("a", "x", 1, 1.1) is not None
+    assert session.delta("a", "x", 1, 1.1) != []
 
 
 def test_duplicate_ids_are_refused_even_after_done() -> None:
@@ -160,7 +161,7 @@ def test_cancel_while_waiting_for_the_model() -> None:
     done = frames(effects)[0]
     assert isinstance(done, Done) and done.reason == "cancelled"
     assert done.timings.ttft_ms is None and done.timings.tokens_per_s == 0.0
-    assert session.started("a", 1.1) is None  # a late grant of the model is ignored
+    assert session.started("a", 1.1) == []  # a late grant of the model is ignored
 
 
 def test_next_request_waits_until_the_old_producer_has_stopped() -> None:
@@ -172,7 +173,7 @@ def test_next_request_waits_until_the_old_producer_has_stopped() -> None:
     assert session.active_id == "b"
     assert session.producer_id == "a"
     # Late reports from "a" are dropped; "b" starts only when "a" is gone.
-    assert session.delta("a", "late", 1, 1.2) is None
+    assert session.delta("a", "late", 1, 1.2) == []
     assert session.producer_stopped("b", 1.25) == []  # not b's producer: ignored
     assert session.producer_stopped("a", 1.3) == [StartGeneration(gen("b"))]
     assert session.producer_id == "b"
@@ -195,14 +196,14 @@ def test_cancel_racing_the_natural_end_yields_one_done_either_way() -> None:
     # The end first: the cancel is refused.
     session = Session()
     run_to_running(session, "a")
-    assert session.finish("a", Outcome("length"), 1.0) is not None
+    assert session.finish("a", Outcome("length"), 1.0) != []
     assert error_code(session.handle(Cancel("a"), 1.0)) == "unknown_id"
     # The cancel first: the end is dropped.
     session = Session()
     run_to_running(session, "b")
     effects = session.handle(Cancel("b"), 1.0)
     assert len([f for f in frames(effects) if isinstance(f, Done)]) == 1
-    assert session.finish("b", Outcome("length"), 1.0) is None
+    assert session.finish("b", Outcome("length"), 1.0) == []
 
 
 # ---------------------------------------------------------------- restart
@@ -268,7 +269,9 @@ def test_rapid_restarts_chain_without_overlap() -> None:
 def test_error_outcome_carries_its_code() -> None:
     session = Session()
     run_to_running(session, "a")
-    done = session.finish("a", Outcome("error", error_code="stalled", error_message="slow"), 1.0)
+    (done,) = frames(
+        session.finish("a", Outcome("error", error_code="stalled", error_message="slow"), 1.0)
+    )
     assert done is not None and done.error_code == "stalled" and done.reason == "error"
 
 
@@ -278,20 +281,21 @@ def test_a_producer_that_exits_without_an_end_still_yields_one_done() -> None:
     effects = session.producer_stopped("a", 1.0)
     (done,) = frames(effects)
     assert isinstance(done, Done) and done.reason == "error" and done.error_code == "internal"
-    assert session.finish("a", Outcome("stop"), 1.1) is None
+    assert session.finish("a", Outcome("stop"), 1.1) == []
 
 
 def test_reject_forgets_a_request_without_done() -> None:
     session = Session()
     session.handle(gen("a"), 0.0)
-    session.reject("a")
+    full = ProtocolError("overloaded", "the queue is full", "a")
+    assert error_code(session.reject("a", full)) == "overloaded"  # an error, not a done
     assert session.active_id is None and session.producer_id is None
     assert session.producer_stopped("a", 0.1) == []
     # The id stays used.
     assert error_code(session.handle(gen("a"), 0.2)) == "duplicate_id"
     # Rejecting something that is not waiting does nothing.
     run_to_running(session, "b")
-    session.reject("b")
+    session.reject("b", ProtocolError("overloaded", "the queue is full", "b"))
     assert session.active_id == "b"
 
 

@@ -50,7 +50,7 @@ from conftest import running_server, timeout, wire
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.metrics import loop_lags
+from wsserver.aio.metrics import loop_lags
 
 DURATION_S = float(os.environ.get("WSSERVER_SOAK_SECONDS", "40"))
 #: The server's stall and send timeouts in the soak.
@@ -459,7 +459,7 @@ async def test_queued_position_update_never_follows_the_done() -> None:
         (connection,) = [c for c in server.connections.values() if c.session.active_id == "w"]
         # The scheduler reports a new position (the send is now scheduled as a
         # task) and, before that task runs, the client's cancel is handled.
-        connection._queued("w", 7)
+        connection.generations["w"].queued(7)
         await connection._receive(json.dumps({"type": "cancel", "id": "w"}))
         await waiter.until(lambda f: f["type"] == "done" and f["id"] == "w")
         # Anything still in flight for "w" would arrive before this reply.

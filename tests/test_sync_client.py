@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, expected_fake_text, running_server, timeout
 from wsserver_client.sync import Client, GenerationError
 
-from wsserver.server import Server
+from wsserver.aio import Server
 
 T = TypeVar("T")
 

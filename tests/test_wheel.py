@@ -152,7 +152,7 @@ def test_wheel_holds_every_module_and_every_served_file(dist: Dist) -> None:
 def test_installed_package_reads_nothing_from_the_checkout(installed: Installed) -> None:
     result = installed.run(
         str(installed.python), "-c",
-        "import wsserver, wsserver.web; print(wsserver.__file__); print(wsserver.web.CLIENTS_DIR)",
+        "import wsserver, wsserver.aio.web; print(wsserver.__file__); print(wsserver.aio.web.CLIENTS_DIR)",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     package, clients = result.stdout.split()

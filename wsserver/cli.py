@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import importlib.util
+import resource
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from . import __version__
 from .config import LoadedConfig, describe, load_config
 from .errors import ConfigError
+from .logs import setup_logging
 
 __all__ = ["main"]
 
@@ -81,8 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.backend.kind == "llama" and importlib.util.find_spec("llama_cpp") is None:
         sys.stderr.write(llama_missing_message())
         return 2
-    from .logs import setup_logging
-    from .server import run
+    # Imported here, not at the top: ``config show`` and ``--help`` should not
+    # pay for websockets, janus and prometheus_client.
+    from .aio import run
 
     setup_logging(level=config.server.log_level, fmt=config.server.log_format)
     _raise_open_files_limit()
@@ -102,8 +105,6 @@ def _raise_open_files_limit() -> None:
     accept, the log is rate-limited) but should not be the first line of
     defence.
     """
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         with contextlib.suppress(ValueError, OSError):

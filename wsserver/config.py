@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,17 @@ class Config:
     backend: BackendConfig = field(default_factory=BackendConfig)
 
 
+def _section(cls: type, f: dataclasses.Field[Any]) -> type | None:
+    """The config class of a field that is a section of its own, else None.
+
+    Found from the field's type itself (a nested dataclass), so a new section
+    needs no registration anywhere. Annotations are strings here
+    (``from __future__ import annotations``); ``get_type_hints`` resolves them.
+    """
+    hint = typing.get_type_hints(cls)[f.name]
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
 def _leaves(
     cls: type, prefix: tuple[str, ...] = ()
 ) -> dict[tuple[str, ...], dataclasses.Field[Any]]:
@@ -168,24 +180,13 @@ def _leaves(
     out: dict[tuple[str, ...], dataclasses.Field[Any]] = {}
     for f in dataclasses.fields(cls):
         path = (*prefix, f.name)
-        # Annotations are strings (``from __future__ import annotations``).
-        section = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        if section in _SECTIONS:
-            out.update(_leaves(_SECTIONS[section], path))
+        section = _section(cls, f)
+        if section is not None:
+            out.update(_leaves(section, path))
         else:
             out[path] = f
     return out
 
-
-_SECTIONS: dict[str, type] = {
-    "ServerConfig": ServerConfig,
-    "StreamConfig": StreamConfig,
-    "LimitsConfig": LimitsConfig,
-    "SecurityConfig": SecurityConfig,
-    "FakeConfig": FakeConfig,
-    "LlamaConfig": LlamaConfig,
-    "BackendConfig": BackendConfig,
-}
 
 KEYS: dict[tuple[str, ...], dataclasses.Field[Any]] = _leaves(Config)
 
@@ -317,8 +318,9 @@ def _build(cls: type, values: Mapping[tuple[str, ...], Any], prefix: tuple[str, 
         if path in values:
             kwargs[f.name] = values[path]
         else:
-            section = f.type if isinstance(f.type, str) else f.type.__name__
-            kwargs[f.name] = _build(_SECTIONS[section], values, path)
+            section = _section(cls, f)
+            assert section is not None, f"no value for {'.'.join(path)}"  # KEYS has every leaf
+            kwargs[f.name] = _build(section, values, path)
     return cls(**kwargs)
 
 

@@ -8,48 +8,45 @@ Hierarchy::
     ├── ConfigError          the configuration is invalid; the server will not start.
     ├── BackendError         a backend failed; goes over the wire as code ``internal``
     │   └── ModelLoadError   the model could not be loaded.
-    ├── GenerationCancelled  raised inside a producer thread when its request was
-    │                        cancelled; never leaves the producer.
-    └── GenerationStalled    raised inside a producer thread when the client did
-                             not drain the channel for ``stall_timeout``.
+    └── GenerationCancelled  raised inside a producer thread when its request was
+                             cancelled; never leaves the producer.
 
 Only :class:`ProtocolError` and the fixed set of codes in :data:`WIRE_CODES`
-ever reach a client; tracebacks and exception text from third-party code never do.
+(typed as :data:`WireCode`, so a misspelt code fails mypy) ever reach a client; tracebacks and exception text from third-party code never do.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal, get_args
 
 __all__ = [
     "WIRE_CODES",
     "BackendError",
     "ConfigError",
     "GenerationCancelled",
-    "GenerationStalled",
     "ModelLoadError",
     "ProtocolError",
+    "WireCode",
     "WsServerError",
 ]
 
 #: Codes an ``error`` frame (or the ``error`` member of a ``done`` frame with
 #: reason ``error``) may carry in protocol v1. Changing this set is a breaking
 #: change of the wire protocol.
-WIRE_CODES: Final = frozenset(
-    {
-        "bad_json",
-        "bad_request",
-        "unknown_type",
-        "duplicate_id",
-        "unknown_id",
-        "busy",
-        "too_large",
-        "overloaded",
-        "rate_limited",
-        "stalled",
-        "internal",
-    }
-)
+WireCode = Literal[
+    "bad_json",
+    "bad_request",
+    "unknown_type",
+    "duplicate_id",
+    "unknown_id",
+    "busy",
+    "too_large",
+    "overloaded",
+    "rate_limited",
+    "stalled",
+    "internal",
+]
+WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 
 
 class WsServerError(Exception):
@@ -59,11 +56,11 @@ class WsServerError(Exception):
 class ProtocolError(WsServerError):
     """A client frame was refused. ``code`` is one of :data:`WIRE_CODES`."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: WireCode, message: str, request_id: str | None = None) -> None:
         if code not in WIRE_CODES:
             raise ValueError(f"unknown wire code {code!r}")
         super().__init__(message)
-        self.code = code
+        self.code: WireCode = code
         self.message = message
         self.request_id = request_id
 
@@ -79,11 +76,11 @@ class BackendError(WsServerError):
     ``internal`` by default, or a more precise wire code such as ``too_large``.
     """
 
-    def __init__(self, message: str, *, code: str = "internal") -> None:
+    def __init__(self, message: str, *, code: WireCode = "internal") -> None:
         if code not in WIRE_CODES:
             raise ValueError(f"unknown wire code {code!r}")
         super().__init__(message)
-        self.code = code
+        self.code: WireCode = code
 
 
 class ModelLoadError(BackendError):
@@ -92,7 +89,3 @@ class ModelLoadError(BackendError):
 
 class GenerationCancelled(WsServerError):
     """The request was cancelled; the producer unwinds and exits."""
-
-
-class GenerationStalled(WsServerError):
-    """The client did not read for longer than the stall timeout."""

@@ -23,12 +23,13 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, MutableMapping
+from typing import IO, Any
 
 import orjson
 
 __all__ = [
+    "ConnectionLog",
     "JsonFormatter",
     "RepeatFilter",
     "TextFormatter",
@@ -69,6 +70,41 @@ def context(conn: str, request: str | None = None, **fields: object) -> dict[str
         out["request"] = request
     out.update(fields)
     return out
+
+
+_NO_REQUEST: Any = object()
+
+
+class ConnectionLog(logging.LoggerAdapter[logging.Logger]):
+    """The log of one connection (and, from :meth:`request`, one of its requests).
+
+    Every line starts ``conn=<id>`` (and ``id=<request>``) and carries the
+    same IDs as :func:`context` fields, so call sites write only what the line
+    is about: ``log.info("cancel")``. Extra fields go in ``extra=`` as usual.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, conn_id: str, request_id: str | None = _NO_REQUEST
+    ) -> None:
+        super().__init__(logger, {})
+        self.conn_id = conn_id
+        self.request_id = request_id
+        # The IDs are ours or validated (no "%" in either), but stay literal anyway.
+        prefix = (
+            f"conn={conn_id}" if request_id is _NO_REQUEST else f"conn={conn_id} id={request_id}"
+        )
+        self._prefix = prefix.replace("%", "%%") + " "
+        self._fields = context(conn_id, None if request_id is _NO_REQUEST else request_id)
+
+    def request(self, request_id: str | None) -> ConnectionLog:
+        """The log of one request of this connection (``id=None``: a frame without one)."""
+        return ConnectionLog(self.logger, self.conn_id, request_id)
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        kwargs["extra"] = {**self._fields, **(kwargs.get("extra") or {})}
+        return self._prefix + str(msg), kwargs
 
 
 class TextFormatter(logging.Formatter):

@@ -19,9 +19,12 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .errors import ProtocolError
+from .errors import ProtocolError, WireCode
 
 __all__ = [
+    "ID_PATTERN",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
     "PROTOCOL_VERSION",
     "Cancel",
     "ClientFrame",
@@ -45,10 +48,14 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 
-_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+#: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
+#: docs/protocol.schema.json; tests/test_layering.py checks the copies match.
+ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
+_ID_RE: Final = re.compile(ID_PATTERN)
 _ROLES: Final = frozenset({"system", "user", "assistant"})
-_MAX_STOP_STRINGS: Final = 4
-_MAX_STOP_CHARS: Final = 128
+#: Stop strings a request may give, and their length (copied like the ID rule).
+MAX_STOP_STRINGS: Final = 4
+MAX_STOP_CHARS: Final = 128
 # JSON integers outside this range are refused: llama.cpp takes 32-bit seeds
 # and nothing else in the protocol needs more.
 _INT_MAX: Final = 2**63 - 1
@@ -179,14 +186,14 @@ class Done:
     reason: DoneReason
     usage: Usage
     timings: Timings
-    error_code: str | None = None
+    error_code: WireCode | None = None
     error_message: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Error:
     id: str | None
-    code: str
+    code: WireCode
     message: str
 
 
@@ -333,11 +340,11 @@ def _parse_messages(value: Any, limits: Limits, fail: Any, request_id: str) -> t
 
 def _parse_stop(value: Any, fail: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > _MAX_STOP_STRINGS:
-        raise fail(f"'stop' must be a string or a list of at most {_MAX_STOP_STRINGS} strings")
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
+        raise fail(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings")
     for item in items:
-        if not isinstance(item, str) or not 1 <= len(item) <= _MAX_STOP_CHARS:
-            raise fail(f"each stop string must be a string of 1 to {_MAX_STOP_CHARS} characters")
+        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
+            raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
     return tuple(items)
 
 

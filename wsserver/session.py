@@ -16,11 +16,17 @@ both views:
   effect is held back until :meth:`Session.producer_stopped` reports the old
   thread gone, so two producers of one connection never overlap.
 
-The I/O layer feeds the session with client frames (:meth:`Session.handle`)
-and with what the producer reports (:meth:`Session.started`,
-:meth:`Session.delta`, :meth:`Session.finish`, :meth:`Session.producer_stopped`),
-and carries out the returned effects in order. Every method takes ``now`` (a
-monotonic time in seconds) so that timings are computed here, deterministically.
+The I/O layer feeds the session with client frames (:meth:`Session.handle`,
+:meth:`Session.refuse`) and with what happens to a request
+(:meth:`Session.queued`, :meth:`Session.started`,
+:meth:`Session.prompt_processed`, :meth:`Session.delta`,
+:meth:`Session.finish`, :meth:`Session.reject`,
+:meth:`Session.producer_stopped`). Every one of them returns a list of
+effects, which the I/O layer carries out in order in one place: every frame,
+and so every ``done`` and ``error`` with its log line and metrics, leaves that
+way. Methods take ``now`` (a monotonic time in seconds): request times are
+kept here, once, deterministically — the ``done`` frame's timings and the log's
+(:meth:`Session.since_received_ms`) come from the same clock readings.
 
 Request states and the events that move them (rows not listed are refused)::
 
@@ -29,8 +35,9 @@ Request states and the events that move them (rows not listed are refused)::
     (none)     generate / restart(new)    WAITING    StartGeneration (maybe deferred)
     WAITING    queued(position)           WAITING    Send(queued)
     WAITING    started                    RUNNING    Send(started)
+    WAITING    reject (model queue full)  DONE       Send(error overloaded), no done
     WAITING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
-    RUNNING    delta                      RUNNING    frame returned to the sender
+    RUNNING    delta                      RUNNING    Send(delta)
     RUNNING    finish(outcome)            DONE       Send(done stop|length|error)
     RUNNING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
     DONE       any producer report        DONE       nothing (late reports are dropped)
@@ -46,13 +53,13 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .backends.base import Outcome
 from .errors import ProtocolError
 from .protocol import (
     Cancel,
     ClientFrame,
     Delta,
     Done,
-    DoneReason,
     Error,
     Generate,
     Queued,
@@ -65,7 +72,6 @@ from .protocol import (
 
 __all__ = [
     "Effect",
-    "Outcome",
     "RequestState",
     "Send",
     "Session",
@@ -102,17 +108,6 @@ class StopGeneration:
 
 
 Effect = Send | StartGeneration | StopGeneration
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How a producer ended, as the backend reports it."""
-
-    reason: DoneReason
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error_code: str | None = None
-    error_message: str | None = None
 
 
 @dataclass(slots=True)
@@ -267,58 +262,73 @@ class Session:
 
     # ------------------------------------------------------------ producer reports
 
-    def queued(self, request_id: str, position: int) -> ServerFrame | None:
+    def queued(self, request_id: str, position: int) -> list[Effect]:
+        """The request's place in the model's queue changed."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.WAITING or entry.position == position:
-            return None
+            return []
         entry.position = position
-        return Queued(id=request_id, position=position)
+        return [Send(Queued(id=request_id, position=position))]
 
-    def started(self, request_id: str, now: float) -> ServerFrame | None:
+    def started(self, request_id: str, now: float) -> list[Effect]:
+        """The request got the model. Nothing if it ended meanwhile."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.WAITING:
-            return None
+            return []
         entry.state = RequestState.RUNNING
         entry.started = now
-        return Started(id=request_id)
+        return [Send(Started(id=request_id))]
 
-    def prompt_processed(self, request_id: str, prompt_tokens: int) -> None:
+    def prompt_processed(self, request_id: str, prompt_tokens: int) -> list[Effect]:
+        """The engine counted the prompt (reported in ``done``'s usage)."""
         entry = self._current(request_id)
         if entry is not None:
             entry.prompt_tokens = prompt_tokens
+        return []
 
-    def delta(self, request_id: str, text: str, tokens: int, now: float) -> Delta | None:
-        """The next ``delta`` frame for this text, or ``None`` if the request ended."""
+    def delta(self, request_id: str, text: str, tokens: int, now: float) -> list[Effect]:
+        """The next ``delta`` frame for this text; nothing if the request ended
+        (or the text is empty: held-back bytes still count as tokens)."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.RUNNING:
-            return None
+            return []
         entry.completion_tokens += tokens
         if not text:
-            return None
+            return []
         if entry.first_delta is None:
             entry.first_delta = now
         frame = Delta(id=request_id, seq=entry.seq, text=text)
         entry.seq += 1
-        return frame
+        return [Send(frame)]
 
-    def finish(self, request_id: str, outcome: Outcome, now: float) -> Done | None:
-        """The producer ended by itself. ``None`` if the request already ended."""
+    def finish(self, request_id: str, outcome: Outcome, now: float) -> list[Effect]:
+        """The request ended by itself (or was ended as stalled). Nothing if it
+        already ended."""
         entry = self._current(request_id)
         if entry is None:
-            return None
-        return self._done(entry, outcome, now)
+            return []
+        return [Send(self._done(entry, outcome, now))]
 
-    def reject(self, request_id: str) -> None:
+    def reject(self, request_id: str, exc: ProtocolError) -> list[Effect]:
         """The request was accepted here but refused before it started (the
         model queue was full): forget it without a ``done`` — the client gets
         an ``error`` frame instead, as for any refused ``generate``."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.WAITING:
-            return
+            return []  # it ended meanwhile (its done is out): nothing more for it
         entry.state = RequestState.DONE
         self._active = None
         if self._producer == request_id:
             self._producer = None
+        return self.refuse(exc)
+
+    def since_received_ms(self, request_id: str, now: float) -> float:
+        """Milliseconds from receiving the request to ``now``, on the clock of
+        the ``done`` frame's timings (so log lines and ``done`` agree)."""
+        entry = self._active
+        if entry is None or entry.request.id != request_id:
+            return 0.0
+        return (now - entry.received) * 1000.0
 
     def producer_stopped(self, request_id: str, now: float) -> list[Effect]:
         """The producer thread of ``request_id`` has exited and freed the model."""

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from wsserver.aio import Server
 from wsserver.config import load_config
-from wsserver.server import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"

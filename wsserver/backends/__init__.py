@@ -1,11 +1,19 @@
-"""Backends behind one small interface (see :mod:`wsserver.backends.base`)."""
+"""Engines behind one seam (see :mod:`wsserver.backends.base`)."""
 
 from __future__ import annotations
 
 from ..config import Config
-from .base import Backend, GenerationRequest, TokenSink
+from .base import Backend, GenerationRequest, Sink, Submission, ThreadedBackend, TokenSink
 
-__all__ = ["Backend", "GenerationRequest", "TokenSink", "create_backend"]
+__all__ = [
+    "Backend",
+    "GenerationRequest",
+    "Sink",
+    "Submission",
+    "ThreadedBackend",
+    "TokenSink",
+    "create_backend",
+]
 
 
 def create_backend(config: Config) -> Backend:

@@ -1,35 +1,97 @@
-"""The backend seam: what a model must provide to be served.
+"""The engine seam: what a model must provide to be served (sans-I/O).
 
-A backend is synchronous and runs on producer threads, never on the event
-loop. The server calls :meth:`Backend.load` once (on a thread) before serving,
-then :meth:`Backend.generate` on a request's own producer thread, with a *slot*
-(one of ``Backend.slots`` model contexts; the server's scheduler guarantees a
-slot is used by one producer at a time).
+Theory of operation
+-------------------
+The server hands an engine one started request at a time with
+:meth:`Backend.submit`: the request, the *slot* the scheduler granted it, the
+request's bounded :class:`Sink` and its :class:`CancelEvent`. ``submit`` is
+called on the event loop and returns at once with a :class:`Submission`; from
+then on the engine owns the request until it calls
+:meth:`Submission.complete`. What it produces goes into the sink, from
+whatever thread or task the engine runs on. Three kinds of engine fit:
 
-``generate`` reports through a :class:`TokenSink`. ``sink.emit()`` blocks while
-the connection's channel is full (that is the backpressure) and raises
-:class:`~wsserver.errors.GenerationCancelled` when the request is cancelled or
-the client went away, or :class:`~wsserver.errors.GenerationStalled` when the
-client has not read for the stall timeout. Backends let both propagate. A
-backend that can be interrupted inside a long computation (a prompt prefill)
-should also watch ``cancel``, a :class:`threading.Event` set on cancel.
+1. **A thread per request** (:class:`ThreadedBackend`; the fake and llama
+   backends). ``submit`` starts a thread that runs a blocking
+   :meth:`ThreadedBackend.generate`. :meth:`Sink.emit` blocks that thread
+   while the channel is full — the backpressure — and raises
+   :class:`~wsserver.errors.GenerationCancelled` the instant the request is
+   cancelled, even while it waits.
+2. **Batched** — one engine thread serving many sequences in one model
+   context. Per step it hands each sequence's text to :meth:`Sink.offer`,
+   which never blocks: ``False`` means that request's channel is full, so the
+   sequence sits out the next steps while the others keep their pace, and
+   :meth:`Sink.when_room` wakes the engine when the client has read enough to
+   take it back. A :meth:`CancelEvent.add_callback` marks a sequence for
+   removal (and may raise a native abort flag for a decode in flight).
+3. **Async upstream** — relays another server over HTTP on the event loop.
+   ``submit`` (already on the loop) creates a task per request. Before it
+   reads the next chunk of its upstream stream for a request it waits for
+   room (``when_room`` completing a future through
+   ``loop.call_soon_threadsafe``), so a slow client stops the reading of its
+   own upstream and no other. A cancel callback cancels the task.
 
-Third-party exceptions are translated at this seam: a backend raises
-:class:`~wsserver.errors.BackendError` (or lets the producer wrap anything
-unexpected as ``internal``); exception text never reaches the client.
+Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
+threaded engine, sequences for a batched one, concurrent upstream streams for
+an async one. The server's scheduler queues requests for them in FIFO order
+and never grants a slot to two requests at once.
+
+What an engine guarantees
+-------------------------
+* **One end per request.** It calls :meth:`Sink.end` at most once, last,
+  and :meth:`Submission.complete` exactly once, after its last call into the
+  sink, when the slot may serve the next request. (A request completed without
+  an end still gets one ``done``, as ``internal``: that is a bug in the engine.)
+* **Nothing after cancel.** Once ``cancel`` is set the engine stops within one
+  step — also inside a long computation such as a prompt prefill, if it can be
+  interrupted — and completes. The sink drops anything delivered after the
+  cancel, so no late text reaches the client whatever the engine does.
+* **Errors carry their wire code.** A failed request ends with an
+  :class:`Outcome` of reason ``error`` and a code from
+  :data:`~wsserver.errors.WIRE_CODES` (a threaded engine raises
+  :class:`~wsserver.errors.BackendError`; the adapter translates it).
+  Third-party exception text never reaches the client.
+
+Nothing here imports asyncio: the sink and the submission are thread-safe
+and wake their waiters through callbacks, which the asyncio layer bridges to
+the loop.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..protocol import Generate, Message
-from ..session import Outcome
+from ..errors import BackendError, GenerationCancelled, WireCode
+from ..logs import context
+from ..protocol import DoneReason, Generate, Message
 
-__all__ = ["Backend", "GenerationRequest", "Outcome", "TokenSink"]
+__all__ = [
+    "Backend",
+    "CancelEvent",
+    "GenerationRequest",
+    "Outcome",
+    "Sink",
+    "Submission",
+    "ThreadedBackend",
+    "TokenSink",
+]
+
+log = logging.getLogger("wsserver.producer")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended, as the engine reports it."""
+
+    reason: DoneReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error_code: WireCode | None = None
+    error_message: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +107,13 @@ class GenerationRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    #: The connection it came from: for log lines and thread names only.
+    conn_id: str = ""
 
     @classmethod
-    def from_frame(cls, frame: Generate, *, default_max_tokens: int) -> GenerationRequest:
+    def from_frame(
+        cls, frame: Generate, *, default_max_tokens: int, conn_id: str = ""
+    ) -> GenerationRequest:
         return cls(
             id=frame.id,
             prompt=frame.prompt,
@@ -58,29 +124,127 @@ class GenerationRequest:
             top_k=40 if frame.top_k is None else frame.top_k,
             seed=frame.seed,
             stop=frame.stop,
+            conn_id=conn_id,
         )
 
 
+class CancelEvent(threading.Event):
+    """A ``threading.Event`` that also runs callbacks, on the setting thread, when set.
+
+    An engine registers a callback to mirror the cancel into its own state the
+    instant it happens (the llama backend sets llama.cpp's abort flag; a
+    batched engine marks the sequence; an async engine cancels its task
+    through ``call_soon_threadsafe``) instead of keeping a thread blocked in
+    ``wait()``. Callbacks must be quick and must not raise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the event is set — at once if it already is."""
+        with self._callbacks_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def remove_callback(self, callback: Callable[[], None]) -> None:
+        with self._callbacks_lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def set(self) -> None:
+        with self._callbacks_lock:
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
 class TokenSink(Protocol):
-    """Where a producer puts its output. Implemented by the server's channel."""
+    """What a blocking ``generate`` needs of its sink (see :class:`Sink`)."""
 
     def prompt_processed(self, prompt_tokens: int) -> None:
-        """Report the prompt's token count once it is known."""
+        """Report the prompt's token count once it is known. Never blocks."""
 
     def emit(self, text: str, tokens: int = 1) -> None:
-        """Hand over final text for ``tokens`` generated tokens.
+        """Hand over final text for ``tokens`` generated tokens; block while full.
 
         ``text`` may be empty when a token's bytes are held back (a partial
-        character or a possible stop string); the token still counts.
+        character or a possible stop string); the token still counts. Raises
+        :class:`~wsserver.errors.GenerationCancelled` on cancel. Never call
+        it on the event loop.
         """
 
 
+class Sink(TokenSink, Protocol):
+    """One request's bounded channel, as an engine sees it. Thread-safe."""
+
+    def offer(self, text: str, tokens: int = 1) -> bool:
+        """Hand over text without blocking. ``False``: the channel is full (or
+        the request was cancelled) and nothing was taken; try again after
+        :meth:`when_room`."""
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once, from any thread, when :meth:`offer` may
+        succeed again or the request is cancelled — at once if that is already
+        so. Must be quick and must not raise."""
+
+    def end(self, outcome: Outcome) -> None:
+        """The request ended. Never blocks (an end always fits); dropped after a cancel."""
+
+
+class Submission:
+    """The handle of one submitted request: completed once, by the engine.
+
+    Callbacks run on the completing thread (at once if already completed).
+    The asyncio layer turns completion into a future and frees the slot then.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def complete(self) -> None:
+        """The engine is done with the request and its slot. Idempotent."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def alive(self) -> bool:
+        """Whether the engine still runs anything for this request (a thread, a task)."""
+        return not self._done
+
+    def join(self, timeout: float) -> None:
+        """Block until what :meth:`alive` reports is gone. Called off the loop."""
+        return None
+
+
 class Backend(abc.ABC):
-    """A model that can stream completions."""
+    """An engine that streams completions (see the module docstring)."""
 
     #: Shown to clients in ``hello``.
     model_name: str = "unknown"
-    #: How many generations may run at once (contexts); 0 = no limit.
+    #: How many requests may run at once (contexts, sequences, streams); 0 = no limit.
     slots: int = 0
     #: How many requests may wait for a slot before ``overloaded``.
     max_waiting: int = 64
@@ -90,8 +254,41 @@ class Backend(abc.ABC):
         return None  # a backend with nothing to load needs no override
 
     def close(self) -> None:
-        """Release the model. Called once at shutdown, after every producer ended."""
+        """Release the model. Called once at shutdown, after every request completed."""
         return None
+
+    @abc.abstractmethod
+    def submit(
+        self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
+    ) -> Submission:
+        """Start ``request`` on ``slot``; called on the event loop, returns at once."""
+
+
+class _ThreadSubmission(Submission):
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+
+    def alive(self) -> bool:
+        thread = self.thread
+        return thread is not None and thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        # ``complete`` runs in the thread's last lines; the thread itself ends
+        # a moment later. Joining makes "stopped" mean gone.
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+class ThreadedBackend(Backend):
+    """The thread-per-request adapter: :meth:`generate` on a thread of its own.
+
+    The thread reports how the request ended into the sink — the outcome
+    ``generate`` returned, or the wire code of a :class:`BackendError`
+    (anything else is logged here and reported as ``internal``); a cancel ends
+    it quietly, the client having had its ``done`` already. It completes the
+    submission in its last lines.
+    """
 
     @abc.abstractmethod
     def generate(
@@ -102,12 +299,39 @@ class Backend(abc.ABC):
         sink: TokenSink,
         cancel: threading.Event,
     ) -> Outcome:
-        """Generate the completion for ``request`` into ``sink``.
+        """Generate the completion for ``request`` into ``sink``, blocking.
 
         Returns how it ended (reason ``stop`` or ``length`` with token counts).
         Raises what ``sink.emit`` raises, or :class:`BackendError`.
         """
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
-        """The prompt's token count if cheap to know before generating, else None."""
-        return None
+    def submit(
+        self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
+    ) -> Submission:
+        submission = _ThreadSubmission()
+
+        def produce() -> None:
+            try:
+                sink.end(self.generate(request, slot=slot, sink=sink, cancel=cancel))
+            except GenerationCancelled:
+                pass
+            except BackendError as exc:
+                sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
+            except Exception:
+                # Unexpected: log the traceback here; the client only gets "internal".
+                log.exception(
+                    "id=%s backend failed", request.id, extra=context(request.conn_id, request.id)
+                )
+                sink.end(
+                    Outcome(
+                        reason="error", error_code="internal", error_message="the backend failed"
+                    )
+                )
+            finally:
+                submission.complete()
+
+        submission.thread = threading.Thread(
+            target=produce, name=f"wsserver-producer-{request.conn_id}-{request.id}", daemon=True
+        )
+        submission.thread.start()
+        return submission

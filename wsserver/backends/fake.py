@@ -22,9 +22,8 @@ import time
 import orjson
 
 from ..errors import GenerationCancelled
-from ..session import Outcome
 from ..textstream import TextAssembler
-from .base import Backend, GenerationRequest, TokenSink
+from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
 
 __all__ = ["FakeBackend", "fake_tokens"]
 
@@ -109,7 +108,7 @@ class FakeTokenStream:
         return pieces
 
 
-class FakeBackend(Backend):
+class FakeBackend(ThreadedBackend):
     """Deterministic fake model with a configurable speed."""
 
     def __init__(
@@ -127,7 +126,8 @@ class FakeBackend(Backend):
         self.max_waiting = max_waiting
         self.model_name = model_name
 
-    def count_prompt_tokens(self, request: GenerationRequest) -> int:
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        """The simulated prompt's token count (what ``usage.prompt_tokens`` reports)."""
         if request.prompt is not None:
             size = len(request.prompt.encode())
         else:
@@ -143,7 +143,7 @@ class FakeBackend(Backend):
         sink: TokenSink,
         cancel: threading.Event,
     ) -> Outcome:
-        prompt_tokens = self.count_prompt_tokens(request)
+        prompt_tokens = self.prompt_tokens(request)
         prefill_s = prompt_tokens * self.prefill_ms_per_token / 1000.0
         if prefill_s > 0 and cancel.wait(prefill_s):
             raise GenerationCancelled(request.id)

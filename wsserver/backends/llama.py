@@ -35,7 +35,7 @@ The callback is native and GIL-free by default (ggml calls it hundreds of
 times per token; a Python callback would wait for the GIL on each call when
 the event loop is busy): see :mod:`wsserver.backends.llama_context`.
 
-After any abnormal end (cancel, stall, error) the slot's context is reset —
+After any abnormal end (cancel, error) the slot's context is reset —
 token count zeroed and KV memory cleared — before it serves again, so a
 request never sees state left by an aborted one.
 """
@@ -57,11 +57,10 @@ from typing import Any
 import llama_cpp
 
 from ..config import LlamaConfig
-from ..errors import BackendError, GenerationCancelled, GenerationStalled, ModelLoadError
+from ..errors import BackendError, GenerationCancelled, ModelLoadError
 from ..protocol import DoneReason, Message
-from ..session import Outcome
 from ..textstream import TextAssembler
-from .base import Backend, GenerationRequest, TokenSink
+from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
 from .llama_context import ContextSlot, install_log_bridge, native_flag_reader
 
 __all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "plain_chat_prompt"]
@@ -108,7 +107,7 @@ def _default_model_path() -> Path:
         raise ModelLoadError(f"cannot assemble the default model: {exc}") from exc
 
 
-class LlamaBackend(Backend):
+class LlamaBackend(ThreadedBackend):
     """Serves a GGUF model through llama-cpp-python, one context per slot."""
 
     def __init__(
@@ -283,6 +282,7 @@ class LlamaBackend(Backend):
         return tokens, stops + tuple(s for s in extra or () if s)
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
+        """The prompt's token count as :meth:`generate` would feed it (tests, bench)."""
         if not self._slots:
             return None
         try:
@@ -347,7 +347,7 @@ class LlamaBackend(Backend):
             outcome = self._run(state, request, prompt_tokens, stops, max_tokens, sink, cancel)
             clean = True
             return outcome
-        except (GenerationCancelled, GenerationStalled):
+        except GenerationCancelled:
             raise
         except Exception as exc:
             if cancel.is_set():

@@ -1,8 +1,10 @@
 """The asyncio server: listening socket, handshake, lifecycle, shutdown.
 
-Only this layer (with :mod:`wsserver.connection` and :mod:`wsserver.http`)
-imports websockets. It owns the backend, the scheduler that shares the
-backend's slots, and the set of live connections.
+It owns the backend, the scheduler that shares the backend's slots, the
+metrics and the set of live connections, and hands each piece of the asyncio
+layer only what that piece uses: a :class:`~wsserver.aio.connection.Shared`
+to every connection, an :class:`~wsserver.aio.http.HttpContext` to the plain
+HTTP answers, callables to the metrics.
 """
 
 from __future__ import annotations
@@ -11,26 +13,29 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import signal
 import socket
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from . import __version__
-from .backends import Backend, create_backend
-from .config import Config
-from .connection import Connection, peer_aware_connection
-from .logs import context
-from .metrics import Metrics
-from .protocol import Limits
+from .. import __version__
+from ..backends import Backend, create_backend
+from ..config import Config
+from ..logs import ConnectionLog
+from ..protocol import Limits
+from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
+from .connection import Connection, Shared
+from .http import HttpContext, process_request
+from .metrics import Metrics, Snapshot
+from .peer import peer_aware_connection
 from .scheduler import Scheduler
-from .security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
-from .web import install_web_routes
+from .web import web_routes
 
 __all__ = ["Server", "run"]
 
@@ -87,7 +92,9 @@ class Server:
         self.backend = backend if backend is not None else create_backend(config)
         self.server_name = f"wsserver/{__version__}"
         limits = config.limits
-        self.limits = Limits(
+        #: What a connection may ask for, as ``hello`` tells the client
+        #: (``config.limits`` is the configuration section it comes from).
+        self.wire_limits = Limits(
             max_frame_bytes=config.server.max_frame_bytes,
             max_prompt_chars=limits.max_prompt_chars,
             max_messages=limits.max_messages,
@@ -104,14 +111,37 @@ class Server:
         self._stopping = False
         #: Slots held by no live request, with the loop time each was first seen so.
         self._orphans: dict[int, float] = {}
-        #: Extra HTTP routes (path → handler) answered on the WebSocket port.
-        self.http_routes: dict[str, Callable[[Server, Request], Response]] = {}
         self.gatekeeper = Gatekeeper(config)
         self.connection_limiter = ConnectionLimiter(
             max_total=limits.max_connections, max_per_ip=limits.max_connections_per_ip
         )
-        self.metrics = Metrics(self)
-        install_web_routes(self)
+        self.metrics = Metrics(
+            backend_kind=config.backend.kind,
+            model_name=self.backend.model_name,
+            scheduler=self.scheduler,
+            snapshot=self.snapshot,
+            orphaned_slots=self.orphaned_slots,
+            loop_probe_ms=config.server.loop_probe_ms,
+            queue_log_s=config.server.queue_log_s,
+        )
+        self._shared = Shared(
+            config=config,
+            backend=self.backend,
+            scheduler=self.scheduler,
+            metrics=self.metrics,
+            wire_limits=self.wire_limits,
+            server_name=self.server_name,
+            background=self.background,
+        )
+        #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
+        self.http = HttpContext(
+            gatekeeper=self.gatekeeper,
+            connection_limiter=self.connection_limiter,
+            metrics=self.metrics,
+            is_ready=self.ready.is_set,
+            orphaned_slots=self.orphaned_slots,
+            routes=web_routes(),
+        )
 
     @property
     def port(self) -> int:
@@ -130,12 +160,11 @@ class Server:
         """Listen, then load the model in the background."""
         server = self.config.server
         sock = make_listening_socket(server.host, server.port, sndbuf=server.sndbuf)
-        from .http import process_request
-
+        http = self.http
         self._ws_server = await serve(
             self._handle,
             sock=sock,
-            process_request=lambda conn, request: process_request(self, conn, request),
+            process_request=lambda conn, request: process_request(http, conn, request),
             max_size=server.max_frame_bytes,
             max_queue=server.max_queue,
             write_limit=server.write_limit,
@@ -189,20 +218,19 @@ class Server:
 
     async def _handle(self, websocket: ServerConnection) -> None:
         conn_id = f"c{next(self._ids)}"
-        connection = Connection(self, websocket, conn_id)
+        connection = Connection(self._shared, websocket, conn_id)
         self.connections[conn_id] = connection
         self.metrics.connections_total.inc()
         peer = websocket.remote_address
-        log.info("conn=%s open from %s", conn_id, peer[0] if peer else "?", extra=context(conn_id))
+        conn_log = ConnectionLog(log, conn_id)
+        conn_log.info("open from %s", peer[0] if peer else "?")
         try:
             await connection.run()
         finally:
             del self.connections[conn_id]
             self.connection_limiter.release(websocket)
             self.metrics.connection_closed(websocket.protocol)
-            log.info(
-                "conn=%s closed (code %s)", conn_id, websocket.close_code, extra=context(conn_id)
-            )
+            conn_log.info("closed (code %s)", websocket.close_code)
 
     def orphaned_slots(self, now: float | None = None) -> list[int]:
         """Slots the scheduler counts as held that no live request holds, for
@@ -233,12 +261,28 @@ class Server:
         return sorted(newly)
 
     def producer_threads(self) -> int:
-        """Live producer threads across all connections (for tests and metrics)."""
-        return sum(
-            1
-            for c in list(self.connections.values())
-            for g in list(c.generations.values())
-            if g.thread is not None and g.thread.is_alive()
+        """Requests whose engine still runs, across all connections: live
+        producer threads for a threaded engine (tests, bench, the metric)."""
+        return self.snapshot().producers_alive
+
+    def snapshot(self) -> Snapshot:
+        """The live state the metrics read at scrape time."""
+        connections = list(self.connections.values())
+        generations = [g for c in connections for g in list(c.generations.values())]
+        now = time.monotonic()
+        blocked_seconds = 0.0
+        for generation in generations:
+            channel = generation.channel
+            blocked_seconds += channel.blocked_seconds
+            since = channel.blocked_since
+            if since is not None:
+                blocked_seconds += max(0.0, now - since)
+        return Snapshot(
+            connections=len(connections),
+            buffered=[c.buffered_bytes() for c in connections],
+            producers_alive=sum(1 for g in generations if g.alive()),
+            producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
+            blocked_seconds=blocked_seconds,
         )
 
     async def stop(self, grace: float | None = None) -> None:
@@ -289,8 +333,6 @@ async def run(config: Config, *, backend: Backend | None = None) -> int:
         signals += 1
         if signals > 1:
             log.warning("second signal: exiting now")
-            import os
-
             os._exit(1)
         log.info("received %s", signal.Signals(signum).name)
         stop.set()

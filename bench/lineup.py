@@ -1,4 +1,4 @@
-"""The llama contenders, started once and shared by sections 1 and 2.
+"""The lineup of llama contenders, started once and shared by sections 1 and 2.
 
 All of them hold the model at the same time (weights are memory-mapped, so
 this costs little) and take turns: only one generates at any moment, and each
@@ -69,7 +69,7 @@ def long_prompt(inproc: InProcess, index: int, tokens: int = LONG_PROMPT_TOKENS)
 
 
 @dataclass
-class LlamaSession:
+class LlamaLineup:
     opts: Options
     model: str = ""
     threads: int = 0
@@ -80,7 +80,7 @@ class LlamaSession:
     peer_error: str | None = None
     notes: list[str] = field(default_factory=list)
 
-    async def __aenter__(self) -> LlamaSession:
+    async def __aenter__(self) -> LlamaLineup:
         try:
             import llama_cpp  # noqa: F401
         except ImportError as exc:

@@ -1,8 +1,8 @@
 """Plain HTTP on the WebSocket port, through websockets' ``process_request``.
 
 A request that asks for a WebSocket upgrade continues to the handshake; any
-other request is answered here: health probes, and the routes registered in
-``Server.http_routes`` (the web page), and ``/metrics``. Only GET and HEAD
+other request is answered here: health probes, the routes in
+:attr:`HttpContext.routes` (the web page), and ``/metrics``. Only GET and HEAD
 are served (405 otherwise); everything but ``/healthz`` first passes the Host,
 Origin, token and connection-limit checks of :mod:`wsserver.security`.
 """
@@ -10,21 +10,39 @@ Origin, token and connection-limit checks of :mod:`wsserver.security`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING
 
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 
+from ..security import ConnectionLimiter, Gatekeeper, Refusal, offered_subprotocols
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .security import Refusal, offered_subprotocols
+from .metrics import Metrics
 
-if TYPE_CHECKING:
-    from .server import Server
+__all__ = ["HttpContext", "Route", "process_request", "text_response"]
 
-__all__ = ["process_request", "text_response"]
+#: Answers one plain HTTP GET (HEAD is derived from it).
+Route = Callable[[Request], Response]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HttpContext:
+    """What answering plain HTTP uses; built once by the server."""
+
+    gatekeeper: Gatekeeper
+    connection_limiter: ConnectionLimiter
+    metrics: Metrics
+    #: Whether the model has loaded (``/readyz``).
+    is_ready: Callable[[], bool]
+    #: Slots the scheduler holds for no live request (``/readyz``).
+    orphaned_slots: Callable[[], list[int]]
+    #: Extra routes (path → handler), such as the web page.
+    routes: dict[str, Route] = field(default_factory=dict)
+
 
 log = logging.getLogger("wsserver.http")
 
@@ -49,11 +67,11 @@ def text_response(
 
 
 def _vet(
-    server: Server, connection: ServerConnection, request: Request, *, upgrade: bool
+    http: HttpContext, connection: ServerConnection, request: Request, *, upgrade: bool
 ) -> Refusal | None:
     """Host, Origin, token and connection limits, in that order."""
     headers = request.headers
-    gate = server.gatekeeper
+    gate = http.gatekeeper
     hosts = headers.get_all("Host")
     refusal = gate.check_host(hosts)
     if refusal is None and upgrade:
@@ -63,7 +81,7 @@ def _vet(
         refusal = gate.check_auth(headers.get_all("Authorization"), offered, upgrade=upgrade)
     if refusal is None and upgrade:
         peer = connection.remote_address
-        refusal = server.connection_limiter.admit(
+        refusal = http.connection_limiter.admit(
             connection,
             peer[0] if peer else "?",
             lambda: connection.protocol.state is not State.CLOSED,
@@ -77,20 +95,20 @@ def _is_upgrade(request: Request) -> bool:
 
 
 def process_request(
-    server: Server, connection: ServerConnection, request: Request
+    http: HttpContext, connection: ServerConnection, request: Request
 ) -> Response | None:
     """Answer plain HTTP, or vet a WebSocket handshake (``None`` lets it proceed).
 
     Every request but ``/healthz`` passes the checks of :mod:`wsserver.security`.
     """
-    response = _respond(server, connection, request)
+    response = _respond(http, connection, request)
     if response is not None and request.method == "HEAD":
         # Same headers (Content-Length included) as GET, no body.
         response = Response(response.status_code, response.reason_phrase, response.headers, b"")
     return response
 
 
-def _respond(server: Server, connection: ServerConnection, request: Request) -> Response | None:
+def _respond(http: HttpContext, connection: ServerConnection, request: Request) -> Response | None:
     path = request.path.split("?", 1)[0]
     if request.method not in ("GET", "HEAD"):
         response = text_response(HTTPStatus.METHOD_NOT_ALLOWED, "method not allowed\n")
@@ -99,9 +117,9 @@ def _respond(server: Server, connection: ServerConnection, request: Request) -> 
     if path == "/healthz":
         return text_response(HTTPStatus.OK, "ok\n")
     upgrade = _is_upgrade(request) and request.method == "GET"
-    refusal = _vet(server, connection, request, upgrade=upgrade)
+    refusal = _vet(http, connection, request, upgrade=upgrade)
     if refusal is not None:
-        server.metrics.handshakes_refused.labels(refusal.reason).inc()
+        http.metrics.handshakes_refused.labels(refusal.reason).inc()
         peer = connection.remote_address
         log.info(
             "refused %s %s from %s: %d %s",
@@ -121,18 +139,18 @@ def _respond(server: Server, connection: ServerConnection, request: Request) -> 
     if upgrade:
         return None
     if path == "/metrics":
-        return text_response(HTTPStatus.OK, server.metrics.render(), METRICS_CONTENT_TYPE)
+        return text_response(HTTPStatus.OK, http.metrics.render(), METRICS_CONTENT_TYPE)
     if path == "/readyz":
-        if not server.ready.is_set():
+        if not http.is_ready():
             return text_response(HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
-        orphans = server.orphaned_slots()
+        orphans = http.orphaned_slots()
         if orphans:
             return text_response(
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 f"scheduler books do not balance: slot(s) {orphans} held by no request\n",
             )
         return text_response(HTTPStatus.OK, "ready\n")
-    handler = server.http_routes.get(path)
+    handler = http.routes.get(path)
     if handler is not None:
-        return handler(server, request)
+        return handler(request)
     return text_response(HTTPStatus.NOT_FOUND, "not found\n")

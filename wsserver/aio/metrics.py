@@ -1,6 +1,6 @@
 """Prometheus metrics and the event-loop lag probe.
 
-Each :class:`~wsserver.server.Server` owns a :class:`Metrics` with its own
+Each :class:`~wsserver.aio.server.Server` owns a :class:`Metrics` with its own
 :class:`~prometheus_client.CollectorRegistry` (tests run many servers in one
 process; the global registry would mix them). ``/metrics`` renders it.
 
@@ -10,8 +10,9 @@ Two kinds of values:
   ends, a producer exits, a frame is refused). These calls are cheap: a lock
   and an addition.
 * **state** — connections, running and waiting requests, bytes buffered per
-  connection, producers blocked right now. These are read from the server at
-  scrape time by :class:`_LiveCollector`, so nothing has to keep them in sync.
+  connection, producers blocked right now. These are read at scrape time by
+  :class:`_LiveCollector` from a :class:`Snapshot` the server takes (and from
+  the scheduler), so nothing has to keep them in sync.
 
 The probe task wakes every ``server.loop_probe_ms`` and measures how late it
 woke: that lateness is the time every other callback on the loop waited too
@@ -24,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -34,16 +35,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from . import __version__
-from .protocol import Done
+from .. import __version__
+from ..protocol import Done
+from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from websockets.protocol import Protocol
 
-    from .producer import Generation
-    from .server import Server
-
-__all__ = ["CONTENT_TYPE", "Metrics", "loop_lags"]
+__all__ = ["CONTENT_TYPE", "Metrics", "Snapshot", "loop_lags"]
 
 log = logging.getLogger("wsserver.metrics")
 
@@ -85,11 +84,39 @@ _FAST_BUCKETS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The server's live state at one scrape."""
+
+    connections: int
+    #: Bytes each connection holds for its client (channel + write buffer).
+    buffered: list[int]
+    #: Requests whose engine still runs (producer threads, for a threaded engine).
+    producers_alive: int
+    #: Requests paused on a full channel right now.
+    producers_blocked: int
+    #: Seconds live requests have spent paused so far.
+    blocked_seconds: float
+
+
 class Metrics:
     """Every metric of one server, and the loop-lag probe."""
 
-    def __init__(self, server: Server) -> None:
-        self.server = server
+    def __init__(
+        self,
+        *,
+        backend_kind: str,
+        model_name: str,
+        scheduler: Scheduler,
+        snapshot: Callable[[], Snapshot],
+        orphaned_slots: Callable[[float], list[int]],
+        loop_probe_ms: float,
+        queue_log_s: float,
+    ) -> None:
+        self._scheduler = scheduler
+        self._orphaned_slots = orphaned_slots
+        self._probe_interval = loop_probe_ms / 1000.0
+        self._queue_log_s = queue_log_s
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         info = Gauge(
@@ -98,7 +125,7 @@ class Metrics:
             ["version", "backend", "model"],
             registry=r,
         )
-        info.labels(__version__, server.config.backend.kind, server.backend.model_name).set(1)
+        info.labels(__version__, backend_kind, model_name).set(1)
         self.connections_total = Counter(
             "wsserver_connections", "WebSocket connections accepted.", registry=r
         )
@@ -160,7 +187,7 @@ class Metrics:
         self.loop_lag_samples: deque[float] = deque(maxlen=100_000)
         #: Blocked seconds of producers that have exited (live ones are read at scrape time).
         self.blocked_seconds_finished = 0.0
-        r.register(_LiveCollector(server, self))
+        r.register(_LiveCollector(scheduler, snapshot, self))
         self._probe: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ events
@@ -181,9 +208,10 @@ class Metrics:
             self.ttft.observe(timings.ttft_ms / 1000.0)
         self.total_time.observe(timings.total_ms / 1000.0)
 
-    def producer_finished(self, generation: Generation) -> None:
-        """A producer exited (or a request ended before it had one)."""
-        self.blocked_seconds_finished += generation.channel.blocked_seconds
+    def producer_finished(self, blocked_seconds: float) -> None:
+        """A request's engine is gone (or it ended before it had one), having
+        spent ``blocked_seconds`` paused on its full channel."""
+        self.blocked_seconds_finished += blocked_seconds
 
     # ------------------------------------------------------------ HTTP
 
@@ -204,9 +232,8 @@ class Metrics:
             self._probe = None
 
     async def _run_probe(self) -> None:
-        config = self.server.config.server
-        interval = config.loop_probe_ms / 1000.0
-        queue_log = config.queue_log_s
+        interval = self._probe_interval
+        queue_log = self._queue_log_s
         loop = asyncio.get_running_loop()
         next_queue_log = loop.time()
         reported: list[int] = []
@@ -214,7 +241,7 @@ class Metrics:
             now = loop.time()
             self.loop_lag.observe(lag)
             self.loop_lag_samples.append(lag)
-            orphans = self.server.orphaned_slots(now)
+            orphans = self._orphaned_slots(now)
             if orphans != reported:
                 if orphans:
                     log.error(
@@ -225,7 +252,7 @@ class Metrics:
                     )
                 reported = orphans
             if queue_log and now >= next_queue_log:
-                scheduler = self.server.scheduler
+                scheduler = self._scheduler
                 if scheduler.waiting:
                     log.info(
                         "queue: %d request(s) waiting for the model, %d running",
@@ -276,10 +303,13 @@ async def loop_lags(interval: float) -> AsyncIterator[float]:
 
 
 class _LiveCollector(Collector):
-    """Values read from the server at scrape time."""
+    """Values read at scrape time."""
 
-    def __init__(self, server: Server, metrics: Metrics) -> None:
-        self._server = server
+    def __init__(
+        self, scheduler: Scheduler, snapshot: Callable[[], Snapshot], metrics: Metrics
+    ) -> None:
+        self._scheduler = scheduler
+        self._snapshot = snapshot
         self._metrics = metrics
 
     def describe(self) -> Iterable[Metric]:
@@ -289,16 +319,13 @@ class _LiveCollector(Collector):
         return list(self._families(live=True))
 
     def _families(self, live: bool = False) -> Iterable[Metric]:
-        server = self._server
-        connections = list(server.connections.values()) if live else []
-        generations = [g for c in connections for g in list(c.generations.values())]
-        buffered = [c.buffered_bytes() for c in connections]
-        scheduler = server.scheduler
+        state = self._snapshot() if live else Snapshot(0, [], 0, 0, 0.0)
+        scheduler = self._scheduler
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value if live else None)
 
-        yield gauge("wsserver_open_connections", "Open WebSocket connections.", len(connections))
+        yield gauge("wsserver_open_connections", "Open WebSocket connections.", state.connections)
         yield gauge(
             "wsserver_requests_active",
             "Requests holding a model slot (started, or winding down after a cancel).",
@@ -310,41 +337,27 @@ class _LiveCollector(Collector):
         yield gauge(
             "wsserver_producer_threads",
             "Live producer (generation) threads.",
-            sum(1 for g in generations if g.thread is not None and g.thread.is_alive()),
+            state.producers_alive,
         )
         yield gauge(
             "wsserver_producers_blocked",
             "Producers blocked right now because their client reads slower than the model writes.",
-            sum(1 for g in generations if g.channel.blocked_since is not None),
+            state.producers_blocked,
         )
         yield gauge(
             "wsserver_connection_buffered_bytes_max",
             "Largest number of bytes one connection holds for its client (channel + write buffer).",
-            max(buffered, default=0),
+            max(state.buffered, default=0),
         )
         yield gauge(
             "wsserver_connection_buffered_bytes_sum",
             "Bytes held for clients across all connections (channels + write buffers).",
-            sum(buffered),
+            sum(state.buffered),
         )
         blocked = CounterMetricFamily(
             "wsserver_producer_blocked_seconds",
             "Time producers spent blocked by backpressure (a full channel).",
         )
         if live:
-            blocked.add_metric(
-                [], self._metrics.blocked_seconds_finished + _live_blocked(generations)
-            )
+            blocked.add_metric([], self._metrics.blocked_seconds_finished + state.blocked_seconds)
         yield blocked
-
-
-def _live_blocked(generations: list[Generation]) -> float:
-    now = time.monotonic()
-    total = 0.0
-    for generation in generations:
-        channel = generation.channel
-        total += channel.blocked_seconds
-        since = channel.blocked_since
-        if since is not None:
-            total += max(0.0, now - since)
-    return total

@@ -16,22 +16,18 @@ page was loaded from.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from websockets.http11 import Request, Response
 
-from .http import text_response
+from .http import Route, text_response
 
-if TYPE_CHECKING:
-    from .server import Server
-
-__all__ = ["CLIENTS_DIR", "install_web_routes"]
+__all__ = ["CLIENTS_DIR", "web_routes"]
 
 #: The one resource root: ``web/`` and ``js/`` below it (see clients/__init__.py).
 CLIENTS_DIR: Final[Traversable] = files("wsserver.clients")
@@ -94,7 +90,7 @@ class _FileCache:
 
 def _serve(cache: _FileCache, asset: _Asset, request: Request) -> Response:
     # Methods other than GET/HEAD, and HEAD's empty body, are handled for every
-    # route in wsserver.http.process_request.
+    # route in wsserver.aio.http.process_request.
     try:
         body = cache.read(asset.path)
     except OSError:
@@ -107,15 +103,14 @@ def _serve(cache: _FileCache, asset: _Asset, request: Request) -> Response:
     return response
 
 
-def install_web_routes(server: Server) -> None:
-    """Register the page, its assets and the JS client in ``server.http_routes``."""
+def web_routes() -> dict[str, Route]:
+    """The page, its assets and the JS client, by path (for :class:`~wsserver.aio.http.HttpContext`)."""
     cache = _FileCache()
-    for route, asset in _ASSETS.items():
-        server.http_routes[route] = _handler(cache, asset)
+    return {route: _handler(cache, asset) for route, asset in _ASSETS.items()}
 
 
-def _handler(cache: _FileCache, asset: _Asset) -> Callable[[Server, Request], Response]:
-    def handle(server: Server, request: Request) -> Response:
+def _handler(cache: _FileCache, asset: _Asset) -> Route:
+    def handle(request: Request) -> Response:
         return _serve(cache, asset, request)
 
     return handle

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 __all__ = ["Scheduler"]
 

@@ -1,0 +1,192 @@
+"""The bounded channel from an engine to the event loop: the seam's :class:`Sink`.
+
+One channel per running request, built on :mod:`janus` (a queue with a sync
+side for engine threads and an awaitable async side for the loop). Its bound
+is counted here, in text pieces — at most ``capacity`` of them, each one
+token's text — which bounds a connection's memory. The prompt count and the
+end are not counted: they always fit, so an engine can end a request whose
+channel is full without waiting (a batched engine must never wait).
+
+When the sender is parked in a slow ``send()`` the channel fills. Then
+:meth:`Channel.emit` blocks a threaded engine in a condition wait — no
+polling, no CPU — and :meth:`Channel.offer` tells a batched or async engine
+"not now", with :meth:`Channel.when_room` to wake it. Either way the request
+counts as *blocked* (metrics, the stall check) until there is room again.
+:meth:`Channel.close` (cancel, disconnect, shutdown) wakes every waiter at
+once, discards whatever was still queued, and drops whatever comes after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import janus
+
+from ..backends.base import CancelEvent, Outcome
+from ..errors import GenerationCancelled
+
+__all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDone:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    outcome: Outcome
+
+
+Item = Piece | PromptDone | End
+
+
+class Channel:
+    """Engine → loop queue, implementing the seam's ``Sink``.
+
+    Create it on the event loop. The engine calls the sink methods from any
+    thread (``emit`` never on the loop); the loop reads with :meth:`get` and
+    :meth:`get_nowait`, which also make room.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.queue: janus.Queue[Item] = janus.Queue()
+        self.capacity = max(1, capacity)
+        self.cancel = CancelEvent()
+        self._room = threading.Condition()
+        self._pieces = 0
+        self._room_callbacks: list[Callable[[], None]] = []
+        self._ended = False
+        # Metrics and tests read these; they change under ``_room``.
+        self.blocked_seconds = 0.0
+        self.blocked_cpu_seconds = 0.0
+        self.blocked_since: float | None = None
+        #: Set while the request waits for room in its full channel.
+        self.blocked = threading.Event()
+        self.tokens = 0
+
+    # ------------------------------------------------------------ engine side
+
+    def prompt_processed(self, prompt_tokens: int) -> None:
+        self._put_control(PromptDone(prompt_tokens))
+
+    def end(self, outcome: Outcome) -> None:
+        with self._room:
+            if self._ended:
+                return
+            self._ended = True
+        self._put_control(End(outcome))
+
+    def offer(self, text: str, tokens: int = 1) -> bool:
+        with self._room:
+            if self.cancel.is_set():
+                return False
+            if self._pieces >= self.capacity:
+                self._pause()
+                return False
+            return self._put_piece(text, tokens)
+
+    def emit(self, text: str, tokens: int = 1) -> None:
+        with self._room:
+            if self._pieces >= self.capacity and not self.cancel.is_set():
+                # Full: the client reads slower than the model writes. Wait here.
+                cpu = time.thread_time()
+                self._pause()
+                while self._pieces >= self.capacity and not self.cancel.is_set():
+                    self._room.wait()
+                self.blocked_cpu_seconds += time.thread_time() - cpu
+            if self.cancel.is_set() or not self._put_piece(text, tokens):
+                raise GenerationCancelled()
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        with self._room:
+            if self._pieces >= self.capacity and not self.cancel.is_set():
+                self._room_callbacks.append(callback)
+                return
+        callback()
+
+    def _put_piece(self, text: str, tokens: int) -> bool:
+        """Queue a piece (``_room`` held). False if the queue was shut down."""
+        try:
+            self.queue.sync_q.put_nowait(Piece(text, tokens))
+        except janus.SyncQueueShutDown:
+            return False
+        self._pieces += 1
+        self.tokens += tokens
+        return True
+
+    def _put_control(self, item: Item) -> None:
+        if self.cancel.is_set():
+            return  # nothing after a cancel
+        with contextlib.suppress(janus.SyncQueueShutDown):
+            self.queue.sync_q.put_nowait(item)
+
+    def _pause(self) -> None:
+        if self.blocked_since is None:
+            self.blocked_since = time.monotonic()
+            self.blocked.set()
+
+    def _resume(self) -> list[Callable[[], None]]:
+        """There is room, or the request is cancelled (``_room`` held)."""
+        since = self.blocked_since
+        if since is not None:
+            self.blocked_seconds += time.monotonic() - since
+            self.blocked_since = None
+            self.blocked.clear()
+        self._room.notify_all()
+        callbacks, self._room_callbacks = self._room_callbacks, []
+        return callbacks
+
+    # ------------------------------------------------------------ loop side
+
+    async def get(self) -> Item | None:
+        """The next item, waiting for it; ``None`` once the channel is closed."""
+        try:
+            item = await self.queue.async_q.get()
+        except janus.AsyncQueueShutDown:
+            return None
+        self._taken(item)
+        return item
+
+    def get_nowait(self) -> Item | None:
+        """The next item if one is queued, else ``None``."""
+        try:
+            item = self.queue.async_q.get_nowait()
+        except (janus.AsyncQueueEmpty, janus.AsyncQueueShutDown):
+            return None
+        self._taken(item)
+        return item
+
+    def _taken(self, item: Item) -> None:
+        if not isinstance(item, Piece):
+            return
+        with self._room:
+            self._pieces -= 1
+            callbacks = self._resume() if self._pieces < self.capacity else []
+        for callback in callbacks:
+            callback()
+
+    def close(self) -> None:
+        """Cancel: wake the engine and discard what is queued. Idempotent."""
+        self.cancel.set()
+        with self._room:
+            callbacks = self._resume()
+        self.queue.shutdown(immediate=True)
+        for callback in callbacks:
+            callback()
+
+    def buffered_bytes(self) -> int:
+        """UTF-8 bytes of text waiting in the queue (a snapshot)."""
+        with self.queue._sync_mutex:  # janus has no public snapshot API
+            items = list(self.queue._queue)
+        return sum(len(i.text.encode()) for i in items if isinstance(i, Piece))

@@ -1,0 +1,176 @@
+"""The websockets connection class, with the guards the library lacks, and the
+memory one connection may hold.
+
+:class:`PeerAwareConnection` is what ``serve(create_connection=...)`` builds
+for every client; :func:`memory_bound` adds up what its ceilings allow
+(docs/operations.md, "Memory per connection").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Final
+
+from websockets.asyncio.server import ServerConnection
+
+from ..config import Config
+
+__all__ = [
+    "MAX_TOKEN_BYTES",
+    "READ_CHUNK_BYTES",
+    "PeerAwareConnection",
+    "memory_bound",
+    "peer_aware_connection",
+]
+
+
+class PeerAwareConnection(ServerConnection):
+    """A websockets connection with two guards the library does not have.
+
+    **The client's close frame is reported at once.** websockets only ends
+    ``recv()`` when the TCP connection is gone. A client that closes while a
+    stream is backed up cannot receive our closing frame behind the queued
+    deltas, so that takes until ``close_timeout``; all that time the producer
+    would keep running for nobody. ``on_peer_close`` is called as soon as the
+    close frame arrives.
+
+    **Buffered output has a hard ceiling, whoever wrote it.** Our own sends
+    wait above ``write_limit``, but websockets answers every ping with a pong
+    written without flow control: a client that sends pings and never reads
+    would grow the write buffer without limit. After each read, if the write
+    buffer holds more than ``output_ceiling`` bytes, reading from the client
+    stops (so it cannot make us write more) until the buffer drains to the
+    low-water mark; if it has not drained within ``output_timeout`` seconds,
+    the connection is aborted.
+
+    Reading is paused for either of two reasons — this ceiling, or
+    websockets' own ``max_queue`` of received messages — and resumes only
+    when neither holds.
+    """
+
+    on_peer_close: Callable[[], None] | None = None
+    #: Set by the server before the handshake completes (``None`` = no ceiling).
+    output_ceiling: int | None = None
+    output_timeout: float = 10.0
+    #: Times reading was paused because of the output ceiling (metrics, tests).
+    output_overflows: int = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._read_holds: set[str] = set()
+        self._overflow_timer: asyncio.TimerHandle | None = None
+        #: Set while reading from the client is paused, for whatever reason.
+        self.reading_paused = asyncio.Event()
+        #: Set while the write buffer is above ``write_limit`` (sends wait).
+        self.writing_paused = asyncio.Event()
+        # websockets pauses and resumes reading for its receive queue by
+        # calling these; route them through the same set of reasons.
+        self.recv_messages.pause = functools.partial(self._hold_reading, "max_queue")
+        self.recv_messages.resume = functools.partial(self._release_reading, "max_queue")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.protocol.close_rcvd is not None and self.on_peer_close is not None:
+            callback, self.on_peer_close = self.on_peer_close, None
+            callback()
+        ceiling = self.output_ceiling
+        if (
+            ceiling is not None
+            and "output" not in self._read_holds
+            and self.transport.get_write_buffer_size() > ceiling
+        ):
+            self.output_overflows += 1
+            self._hold_reading("output")
+            self._overflow_timer = self.loop.call_later(self.output_timeout, self._overflowed)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.writing_paused.set()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self.writing_paused.clear()
+        # The write buffer drained to the low-water mark: the client reads.
+        if self._overflow_timer is not None:
+            self._overflow_timer.cancel()
+            self._overflow_timer = None
+        self._release_reading("output")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._overflow_timer is not None:
+            self._overflow_timer.cancel()
+            self._overflow_timer = None
+        self.on_peer_close = None
+        super().connection_lost(exc)
+
+    def receive_buffered_bytes(self) -> int:
+        """Bytes received from the client and not yet handed to our receive loop."""
+        queued = sum(len(frame.data) for frame in self.recv_messages.frames.queue)
+        return queued + len(self.protocol.reader.buffer)
+
+    def _overflowed(self) -> None:
+        self._overflow_timer = None
+        self.logger.warning(
+            "client read nothing of %d buffered bytes for %.1fs; aborting",
+            self.transport.get_write_buffer_size(),
+            self.output_timeout,
+        )
+        self.transport.abort()
+
+    def _hold_reading(self, reason: str) -> None:
+        if not self._read_holds:
+            self.transport.pause_reading()
+            self.reading_paused.set()
+        self._read_holds.add(reason)
+
+    def _release_reading(self, reason: str) -> None:
+        if reason not in self._read_holds:
+            return
+        self._read_holds.discard(reason)
+        if not self._read_holds:
+            self.reading_paused.clear()
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+
+
+#: asyncio reads at most this much per ``data_received``: the most that one
+#: read can add to the write buffer in automatic replies (pongs) before the
+#: output ceiling is checked, and the most a read adds on the receive side.
+READ_CHUNK_BYTES: Final = 256 * 1024
+#: The longest text one token may carry, for the channel's bound in bytes
+#: (llama.cpp vocabularies stay far below it).
+MAX_TOKEN_BYTES: Final = 256
+
+
+def memory_bound(config: Config) -> dict[str, int]:
+    """The most one connection holds in process memory, by part (bytes).
+
+    * send: the output ceiling, one read's worth of pongs on top, and the
+      channel (``queue_tokens`` tokens); the kernel's ``sndbuf`` comes on
+      top of that in kernel memory;
+    * receive: websockets' queue (``max_queue`` + 1 frames before it pauses
+      reading), the frame being parsed, the message our receive loop is
+      handling, and one read;
+    * restart: the inputs kept for ``restart`` — the budget, or one maximal
+      input (4 bytes a character) if that is larger.
+    """
+    server, stream, limits = config.server, config.stream, config.limits
+    ceiling = max(server.max_output_bytes, server.write_limit)
+    return {
+        "send": ceiling + READ_CHUNK_BYTES + stream.queue_tokens * MAX_TOKEN_BYTES,
+        "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
+        "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
+    }
+
+
+def peer_aware_connection(
+    *, output_ceiling: int, output_timeout: float
+) -> type[PeerAwareConnection]:
+    """A :class:`PeerAwareConnection` class with this server's output ceiling."""
+    return type(
+        "PeerAwareConnection",
+        (PeerAwareConnection,),
+        {"output_ceiling": output_ceiling, "output_timeout": output_timeout},
+    )
