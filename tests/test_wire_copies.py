@@ -47,7 +47,7 @@ def _js_const(name: str) -> str:
 def test_the_id_rule_matches_everywhere() -> None:
     assert _js_const("ID_RE") == f"/^{ID_PATTERN}$/"
     assert DEFS["Id"]["pattern"] == f"^{ID_PATTERN}$"
-    assert f"1–{ID_MAX} of `{ID_CLASS}`" in DTS
+    assert f"1\u2013{ID_MAX} of `{ID_CLASS}`" in DTS  # an en dash, as the .d.ts writes it
     assert f"a request id is 1-{ID_MAX} characters" in JS
     # Generated ids are a prefix plus a counter: the prefix uses the same characters.
     prefix = re.search(r"/\^(\[[^\]]+\])\{1,(\d+)\}\$/\.test\(idPrefix\)", JS)

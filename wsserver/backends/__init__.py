@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import Config
 from .base import Backend, GenerationRequest, Sink, Submission, ThreadedBackend, TokenSink
+from .fake import FakeBackend
 
 __all__ = [
     "Backend",
@@ -20,8 +21,6 @@ def create_backend(config: Config) -> Backend:
     """The backend the configuration names. Nothing is loaded yet."""
     kind = config.backend.kind
     if kind == "fake":
-        from .fake import FakeBackend
-
         fake = config.backend.fake
         return FakeBackend(
             tokens_per_s=fake.tokens_per_s,
