@@ -42,6 +42,7 @@ _ASSETS: Final = {
     "/": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
     "/index.html": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
     "/app.js": _Asset(CLIENTS_DIR / "web" / "app.js", "text/javascript; charset=utf-8"),
+    "/log.js": _Asset(CLIENTS_DIR / "web" / "log.js", "text/javascript; charset=utf-8"),
     "/markdown.js": _Asset(CLIENTS_DIR / "web" / "markdown.js", "text/javascript; charset=utf-8"),
     "/store.js": _Asset(CLIENTS_DIR / "web" / "store.js", "text/javascript; charset=utf-8"),
     "/style.css": _Asset(CLIENTS_DIR / "web" / "style.css", "text/css; charset=utf-8"),

@@ -23,6 +23,7 @@
 import { WsClient } from "/wsserver.js";
 import { MarkdownView, PlainView } from "/markdown.js";
 import { ConversationStore } from "/store.js";
+import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
@@ -482,92 +483,14 @@ function showConversation() {
 /**
  * @param {"user" | "assistant"} role
  * @param {string} text
- * @returns {HTMLElement}
  */
 function appendMessage(role, text) {
   ui.empty.hidden = true;
-  const article = document.createElement("article");
-  article.className = `message ${role}`;
-  const label = document.createElement("p");
-  label.className = "role";
-  label.textContent = role === "user" ? "You" : "Model";
-  const body = document.createElement("div");
-  body.className = "text";
-  article.append(label, body);
-  if (role === "user") {
-    body.textContent = text;
-  } else {
-    const footer = document.createElement("div");
-    footer.className = "footer";
-    const meta = document.createElement("p");
-    meta.className = "meta";
-    const copy = document.createElement("button");
-    copy.type = "button";
-    copy.className = "copy-answer quiet";
-    copy.textContent = "Copy";
-    copy.title = "Copy the answer as markdown";
-    footer.append(meta, copy);
-    article.append(footer);
-  }
-  ui.log.append(article);
-  return article;
+  return appendTo(ui.log, role, text);
 }
 
-/** Only the last user message has an Edit button. */
-function markLastUser() {
-  for (const button of ui.log.querySelectorAll(".edit")) button.remove();
-  const users = ui.log.querySelectorAll(".message.user");
-  const lastUser = users[users.length - 1];
-  if (!lastUser) return;
-  const edit = document.createElement("button");
-  edit.type = "button";
-  edit.className = "edit quiet";
-  edit.textContent = "Edit";
-  edit.title = "Edit this message and send it again";
-  lastUser.append(edit);
-}
-
-/** The list of conversations, newest first. */
-function showHistory() {
-  const items = store.conversations
-    .filter((c) => c.messages.length > 0)
-    .map((c) => {
-      const item = document.createElement("li");
-      item.dataset.id = c.id;
-      if (c.id === store.currentId) item.setAttribute("aria-current", "true");
-      const open = document.createElement("button");
-      open.type = "button";
-      open.className = "open-chat";
-      open.textContent = c.title || "Untitled";
-      const remove = document.createElement("button");
-      remove.type = "button";
-      remove.className = "delete-chat quiet";
-      remove.textContent = "×";
-      remove.setAttribute("aria-label", `Delete “${c.title || "Untitled"}”`);
-      item.append(open, remove);
-      return item;
-    });
-  ui.history.replaceChildren(...items);
-}
-
-/**
- * Copy to the clipboard, and say so on the button.
- * @param {string} text
- * @param {HTMLButtonElement} button
- */
-async function copy(text, button) {
-  try {
-    await navigator.clipboard.writeText(text);
-    button.textContent = "Copied";
-  } catch {
-    button.textContent = "Copy failed";
-  }
-  button.dataset.copied = "true";
-  setTimeout(() => {
-    button.textContent = "Copy";
-    delete button.dataset.copied;
-  }, 1500);
-}
+const markLastUser = () => markLastUserIn(ui.log);
+const showHistory = () => showHistoryIn(ui.history, store.conversations, store.currentId);
 
 // ------------------------------------------------------------------ state
 

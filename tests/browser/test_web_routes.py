@@ -14,6 +14,7 @@ from .conftest import LiveServer, timeout
 ASSETS = {
     "/": ("web/index.html", "text/html; charset=utf-8"),
     "/app.js": ("web/app.js", "text/javascript; charset=utf-8"),
+    "/log.js": ("web/log.js", "text/javascript; charset=utf-8"),
     "/markdown.js": ("web/markdown.js", "text/javascript; charset=utf-8"),
     "/store.js": ("web/store.js", "text/javascript; charset=utf-8"),
     "/style.css": ("web/style.css", "text/css; charset=utf-8"),
