@@ -124,6 +124,26 @@ ui.retry.addEventListener("click", () => client.connect());
 let current = null;
 /** The latest answer of this page's session: what Regenerate restarts. @type {Turn | null} */
 let last = null;
+/**
+ * What rendering costs per frame (script and the layout that scrolling
+ * forces), for the benchmark and the console: a few numbers, never a log.
+ */
+const renderStats = {
+  frames: 0,
+  totalMs: 0,
+  worstMs: 0,
+  /** @param {number} ms */
+  record(ms) {
+    this.frames += 1;
+    this.totalMs += ms;
+    if (ms > this.worstMs) this.worstMs = ms;
+  },
+  reset() {
+    this.frames = 0;
+    this.totalMs = 0;
+    this.worstMs = 0;
+  },
+};
 /** What each answer's Copy button copies. @type {WeakMap<HTMLElement, () => string>} */
 const answerText = new WeakMap();
 
@@ -194,7 +214,9 @@ class Turn {
 
   /** Render what arrived since the last frame; keep the view at the bottom. */
   frame() {
+    const start = performance.now();
     keepAtBottom(() => this.view.render());
+    renderStats.record(performance.now() - start);
     this.record.content = this.view.source;
     store.touch();
   }
@@ -622,6 +644,7 @@ Object.defineProperty(window, "chat", {
   value: Object.freeze({
     client,
     store,
+    renderStats,
     /** The stream being rendered, if any. */
     current: () => current?.stream ?? null,
     /** The latest answer's stream. */
