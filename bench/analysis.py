@@ -169,6 +169,10 @@ def section_notes(key: str, results: dict[str, Any]) -> list[str]:
         notes += _slow_notes(result)
     elif key == "idle":
         notes += _idle_notes(result)
+    elif key == "page" and _ok(result):
+        from .page import notes as page_notes
+
+        notes += page_notes(result)
     out: list[str] = []
     for note in notes:
         out += [note, ""]

@@ -375,7 +375,7 @@ function send() {
   }
   ui.prompt.value = "";
   chat.messages.push({ role: "user", content });
-  const messages = chat.messages.map(({ role, content }) => ({ role, content }));
+  const messages = fitHistory(chat.messages);
   const record = /** @type {import("/store.js").StoredMessage} */ ({ role: "assistant", content: "" });
   chat.messages.push(record);
   store.touch(true);
@@ -401,7 +401,7 @@ function regenerate() {
   const record = chat?.messages.at(-1);
   const article = /** @type {HTMLElement | null} */ (ui.log.querySelector(".message.assistant:last-of-type"));
   if (!chat || record?.role !== "assistant" || article === null) return;
-  const messages = chat.messages.slice(0, -1).map(({ role, content }) => ({ role, content }));
+  const messages = fitHistory(chat.messages.slice(0, -1));
   begin(client.generate({ messages, ...options() }), article, record, messages);
 }
 
@@ -462,6 +462,30 @@ function begin(stream, article, record, messages) {
   setState("waiting", "Waiting for the model…");
   turn.showLiveStats(true);
   ui.conversation.scrollTop = ui.conversation.scrollHeight;
+}
+
+/**
+ * The request's `messages`: the conversation, without its oldest messages if
+ * it exceeds the server's limits (`hello.limits`: messages, characters), so
+ * that a long conversation goes on instead of being refused. The newest
+ * message is always sent.
+ * @param {import("/store.js").StoredMessage[]} history
+ */
+function fitHistory(history) {
+  const limits = client.hello?.limits;
+  const maxMessages = limits?.max_messages ?? Infinity;
+  const maxChars = limits?.max_prompt_chars ?? Infinity;
+  let chars = 0;
+  let start = history.length;
+  while (start > 0) {
+    const next = chars + history[start - 1].content.length;
+    if (start < history.length && (next > maxChars || history.length - start + 1 > maxMessages)) break;
+    chars = next;
+    start -= 1;
+  }
+  // A chat template wants the history to begin with the user.
+  while (start < history.length - 1 && history[start].role !== "user") start += 1;
+  return history.slice(start).map(({ role, content }) => ({ role, content }));
 }
 
 /** The sampling options from the controls; invalid or empty fields are left out. */

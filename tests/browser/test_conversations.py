@@ -189,3 +189,20 @@ def test_the_page_sees_at_most_one_frame_per_window(page: Any, live_server_facto
     assert done["usage"]["completion_tokens"] == 300_000
     assert len(times) >= 3
     assert len(times) <= 2 + span_ms / flush_ms + 3, (len(times), span_ms)
+
+
+def test_a_long_conversation_drops_its_oldest_messages_to_fit_the_limits(
+    page: Any, live_server_factory: Any
+) -> None:
+    page.add_init_script(RECORD_SENT)
+    open_chat(page, echo(live_server_factory, **{"limits.max_prompt_chars": 100}))
+    for n in range(4):
+        turn(page, f"message number {n} " + "x" * 10)  # 27 characters, echoed back
+    sent = generates(page)[-1]["messages"]
+    # 100 characters hold three of the 27-character messages; a history must
+    # begin with the user, so the oldest answer goes too.
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[-1]["content"].startswith("message number 3")
+    assert sum(len(m["content"]) for m in sent) <= 100
+    expect(page.locator(".notice")).to_have_count(0)
+    expect(page.locator(".message")).to_have_count(8)

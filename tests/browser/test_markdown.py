@@ -65,7 +65,15 @@ def blocks_html(page: Any) -> str:
     )
 
 
+@pytest.mark.parametrize("context", [{"csp": True}], indirect=True)
 def test_each_construct_renders(page: Any, live_server_factory: Any) -> None:
+    # Under the page's own Content-Security-Policy: the vendored modules load
+    # from the server, and nothing they do needs more than 'self'.
+    page.add_init_script(
+        """window.__violations = [];
+        document.addEventListener('securitypolicyviolation',
+            (e) => window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));"""
+    )
     open_chat(page, echo_server(live_server_factory))
     assert ask(page, CONSTRUCTS)["reason"] == "stop"
     answer = page.locator(ANSWER)
@@ -89,6 +97,7 @@ def test_each_construct_renders(page: Any, live_server_factory: Any) -> None:
     expect(answer.locator("blockquote")).to_have_text("a quote")
     # Nothing of the code became markup.
     expect(answer.locator("figure.code b")).to_have_count(0)
+    assert page.evaluate("() => window.__violations") == []
 
 
 def test_incremental_render_equals_a_whole_render_and_keeps_finished_blocks(

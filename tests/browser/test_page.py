@@ -278,13 +278,58 @@ def test_connection_state_is_shown_and_recovers(page: Any, live_server: LiveServ
     expect(page.locator(".notice")).to_have_count(0)
 
 
+SCREENSHOT_ANSWER = """\
+## Streaming without the freeze
+
+The page renders each **finished block once** and re-renders only the last
+one, so a long answer costs no more per frame than a short one. Three things
+keep it calm:
+
+1. The server sends at most one `delta` per `flush_ms` window.
+2. Text that arrives between two frames is rendered once, in the next frame.
+3. Model output is *sanitized*: raw HTML shows as text.
+
+| setting | default | what it bounds |
+|---|---:|---|
+| `flush_ms` | 30 | frames per second |
+| `queue_tokens` | 64 | memory per request |
+
+```python
+async with Client("ws://127.0.0.1:8765/") as client:
+    async for text in client.generate("Write a haiku", max_tokens=64):
+        print(text, end="", flush=True)
+```
+
+> Stop cancels in-band: the model stops within one step.
+"""
+
+# Two earlier conversations in the sidebar, as a returning user has them.
+SCREENSHOT_HISTORY = """
+localStorage.setItem('wsserver.chat.v1', JSON.stringify({
+    version: 1, currentId: 'old2', conversations: [
+        { id: 'old2', title: 'Cancel during a long prompt', updated: 2, messages: [
+            { role: 'user', content: 'Cancel during a long prompt' },
+            { role: 'assistant', content: 'It stops within one step.', meta: 'finished' }] },
+        { id: 'old1', title: 'Why bound the channel?', updated: 1, messages: [
+            { role: 'user', content: 'Why bound the channel?' },
+            { role: 'assistant', content: 'So memory has a ceiling.', meta: 'finished' }] },
+    ] }));
+"""
+
+
 @pytest.mark.parametrize("scheme", ["light", "dark"])
-def test_screenshot_mid_stream(browser: Any, live_server_factory: Any, scheme: str) -> None:
+def test_screenshot_mid_stream(
+    browser: Any, live_server_factory: Any, scheme: str, tmp_path: Path
+) -> None:
     """Saves artifacts/page-mid-stream[-dark].png and, when missing (or with
     WSSERVER_UPDATE_SCREENSHOT=1), docs/screenshot.png for the README."""
-    server = live_server_factory(**{"backend.fake.tokens_per_s": 30})
+    answer = tmp_path / "answer.md"
+    answer.write_text(SCREENSHOT_ANSWER, encoding="utf-8")
+    server = live_server_factory(
+        **{"backend.fake.tokens_per_s": 40, "backend.fake.text_file": str(answer)}
+    )
     context = browser.new_context(
-        viewport={"width": 1000, "height": 720},
+        viewport={"width": 1100, "height": 940},
         color_scheme=scheme,
         bypass_csp=True,
         reduced_motion="reduce",
@@ -292,13 +337,22 @@ def test_screenshot_mid_stream(browser: Any, live_server_factory: Any, scheme: s
     context.set_default_timeout(ms(20))
     try:
         page = context.new_page()
+        page.add_init_script(
+            "if (!sessionStorage.getItem('seeded')) {"
+            + SCREENSHOT_HISTORY
+            + "sessionStorage.setItem('seeded', '1'); }"
+        )
         open_chat(page, server)
-        set_options(page, max_tokens=24, seed=3)
-        send(page, "Say hello to the people reading the README.")
-        last_done(page)
+        expect(page.locator("#history li")).to_have_count(2)
+        page.click("#new-chat")
         set_options(page, max_tokens=400, seed=5)
-        send(page, "Now stream something longer,\nso the screenshot shows text arriving.")
-        wait_text(page, 160)
+        send(page, "How does the page stay responsive while the model streams?")
+        # Mid-stream: inside the code block, after the table.
+        expect(page.locator(".message.assistant figure.code .lang")).to_have_text("python")
+        page.wait_for_function(
+            "() => (document.querySelector('.message.assistant figure.code code')"
+            "?.textContent.length ?? 0) > 80"
+        )
         expect(page.locator("#app")).to_have_attribute("data-state", "streaming")
         expect(page.locator("#stop")).to_be_enabled()
         suffix = "" if scheme == "light" else "-dark"
