@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -111,7 +110,9 @@ async def _control(url: str, stop: asyncio.Event) -> list[float]:
         n = 0
         while not stop.is_set():
             n += 1
-            await ws.send(json.dumps({"type": "generate", "id": f"c{n}", "prompt": "p", "max_tokens": 8}))
+            await ws.send(
+                json.dumps({"type": "generate", "id": f"c{n}", "prompt": "p", "max_tokens": 8})
+            )
             while True:
                 frame = json.loads(await ws.recv())
                 if frame["type"] == "done":
@@ -168,7 +169,11 @@ def table(results: dict[str, Any], seconds: float) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
-        aborted = "not within the window" if r["aborted_after_s"] is None else fmt(r["aborted_after_s"], 1, " s")
+        aborted = (
+            "not within the window"
+            if r["aborted_after_s"] is None
+            else fmt(r["aborted_after_s"], 1, " s")
+        )
         lines.append(
             f"| {name} | {fmt(r['rss_growth_mib'], 1, ' MiB')} | {fmt(r['max_held_mib'], 2, ' MiB')} "
             f"| {aborted} | {fmt(r['control_ttft_p50_ms'], 1)} / {fmt(r['control_ttft_p99_ms'], 1)} ms |"
