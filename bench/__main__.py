@@ -1,13 +1,14 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
-    python -m bench [--quick] [--sections throughput cancel ceiling slow idle]
-                    [--out docs/benchmarks.md] [--model PATH] [--threads N]
+    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page]
+                    [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
 name, ``.json``) and the plots into ``bench/`` beside it, and prints the
 summary table. Sections that cannot run here (no llama backend, no model) are
 reported as skipped; a section that fails is reported as failed and the exit
-status is 1.
+status is 1. With ``--merge`` the sections measured replace theirs in the
+existing JSON and the report keeps the others (and says when each was measured).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import cancel, ceiling, idle, slow, throughput
+from . import cancel, ceiling, idle, page, slow, throughput
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
 from .report import SECTIONS, command_line, write
 
-ALIASES = {"1": "throughput", "2": "cancel", "3": "ceiling", "4": "slow", "5": "idle"}
+ALIASES = {"1": "throughput", "2": "cancel", "3": "ceiling", "4": "slow", "5": "idle", "6": "page"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(SECTIONS),
         metavar="NAME",
-        help=f"any of {', '.join(SECTIONS)} (or 1-5); default all",
+        help=f"any of {', '.join(SECTIONS)} (or 1-6); default all",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("docs/benchmarks.md"), help="Markdown report path"
@@ -53,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         "--render-only",
         action="store_true",
         help="measure nothing: rewrite the report and plots from the JSON next to --out",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other sections of the JSON next to --out; replace only those measured",
     )
     parser.add_argument(
         "--note",
@@ -108,7 +114,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         except Exception as exc:
             for name in llama:
                 results.setdefault(name, _failed(exc))
-    for name, module in (("ceiling", ceiling), ("slow", slow), ("idle", idle)):
+    for name, module in (("ceiling", ceiling), ("slow", slow), ("idle", idle), ("page", page)):
         if name in sections:
             opts.log(f"section {name}")
             try:
@@ -159,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": _loadavg(),
         "notes": list(args.note),
     }
+    if args.merge and opts.out.with_suffix(".json").exists():
+        import json
+
+        old = json.loads(opts.out.with_suffix(".json").read_text())
+        results = {**old["results"], **results}
+        merged = {
+            k: meta[k]
+            for k in ("date", "commit", "command", "sections", "loadavg_before", "loadavg_after")
+        }
+        meta = {**old["meta"], "merged": [*old["meta"].get("merged", []), merged]}
     paths = write(results, meta, opts)
     from .analysis import summary
 

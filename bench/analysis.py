@@ -25,7 +25,7 @@ def _row(result: dict[str, Any], contender: str, phase: str | None = None) -> di
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("throughput", "cancel"):
+    for key in ("throughput", "cancel", "page"):
         result = results.get(key)
         if _ok(result):
             out += result["targets"]
@@ -104,6 +104,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| memory per idle connection | {il['bytes_per_connection'] / 1024:.1f} KiB{extra} |"
         )
+    pg = results.get("page")
+    if _ok(pg):
+        from .page import summary_line
+
+        lines.append(summary_line(pg))
     skipped = [k for k, v in results.items() if v.get("status") != "ok"]
     for key in skipped:
         lines.append(f"| section {key} | not measured: {results[key].get('reason', '?')} |")
@@ -164,6 +169,10 @@ def section_notes(key: str, results: dict[str, Any]) -> list[str]:
         notes += _slow_notes(result)
     elif key == "idle":
         notes += _idle_notes(result)
+    elif key == "page" and _ok(result):
+        from .page import notes as page_notes
+
+        notes += page_notes(result)
     out: list[str] = []
     for note in notes:
         out += [note, ""]

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import analysis, cancel, ceiling, idle, slow, throughput
+from . import analysis, cancel, ceiling, idle, page, slow, throughput
 from .options import Options
 
 SECTIONS = {
@@ -16,6 +16,7 @@ SECTIONS = {
     "ceiling": ("3. Server ceiling (fake backend, unlimited rate)", ceiling),
     "slow": ("4. Slow consumers", slow),
     "idle": ("5. Memory per idle connection", idle),
+    "page": ("6. The chat page in Chromium (markdown, scripted input)", page),
 }
 
 
@@ -73,13 +74,20 @@ def markdown(
         "## How to reproduce",
         "",
         "```sh",
-        "scripts/install --bench    # the server, the default model, matplotlib, llama-cpp-python[server]",
-        ".venv/bin/python -m bench  # all five sections (~10 minutes on a quiet machine); writes this file",
+        "scripts/install --bench    # the server, the default model, matplotlib, llama-cpp-python[server], Playwright",
+        ".venv/bin/python -m bench  # all six sections (~25 minutes on a quiet machine); writes this file",
         ".venv/bin/python -m bench --sections ceiling slow idle --out /tmp/b.md  # fake-backend sections only",
         ".venv/bin/python -m bench --quick --out /tmp/b.md  # smoke run, seconds (what CI runs)",
+        ".venv/bin/python -m bench --sections page --merge  # re-measure one section, keep the others",
         "```",
         "",
-        f"This run: `{meta['command']}`. Raw figures: `{meta['json_name']}`. "
+        f"This run: `{meta['command']}`"
+        + "".join(
+            f"; then `{m['command']}` on {m['date']} at `{m['commit'][:12]}` re-measured "
+            f"{', '.join(m['sections'])} (load {m.get('loadavg_before', '?')} → {m.get('loadavg_after', '?')})"
+            for m in meta.get("merged", [])
+        )
+        + f". Raw figures: `{meta['json_name']}`. "
         f"The harness lives in `bench/` (each section's module docstring explains its method).",
         "",
     ]

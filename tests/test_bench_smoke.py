@@ -59,7 +59,8 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     out = tmp_path / "report" / "benchmarks.md"
     command = [sys.executable, "-m", "bench", "--quick", "--out", str(out)]
     if bench_model is not None:
-        command += ["--model", bench_model]
+        # Section 6 (the page) has its own smoke test below.
+        command += ["--model", bench_model, "--sections", "1", "2", "3", "4", "5"]
     else:
         command += ["--sections", "ceiling", "slow", "idle"]
     docs_before = _docs_state()
@@ -138,3 +139,27 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     assert (out.parent / "bench" / "cancel.png").exists() or importlib.util.find_spec(
         "matplotlib"
     ) is None
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_page_bench_measures_the_page(tmp_path: Path) -> None:
+    """Section 6 drives Chromium; without it the section is reported as skipped."""
+    if not Path(os.environ.get("WSSERVER_CHROMIUM", "/usr/bin/chromium")).exists():
+        pytest.skip("no Chromium")
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "page", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    page = json.loads(out.with_suffix(".json").read_text())["results"]["page"]
+    assert page["status"] == "ok", page
+    assert {row["render"] for row in page["rows"]} == {"markdown", "plain"}
+    for row in page["rows"]:
+        # It streamed, the script typed and clicked, and the probes saw it.
+        assert row["chars"] > 1000 and row["deltas"] > 10, row
+        assert row["inputs"] > 10 and row["render_frames"] > 10, row
+        assert row["frame_p50_ms"] is not None and row["heap_mib"] > 0, row
+    assert "## 6. The chat page in Chromium" in out.read_text()

@@ -4,7 +4,7 @@ A simulated connection feeds :class:`wsserver.session.Session` with random
 client frames (valid and not, duplicate IDs, all types) through
 :func:`wsserver.protocol.parse_client_frame`, interleaved at random with what
 producers report (queued, started, prompt processed, delta, finish, rejected,
-producer stopped) — the way ``wsserver.connection`` drives it, minus sockets
+producer stopped) — the way ``wsserver.aio`` drives it, minus sockets
 and threads. Invariants, checked on every run:
 
 * no exception escapes the parser (other than ``ProtocolError``) or the session;

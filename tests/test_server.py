@@ -415,19 +415,52 @@ async def test_first_delta_is_immediate_then_frames_respect_the_window() -> None
         assert len(deltas) >= 3
 
 
-async def test_token_count_flushes_before_the_window() -> None:
+async def test_token_count_does_not_break_the_ceiling() -> None:
+    # flush_tokens = 1 makes every token due at once, but the 100 ms window
+    # still holds: ~0.2 s of tokens give a handful of frames, not 100.
     async with (
         running_server(
-            backend__fake__tokens_per_s=500.0, stream__flush_ms=10000.0, stream__flush_tokens=5
+            backend__fake__tokens_per_s=500.0, stream__flush_ms=100.0, stream__flush_tokens=1
         ) as server,
         wire(server) as client,
     ):
         await client.send({"type": "generate", "id": "n", "prompt": "count", "max_tokens": 100})
         text, frames = await client.done("n")
         deltas = [f for f in frames if f["type"] == "delta"]
-        # With a 10 s window, only the count can flush: ~100/5 frames, not 1 or 2.
-        assert len(deltas) >= 10
+        elapsed_s = frames[-1]["timings"]["total_ms"] / 1000
+        assert 2 <= len(deltas) <= 2 + elapsed_s / 0.1, (len(deltas), elapsed_s)
         assert text == expected_fake_text("count", 100)
+
+
+async def test_an_unlimited_producer_gets_at_most_one_frame_per_window() -> None:
+    # Flat out, the fake backend makes tens of thousands of tokens a second;
+    # with the old count rule (a frame every 5 tokens) that was ~830 frames/s.
+    # Now consecutive deltas are at least flush_ms apart on the server's
+    # clock, so over the request's total time (the server's own measure) there
+    # are at most 1 + total/flush_ms of them, plus the final flush before done.
+    flush_ms = 10.0
+    tokens = 200_000
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=0.0,
+            stream__flush_ms=flush_ms,
+            stream__flush_tokens=5,
+            limits__max_tokens=tokens,
+        ) as server,
+        wire(server) as client,
+    ):
+        await client.send(
+            {"type": "generate", "id": "u", "prompt": "flat out", "max_tokens": tokens}
+        )
+        text, frames = await client.done("u", units=60)
+        deltas = [f for f in frames if f["type"] == "delta"]
+        done = frames[-1]
+        total_s = done["timings"]["total_ms"] / 1000
+        assert done["usage"]["completion_tokens"] == tokens
+        assert len(deltas) <= 2 + total_s * 1000 / flush_ms, (len(deltas), total_s)
+        # Tokens merged, nothing lost or reordered.
+        assert text == expected_fake_text("flat out", tokens)
+        assert tokens / len(deltas) > 5
 
 
 # ---------------------------------------------------------------- backpressure

@@ -42,7 +42,11 @@ LLAMA_EXTRA = PYPROJECT["project"]["optional-dependencies"]["llama"]
 LLAMA_PIN = next(r for r in LLAMA_EXTRA if r.startswith("llama-cpp-python=="))
 #: What the server serves, as paths below clients/ in the checkout.
 SERVED = sorted(
-    [p.relative_to(ROOT / "clients").as_posix() for p in (ROOT / "clients/web").rglob("*")]
+    [
+        p.relative_to(ROOT / "clients").as_posix()
+        for p in (ROOT / "clients/web").rglob("*")
+        if p.is_file()
+    ]
     + ["js/wsserver.js", "js/wsserver.d.ts"]
 )
 _NOT_SOURCE = shutil.ignore_patterns(

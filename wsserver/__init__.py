@@ -1,9 +1,10 @@
 """wsserver: stream a local LLM's output to WebSocket clients, without the stutter.
 
-Layers, by dependency direction: :mod:`~wsserver.protocol` (wire frames) →
-:mod:`~wsserver.session` (per-connection state machine) → the asyncio layer
-(:mod:`~wsserver.connection`, :mod:`~wsserver.server`). Backends live in
-:mod:`wsserver.backends` behind one small interface.
+Layers, by dependency direction: the sans-I/O core — :mod:`~wsserver.protocol`
+(wire frames), :mod:`~wsserver.session` (per-connection state machine),
+:mod:`~wsserver.pacing`, :mod:`~wsserver.textstream`, :mod:`~wsserver.security`
+— and the engine seam (:mod:`wsserver.backends.base`, with the engines in
+:mod:`wsserver.backends`) → the asyncio layer, :mod:`wsserver.aio`.
 """
 
 from __future__ import annotations

@@ -134,6 +134,10 @@ class FakeConfig:
     prefill_ms_per_token: float = _key(0.0, low=0.0, high=10000.0)
     parallel: int = _key(0, low=0, high=100000)
     max_waiting: int = _key(64, low=0, high=100000)
+    #: Stream this UTF-8 file instead of random words ("" = random words).
+    text_file: str = _key("")
+    #: Stream each request's prompt (a chat's last user message) back.
+    echo: bool = _key(False)
 
 
 @dataclass(frozen=True, slots=True)

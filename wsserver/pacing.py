@@ -1,15 +1,28 @@
 """Frame pacing: when to turn pending tokens into one ``delta`` frame (sans-I/O).
 
-A flush happens when any of these holds:
+Two settings, ``flush_window`` (``stream.flush_ms``) and ``flush_tokens``:
 
-* it would carry the request's first text (time to first token never waits);
-* ``flush_tokens`` tokens are pending;
-* ``flush_window`` seconds have passed since the previous flush.
+* **The first text goes at once** — time to first token never waits.
+* **The ceiling.** After that, two deltas are never closer than
+  ``flush_window``: at most one delta per window, so at most
+  ``1 / flush_window`` frames a second *whatever the token rate*. Tokens that
+  arrive faster merge into the next frame; nothing is dropped or reordered.
+* **The wait.** Pending text waits at most ``flush_window`` from the moment the
+  sender first saw it (:meth:`Coalescer.due` is the sender's look at it).
+* **The count.** Once ``flush_tokens`` tokens are pending, the text does not
+  wait out its window: it goes as soon as the ceiling allows, that is
+  ``flush_window`` after the previous delta. So ``flush_tokens = 1`` sends any
+  text as early as the ceiling allows (lowest latency), and a larger value lets
+  a slow trickle of tokens gather into fewer frames.
+
+Neither rule can break the ceiling: the text pending after a flush was seen
+after it, so its own window ends no sooner than the previous delta's.
 
 At a flush *everything* pending goes into one frame. While the socket is slow
 the sender is parked in ``send()``; tokens pile up in the channel meanwhile and
-come out merged at the next flush: fewer, larger frames, nothing dropped and
-nothing reordered.
+come out merged at the next flush: fewer, larger frames. Only the last delta
+of a request, sent just before its ``done``, may come sooner: the sender
+flushes what is left at the end instead of holding the ``done`` back.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ class Coalescer:
         "_flushed_once",
         "_last_flush",
         "_parts",
+        "_seen_at",
         "_tokens",
         "flush_tokens",
         "flush_window",
@@ -38,6 +52,8 @@ class Coalescer:
         self._tokens = 0
         self._last_flush = 0.0
         self._flushed_once = False
+        # When due() first saw the pending text; None until then.
+        self._seen_at: float | None = None
 
     @property
     def pending(self) -> bool:
@@ -46,7 +62,7 @@ class Coalescer:
 
     @property
     def has_text(self) -> bool:
-        """Whether text is waiting; only then can the window make a flush due."""
+        """Whether text is waiting; only then can a flush become due."""
         return bool(self._parts)
 
     def add(self, text: str, tokens: int) -> None:
@@ -55,19 +71,28 @@ class Coalescer:
         self._tokens += tokens
 
     def due(self, now: float) -> bool:
-        """Whether the pending tokens should be flushed now."""
+        """Whether the pending text should be flushed now.
+
+        The sender calls this after adding what it took from the channel; the
+        first call that sees pending text starts that text's window.
+        """
         if not self._parts:
             return False
-        if not self._flushed_once or self._tokens >= self.flush_tokens:
+        if not self._flushed_once:
             return True
-        return now >= self._last_flush + self.flush_window
+        if self._seen_at is None:
+            self._seen_at = now
+        return now >= self.deadline()
 
     def deadline(self) -> float:
-        """When the pending text becomes due by the window alone."""
-        return self._last_flush + self.flush_window
+        """When the pending text becomes due if nothing more arrives."""
+        ceiling = self._last_flush + self.flush_window
+        if self._tokens >= self.flush_tokens or self._seen_at is None:
+            return ceiling
+        return max(ceiling, self._seen_at + self.flush_window)
 
     def take(self, now: float) -> tuple[str, int]:
-        """Everything pending, as one text and its token count; resets the window."""
+        """Everything pending, as one text and its token count; starts a new window."""
         text = "".join(self._parts)
         tokens = self._tokens
         self._parts.clear()
@@ -75,4 +100,5 @@ class Coalescer:
         if text:
             self._last_flush = now
             self._flushed_once = True
+            self._seen_at = None
         return text, tokens

@@ -2,12 +2,17 @@
  * The wsserver chat page.
  *
  * Rendering is decoupled from the network: text that arrives between two
- * animation frames is buffered and appended to the answer once per frame, as
- * one new text node. The answer is never re-rendered as a whole, and it is
- * laid out in blocks so that a long answer does not make each frame dearer:
- * the cost of a frame grows neither with the token rate nor with the length of
- * the answer, and typing and clicking stay responsive however fast the model
- * streams.
+ * animation frames is collected and rendered once per frame, as markdown
+ * (markdown.js): finished blocks are rendered once and kept, only the open
+ * block is re-rendered, so the cost of a frame grows neither with the token
+ * rate nor with the length of the answer, and typing and clicking stay
+ * responsive however fast the model streams. `?render=plain` shows answers
+ * as plain text instead (the benchmark compares the two).
+ *
+ * Conversations (store.js) are sent as `messages` (the history and the new
+ * message), kept in localStorage and restored on reload. The last user
+ * message can be edited and sent again; Regenerate replaces the last answer;
+ * New chat starts another conversation, and the earlier ones stay listed.
  *
  * Stop cancels in-band and returns the UI to idle at once; the server's
  * `done` frame (with its timings) fills in the statistics when it arrives.
@@ -16,6 +21,9 @@
  */
 
 import { WsClient } from "/wsserver.js";
+import { MarkdownView, PlainView } from "/markdown.js";
+import { ConversationStore } from "/store.js";
+import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
@@ -44,7 +52,16 @@ const ui = {
   stop: /** @type {HTMLButtonElement} */ ($("stop")),
   regenerate: /** @type {HTMLButtonElement} */ ($("regenerate")),
   newChat: /** @type {HTMLButtonElement} */ ($("new-chat")),
+  history: $("history"),
+  editing: $("editing"),
+  cancelEdit: /** @type {HTMLButtonElement} */ ($("cancel-edit")),
 };
+
+/** How answers are shown: markdown, or plain text with `?render=plain`. */
+const View = new URLSearchParams(location.search).get("render") === "plain" ? PlainView : MarkdownView;
+const store = new ConversationStore();
+/** Index in the conversation of the user message being edited, if any. @type {number | null} */
+let editing = null;
 
 /** Live statistics are refreshed at most this often, so they stay readable. */
 const STATS_INTERVAL_MS = 250;
@@ -57,16 +74,6 @@ const STATS_INTERVAL_MS = 250;
 let charsPerToken = 4;
 /** Within this many pixels of the bottom, new text keeps the view pinned there. */
 const STICK_PX = 48;
-/**
- * An answer is laid out as a column of blocks of about this many characters.
- * Appending to one ever-growing paragraph makes the browser re-break every
- * line of it on each frame — hundreds of milliseconds once an answer is long
- * — while a new block leaves the finished ones' layout cached. A block ends
- * at a line break where possible, so the split is invisible.
- */
-const BLOCK_CHARS = 2000;
-/** Without a line break, a block is cut at a space after this many characters. */
-const BLOCK_CHARS_MAX = 6000;
 
 // ------------------------------------------------------------------ connection
 
@@ -115,27 +122,46 @@ ui.retry.addEventListener("click", () => client.connect());
 
 /** The answer being streamed, if any. @type {Turn | null} */
 let current = null;
-/** The latest answer (streaming or finished): what Regenerate restarts. @type {Turn | null} */
+/** The latest answer of this page's session: what Regenerate restarts. @type {Turn | null} */
 let last = null;
+/**
+ * What rendering costs per frame (script and the layout that scrolling
+ * forces), for the benchmark and the console: a few numbers, never a log.
+ */
+const renderStats = {
+  frames: 0,
+  totalMs: 0,
+  worstMs: 0,
+  /** @param {number} ms */
+  record(ms) {
+    this.frames += 1;
+    this.totalMs += ms;
+    if (ms > this.worstMs) this.worstMs = ms;
+  },
+  reset() {
+    this.frames = 0;
+    this.totalMs = 0;
+    this.worstMs = 0;
+  },
+};
+/** What each answer's Copy button copies. @type {WeakMap<HTMLElement, () => string>} */
+const answerText = new WeakMap();
 
 /** One assistant answer: renders exactly one stream into one article. */
 class Turn {
   /**
    * @param {GenerationStream} stream
    * @param {HTMLElement} article
+   * @param {import("/store.js").StoredMessage} record where the answer is kept
    * @param {{role: string, content: string}[]} messages the request's input
    */
-  constructor(stream, article, messages) {
+  constructor(stream, article, record, messages) {
     this.stream = stream;
     this.article = article;
+    this.record = record;
     this.messages = messages;
-    this.textEl = /** @type {HTMLElement} */ (article.querySelector(".text"));
-    /** The block text is appended to. @type {HTMLElement | null} */
-    this.block = null;
-    this.blockChars = 0;
+    this.view = new View(/** @type {HTMLElement} */ (article.querySelector(".text")));
     this.metaEl = /** @type {HTMLElement} */ (article.querySelector(".meta"));
-    /** Text received since the last animation frame. */
-    this.pending = "";
     /** False once the turn may write no more text (stopped, replaced, ended). */
     this.open = true;
     this.sentAt = performance.now();
@@ -144,9 +170,10 @@ class Turn {
     this.chars = 0;
     this.statsAt = 0;
 
-    this.textEl.replaceChildren();
-    this.block = null;
+    record.content = "";
+    record.meta = "";
     this.metaEl.textContent = "";
+    answerText.set(article, () => this.view.source);
     article.querySelector(".notice")?.remove();
     article.classList.add("streaming");
     article.setAttribute("aria-busy", "true");
@@ -164,7 +191,7 @@ class Turn {
 
   /** The text shown (and kept as the assistant's message). */
   get text() {
-    return this.stream.text;
+    return this.view.source;
   }
 
   async pump() {
@@ -180,41 +207,18 @@ class Turn {
   receive(text) {
     if (!this.open) return;
     if (this.firstAt === null) this.firstAt = performance.now();
-    this.pending += text;
+    this.view.append(text);
     this.chars += text.length;
     requestFrame();
   }
 
-  /** Append the text buffered since the last frame: one text node, no re-render. */
-  flush() {
-    if (!this.pending) return;
-    const view = ui.conversation;
-    const stick = view.scrollHeight - view.scrollTop - view.clientHeight < STICK_PX;
-    let text = this.pending;
-    this.pending = "";
-    if (this.blockChars >= BLOCK_CHARS) {
-      let cut = text.lastIndexOf("\n") + 1;
-      if (cut === 0 && this.blockChars >= BLOCK_CHARS_MAX) cut = text.lastIndexOf(" ") + 1 || text.length;
-      if (cut > 0) {
-        this.appendToBlock(text.slice(0, cut));
-        text = text.slice(cut);
-        this.block = null;
-      }
-    }
-    if (text) this.appendToBlock(text);
-    if (stick) view.scrollTop = view.scrollHeight;
-  }
-
-  /** @param {string} text */
-  appendToBlock(text) {
-    if (this.block === null) {
-      this.block = document.createElement("div");
-      this.block.className = "block";
-      this.blockChars = 0;
-      this.textEl.append(this.block);
-    }
-    this.block.append(text);
-    this.blockChars += text.length;
+  /** Render what arrived since the last frame; keep the view at the bottom. */
+  frame() {
+    const start = performance.now();
+    keepAtBottom(() => this.view.render());
+    renderStats.record(performance.now() - start);
+    this.record.content = this.view.source;
+    store.touch();
   }
 
   /** Show live statistics; at most every STATS_INTERVAL_MS unless forced. */
@@ -232,27 +236,36 @@ class Turn {
     showStats(formatMs(this.firstAt - this.sentAt), rate, `≈${Math.round(estimate)}`);
   }
 
-  /** No more text for this answer: flush what arrived before, close the caret. */
+  /** No more text for this answer: render what arrived before, for good. */
   close() {
     if (!this.open) return;
     // Text the stream received before a Stop but this loop had not taken yet
     // belongs to the answer too.
     const untaken = this.stream.text.slice(this.chars);
     if (untaken) {
-      this.pending += untaken;
+      this.view.append(untaken);
       this.chars += untaken.length;
     }
-    this.flush();
+    keepAtBottom(() => this.view.finish());
     this.open = false;
     this.article.classList.remove("streaming");
     this.article.removeAttribute("aria-busy");
+    this.record.content = this.view.source;
+    store.touch(true);
+  }
+
+  /** @param {string} text */
+  setMeta(text) {
+    this.metaEl.textContent = text;
+    this.record.meta = text;
+    store.touch(true);
   }
 
   /** Stop: cancel in-band; the UI is idle at once, the `done` follows. */
   stop() {
     this.stream.cancel();
     this.close();
-    this.metaEl.textContent = "Stopped";
+    this.setMeta("Stopped");
     if (current === this) {
       current = null;
       setState("idle", "Stopped");
@@ -274,7 +287,7 @@ class Turn {
       `TTFT ${ttft === null ? "–" : formatMs(ttft)}`,
       REASONS[done.reason] ?? done.reason,
     ];
-    this.metaEl.textContent = parts.join(" · ");
+    this.setMeta(parts.join(" · "));
     if (current === this) {
       current = null;
       setState("idle", "Idle");
@@ -297,11 +310,23 @@ class Turn {
         ? "The connection dropped; this answer is incomplete."
         : `The request failed: ${error.message}`;
     this.article.append(notice);
+    this.setMeta("Incomplete");
     if (current === this) {
       current = null;
       setState("idle", "Idle");
     }
   }
+}
+
+/**
+ * Run `change`; if the conversation was scrolled to the bottom, keep it there.
+ * @param {() => void} change
+ */
+function keepAtBottom(change) {
+  const view = ui.conversation;
+  const stick = view.scrollHeight - view.scrollTop - view.clientHeight < STICK_PX;
+  change();
+  if (stick) view.scrollTop = view.scrollHeight;
 }
 
 const REASONS = /** @type {Record<string, string>} */ ({
@@ -324,7 +349,7 @@ function requestFrame() {
 function onFrame() {
   frameRequested = false;
   if (current === null) return;
-  current.flush();
+  current.frame();
   current.showLiveStats();
   // Keep the live numbers moving while the model is between tokens.
   if (current.open && current.firstAt !== null) requestFrame();
@@ -332,25 +357,52 @@ function onFrame() {
 
 // ------------------------------------------------------------------ actions
 
+/** The conversation being shown, created on first use. */
+function conversation() {
+  return store.current ?? store.create();
+}
+
 function send() {
   const content = ui.prompt.value;
   if (!content.trim() || !canSend()) return;
+  const chat = conversation();
+  if (editing !== null) {
+    // Edit and resend: the edited message replaces the old one and its answer.
+    chat.messages.splice(editing);
+    stopEditing();
+    last = null;
+    showConversation();
+  }
   ui.prompt.value = "";
-  const messages = last ? [...last.messages] : [];
-  if (last && last.text) messages.push({ role: "assistant", content: last.text });
-  messages.push({ role: "user", content });
+  chat.messages.push({ role: "user", content });
+  const messages = fitHistory(chat.messages);
+  const record = /** @type {import("/store.js").StoredMessage} */ ({ role: "assistant", content: "" });
+  chat.messages.push(record);
+  store.touch(true);
   appendMessage("user", content);
   const article = appendMessage("assistant", "");
-  begin(client.generate({ messages, ...options() }), article, messages);
+  markLastUser();
+  showHistory();
+  begin(client.generate({ messages, ...options() }), article, record, messages);
 }
 
 function regenerate() {
-  if (!last || client.state !== "open") return;
-  const previous = last;
-  const stream = client.restart(previous.stream, options());
-  previous.open = false; // its late text, if any, must not land in the new answer
-  previous.pending = "";
-  begin(stream, previous.article, previous.messages);
+  if (client.state !== "open") return;
+  if (last !== null) {
+    // Restart by ID: the server drops the old request, the client its late text.
+    const previous = last;
+    const stream = client.restart(previous.stream, options());
+    previous.open = false; // its late text, if any, must not land in the new answer
+    begin(stream, previous.article, previous.record, previous.messages);
+    return;
+  }
+  // An answer from before a reload: ask again with the same history.
+  const chat = store.current;
+  const record = chat?.messages.at(-1);
+  const article = /** @type {HTMLElement | null} */ (ui.log.querySelector(".message.assistant:last-of-type"));
+  if (!chat || record?.role !== "assistant" || article === null) return;
+  const messages = fitHistory(chat.messages.slice(0, -1));
+  begin(client.generate({ messages, ...options() }), article, record, messages);
 }
 
 function stop() {
@@ -359,28 +411,81 @@ function stop() {
 
 function newChat() {
   current?.stop();
-  current = null;
-  last = null;
-  ui.log.replaceChildren(ui.empty);
-  ui.empty.hidden = false;
-  showStats("–", "–", "–");
-  setState("idle", "Idle");
+  stopEditing();
+  store.create();
+  showConversation();
+  showHistory();
   ui.prompt.focus();
+}
+
+/** @param {string} id */
+function openConversation(id) {
+  current?.stop();
+  stopEditing();
+  store.select(id);
+  showConversation();
+  showHistory();
+}
+
+/** Edit the last user message: it goes back into the composer. */
+function editLast() {
+  const chat = store.current;
+  if (!chat) return;
+  const index = chat.messages.findLastIndex((m) => m.role === "user");
+  if (index < 0) return;
+  current?.stop();
+  editing = index;
+  ui.prompt.value = chat.messages[index].content;
+  ui.app.dataset.editing = "true";
+  ui.editing.hidden = false;
+  ui.prompt.focus();
+  updateControls();
+}
+
+function stopEditing() {
+  editing = null;
+  delete ui.app.dataset.editing;
+  ui.editing.hidden = true;
 }
 
 /**
  * @param {GenerationStream} stream
  * @param {HTMLElement} article
+ * @param {import("/store.js").StoredMessage} record
  * @param {{role: string, content: string}[]} messages
  */
-function begin(stream, article, messages) {
-  const turn = new Turn(stream, article, messages);
+function begin(stream, article, record, messages) {
+  const turn = new Turn(stream, article, record, messages);
   current = turn;
   last = turn;
   showStats("…", "–", "–");
   setState("waiting", "Waiting for the model…");
   turn.showLiveStats(true);
   ui.conversation.scrollTop = ui.conversation.scrollHeight;
+}
+
+/**
+ * The request's `messages`: the conversation, without its oldest messages if
+ * it exceeds the server's limits (`hello.limits`: messages, characters), so
+ * that a long conversation goes on instead of being refused. The newest
+ * message is always sent.
+ * @param {import("/store.js").StoredMessage[]} history
+ */
+function fitHistory(history) {
+  const limits = client.hello?.limits;
+  const maxMessages = limits?.max_messages ?? Infinity;
+  const maxChars = limits?.max_prompt_chars ?? Infinity;
+  let chars = 0;
+  let start = history.length;
+  while (start > 0) {
+    const next = chars + history[start - 1].content.length;
+    if (start < history.length && (next > maxChars || history.length - start + 1 > maxMessages)) break;
+    chars = next;
+    start -= 1;
+  }
+  // A chat template wants the history to begin with the user.
+  while (start < history.length - 1 && history[start].role !== "user") start += 1;
+  return history.slice(start).map(({ role, content }) => ({ role, content }));
 }
 
 /** The sampling options from the controls; invalid or empty fields are left out. */
@@ -396,30 +501,42 @@ function options() {
   };
 }
 
+// ------------------------------------------------------------------ the log
+
+/** Show the current conversation from the store (on load, switch, edit). */
+function showConversation() {
+  current = null;
+  last = null;
+  ui.log.replaceChildren(ui.empty);
+  const chat = store.current;
+  for (const message of chat?.messages ?? []) {
+    const article = appendMessage(message.role, message.content);
+    if (message.role === "assistant") {
+      const view = new View(/** @type {HTMLElement} */ (article.querySelector(".text")));
+      view.append(message.content);
+      view.finish();
+      answerText.set(article, () => view.source);
+      /** @type {HTMLElement} */ (article.querySelector(".meta")).textContent = message.meta || "Incomplete";
+    }
+  }
+  ui.empty.hidden = (chat?.messages.length ?? 0) > 0;
+  markLastUser();
+  showStats("–", "–", "–");
+  setState("idle", "Idle");
+  ui.conversation.scrollTop = ui.conversation.scrollHeight;
+}
+
 /**
  * @param {"user" | "assistant"} role
  * @param {string} text
- * @returns {HTMLElement}
  */
 function appendMessage(role, text) {
   ui.empty.hidden = true;
-  const article = document.createElement("article");
-  article.className = `message ${role}`;
-  const label = document.createElement("p");
-  label.className = "role";
-  label.textContent = role === "user" ? "You" : "Model";
-  const body = document.createElement("div");
-  body.className = "text";
-  body.textContent = text;
-  article.append(label, body);
-  if (role === "assistant") {
-    const meta = document.createElement("p");
-    meta.className = "meta";
-    article.append(meta);
-  }
-  ui.log.append(article);
-  return article;
+  return appendTo(ui.log, role, text);
 }
+
+const markLastUser = () => markLastUserIn(ui.log);
+const showHistory = () => showHistoryIn(ui.history, store.conversations, store.currentId);
 
 // ------------------------------------------------------------------ state
 
@@ -441,8 +558,10 @@ function updateControls() {
   const busy = ui.app.dataset.state !== "idle";
   const hadFocus = document.activeElement;
   ui.send.disabled = !canSend() || !ui.prompt.value.trim();
+  ui.send.textContent = editing === null ? "Send" : "Resend";
   ui.stop.disabled = !busy;
-  ui.regenerate.disabled = !last || client.state !== "open";
+  const lastMessage = store.current?.messages.at(-1);
+  ui.regenerate.disabled = client.state !== "open" || (last === null && lastMessage?.role !== "assistant");
   // A button that disables itself under the keyboard focus would drop the
   // focus to <body>; hand it to the prompt instead.
   if (hadFocus instanceof HTMLButtonElement && hadFocus.disabled) ui.prompt.focus();
@@ -482,11 +601,49 @@ ui.prompt.addEventListener("input", updateControls);
 ui.stop.addEventListener("click", stop);
 ui.regenerate.addEventListener("click", regenerate);
 ui.newChat.addEventListener("click", newChat);
+ui.cancelEdit.addEventListener("click", () => {
+  stopEditing();
+  ui.prompt.value = "";
+  updateControls();
+});
+
+ui.log.addEventListener("click", (event) => {
+  const button = /** @type {HTMLElement} */ (event.target).closest("button");
+  if (button === null) return;
+  if (button.classList.contains("copy")) {
+    const code = button.closest("figure")?.querySelector("code");
+    copy(code?.textContent ?? "", button);
+  } else if (button.classList.contains("copy-answer")) {
+    const article = /** @type {HTMLElement} */ (button.closest("article"));
+    copy(answerText.get(article)?.() ?? "", button);
+  } else if (button.classList.contains("edit")) {
+    editLast();
+  }
+});
+
+ui.history.addEventListener("click", (event) => {
+  const button = /** @type {HTMLElement} */ (event.target).closest("button");
+  const id = button?.closest("li")?.dataset.id;
+  if (!button || !id) return;
+  if (button.classList.contains("delete-chat")) {
+    if (id === store.currentId) current?.stop();
+    store.remove(id);
+    if (store.current === null) store.create();
+    showConversation();
+    showHistory();
+  } else if (id !== store.currentId) {
+    openConversation(id);
+  }
+});
 
 document.addEventListener("keydown", (event) => {
-  if (event.key === "Escape" && current) {
+  if (event.key !== "Escape") return;
+  if (current) {
     event.preventDefault();
     stop();
+  } else if (editing !== null) {
+    event.preventDefault();
+    ui.cancelEdit.click();
   }
 });
 
@@ -498,14 +655,20 @@ ui.maxTokens.addEventListener("input", () => {
   ui.maxTokens.dataset.touched = "1";
 });
 
+// A reload mid-answer keeps what had been shown; save it on the way out too.
+addEventListener("pagehide", () => store.saveNow());
+
 ui.temperatureValue.value = Number(ui.temperature.value).toFixed(2);
-updateControls();
+showConversation();
+showHistory();
 ui.prompt.focus();
 
-// For the browser console and the tests: the client and the streams.
+// For the browser console and the tests: the client, the streams, the store.
 Object.defineProperty(window, "chat", {
   value: Object.freeze({
     client,
+    store,
+    renderStats,
     /** The stream being rendered, if any. */
     current: () => current?.stream ?? null,
     /** The latest answer's stream. */

@@ -221,7 +221,8 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def context(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
     """A fresh browser context; parametrize indirectly with {"color_scheme": "dark"},
-    {"csp": True} (enforce the page's Content-Security-Policy)."""
+    {"csp": True} (enforce the page's Content-Security-Policy), {"permissions": True}
+    (the clipboard may be read and written)."""
     options = getattr(request, "param", {})
     ctx = browser.new_context(
         viewport={"width": 1000, "height": 760},
@@ -231,6 +232,7 @@ def context(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
         # Playwright's wait_for_function evaluates its predicate with eval(),
         # which the page's CSP forbids; one test runs with the CSP enforced.
         bypass_csp=not options.get("csp", False),
+        permissions=["clipboard-read", "clipboard-write"] if options.get("permissions") else [],
     )
     ctx.set_default_timeout(ms(10))
     try:

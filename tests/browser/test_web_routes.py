@@ -15,8 +15,13 @@ from .conftest import ROOT, LiveServer, timeout
 ASSETS = {
     "/": ("web/index.html", "text/html; charset=utf-8"),
     "/app.js": ("web/app.js", "text/javascript; charset=utf-8"),
+    "/log.js": ("web/log.js", "text/javascript; charset=utf-8"),
+    "/markdown.js": ("web/markdown.js", "text/javascript; charset=utf-8"),
+    "/store.js": ("web/store.js", "text/javascript; charset=utf-8"),
     "/style.css": ("web/style.css", "text/css; charset=utf-8"),
     "/wsserver.js": ("js/wsserver.js", "text/javascript; charset=utf-8"),
+    "/vendor/marked.esm.js": ("web/vendor/marked.esm.js", "text/javascript; charset=utf-8"),
+    "/vendor/purify.es.mjs": ("web/vendor/purify.es.mjs", "text/javascript; charset=utf-8"),
 }
 
 

@@ -43,8 +43,18 @@ _ASSETS: Final = {
     "/": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
     "/index.html": _Asset(CLIENTS_DIR / "web" / "index.html", "text/html; charset=utf-8"),
     "/app.js": _Asset(CLIENTS_DIR / "web" / "app.js", "text/javascript; charset=utf-8"),
+    "/log.js": _Asset(CLIENTS_DIR / "web" / "log.js", "text/javascript; charset=utf-8"),
+    "/markdown.js": _Asset(CLIENTS_DIR / "web" / "markdown.js", "text/javascript; charset=utf-8"),
+    "/store.js": _Asset(CLIENTS_DIR / "web" / "store.js", "text/javascript; charset=utf-8"),
     "/style.css": _Asset(CLIENTS_DIR / "web" / "style.css", "text/css; charset=utf-8"),
     "/wsserver.js": _Asset(CLIENTS_DIR / "js" / "wsserver.js", "text/javascript; charset=utf-8"),
+    # The page's markdown parser and sanitizer, vendored (clients/web/vendor/README.md).
+    "/vendor/marked.esm.js": _Asset(
+        CLIENTS_DIR / "web" / "vendor" / "marked.esm.js", "text/javascript; charset=utf-8"
+    ),
+    "/vendor/purify.es.mjs": _Asset(
+        CLIENTS_DIR / "web" / "vendor" / "purify.es.mjs", "text/javascript; charset=utf-8"
+    ),
 }
 
 # A Host header is copied into the policy only if it is a plain host[:port];

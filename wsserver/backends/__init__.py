@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import Config
 from .base import Backend, GenerationRequest, Sink, Submission, ThreadedBackend, TokenSink
 from .fake import FakeBackend
@@ -27,6 +29,8 @@ def create_backend(config: Config) -> Backend:
             prefill_ms_per_token=fake.prefill_ms_per_token,
             parallel=fake.parallel,
             max_waiting=fake.max_waiting,
+            text=Path(fake.text_file).read_text(encoding="utf-8") if fake.text_file else None,
+            echo=fake.echo,
         )
     if kind == "llama":
         # Imported lazily: llama_cpp is heavy and only this backend needs it.

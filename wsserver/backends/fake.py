@@ -8,6 +8,13 @@ characters arrive split across tokens exactly as a byte-fallback tokenizer
 delivers them, and the real :class:`~wsserver.textstream.TextAssembler` has to
 put them back together.
 
+Instead of the random words, the backend can stream a given text: the prompt
+itself (``echo``, the last user message of a chat) or a fixed text
+(``text``, e.g. read from ``backend.fake.text_file``), cut into word-sized
+tokens the way a BPE tokenizer roughly cuts English. The request then ends
+with reason ``stop`` when the text runs out, or ``length`` at ``max_tokens``
+before that. Tests and benchmarks use this to stream known markdown at any rate.
+
 Timing is simulated with waits on the request's cancel event, so a cancel
 interrupts both the simulated prefill and the pause between tokens at once.
 """
@@ -16,16 +23,25 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import threading
 import time
+from collections.abc import Iterable
 
 import orjson
 
 from ..errors import GenerationCancelled
+from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
 
-__all__ = ["FakeBackend", "fake_tokens"]
+__all__ = ["FakeBackend", "fake_tokens", "text_tokens"]
+
+# A word with its leading space, a run of digits, punctuation, or whitespace:
+# roughly the pre-tokenizer of GPT-2-style BPE, so markdown syntax arrives in
+# pieces (``*``, ``**``, fence backticks) like it does from a real model.
+_TOKEN_RE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]+|\s+|_+", re.UNICODE)
+_MAX_TOKEN_CHARS = 8
 
 _WORDS = (
     "the",
@@ -76,6 +92,29 @@ def fake_tokens(request: GenerationRequest) -> FakeTokenStream:
     return FakeTokenStream(_rng(request))
 
 
+def text_tokens(text: str) -> list[bytes]:
+    """``text`` cut into word-sized tokens (UTF-8 bytes); they join back to it."""
+    tokens = []
+    position = 0
+    for match in _TOKEN_RE.finditer(text):
+        if match.start() > position:  # anything the pattern missed, kept as is
+            tokens.append(text[position : match.start()].encode())
+        piece = match.group()
+        for start in range(0, len(piece), _MAX_TOKEN_CHARS):
+            tokens.append(piece[start : start + _MAX_TOKEN_CHARS].encode())
+        position = match.end()
+    if position < len(text):
+        tokens.append(text[position:].encode())
+    return tokens
+
+
+def _echoed(request: GenerationRequest) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    users = [m.content for m in request.messages or () if m.role == "user"]
+    return users[-1] if users else ""
+
+
 class FakeTokenStream:
     """Yields the byte tokens of an endless deterministic text."""
 
@@ -119,12 +158,18 @@ class FakeBackend(ThreadedBackend):
         parallel: int = 0,
         max_waiting: int = 64,
         model_name: str = "fake",
+        text: str | None = None,
+        echo: bool = False,
     ) -> None:
         self.tokens_per_s = tokens_per_s
         self.prefill_ms_per_token = prefill_ms_per_token
         self.slots = parallel
         self.max_waiting = max_waiting
         self.model_name = model_name
+        #: Stream this text instead of random words (``echo`` wins over it).
+        self.text = text
+        self.echo = echo
+        self._text_tokens = text_tokens(text) if text is not None else None
 
     def prompt_tokens(self, request: GenerationRequest) -> int:
         """The simulated prompt's token count (what ``usage.prompt_tokens`` reports)."""
@@ -152,7 +197,14 @@ class FakeBackend(ThreadedBackend):
         interval = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
         start = time.monotonic()
         produced = 0
-        for token in fake_tokens(request):
+        if self.echo:
+            tokens: Iterable[bytes] = text_tokens(_echoed(request))
+        elif self._text_tokens is not None:
+            tokens = self._text_tokens
+        else:
+            tokens = fake_tokens(request)
+        ended: DoneReason = "stop" if self.echo or self._text_tokens is not None else "length"
+        for token in tokens:
             if produced >= request.max_tokens:
                 break
             if interval:
@@ -171,4 +223,6 @@ class FakeBackend(ThreadedBackend):
         tail = assembler.flush()
         if tail:
             sink.emit(tail, 0)
-        return Outcome("length", prompt_tokens, produced)
+        if produced >= request.max_tokens:
+            ended = "length"
+        return Outcome(ended, prompt_tokens, produced)

@@ -9,7 +9,7 @@ module makes that callback cheap and exact:
   two-byte per-context buffer — ``b"\\0\\0"`` → 0 (false), ``b"\\1\\0"`` → 1
   (true) — so no Python runs in the compute thread and the GIL is never
   taken. The flag is raised by a callback on the request's
-  :class:`~wsserver.channel.CancelEvent`, on the thread that cancels, the
+  :class:`~wsserver.backends.base.CancelEvent`, on the thread that cancels, the
   instant it cancels (for a plain ``threading.Event``, a watcher thread
   blocked on it raises the flag instead);
 * **python** (the fallback where libc is not found): a ctypes callback that
@@ -92,7 +92,7 @@ class _CancelWatcher:
     the request without setting the event. (``threading.Event`` keeps that
     condition in ``_cond``; if an implementation lacks it we fall back to
     waking every 10 ms.) The server's channel passes a
-    :class:`~wsserver.channel.CancelEvent`, which needs no thread.
+    :class:`~wsserver.backends.base.CancelEvent`, which needs no thread.
     """
 
     def __init__(self, cancel: threading.Event, on_cancel: Callable[[], None], name: str) -> None:
