@@ -277,10 +277,11 @@ async def stop_pair(url: str, deadline: float, tally: Tally) -> None:
             await holder.until(lambda f: f["type"] in ("started", "queued", "done"))
             second = await waiter.generate(4000)
             await waiter.until(lambda f: f["type"] in ("started", "queued", "done"))
-            await asyncio.gather(
-                holder.send({"type": "cancel", "id": first}),
-                waiter.send({"type": "cancel", "id": second}),
-            )
+            # The holder's slot is released when its producer exits, about a
+            # millisecond after its cancel: the waiter's cancel lands around then.
+            await holder.send({"type": "cancel", "id": first})
+            await stop_reading_for(random.uniform(0.0, 0.002))
+            await waiter.send({"type": "cancel", "id": second})
             await holder.done(first)
             await waiter.done(second)
             # Stay under the server's frame rate limit (this is load, not synchronisation).
