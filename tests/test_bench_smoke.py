@@ -169,8 +169,8 @@ def test_quick_page_bench_measures_the_page(tmp_path: Path) -> None:
 def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path) -> None:
     """Section 7: the attackers ran against both settings; with the defaults no
     connection held more than the documented bound (a memory figure, not a time)."""
+    from wsserver.aio.peer import memory_bound
     from wsserver.config import load_config
-    from wsserver.connection import memory_bound
 
     out = tmp_path / "benchmarks.md"
     command = [sys.executable, "-m", "bench", "--quick", "--sections", "7", "--out", str(out)]
