@@ -78,6 +78,8 @@ class FakeUpstream:
         await self.stop()
 
     async def start(self, port: int = 0) -> None:
+        """Listen (again, after :meth:`stop`: pass the old port to come back on it)."""
+        self._release = asyncio.Event()
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._complete)

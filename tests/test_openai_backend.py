@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import make_config, slow_wire, timeout, wire
 from fake_upstream import PIECES, FakeUpstream
+from test_metrics import scrape
 
 from wsserver.aio import Server
 from wsserver.backends.openai import OpenAIBackend
@@ -28,6 +29,7 @@ TEXT = "".join(PIECES)
 async def relay(*urls: str, **options: Any) -> AsyncIterator[Server]:
     """The real server with an openai backend in front of ``urls``."""
     server_overrides = {k: options.pop(k) for k in list(options) if k.startswith("stream__")}
+    options.setdefault("max_backoff_s", 0.5)
     backend = OpenAIBackend(urls=list(urls), backoff_s=0.05, **options)
     config = make_config(
         backend__kind="openai", backend__openai__urls=list(urls), **server_overrides
@@ -264,6 +266,14 @@ async def test_requests_go_to_the_upstream_with_fewest_in_flight_and_retry_once(
             assert text == TEXT and frames[-1]["reason"] == "stop"
             assert (len(a.streams), len(b.streams)) == (2, 2)
             assert not backend.upstreams[0].healthy and backend.upstreams[1].healthy
+            samples = await scrape(server)
+            for url, requests, errors, healthy in ((a.url, 2, 1, 0), (b.url, 2, 0, 1)):
+                label = f'{{upstream="{url}"}}'
+                assert samples[f"wsserver_upstream_requests_total{label}"] == requests
+                assert samples[f"wsserver_upstream_errors_total{label}"] == errors
+                assert samples[f"wsserver_upstream_healthy{label}"] == healthy
+                assert samples[f"wsserver_upstream_in_flight{label}"] == 0
+            assert samples[f'wsserver_upstream_first_byte_seconds_count{{upstream="{b.url}"}}'] == 2
 
 
 async def test_an_upstream_killed_mid_run_loses_and_duplicates_nothing() -> None:
@@ -288,3 +298,33 @@ async def test_an_upstream_killed_mid_run_loses_and_duplicates_nothing() -> None
             assert len(b.streams) == 5 and len(a.streams) == 1
             await two.send({"type": "cancel", "id": "y"})
             await two.until(lambda f: f["type"] == "done")
+
+
+async def test_readyz_is_ready_while_an_upstream_is_in_rotation() -> None:
+    from test_security import http
+
+    up = FakeUpstream()
+    await up.start()
+    port = int(up.url.split(":")[2].split("/")[0])
+    try:
+        async with relay(up.url, model="m") as server:
+            backend = server.backend
+            assert isinstance(backend, OpenAIBackend)
+            assert (await http(server, "/readyz"))[0] == 200
+            await up.stop()  # the only upstream goes away
+            async with wire(server) as client:
+                await client.send(gen("a"))
+                _, frames = await client.done("a")
+            assert frames[-1]["error"]["code"] == "upstream_unreachable"
+            status, _, body = await http(server, "/readyz")
+            assert status == 503 and b"no upstream is in rotation" in body
+            await up.start(port)  # back: the probe finds it
+            async with asyncio.timeout(timeout()):
+                await backend.upstreams[0].in_rotation.wait()
+            assert (await http(server, "/readyz"))[0] == 200
+            async with wire(server) as client:
+                await client.send(gen("b"))
+                text, _ = await client.done("b")
+            assert text == TEXT
+    finally:
+        await up.stop()

@@ -53,7 +53,15 @@ from ..logs import context
 from ..protocol import DoneReason
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
-from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .base import (
+    Backend,
+    CancelEvent,
+    GenerationRequest,
+    Outcome,
+    Sink,
+    Submission,
+    UpstreamStats,
+)
 from .openai_wire import DONE, UpstreamError, error_message, parse_chunk, request_body
 
 __all__ = ["OpenAIBackend", "Upstream"]
@@ -76,8 +84,9 @@ class Upstream:
     backoff: float = 0.0
     errors: int = 0
     requests: int = 0
-    #: Seconds from sending a request to the first byte of its stream, the last one.
-    last_first_byte_s: float | None = None
+    #: Seconds from sending a request to the first byte of its stream: sum and count.
+    first_byte_seconds_sum: float = 0.0
+    first_byte_count: int = 0
     probe: asyncio.Task[None] | None = field(default=None, repr=False)
     #: Set while in rotation (tests and /readyz wait on it).
     in_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -323,7 +332,8 @@ class OpenAIBackend(Backend):
                     data = None  # the connection broke: as an end without the last chunk
                 if first:
                     first = False
-                    upstream.last_first_byte_s = loop.time() - sent
+                    upstream.first_byte_seconds_sum += loop.time() - sent
+                    upstream.first_byte_count += 1
                 if not data:
                     if relay.finish is not None:
                         break  # ended after its last choice, only without [DONE]: accepted
@@ -393,9 +403,25 @@ class OpenAIBackend(Backend):
         except (TimeoutError, aiohttp.ClientError):
             return False
 
-    def healthy(self) -> bool:
-        """Whether at least one upstream is in rotation."""
-        return any(u.healthy for u in self.upstreams)
+    def upstream_stats(self) -> list[UpstreamStats]:
+        return [
+            UpstreamStats(
+                url=u.url,
+                in_flight=u.in_flight,
+                healthy=u.healthy,
+                requests=u.requests,
+                errors=u.errors,
+                first_byte_seconds_sum=u.first_byte_seconds_sum,
+                first_byte_count=u.first_byte_count,
+            )
+            for u in self.upstreams
+        ]
+
+    def unready_reason(self) -> str | None:
+        """``/readyz`` is ready while at least one upstream is in rotation."""
+        if any(u.healthy for u in self.upstreams):
+            return None
+        return "no upstream is in rotation (each failed and is being probed)"
 
 
 class _Relay:
