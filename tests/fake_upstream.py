@@ -49,7 +49,7 @@ class FakeUpstream:
 
     def __init__(self, *, model: str = "fake-upstream", sndbuf: int = 0) -> None:
         self.model = model
-        #: ok | endless | status | hang | silence | drop | malformed | bad_sse | no_final | error_event
+        #: ok | endless | status | not_streamed | hang | silence | drop | malformed | bad_sse | no_final | error_event
         self.mode = "ok"
         self.status = 500
         self.pieces = list(PIECES)
@@ -137,6 +137,8 @@ class FakeUpstream:
         if mode == "status":
             message = {"error": {"message": f"upstream says no ({self.status})", "type": "x"}}
             return web.json_response(message, status=self.status)
+        if mode == "not_streamed":
+            return web.json_response({"choices": [{"text": "".join(self.pieces)}]})
         if mode == "hang":
             await self._park()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

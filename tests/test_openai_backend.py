@@ -14,6 +14,7 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psutil
 import pytest
 from conftest import make_config, slow_wire, timeout, wire
 from fake_upstream import PIECES, FakeUpstream
@@ -115,7 +116,7 @@ async def test_cancel_closes_the_upstream_stream_at_once() -> None:
     async with FakeUpstream() as up, relay(up.url, parallel=1) as server:
         up.mode = "endless"
         async with wire(server) as client:
-            for n in range(3):  # repeated cancels leak nothing, and the slot comes back
+            for n in range(10):  # repeated cancels leak nothing, and the slot comes back
                 await client.send(gen(f"a{n}"))
                 await client.until(lambda f, n=n: f["type"] == "delta" and f["id"] == f"a{n}")
                 await client.send({"type": "cancel", "id": f"a{n}"})
@@ -130,6 +131,15 @@ async def test_cancel_closes_the_upstream_stream_at_once() -> None:
             await client.send(gen("b"))
             text, _ = await client.done("b")
             assert text == TEXT
+            # Every cancelled stream's connection was closed, not kept: at most
+            # the one that served "b" is left, idle in the pool.
+            port = int(up.url.split(":")[2].split("/")[0])
+            open_to_upstream = [
+                c
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.raddr and c.raddr[1] == port and c.status == psutil.CONN_ESTABLISHED
+            ]
+            assert len(open_to_upstream) <= 1
 
 
 async def test_a_slow_reader_pauses_its_upstream_and_no_other() -> None:
@@ -178,6 +188,7 @@ FAULTS = [
     ("no_final", {}, "upstream_truncated", "before its final chunk"),
     ("malformed", {}, "upstream_bad_stream", "not JSON"),
     ("bad_sse", {}, "upstream_bad_stream", "malformed"),
+    ("not_streamed", {}, "upstream_bad_stream", "not an event stream"),
     ("error_event", {}, "upstream_failed", "out of memory"),
 ]
 

@@ -312,6 +312,13 @@ class OpenAIBackend(Backend):
         try:
             if response.status >= 400:
                 raise await self._http_error(response, deadline)
+            if response.content_type != "text/event-stream":
+                # E.g. a server that ignored "stream": true and answered whole.
+                raise UpstreamError(
+                    f"the upstream answered with Content-Type {response.content_type!r}, "
+                    "not an event stream",
+                    code="upstream_bad_stream",
+                )
             relay.begin()
             first = True
             while not relay.done:
