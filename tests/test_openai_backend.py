@@ -153,16 +153,19 @@ async def test_a_slow_reader_pauses_its_upstream_and_no_other() -> None:
             up.mode = "ok"
             (connection,) = [c for c in server.connections.values() if "s" in c.generations]
             channel = connection.generations["s"].channel
-            # Buffers along the way (the socket's, aiohttp's, the channel) are
-            # finite: soon the upstream's write stays blocked while whole other
-            # requests run through the same backend and loop.
+            # Buffers along the way (the sockets', aiohttp's, the channel) are
+            # finite: soon the upstream's write stays blocked while a whole other
+            # request runs through the same backend and loop. (The slow client
+            # itself may still trickle: the kernel packs its full receive queue
+            # and lets a few more frames in now and then. That moves text out
+            # of the channel, not bytes out of the upstream.)
             for attempt in range(50):
                 assert await asyncio.to_thread(channel.blocked.wait, timeout(20))
                 before = stream.bytes_sent
                 await fast.send(gen(f"f{attempt}"))
                 text, _ = await fast.done(f"f{attempt}")
                 assert text == TEXT
-                if stream.writing and stream.bytes_sent == before and channel.blocked.is_set():
+                if stream.writing and stream.bytes_sent == before:
                     break
             else:
                 raise AssertionError("the upstream was never paused by the slow reader")

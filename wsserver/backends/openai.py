@@ -42,7 +42,6 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -50,8 +49,6 @@ import aiohttp
 from ..config import OpenAIConfig
 from ..errors import ModelLoadError
 from ..logs import context
-from ..protocol import DoneReason
-from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
 from .base import (
     Backend,
@@ -62,7 +59,8 @@ from .base import (
     Submission,
     UpstreamStats,
 )
-from .openai_wire import DONE, UpstreamError, error_message, parse_chunk, request_body
+from .openai_relay import Relay, call_soon
+from .openai_wire import UpstreamError, error_message, request_body
 
 __all__ = ["OpenAIBackend", "Upstream"]
 
@@ -217,7 +215,7 @@ class OpenAIBackend(Backend):
         task = loop.create_task(self._serve(request, sink, cancel, submission))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        cancel.add_callback(lambda: _call_soon(loop, task.cancel))
+        cancel.add_callback(lambda: call_soon(loop, task.cancel))
         return submission
 
     async def _serve(
@@ -253,7 +251,7 @@ class OpenAIBackend(Backend):
 
     async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
         tried: frozenset[Upstream] = frozenset()
-        relay = _Relay(sink, cancel, TextAssembler(request.stop))
+        relay = Relay(sink, cancel, TextAssembler(request.stop))
         while True:
             upstream = self.pick(tried)
             if upstream is None:
@@ -285,9 +283,7 @@ class OpenAIBackend(Backend):
                 upstream.in_flight -= 1
             return outcome
 
-    async def _relay(
-        self, upstream: Upstream, request: GenerationRequest, relay: _Relay
-    ) -> Outcome:
+    async def _relay(self, upstream: Upstream, request: GenerationRequest, relay: Relay) -> Outcome:
         loop = asyncio.get_running_loop()
         path, body = request_body(request, self.model)
         sent = loop.time()
@@ -431,75 +427,6 @@ class OpenAIBackend(Backend):
         return "no upstream is in rotation (each failed and is being probed)"
 
 
-class _Relay:
-    """One request's stream: SSE events → text in the sink, with backpressure."""
-
-    def __init__(self, sink: Sink, cancel: CancelEvent, assembler: TextAssembler) -> None:
-        self.sink = sink
-        self.cancel = cancel
-        self.assembler = assembler
-        #: Something went into the sink: no retry elsewhere from now on.
-        self.offered = False
-        self.finish: DoneReason | None = None
-        #: ``[DONE]`` was read (or a stop string matched): nothing more to read.
-        self.done = False
-        self.parser = SSEParser()
-        self.pieces = 0
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-
-    def begin(self) -> None:
-        """A new response (a retry): start its parsing afresh."""
-        self.parser = SSEParser()
-        self.finish = None
-        self.done = False
-
-    async def feed(self, data: bytes) -> None:
-        try:
-            events = self.parser.feed(data)
-        except SSEError as exc:
-            raise UpstreamError(
-                f"the upstream's event stream is malformed: {exc}", code="upstream_bad_stream"
-            ) from None
-        for event in events:
-            if event == DONE:
-                self.done = True
-                return
-            chunk = parse_chunk(event)
-            if chunk.prompt_tokens is not None:
-                self.prompt_tokens = chunk.prompt_tokens
-            if chunk.completion_tokens is not None:
-                self.completion_tokens = chunk.completion_tokens
-            if chunk.finish is not None:
-                self.finish = chunk.finish
-            if chunk.text:
-                self.pieces += 1
-                await self.offer(self.assembler.feed_text(chunk.text), 1)
-                if self.assembler.stopped:
-                    # A stop string the upstream let through: end here.
-                    self.finish = "stop"
-                    self.done = True
-                    return
-
-    async def end(self) -> Outcome:
-        tail = self.assembler.flush()
-        if tail:
-            await self.offer(tail, 0)
-        completion = self.completion_tokens if self.completion_tokens is not None else self.pieces
-        return Outcome(self.finish or "stop", self.prompt_tokens or 0, completion)
-
-    async def offer(self, text: str, tokens: int) -> None:
-        """Into the sink, waiting (on the loop) while it is full."""
-        loop = asyncio.get_running_loop()
-        while not self.sink.offer(text, tokens):
-            if self.cancel.is_set():
-                raise asyncio.CancelledError  # the task's own cancel is on its way
-            room: asyncio.Future[None] = loop.create_future()
-            self.sink.when_room(lambda room=room: _call_soon(loop, _resolve, room))  # type: ignore[misc]
-            await room
-        self.offered = True
-
-
 def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:
     return UpstreamError(
         f"cannot reach the upstream {upstream.url}: {reason}",
@@ -525,16 +452,3 @@ def _connect_reason(exc: aiohttp.ClientConnectorError) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror.lower()
     return "connection failed"
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _call_soon(
-    loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
-) -> None:
-    # The loop may already be closed at interpreter shutdown; nothing to tell then.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)
