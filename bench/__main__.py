@@ -21,13 +21,21 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, page, slow, throughput
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
 from .report import SECTIONS, command_line, write
 
-ALIASES = {"1": "throughput", "2": "cancel", "3": "ceiling", "4": "slow", "5": "idle", "6": "page"}
+ALIASES = {
+    "1": "throughput",
+    "2": "cancel",
+    "3": "ceiling",
+    "4": "slow",
+    "5": "idle",
+    "6": "page",
+    "7": "adversaries",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,7 +122,14 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         except Exception as exc:
             for name in llama:
                 results.setdefault(name, _failed(exc))
-    for name, module in (("ceiling", ceiling), ("slow", slow), ("idle", idle), ("page", page)):
+    fake_sections = (
+        ("ceiling", ceiling),
+        ("slow", slow),
+        ("idle", idle),
+        ("page", page),
+        ("adversaries", adversaries),
+    )
+    for name, module in fake_sections:
         if name in sections:
             opts.log(f"section {name}")
             try:

@@ -2,7 +2,7 @@
 
     python -m bench.probe_server '{"backend.kind": "fake", ...}' [--log FILE]
 
-Starts :class:`wsserver.server.Server` with the given configuration overrides
+Starts :class:`wsserver.aio.Server` with the given configuration overrides
 (port 0 on 127.0.0.1 unless overridden), plus two things the production server
 does not need:
 

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import analysis, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, analysis, cancel, ceiling, idle, page, slow, throughput
 from .options import Options
 
 SECTIONS = {
@@ -17,6 +17,10 @@ SECTIONS = {
     "slow": ("4. Slow consumers", slow),
     "idle": ("5. Memory per idle connection", idle),
     "page": ("6. The chat page in Chromium (markdown, scripted input)", page),
+    "adversaries": (
+        "7. Adversarial clients: memory under a ping flood and maximal frames",
+        adversaries,
+    ),
 }
 
 

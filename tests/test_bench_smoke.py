@@ -163,3 +163,30 @@ def test_quick_page_bench_measures_the_page(tmp_path: Path) -> None:
         assert row["inputs"] > 10 and row["render_frames"] > 10, row
         assert row["frame_p50_ms"] is not None and row["heap_mib"] > 0, row
     assert "## 6. The chat page in Chromium" in out.read_text()
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path) -> None:
+    """Section 7: the attackers ran against both settings; with the defaults no
+    connection held more than the documented bound (a memory figure, not a time)."""
+    from wsserver.aio.peer import memory_bound
+    from wsserver.config import load_config
+
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "7", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["adversaries"]
+    assert result["status"] == "ok", result
+    rows = result["rows"]
+    assert set(rows) == {
+        f"{k} / {s}" for k in ("ping", "frames") for s in ("0.1.0 settings", "defaults")
+    }
+    bound = sum(memory_bound(load_config(env={}).config).values()) / 2**20
+    for kind in ("ping", "frames"):
+        assert rows[f"{kind} / defaults"]["max_held_mib"] <= bound, rows
+        assert rows[f"{kind} / defaults"]["sent_mib"] > 0, rows
+    assert "## 7. Adversarial clients" in out.read_text()
