@@ -102,3 +102,34 @@ def test_describe_round_trips_through_toml() -> None:
     text = describe(load_config(env={}))
     parsed = tomllib.loads(text)
     assert parsed["server"]["port"] == 8765
+
+
+def test_the_upstream_api_key_comes_from_the_environment_and_is_never_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(__import__("os").environ):
+        if name.startswith("WSSERVER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("WSSERVER_BACKEND_OPENAI_API_KEY", "sk-secret-123")
+    loaded = load_config()
+    assert loaded.config.backend.openai.api_key == "sk-secret-123"
+    assert main(["config", "show", "--set", "backend.kind=openai"]) == 0
+    out = capsys.readouterr().out
+    assert "sk-secret-123" not in out
+    assert 'api_key = "***"' in out and "env WSSERVER_BACKEND_OPENAI_API_KEY" in out
+    assert "sk-secret-123" not in describe(loaded)
+
+
+@pytest.mark.parametrize(
+    "urls",
+    [[], ["http://h:8080"], ["http://h:8080/v1/"], ["ftp://h/v1"], ["http://a/v1", "b/v1"]],
+)
+def test_upstream_urls_must_be_http_and_end_in_v1(urls: list[str]) -> None:
+    with pytest.raises(ConfigError, match=r"backend\.openai\.urls"):
+        load_config(env={}, overrides={"backend.openai.urls": urls})
+
+
+def test_upstream_urls_may_have_a_path_and_https() -> None:
+    urls = ["https://gpu.example:443/proxy/v1", "http://[::1]:8080/v1"]
+    loaded = load_config(env={}, overrides={"backend.openai.urls": urls})
+    assert loaded.config.backend.openai.urls == urls

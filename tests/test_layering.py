@@ -26,14 +26,16 @@ SANS_IO = [
     "wsserver.session",
     "wsserver.pacing",
     "wsserver.textstream",
+    "wsserver.sse",
     "wsserver.security",
     "wsserver.errors",
     "wsserver.config",
     "wsserver.logs",
     "wsserver.backends.base",
+    "wsserver.backends.openai_wire",
 ]
 
-IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp")
+IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")
 
 
 @pytest.mark.parametrize("module", SANS_IO)
@@ -54,6 +56,17 @@ def test_only_the_llama_backend_imports_llama_cpp() -> None:
     code = (
         "import sys, wsserver.aio, wsserver.cli, wsserver.backends.fake; "
         "print('llama_cpp' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_only_the_openai_backend_imports_aiohttp() -> None:
+    code = (
+        "import sys, wsserver.aio, wsserver.cli, wsserver.backends.fake; "
+        "print('aiohttp' in sys.modules)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

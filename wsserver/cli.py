@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="PATH", help="TOML configuration file")
         p.add_argument("--host", help="address to bind (server.host)")
         p.add_argument("--port", type=int, help="port to bind, 0 = any free port (server.port)")
-        p.add_argument("--backend", choices=("fake", "llama"), help="backend.kind")
+        p.add_argument("--backend", choices=("fake", "llama", "openai"), help="backend.kind")
         p.add_argument("--model", metavar="PATH", help="GGUF file for the llama backend")
         p.add_argument("--log-format", choices=("text", "json"), help="server.log_format")
         p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))

@@ -31,6 +31,7 @@ __all__ = [
     "FakeConfig",
     "LimitsConfig",
     "LlamaConfig",
+    "OpenAIConfig",
     "SecurityConfig",
     "ServerConfig",
     "StreamConfig",
@@ -151,10 +152,32 @@ class LlamaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OpenAIConfig:
+    """An OpenAI-compatible upstream (llama-server, vLLM, SGLang, Ollama, LM Studio)."""
+
+    #: Base URLs, each ending in /v1; requests go to the healthy one with the fewest in flight.
+    urls: list[str] = _key(["http://127.0.0.1:8080/v1"])  # noqa: RUF009 - a default_factory
+    #: Sent as "Authorization: Bearer …" ("" = none). Prefer WSSERVER_BACKEND_OPENAI_API_KEY.
+    api_key: str = _key("")
+    #: The model to ask for ("" = the first one the upstream lists at /v1/models).
+    model: str = _key("")
+    #: Requests at once per upstream; more wait in FIFO order.
+    parallel: int = _key(4, low=1, high=4096)
+    max_waiting: int = _key(64, low=0, high=100000)
+    #: Opening the TCP (and TLS) connection to an upstream.
+    connect_timeout_s: float = _key(5.0, low=0.01, high=3600.0)
+    #: From sending the request to the first byte of the streamed body (prefill included).
+    first_byte_timeout_s: float = _key(120.0, low=0.01, high=86400.0)
+    #: Longest silence between two chunks of a stream.
+    silence_timeout_s: float = _key(30.0, low=0.01, high=86400.0)
+
+
+@dataclass(frozen=True, slots=True)
 class BackendConfig:
-    kind: str = _key("llama", choices=("fake", "llama"))
+    kind: str = _key("llama", choices=("fake", "llama", "openai"))
     fake: FakeConfig = field(default_factory=FakeConfig)
     llama: LlamaConfig = field(default_factory=LlamaConfig)
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,13 +329,25 @@ def load_config(
             f"security.auth_token (from {sources[('security', 'auth_token')]}): "
             "use 1-512 characters of A-Z a-z 0-9 and !#$%&'*+-.^_`|~"
         )
+    _check_urls(config.backend.openai.urls, sources[("backend", "openai", "urls")])
     return LoadedConfig(config=config, sources={".".join(k): v for k, v in sources.items()})
 
 
+def _check_urls(urls: list[str], source: str) -> None:
+    if not urls:
+        raise ConfigError(f"backend.openai.urls (from {source}): list at least one upstream")
+    for url in urls:
+        if not _UPSTREAM_RE.fullmatch(url):
+            raise ConfigError(
+                f"backend.openai.urls (from {source}): {url!r} is not an http(s) URL ending in /v1"
+            )
+
+
+_UPSTREAM_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?/v1")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,512}")
 
 #: Keys whose values ``describe()`` never prints.
-SECRET_KEYS = frozenset({("security", "auth_token")})
+SECRET_KEYS = frozenset({("security", "auth_token"), ("backend", "openai", "api_key")})
 
 
 def _build(cls: type, values: Mapping[tuple[str, ...], Any], prefix: tuple[str, ...]) -> Any:

@@ -45,6 +45,15 @@ WireCode = Literal[
     "rate_limited",
     "stalled",
     "internal",
+    # The openai backend's upstream failed (only inside a ``done`` with reason
+    # ``error``); see docs/protocol.md.
+    "upstream_unreachable",
+    "upstream_rejected",
+    "upstream_failed",
+    "upstream_timeout",
+    "upstream_silent",
+    "upstream_bad_stream",
+    "upstream_truncated",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 

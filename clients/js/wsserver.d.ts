@@ -89,6 +89,7 @@ export interface DoneFrame {
   local?: true;
 }
 
+/** The `upstream_*` codes come from the openai backend, only in a `done` with reason "error". */
 export type ErrorCode =
   | "bad_json"
   | "bad_request"
@@ -100,7 +101,14 @@ export type ErrorCode =
   | "overloaded"
   | "rate_limited"
   | "stalled"
-  | "internal";
+  | "internal"
+  | "upstream_unreachable"
+  | "upstream_rejected"
+  | "upstream_failed"
+  | "upstream_timeout"
+  | "upstream_silent"
+  | "upstream_bad_stream"
+  | "upstream_truncated";
 
 export interface ErrorFrame {
   type: "error";

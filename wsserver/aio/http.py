@@ -40,6 +40,8 @@ class HttpContext:
     is_ready: Callable[[], bool]
     #: Slots the scheduler holds for no live request (``/readyz``).
     orphaned_slots: Callable[[], list[int]]
+    #: Why the engine cannot serve now, or None (``/readyz``; an upstream engine's health).
+    engine_unready: Callable[[], str | None] = lambda: None
     #: Extra routes (path → handler), such as the web page.
     routes: dict[str, Route] = field(default_factory=dict)
 
@@ -143,6 +145,9 @@ def _respond(http: HttpContext, connection: ServerConnection, request: Request) 
     if path == "/readyz":
         if not http.is_ready():
             return text_response(HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
+        unready = http.engine_unready()
+        if unready:
+            return text_response(HTTPStatus.SERVICE_UNAVAILABLE, unready + "\n")
         orphans = http.orphaned_slots()
         if orphans:
             return text_response(

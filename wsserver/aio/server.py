@@ -35,6 +35,7 @@ from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
 from .peer import peer_aware_connection
 from .scheduler import Scheduler
+from .upstream_metrics import UpstreamCollector
 from .web import web_routes
 
 __all__ = ["Server", "run"]
@@ -124,6 +125,7 @@ class Server:
             loop_probe_ms=config.server.loop_probe_ms,
             queue_log_s=config.server.queue_log_s,
         )
+        self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         self._shared = Shared(
             config=config,
             backend=self.backend,
@@ -140,6 +142,7 @@ class Server:
             metrics=self.metrics,
             is_ready=self.ready.is_set,
             orphaned_slots=self.orphaned_slots,
+            engine_unready=self.backend.unready_reason,
             routes=web_routes(),
         )
 

@@ -37,4 +37,9 @@ def create_backend(config: Config) -> Backend:
         from .llama import LlamaBackend
 
         return LlamaBackend.from_config(config.backend.llama)
+    if kind == "openai":
+        # Imported lazily, like llama: only this backend needs aiohttp.
+        from .openai import OpenAIBackend
+
+        return OpenAIBackend.from_config(config.backend.openai)
     raise ValueError(f"unknown backend kind {kind!r}")  # config validation prevents this

@@ -78,6 +78,7 @@ __all__ = [
     "Submission",
     "ThreadedBackend",
     "TokenSink",
+    "UpstreamStats",
 ]
 
 log = logging.getLogger("wsserver.producer")
@@ -92,6 +93,21 @@ class Outcome:
     completion_tokens: int = 0
     error_code: WireCode | None = None
     error_message: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamStats:
+    """One upstream server of an engine that relays others, for ``/metrics``."""
+
+    url: str
+    in_flight: int
+    #: In rotation (not taken out after a failure).
+    healthy: bool
+    requests: int
+    errors: int
+    #: Sum and count of the seconds from sending a request to its stream's first byte.
+    first_byte_seconds_sum: float
+    first_byte_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +271,18 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release the model. Called once at shutdown, after every request completed."""
+        return None
+
+    def upstream_stats(self) -> list[UpstreamStats]:
+        """The upstream servers this engine relays, if any (``/metrics``)."""
+        return []
+
+    def unready_reason(self) -> str | None:
+        """Why the loaded engine cannot serve now (``/readyz`` answers 503 with it), or None.
+
+        For an engine whose model lives elsewhere, such as the openai backend
+        while none of its upstreams is in rotation.
+        """
         return None
 
     @abc.abstractmethod

@@ -1,0 +1,229 @@
+"""A fault-injecting OpenAI-compatible upstream for the openai backend's tests.
+
+A real HTTP server (aiohttp.web) on 127.0.0.1, port 0, speaking the streamed
+``/v1/completions`` and ``/v1/chat/completions`` and ``/v1/models``. What a
+request gets is chosen by :attr:`FakeUpstream.mode` — normal streaming, or
+one of the faults (an HTTP error, a hang before the headers, silence
+mid-stream, a drop mid-stream, malformed events, a stream without its final
+chunk, a stream that never ends). It records what it was asked, how far each
+stream got, and when each client went away (aiohttp cancels the handler on
+disconnect: ``handler_cancellation=True``), as events the tests wait on.
+
+The pauses between tokens (``token_delay``) are the upstream's simulated
+speed, not synchronisation: tests never wait on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = ["PIECES", "FakeUpstream", "Stream"]
+
+#: What a normal stream sends, a piece per chunk: multi-byte text, split words.
+PIECES = ["Hel", "lo", ",", " wor", "ld", " —", " café", " 日本", "語", " 😀", "!"]
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request the upstream served."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    #: A write is waiting for the client to read (TCP pushes back).
+    writing: bool = False
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeUpstream:
+    """``async with FakeUpstream() as up:`` — ``up.url`` ends in ``/v1``."""
+
+    def __init__(self, *, model: str = "fake-upstream", sndbuf: int = 0) -> None:
+        self.model = model
+        #: ok | endless | status | not_streamed | hang | silence | drop | malformed | bad_sse | no_final | error_event
+        self.mode = "ok"
+        self.status = 500
+        self.pieces = list(PIECES)
+        self.token_delay = 0.0
+        #: Chunks sent before a mid-stream fault (silence, drop, malformed, ...).
+        self.fault_after = 3
+        self.send_usage = True
+        self.streams: list[Stream] = []
+        self.arrived = asyncio.Event()
+        self.models_requests = 0
+        self._sndbuf = sndbuf
+        self._runner: web.AppRunner | None = None
+        self._port = 0
+        #: Set to release handlers parked in hang/silence (at teardown).
+        self._release = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}/v1"
+
+    async def __aenter__(self) -> FakeUpstream:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self, port: int = 0) -> None:
+        """Listen (again, after :meth:`stop`: pass the old port to come back on it)."""
+        self._release = asyncio.Event()
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self._sndbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
+        sock.bind(("127.0.0.1", port))
+        self._port = sock.getsockname()[1]
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+
+    async def stop(self) -> None:
+        """Stop listening and drop every connection (an upstream killed mid-run)."""
+        self._release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def next_stream(self, index: int) -> Stream:
+        """The ``index``-th request this upstream received, once it arrived."""
+        while len(self.streams) <= index:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return self.streams[index]
+
+    # ------------------------------------------------------------ handlers
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_requests += 1
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        stream = Stream(request.path, body, dict(request.headers))
+        self.streams.append(stream)
+        self.arrived.set()
+        try:
+            return await self._respond(request, stream)
+        except (asyncio.CancelledError, ConnectionResetError):
+            stream.disconnected.set()
+            raise
+        finally:
+            stream.finished.set()
+
+    async def _respond(self, request: web.Request, stream: Stream) -> web.StreamResponse:
+        mode = self.mode
+        if mode == "status":
+            message = {"error": {"message": f"upstream says no ({self.status})", "type": "x"}}
+            return web.json_response(message, status=self.status)
+        if mode == "not_streamed":
+            return web.json_response({"choices": [{"text": "".join(self.pieces)}]})
+        if mode == "hang":
+            await self._park()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chat = request.path.endswith("/chat/completions")
+        if chat:
+            await self._event(response, stream, _chat({"role": "assistant"}))
+        index = 0
+        while True:
+            if mode != "endless" and index >= len(self.pieces):
+                break
+            if self._release.is_set():  # stopped: die like a killed process would
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            if index == self.fault_after and mode in _MID_STREAM:
+                await self._fault(mode, request, response, stream)
+                return response
+            piece = self.pieces[index % len(self.pieces)]
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)  # the upstream's speed
+            await self._event(response, stream, _chat({"content": piece}) if chat else _text(piece))
+            index += 1
+        if mode == "no_final":
+            await response.write_eof()
+            return response
+        finish: dict[str, Any] = (
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            if chat
+            else {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
+        )
+        await self._event(response, stream, finish)
+        if self.send_usage:
+            usage = {"prompt_tokens": 7, "completion_tokens": index, "total_tokens": 7 + index}
+            await self._event(response, stream, {"choices": [], "usage": usage})
+        await self._raw(response, stream, b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _fault(
+        self, mode: str, request: web.Request, response: web.StreamResponse, stream: Stream
+    ) -> None:
+        if mode == "silence":
+            await self._park()
+        elif mode == "drop":
+            assert request.transport is not None
+            request.transport.abort()
+            await self._park()
+        elif mode == "malformed":
+            await self._raw(response, stream, b'data: {"choices": [{"text": "x"\n\n')
+            await self._park()
+        elif mode == "bad_sse":
+            await self._raw(response, stream, b"data: \xff\xfe not utf-8\n\n")
+            await self._park()
+        elif mode == "error_event":
+            await self._event(response, stream, {"error": {"message": "out of memory"}})
+            await self._park()
+
+    async def _park(self) -> None:
+        """Wait until the client leaves (cancelled then) or the upstream stops."""
+        await self._release.wait()
+
+    async def _event(self, response: web.StreamResponse, stream: Stream, obj: Any) -> None:
+        await self._raw(response, stream, b"data: " + json.dumps(obj).encode() + b"\n\n")
+        stream.chunks_sent += 1
+
+    async def _raw(self, response: web.StreamResponse, stream: Stream, data: bytes) -> None:
+        stream.writing = True
+        await response.write(data)
+        stream.writing = False
+        stream.bytes_sent += len(data)
+
+
+_MID_STREAM = frozenset({"silence", "drop", "malformed", "bad_sse", "error_event"})
+
+
+def _text(piece: str) -> dict[str, Any]:
+    return {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": piece, "finish_reason": None}],
+    }
+
+
+def _chat(delta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+    }

@@ -1,0 +1,344 @@
+"""The openai backend against a real, fault-injecting upstream (tests/fake_upstream.py).
+
+Real sockets all the way: a WebSocket client → the real server → the openai
+backend → HTTP on 127.0.0.1 → an aiohttp.web upstream. The upstream records
+what it was asked and when its client left; the tests wait on those events
+(never on time) and check what the WebSocket client saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psutil
+import pytest
+from conftest import make_config, slow_wire, timeout, wire
+from fake_upstream import PIECES, FakeUpstream
+from test_metrics import scrape
+
+from wsserver.aio import Server
+from wsserver.backends.openai import OpenAIBackend
+
+TEXT = "".join(PIECES)
+
+
+@contextlib.asynccontextmanager
+async def relay(*urls: str, **options: Any) -> AsyncIterator[Server]:
+    """The real server with an openai backend in front of ``urls``."""
+    server_overrides = {k: options.pop(k) for k in list(options) if k.startswith("stream__")}
+    options.setdefault("max_backoff_s", 0.5)
+    backend = OpenAIBackend(urls=list(urls), backoff_s=0.05, **options)
+    config = make_config(
+        backend__kind="openai", backend__openai__urls=list(urls), **server_overrides
+    )
+    server = Server(config, backend)
+    await server.start()
+    try:
+        async with asyncio.timeout(timeout(20)):
+            await server.wait_ready()
+        yield server
+    finally:
+        await server.stop(grace=0)
+
+
+def gen(request_id: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "generate", "id": request_id, "prompt": "p", **fields}
+
+
+async def test_a_completion_streams_the_upstreams_text_and_usage() -> None:
+    async with FakeUpstream() as up, relay(up.url, api_key="sk-test") as server:
+        async with wire(server) as client:
+            assert client.hello is not None and client.hello["model"] == "fake-upstream"
+            await client.send(
+                gen("a", max_tokens=50, temperature=0.2, top_p=0.5, top_k=7, seed=3, stop=["zz"])
+            )
+            text, frames = await client.done("a")
+    assert text == TEXT
+    assert frames[-1]["reason"] == "stop"
+    assert frames[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": len(PIECES)}
+    (stream,) = up.streams
+    assert stream.path == "/v1/completions"
+    assert stream.body == {
+        "model": "fake-upstream",
+        "prompt": "p",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 50,
+        "temperature": 0.2,
+        "top_p": 0.5,
+        "top_k": 7,
+        "seed": 3,
+        "stop": ["zz"],
+    }
+    assert stream.headers["Authorization"] == "Bearer sk-test"
+
+
+async def test_a_chat_goes_to_chat_completions() -> None:
+    async with FakeUpstream() as up, relay(up.url, model="m1") as server:
+        async with wire(server) as client:
+            messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+            await client.send({"type": "generate", "id": "c", "messages": messages})
+            text, frames = await client.done("c")
+    assert text == TEXT and frames[-1]["reason"] == "stop"
+    (stream,) = up.streams
+    assert stream.path == "/v1/chat/completions"
+    assert stream.body["messages"] == messages and stream.body["model"] == "m1"
+    assert up.models_requests == 0  # a configured model needs no listing
+
+
+async def test_without_usage_the_chunks_are_counted() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server:
+        up.send_usage = False
+        async with wire(server) as client:
+            await client.send(gen("a"))
+            text, frames = await client.done("a")
+    assert text == TEXT
+    assert frames[-1]["usage"] == {"prompt_tokens": 0, "completion_tokens": len(PIECES)}
+
+
+async def test_a_stop_string_the_upstream_ignored_ends_the_request() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server:
+        up.mode = "endless"
+        async with wire(server) as client:
+            await client.send(gen("a", stop=["ld —"]))
+            text, frames = await client.done("a")
+        assert text == "Hello, wor"
+        assert frames[-1]["reason"] == "stop"
+        async with asyncio.timeout(timeout()):
+            await up.streams[0].disconnected.wait()  # and its stream was closed
+
+
+async def test_cancel_closes_the_upstream_stream_at_once() -> None:
+    async with FakeUpstream() as up, relay(up.url, parallel=1) as server:
+        up.mode = "endless"
+        async with wire(server) as client:
+            for n in range(10):  # repeated cancels leak nothing, and the slot comes back
+                await client.send(gen(f"a{n}"))
+                await client.until(lambda f, n=n: f["type"] == "delta" and f["id"] == f"a{n}")
+                await client.send({"type": "cancel", "id": f"a{n}"})
+                frames = await client.until(
+                    lambda f, n=n: f["type"] == "done" and f["id"] == f"a{n}"
+                )
+                assert frames[-1]["reason"] == "cancelled"
+                stream = await up.next_stream(n)
+                async with asyncio.timeout(timeout()):
+                    await stream.disconnected.wait()
+            up.mode = "ok"
+            await client.send(gen("b"))
+            text, _ = await client.done("b")
+            assert text == TEXT
+            # Every cancelled stream's connection was closed, not kept: at most
+            # the one that served "b" is left, idle in the pool.
+            port = int(up.url.split(":")[2].split("/")[0])
+            open_to_upstream = [
+                c
+                for c in psutil.Process().net_connections(kind="tcp")
+                if c.raddr and c.raddr[1] == port and c.status == psutil.CONN_ESTABLISHED
+            ]
+            assert len(open_to_upstream) <= 1
+
+
+async def test_a_slow_reader_pauses_its_upstream_and_no_other() -> None:
+    async with FakeUpstream(sndbuf=4096) as up, relay(up.url, stream__queue_tokens=4) as server:
+        up.mode = "endless"
+        async with slow_wire(server) as slow, wire(server) as fast:
+            await slow.send(gen("s"))
+            await slow.until(lambda f: f["type"] == "delta")
+            slow.ws.transport.pause_reading()  # from now on, read nothing
+            stream = await up.next_stream(0)
+            up.mode = "ok"
+            (connection,) = [c for c in server.connections.values() if "s" in c.generations]
+            channel = connection.generations["s"].channel
+            # Buffers along the way (the sockets', aiohttp's, the channel) are
+            # finite: soon the upstream's write stays blocked while a whole other
+            # request runs through the same backend and loop. (The slow client
+            # itself may still trickle: the kernel packs its full receive queue
+            # and lets a few more frames in now and then. That moves text out
+            # of the channel, not bytes out of the upstream.)
+            for attempt in range(50):
+                assert await asyncio.to_thread(channel.blocked.wait, timeout(20))
+                before = stream.bytes_sent
+                await fast.send(gen(f"f{attempt}"))
+                text, _ = await fast.done(f"f{attempt}")
+                assert text == TEXT
+                if stream.writing and stream.bytes_sent == before:
+                    break
+            else:
+                raise AssertionError("the upstream was never paused by the slow reader")
+            assert channel.buffered_bytes() <= 4 * max(len(p.encode()) for p in PIECES)
+            slow.ws.transport.abort()
+        async with asyncio.timeout(timeout()):
+            await stream.disconnected.wait()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+FAULTS = [
+    ("status", {"status": 500}, "upstream_failed", "HTTP 500: upstream says no (500)"),
+    ("status", {"status": 429}, "upstream_failed", "HTTP 429"),
+    ("status", {"status": 400}, "upstream_rejected", "HTTP 400: upstream says no (400)"),
+    ("hang", {}, "upstream_timeout", "sent nothing within"),
+    ("silence", {}, "upstream_silent", "mid-stream"),
+    ("drop", {}, "upstream_truncated", "before its final chunk"),
+    ("no_final", {}, "upstream_truncated", "before its final chunk"),
+    ("malformed", {}, "upstream_bad_stream", "not JSON"),
+    ("bad_sse", {}, "upstream_bad_stream", "malformed"),
+    ("not_streamed", {}, "upstream_bad_stream", "not an event stream"),
+    ("error_event", {}, "upstream_failed", "out of memory"),
+]
+
+
+@pytest.mark.parametrize(("mode", "attrs", "code", "message"), FAULTS)
+async def test_each_upstream_fault_ends_with_its_code(
+    mode: str, attrs: dict[str, Any], code: str, message: str
+) -> None:
+    timeouts = {"first_byte_timeout_s": 0.5 * timeout(1), "silence_timeout_s": 0.5 * timeout(1)}
+    async with FakeUpstream() as up, relay(up.url, **timeouts) as server:
+        up.mode = mode
+        for name, value in attrs.items():
+            setattr(up, name, value)
+        backend = server.backend
+        assert isinstance(backend, OpenAIBackend)
+        async with wire(server) as client:
+            await client.send(gen("a"))
+            _, frames = await client.done("a")
+            done = frames[-1]
+            assert done["reason"] == "error"
+            assert done["error"]["code"] == code
+            assert message in done["error"]["message"]
+            # The connection stays usable and the upstream serves again
+            # (after its probe, for a fault that took it out of rotation).
+            up.mode = "ok"
+            async with asyncio.timeout(timeout()):
+                await backend.upstreams[0].in_rotation.wait()
+            await client.send(gen("b"))
+            text, frames = await client.done("b")
+            assert text == TEXT and frames[-1]["reason"] == "stop"
+        if mode in ("hang", "silence", "malformed", "bad_sse", "error_event"):
+            # A stream given up on is closed, not left running upstream.
+            async with asyncio.timeout(timeout()):
+                await up.streams[0].disconnected.wait()
+
+
+async def test_an_unreachable_upstream_is_reported() -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    async with relay(url, model="m") as server:
+        async with wire(server) as client:
+            await client.send(gen("a"))
+            _, frames = await client.done("a")
+            assert frames[-1]["error"]["code"] == "upstream_unreachable"
+            assert "connection refused" in frames[-1]["error"]["message"]
+            # Out of rotation now: the next one fails at once, and says why.
+            await client.send(gen("b"))
+            _, frames = await client.done("b")
+            assert frames[-1]["error"]["code"] == "upstream_unreachable"
+
+
+async def test_queue_positions_with_one_stream_per_upstream() -> None:
+    async with FakeUpstream() as up, relay(up.url, parallel=1) as server:
+        up.mode = "endless"
+        async with wire(server) as first, wire(server) as second:
+            await first.send(gen("a"))
+            await first.until(lambda f: f["type"] == "delta")
+            await second.send(gen("b"))
+            queued = await second.until(lambda f: f["type"] == "queued")
+            assert queued[-1]["position"] == 1
+            up.mode = "ok"
+            await first.send({"type": "cancel", "id": "a"})
+            text, frames = await second.done("b")
+            assert text == TEXT
+            assert [f["type"] for f in frames][:2] == ["queued", "started"]
+
+
+async def test_requests_go_to_the_upstream_with_fewest_in_flight_and_retry_once() -> None:
+    async with FakeUpstream() as a, FakeUpstream() as b, relay(a.url, b.url, model="m") as server:
+        backend = server.backend
+        assert isinstance(backend, OpenAIBackend)
+        a.mode = b.mode = "endless"
+        async with wire(server) as one, wire(server) as two:
+            await one.send(gen("x"))
+            await one.until(lambda f: f["type"] == "delta")
+            await two.send(gen("y"))
+            await two.until(lambda f: f["type"] == "delta")
+            assert (len(a.streams), len(b.streams)) == (1, 1)
+            await one.send({"type": "cancel", "id": "x"})
+            await one.until(lambda f: f["type"] == "done")
+            await two.send({"type": "cancel", "id": "y"})
+            await two.until(lambda f: f["type"] == "done")
+            # A fails before the first token: the request moves to B, once.
+            a.mode, a.status, b.mode = "status", 503, "ok"
+            await one.send(gen("z"))
+            text, frames = await one.done("z")
+            assert text == TEXT and frames[-1]["reason"] == "stop"
+            assert (len(a.streams), len(b.streams)) == (2, 2)
+            assert not backend.upstreams[0].healthy and backend.upstreams[1].healthy
+            samples = await scrape(server)
+            for url, requests, errors, healthy in ((a.url, 2, 1, 0), (b.url, 2, 0, 1)):
+                label = f'{{upstream="{url}"}}'
+                assert samples[f"wsserver_upstream_requests_total{label}"] == requests
+                assert samples[f"wsserver_upstream_errors_total{label}"] == errors
+                assert samples[f"wsserver_upstream_healthy{label}"] == healthy
+                assert samples[f"wsserver_upstream_in_flight{label}"] == 0
+            assert samples[f'wsserver_upstream_first_byte_seconds_count{{upstream="{b.url}"}}'] == 2
+
+
+async def test_an_upstream_killed_mid_run_loses_and_duplicates_nothing() -> None:
+    async with FakeUpstream() as a, FakeUpstream() as b, relay(a.url, b.url, model="m") as server:
+        backend = server.backend
+        assert isinstance(backend, OpenAIBackend)
+        a.mode = b.mode = "endless"
+        async with wire(server) as one, wire(server) as two:
+            await one.send(gen("x"))
+            await one.until(lambda f: f["type"] == "delta")
+            await two.send(gen("y"))
+            await two.until(lambda f: f["type"] == "delta")
+            await a.stop()  # x was on A: it had text, so it ends (no retry after text)
+            frames = await one.until(lambda f: f["type"] == "done" and f["id"] == "x")
+            assert frames[-1]["error"]["code"] == "upstream_truncated"
+            assert not backend.upstreams[0].healthy
+            b.mode = "ok"
+            for n in range(4):  # every new request goes to B, each exactly once
+                await one.send(gen(f"n{n}"))
+                text, done = await one.done(f"n{n}")
+                assert text == TEXT and done[-1]["reason"] == "stop"
+            assert len(b.streams) == 5 and len(a.streams) == 1
+            await two.send({"type": "cancel", "id": "y"})
+            await two.until(lambda f: f["type"] == "done")
+
+
+async def test_readyz_is_ready_while_an_upstream_is_in_rotation() -> None:
+    from test_security import http
+
+    up = FakeUpstream()
+    await up.start()
+    port = int(up.url.split(":")[2].split("/")[0])
+    try:
+        async with relay(up.url, model="m") as server:
+            backend = server.backend
+            assert isinstance(backend, OpenAIBackend)
+            assert (await http(server, "/readyz"))[0] == 200
+            await up.stop()  # the only upstream goes away
+            async with wire(server) as client:
+                await client.send(gen("a"))
+                _, frames = await client.done("a")
+            assert frames[-1]["error"]["code"] == "upstream_unreachable"
+            status, _, body = await http(server, "/readyz")
+            assert status == 503 and b"no upstream is in rotation" in body
+            await up.start(port)  # back: the probe finds it
+            async with asyncio.timeout(timeout()):
+                await backend.upstreams[0].in_rotation.wait()
+            assert (await http(server, "/readyz"))[0] == 200
+            async with wire(server) as client:
+                await client.send(gen("b"))
+                text, _ = await client.done("b")
+            assert text == TEXT
+    finally:
+        await up.stop()

@@ -1,0 +1,454 @@
+"""The upstream engine: relay an OpenAI-compatible server, on the event loop.
+
+llama-server, vLLM, SGLang, Ollama, LM Studio and llama_cpp.server all
+stream ``/v1/completions`` and ``/v1/chat/completions`` as server-sent
+events. This engine is the seam's third kind (see
+:mod:`wsserver.backends.base`): ``submit`` starts one task per request on the
+loop — no thread — that
+
+* picks the healthy upstream with the fewest requests in flight and POSTs
+  the request with ``stream: true`` (:mod:`.openai_wire`);
+* reads the response body a chunk at a time, but only once the request's
+  channel has room (``offer`` / ``when_room``): a client that stops reading
+  stops the reading of its own upstream response, TCP pushes back to the
+  upstream, and what wsserver holds per request stays bounded (the channel's
+  pieces, aiohttp's read buffer of ``READ_BUFSIZE``, the socket buffers);
+* passes the text through :class:`~wsserver.textstream.TextAssembler` with
+  the request's stop strings, as every engine does — the upstream applies
+  them too, so this only matters for one that ignores ``stop``;
+* ends with the upstream's ``finish_reason`` and ``usage``.
+
+Cancel cancels the task; whatever it awaits raises at once and the response
+is closed, not released — the connection is dropped, which is how an OpenAI
+server learns that its client left and aborts the generation.
+
+Every failure ends the request with a specific ``upstream_*`` wire code
+(:class:`~.openai_wire.UpstreamError`). A request that failed before any of
+its text was taken is retried once on another healthy upstream. An upstream
+that failed as a whole (unreachable, 5xx, a timeout, a broken stream) is out
+of rotation for a backoff period and comes back once ``/v1/models`` answers.
+
+Why aiohttp: one well-kept dependency that streams a response without
+buffering it, pools connections per host, and whose ``close()`` drops the
+socket at once; its server side lets the tests run a real fault-injecting
+upstream. See docs/upstream.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from ..config import OpenAIConfig
+from ..errors import ModelLoadError
+from ..logs import context
+from ..textstream import TextAssembler
+from .base import (
+    Backend,
+    CancelEvent,
+    GenerationRequest,
+    Outcome,
+    Sink,
+    Submission,
+    UpstreamStats,
+)
+from .openai_relay import Relay, call_soon
+from .openai_wire import UpstreamError, error_message, request_body
+
+__all__ = ["OpenAIBackend", "Upstream"]
+
+log = logging.getLogger("wsserver.producer")
+
+#: aiohttp's read buffer per response: above it, it stops reading the socket.
+READ_BUFSIZE = 16384
+#: Most of an HTTP error body read to find the upstream's message.
+MAX_ERROR_BODY = 65536
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One OpenAI-compatible server and what the engine knows of it."""
+
+    url: str
+    in_flight: int = 0
+    #: Seconds until the next probe while it is out of rotation.
+    backoff: float = 0.0
+    errors: int = 0
+    requests: int = 0
+    #: Seconds from sending a request to the first byte of its stream: sum and count.
+    first_byte_seconds_sum: float = 0.0
+    first_byte_count: int = 0
+    probe: asyncio.Task[None] | None = field(default=None, repr=False)
+    #: Set while in rotation (tests and /readyz wait on it).
+    in_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self.in_rotation.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.in_rotation.is_set()
+
+
+class OpenAIBackend(Backend):
+    """Relays each request to one of ``urls`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        urls: list[str],
+        api_key: str = "",
+        model: str = "",
+        parallel: int = 4,
+        max_waiting: int = 64,
+        connect_timeout_s: float = 5.0,
+        first_byte_timeout_s: float = 120.0,
+        silence_timeout_s: float = 30.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one upstream URL")
+        self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
+        self.model = model
+        self.model_name = model or "openai"
+        self.slots = parallel * len(urls)
+        self.max_waiting = max_waiting
+        self.parallel = parallel
+        self.connect_timeout_s = connect_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.silence_timeout_s = silence_timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_config(cls, config: OpenAIConfig) -> OpenAIBackend:
+        return cls(
+            urls=list(config.urls),
+            api_key=config.api_key,
+            model=config.model,
+            parallel=config.parallel,
+            max_waiting=config.max_waiting,
+            connect_timeout_s=config.connect_timeout_s,
+            first_byte_timeout_s=config.first_byte_timeout_s,
+            silence_timeout_s=config.silence_timeout_s,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def load(self) -> None:
+        """Find the model to ask for, if none is configured (on a worker thread)."""
+        if self.model:
+            return
+        reasons = []
+        for upstream in self.upstreams:
+            try:
+                self.model = self._first_model(upstream.url)
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                reasons.append(f"{upstream.url}: {exc.__class__.__name__}")
+                continue
+            self.model_name = self.model
+            return
+        raise ModelLoadError(
+            "backend.openai.model is empty and no upstream listed a model at /v1/models ("
+            + "; ".join(reasons)
+            + ")"
+        )
+
+    def _first_model(self, url: str) -> str:
+        request = urllib.request.Request(f"{url}/models", headers=self._headers)
+        timeout = self.connect_timeout_s + self.first_byte_timeout_s
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            listing = json.load(response)
+        model = listing["data"][0]["id"]
+        if not isinstance(model, str) or not model:
+            raise ValueError("a model without an id")
+        return model
+
+    def close(self) -> None:
+        """Close the connection pool (called on a worker thread, the loop running)."""
+        loop, client = self._loop, self._client
+        if client is None or loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            asyncio.run_coroutine_threadsafe(self._aclose(), loop).result(timeout=10)
+
+    async def _aclose(self) -> None:
+        for upstream in self.upstreams:
+            if upstream.probe is not None:
+                upstream.probe.cancel()
+        if self._client is not None:
+            await self._client.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            self._loop = asyncio.get_running_loop()
+            self._client = aiohttp.ClientSession(
+                # The scheduler bounds the streams; the pool only keeps them warm.
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s),
+                read_bufsize=READ_BUFSIZE,
+                headers=self._headers,
+            )
+        return self._client
+
+    # ------------------------------------------------------------ requests
+
+    def submit(
+        self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
+    ) -> Submission:
+        loop = asyncio.get_running_loop()
+        submission = Submission()
+        task = loop.create_task(self._serve(request, sink, cancel, submission))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        cancel.add_callback(lambda: call_soon(loop, task.cancel))
+        return submission
+
+    async def _serve(
+        self, request: GenerationRequest, sink: Sink, cancel: CancelEvent, submission: Submission
+    ) -> None:
+        try:
+            sink.end(await self._run(request, sink, cancel))
+        except asyncio.CancelledError:
+            pass  # the client had its done already; the response is closed
+        except UpstreamError as exc:
+            log.warning(
+                "id=%s upstream failed: %s (%s)",
+                request.id,
+                exc,
+                exc.code,
+                extra=context(request.conn_id, request.id),
+            )
+            sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
+        except Exception:
+            log.exception(
+                "id=%s backend failed", request.id, extra=context(request.conn_id, request.id)
+            )
+            sink.end(
+                Outcome(reason="error", error_code="internal", error_message="the backend failed")
+            )
+        finally:
+            submission.complete()
+
+    def pick(self, exclude: frozenset[Upstream] = frozenset()) -> Upstream | None:
+        """The healthy upstream with the fewest requests in flight (first listed on a tie)."""
+        candidates = [u for u in self.upstreams if u.healthy and u not in exclude]
+        return min(candidates, key=lambda u: u.in_flight, default=None)
+
+    async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
+        tried: frozenset[Upstream] = frozenset()
+        relay = Relay(sink, cancel, TextAssembler(request.stop))
+        while True:
+            upstream = self.pick(tried)
+            if upstream is None:
+                raise UpstreamError(
+                    "no upstream is reachable (each failed recently and is being probed)"
+                    if not tried
+                    else "no other upstream is reachable",
+                    code="upstream_unreachable",
+                )
+            tried |= {upstream}
+            upstream.in_flight += 1
+            upstream.requests += 1
+            try:
+                outcome = await self._relay(upstream, request, relay)
+            except UpstreamError as exc:
+                upstream.errors += 1
+                if exc.unhealthy:
+                    self._take_out(upstream)
+                if exc.retry and not relay.offered and len(tried) == 1 and self.pick(tried):
+                    log.info(
+                        "id=%s retrying on another upstream: %s",
+                        request.id,
+                        exc.code,
+                        extra=context(request.conn_id, request.id),
+                    )
+                    continue
+                raise
+            finally:
+                upstream.in_flight -= 1
+            return outcome
+
+    async def _relay(self, upstream: Upstream, request: GenerationRequest, relay: Relay) -> Outcome:
+        loop = asyncio.get_running_loop()
+        path, body = request_body(request, self.model)
+        sent = loop.time()
+        deadline = sent + self.first_byte_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self._session().post(upstream.url + path, data=body)
+        except aiohttp.ConnectionTimeoutError:
+            raise _unreachable(upstream, "timed out connecting") from None
+        except TimeoutError:
+            raise _first_byte_timeout(self.first_byte_timeout_s) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise _unreachable(upstream, _connect_reason(exc)) from None
+        except aiohttp.ClientError:
+            raise UpstreamError(
+                "the upstream closed the connection before answering",
+                code="upstream_truncated",
+                retry=True,
+                unhealthy=True,
+            ) from None
+        clean = False
+        try:
+            if response.status >= 400:
+                raise await self._http_error(response, deadline)
+            if response.content_type != "text/event-stream":
+                # E.g. a server that ignored "stream": true and answered whole.
+                raise UpstreamError(
+                    f"the upstream answered with Content-Type {response.content_type!r}, "
+                    "not an event stream",
+                    code="upstream_bad_stream",
+                )
+            relay.begin()
+            first = True
+            while not relay.done:
+                try:
+                    async with asyncio.timeout_at(
+                        deadline if first else loop.time() + self.silence_timeout_s
+                    ):
+                        data = await response.content.readany()
+                except TimeoutError:
+                    if first:
+                        raise _first_byte_timeout(self.first_byte_timeout_s) from None
+                    raise UpstreamError(
+                        f"the upstream sent nothing for {self.silence_timeout_s:g} s mid-stream",
+                        code="upstream_silent",
+                        unhealthy=True,
+                    ) from None
+                except aiohttp.ClientError:
+                    data = None  # the connection broke: as an end without the last chunk
+                if first:
+                    first = False
+                    upstream.first_byte_seconds_sum += loop.time() - sent
+                    upstream.first_byte_count += 1
+                if not data:
+                    if relay.finish is not None:
+                        break  # ended after its last choice, only without [DONE]: accepted
+                    raise UpstreamError(
+                        "the upstream's stream ended before its final chunk",
+                        code="upstream_truncated",
+                        retry=True,
+                        unhealthy=True,
+                    )
+                await relay.feed(data)
+            outcome = await relay.end()
+            clean = relay.done
+            return outcome
+        finally:
+            if clean:
+                response.release()  # complete: the connection goes back to the pool
+            else:
+                # Drop the connection now: the upstream sees its client leave
+                # and stops generating. (A cancel arrives here too.)
+                response.close()
+
+    async def _http_error(self, response: aiohttp.ClientResponse, deadline: float) -> UpstreamError:
+        status = response.status
+        body = b""
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+            async with asyncio.timeout_at(deadline):
+                body = await response.content.read(MAX_ERROR_BODY)
+        message = error_message(status, body)
+        if status == 429 or status >= 500:
+            # Overloaded or broken: another upstream may serve it. A 5xx also
+            # takes this one out of rotation; a 429 is a busy, working server.
+            return UpstreamError(
+                message, code="upstream_failed", retry=True, unhealthy=status >= 500
+            )
+        return UpstreamError(message, code="upstream_rejected")
+
+    # ------------------------------------------------------------ health
+
+    def _take_out(self, upstream: Upstream) -> None:
+        if upstream.healthy:
+            log.warning("upstream %s taken out of rotation", upstream.url)
+        upstream.in_rotation.clear()
+        upstream.backoff = min(max(upstream.backoff * 2, self.backoff_s), self.max_backoff_s)
+        if upstream.probe is None:
+            upstream.probe = asyncio.get_running_loop().create_task(self._probe(upstream))
+
+    async def _probe(self, upstream: Upstream) -> None:
+        """Wait out the backoff, then ask ``/v1/models`` until it answers."""
+        try:
+            while True:
+                await asyncio.sleep(upstream.backoff)
+                if await self._answers(upstream):
+                    upstream.in_rotation.set()
+                    upstream.backoff = 0.0
+                    log.info("upstream %s is back", upstream.url)
+                    return
+                upstream.backoff = min(upstream.backoff * 2, self.max_backoff_s)
+        finally:
+            upstream.probe = None
+
+    async def _answers(self, upstream: Upstream) -> bool:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s + self.silence_timeout_s):
+                async with self._session().get(upstream.url + "/models") as response:
+                    await response.read()
+                    return response.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def upstream_stats(self) -> list[UpstreamStats]:
+        return [
+            UpstreamStats(
+                url=u.url,
+                in_flight=u.in_flight,
+                healthy=u.healthy,
+                requests=u.requests,
+                errors=u.errors,
+                first_byte_seconds_sum=u.first_byte_seconds_sum,
+                first_byte_count=u.first_byte_count,
+            )
+            for u in self.upstreams
+        ]
+
+    def unready_reason(self) -> str | None:
+        """``/readyz`` is ready while at least one upstream is in rotation."""
+        if any(u.healthy for u in self.upstreams):
+            return None
+        return "no upstream is in rotation (each failed and is being probed)"
+
+
+def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:
+    return UpstreamError(
+        f"cannot reach the upstream {upstream.url}: {reason}",
+        code="upstream_unreachable",
+        retry=True,
+        unhealthy=True,
+    )
+
+
+def _first_byte_timeout(seconds: float) -> UpstreamError:
+    return UpstreamError(
+        f"the upstream sent nothing within {seconds:g} s of the request",
+        code="upstream_timeout",
+        retry=True,
+        unhealthy=True,
+    )
+
+
+def _connect_reason(exc: aiohttp.ClientConnectorError) -> str:
+    error = exc.os_error
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror.lower()
+    return "connection failed"

@@ -1,0 +1,107 @@
+"""One request's upstream stream → its sink: the openai backend's relay loop body.
+
+:class:`Relay` turns the bytes of an upstream response into text in the
+request's sink: server-sent events (:mod:`wsserver.sse`) → chunks
+(:mod:`.openai_wire`) → the text assembler (stop strings, as every engine
+has) → :meth:`Sink.offer`. While the sink is full it waits, on the loop, for
+:meth:`Sink.when_room` — and since the caller reads the next chunk of the
+response only after :meth:`Relay.feed` returns, a full sink stops the reading
+of this one response. It outlives a retry (the text so far, nothing yet, and
+the assembler carry over; the parser starts afresh with :meth:`Relay.begin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from ..protocol import DoneReason
+from ..sse import SSEError, SSEParser
+from ..textstream import TextAssembler
+from .base import CancelEvent, Outcome, Sink
+from .openai_wire import DONE, UpstreamError, parse_chunk
+
+__all__ = ["Relay", "call_soon"]
+
+
+class Relay:
+    """One request's stream: SSE events → text in the sink, with backpressure."""
+
+    def __init__(self, sink: Sink, cancel: CancelEvent, assembler: TextAssembler) -> None:
+        self.sink = sink
+        self.cancel = cancel
+        self.assembler = assembler
+        #: Something went into the sink: no retry elsewhere from now on.
+        self.offered = False
+        self.finish: DoneReason | None = None
+        #: ``[DONE]`` was read (or a stop string matched): nothing more to read.
+        self.done = False
+        self.parser = SSEParser()
+        self.pieces = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+    def begin(self) -> None:
+        """A new response (a retry): start its parsing afresh."""
+        self.parser = SSEParser()
+        self.finish = None
+        self.done = False
+
+    async def feed(self, data: bytes) -> None:
+        try:
+            events = self.parser.feed(data)
+        except SSEError as exc:
+            raise UpstreamError(
+                f"the upstream's event stream is malformed: {exc}", code="upstream_bad_stream"
+            ) from None
+        for event in events:
+            if event == DONE:
+                self.done = True
+                return
+            chunk = parse_chunk(event)
+            if chunk.prompt_tokens is not None:
+                self.prompt_tokens = chunk.prompt_tokens
+            if chunk.completion_tokens is not None:
+                self.completion_tokens = chunk.completion_tokens
+            if chunk.finish is not None:
+                self.finish = chunk.finish
+            if chunk.text:
+                self.pieces += 1
+                await self.offer(self.assembler.feed_text(chunk.text), 1)
+                if self.assembler.stopped:
+                    # A stop string the upstream let through: end here.
+                    self.finish = "stop"
+                    self.done = True
+                    return
+
+    async def end(self) -> Outcome:
+        tail = self.assembler.flush()
+        if tail:
+            await self.offer(tail, 0)
+        completion = self.completion_tokens if self.completion_tokens is not None else self.pieces
+        return Outcome(self.finish or "stop", self.prompt_tokens or 0, completion)
+
+    async def offer(self, text: str, tokens: int) -> None:
+        """Into the sink, waiting (on the loop) while it is full."""
+        loop = asyncio.get_running_loop()
+        while not self.sink.offer(text, tokens):
+            if self.cancel.is_set():
+                raise asyncio.CancelledError  # the task's own cancel is on its way
+            room: asyncio.Future[None] = loop.create_future()
+            self.sink.when_room(lambda room=room: call_soon(loop, _resolve, room))  # type: ignore[misc]
+            await room
+        self.offered = True
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def call_soon(
+    loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object
+) -> None:
+    # The loop may already be closed at interpreter shutdown; nothing to tell then.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)

@@ -1,0 +1,170 @@
+"""What the openai backend sends and reads, without the I/O (sans-I/O).
+
+A request becomes the JSON body of ``/v1/completions`` (a ``prompt``) or
+``/v1/chat/completions`` (``messages``), always streamed, with
+``stream_options.include_usage`` so that the last chunk carries the
+upstream's own token counts. Each ``data:`` event of the response is one
+:class:`Chunk`: the text it adds, the finish reason if it ends the choice,
+the usage if it has one; ``[DONE]`` ends the stream.
+
+Failures carry their wire code (:class:`UpstreamError`) and say whether
+another upstream could still serve the request (``retry``: nothing reached
+the client yet and the fault was the upstream's, not the request's) and
+whether the upstream itself looks broken (``unhealthy``: take it out of
+rotation until a probe answers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..errors import BackendError, WireCode
+from ..protocol import DoneReason
+from .base import GenerationRequest
+
+__all__ = ["DONE", "Chunk", "UpstreamError", "error_message", "parse_chunk", "request_body"]
+
+#: The data of the event that ends an OpenAI stream.
+DONE = "[DONE]"
+
+#: Longest upstream error message passed on to the client, in characters.
+MAX_MESSAGE = 500
+
+
+class UpstreamError(BackendError):
+    """The upstream failed this request; ``code`` says how."""
+
+    def __init__(
+        self, message: str, *, code: WireCode, retry: bool = False, unhealthy: bool = False
+    ) -> None:
+        super().__init__(message, code=code)
+        #: Another upstream may take the request (nothing was sent to the client).
+        self.retry = retry
+        #: Take the upstream out of rotation until a probe answers.
+        self.unhealthy = unhealthy
+
+
+def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
+    """The path (below ``/v1``) and JSON body for ``request``."""
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        # Not in OpenAI's own API; llama-server, vLLM, SGLang, Ollama and
+        # llama_cpp.server take it, and the others ignore an unknown field.
+        "top_k": request.top_k,
+    }
+    if request.seed is not None:
+        body["seed"] = request.seed
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.messages is not None:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        return "/chat/completions", orjson.dumps(body)
+    body["prompt"] = request.prompt or ""
+    return "/completions", orjson.dumps(body)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed event's contribution."""
+
+    text: str = ""
+    #: The choice ended: ``stop`` or ``length`` (anything else counts as ``stop``).
+    finish: DoneReason | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def _bad(message: str) -> UpstreamError:
+    return UpstreamError(message, code="upstream_bad_stream")
+
+
+def parse_chunk(data: str) -> Chunk:
+    """One ``data:`` payload (not ``[DONE]``) of a completion or chat stream."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise _bad("the upstream sent an event that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise _bad("the upstream sent an event that is not a JSON object")
+    if "error" in obj:
+        # Some servers report a failure mid-stream as an event of its own.
+        raise UpstreamError(
+            "the upstream failed mid-stream: " + _message_of(obj["error"]),
+            code="upstream_failed",
+        )
+    choices = obj.get("choices")
+    if choices is None:
+        choices = []
+    if not isinstance(choices, list):
+        raise _bad("the upstream sent an event whose choices are not a list")
+    text = ""
+    finish: DoneReason | None = None
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise _bad("the upstream sent a choice that is not an object")
+        piece: Any
+        delta = choice.get("delta")
+        if delta is not None:  # chat
+            if not isinstance(delta, dict):
+                raise _bad("the upstream sent a delta that is not an object")
+            piece = delta.get("content")
+        else:  # completion
+            piece = choice.get("text")
+        if piece is not None:
+            if not isinstance(piece, str):
+                raise _bad("the upstream sent text that is not a string")
+            text += piece
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            finish = "length" if reason == "length" else "stop"
+    usage = obj.get("usage")
+    prompt_tokens = completion_tokens = None
+    if isinstance(usage, dict):
+        prompt_tokens = _count(usage.get("prompt_tokens"))
+        completion_tokens = _count(usage.get("completion_tokens"))
+    return Chunk(text, finish, prompt_tokens, completion_tokens)
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _message_of(error: object) -> str:
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    text = error if isinstance(error, str) else orjson.dumps(error).decode()
+    return _clip(text)
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
+
+
+def error_message(status: int, body: bytes) -> str:
+    """What to tell the client about an HTTP error: the upstream's own message.
+
+    OpenAI-style servers answer ``{"error": {"message": …}}``; FastAPI-based
+    ones ``{"detail": …}``; anything else is passed on as (clipped) text.
+    """
+    detail = ""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        detail = _clip(body.decode("utf-8", errors="replace"))
+    else:
+        if isinstance(obj, dict) and "error" in obj:
+            detail = _message_of(obj["error"])
+        elif isinstance(obj, dict) and "detail" in obj:
+            detail = _message_of(obj["detail"])
+        else:
+            detail = _clip(body.decode("utf-8", errors="replace"))
+    return f"the upstream answered HTTP {status}" + (f": {detail}" if detail else "")
