@@ -61,11 +61,6 @@ class Coalescer:
         return self._tokens > 0 or bool(self._parts)
 
     @property
-    def pending_tokens(self) -> int:
-        """Tokens waiting for the next frame."""
-        return self._tokens
-
-    @property
     def has_text(self) -> bool:
         """Whether text is waiting; only then can a flush become due."""
         return bool(self._parts)

@@ -192,15 +192,6 @@ class Generation:
                 if not await self._flush(coalescer):
                     return
                 continue
-            if coalescer.has_text and coalescer.pending_tokens >= ctx.queue_tokens:
-                # A channel's worth merged: take nothing more until the frame
-                # goes. The channel then fills and pauses the engine, so what one
-                # frame gathers is bounded by the channel's size, not by the
-                # token rate times the window.
-                await asyncio.sleep(
-                    max(0.0, coalescer.deadline() - loop.time())
-                )  # sleep-ok: the frame window is the wait
-                continue
             try:
                 # Wait for the window only with text pending: tokens whose bytes
                 # are held back (half a character) never make a flush due, and
@@ -216,7 +207,7 @@ class Generation:
                 return  # closed: cancelled, or the connection is going
             end = self._take(coalescer, item)
             # Merge whatever else is already waiting: one frame, not many.
-            while end is None and coalescer.pending_tokens < ctx.queue_tokens:
+            while end is None:
                 more = channel.get_nowait()
                 if more is None:
                     break
