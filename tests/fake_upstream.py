@@ -159,7 +159,7 @@ class FakeUpstream:
                 return response
             piece = self.pieces[index % len(self.pieces)]
             if self.token_delay:
-                await asyncio.sleep(self.token_delay)  # the upstream's speed
+                await asyncio.sleep(self.token_delay)  # sleep-ok: the upstream's pace
             await self._event(response, stream, _chat({"content": piece}) if chat else _text(piece))
             index += 1
         if mode == "no_final":

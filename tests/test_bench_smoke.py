@@ -94,9 +94,10 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     levels = {(r["concurrency"], r["mode"]) for r in ceiling["rows"]}
     assert levels == {(n, m) for n in (1, 8, 64, 256) for m in ("coalesced", "per-token")}
     for row in ceiling["rows"]:
-        assert row["tokens_per_s"] > 0 and row["frames_per_s"] > 0, row
+        assert row["tokens_per_s"] > 0 and row["frames_per_s"] > 0, row  # timing-ok
         assert row["tokens"] >= row["delta_frames"] > 0, row
-        assert row["lag_p50_ms"] is not None and 0 <= row["lag_p50_ms"] <= row["lag_p99_ms"], row
+        assert row["lag_p50_ms"] is not None, row
+        assert 0 <= row["lag_p50_ms"] <= row["lag_p99_ms"], row  # timing-ok: ordered
         assert row["errors"] == [], row
     assert "| 256 | coalesced |" in text
 
@@ -124,7 +125,7 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     rows = {r["contender"]: r for r in throughput["rows"]}
     assert {"in-process", "wsserver", "llama_cpp.server"} <= set(rows)
     for row in rows.values():
-        assert row["ttft_ms"]["n"] > 0 and row["ttft_ms"]["median"] > 0, row
+        assert row["ttft_ms"]["n"] > 0 and row["ttft_ms"]["median"] > 0, row  # timing-ok
     assert all(run["tokens"] for run in throughput["raw"]["wsserver"])
     assert "## 1. Throughput and time to first token" in text
 
@@ -134,8 +135,8 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     for phase in ("mid-decode", "mid-prefill"):
         ws = next(r for r in cancel["rows"] if r["contender"] == "wsserver" and r["phase"] == phase)
         assert ws["n"] > 0 and ws["timeouts"] == 0, ws
-        assert 0 < ws["ack_ms"]["max"] < 5000, ws
-        assert 0 < ws["next_first_ms"]["max"] < 30000, ws
+        assert 0 < ws["ack_ms"]["max"] < 5000, ws  # timing-ok: sanity, not a target
+        assert 0 < ws["next_first_ms"]["max"] < 30000, ws  # timing-ok: sanity
     assert (out.parent / "bench" / "cancel.png").exists() or importlib.util.find_spec(
         "matplotlib"
     ) is None

@@ -74,7 +74,7 @@ async def test_queued_positions_are_visible() -> None:
                 break
             second = await b.generate("b", max_tokens=3).result()
             await first.result()
-        assert second.done.timings.queued_ms > 0
+        assert second.done.timings.queued_ms > 0  # timing-ok: it waited, no bound
         assert b.requests.live == {}
 
 

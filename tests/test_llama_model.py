@@ -160,7 +160,9 @@ async def test_two_connections_share_parallel_1_in_order() -> None:
         assert [f["type"] for f in b_frames[:2]] == ["queued", "started"]
         assert a_frames[-1]["reason"] == b_frames[-1]["reason"] == result.done.reason == "length"
         # Served in order: each started after the one before it was done.
-        assert b_frames[-1]["timings"]["queued_ms"] < result.done.timings.queued_ms
+        assert (
+            b_frames[-1]["timings"]["queued_ms"] < result.done.timings.queued_ms
+        )  # timing-ok: order
 
 
 async def test_disconnect_during_prefill_frees_the_model_at_once() -> None:
@@ -191,4 +193,4 @@ async def test_disconnect_during_prefill_frees_the_model_at_once() -> None:
         assert backend.slot_stats(0)["aborts"] == 1
         _, frames = await b.done("next", units=60)
         assert frames[-1]["reason"] == "length"
-        assert frames[-1]["timings"]["queued_ms"] < 1000 * timeout(1)
+        assert frames[-1]["timings"]["queued_ms"] < 1000 * timeout(1)  # timing-ok: scaled
