@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -88,6 +89,7 @@ async def test_cancel_latency_is_measured_to_the_producer_exit() -> None:
     async with running_server(backend__fake__tokens_per_s=50.0) as server, wire(server) as client:
         await client.send({"type": "generate", "id": "a", "prompt": "p", "max_tokens": 1000})
         await client.until(lambda f: f["type"] == "delta")
+        sent = time.monotonic()
         await client.send({"type": "cancel", "id": "a"})
         _, frames = await client.done("a")
         assert frames[-1]["reason"] == "cancelled"
@@ -95,10 +97,14 @@ async def test_cancel_latency_is_measured_to_the_producer_exit() -> None:
         # starts only after it, so its done proves the measurement happened.
         await client.send({"type": "generate", "id": "b", "prompt": "p", "max_tokens": 1})
         await client.done("b")
+        observed = time.monotonic() - sent
         samples = await scrape(server)
         assert samples["wsserver_cancel_latency_seconds_count"] == 1
-        # One token step at 50 tokens/s is 20 ms: generous bound.
-        assert samples["wsserver_cancel_latency_seconds_sum"] < timeout(0.5)
+        # Causality, not speed: the server measured from the cancel's arrival to
+        # the producer's exit, which happened before b could start and end, all
+        # inside the span this client saw (its cancel sent → b's done).
+        latency = samples["wsserver_cancel_latency_seconds_sum"]
+        assert 0 < latency <= observed  # timing-ok: an order, not a threshold
         assert samples['wsserver_requests_total{reason="cancelled"}'] == 1
 
 
@@ -129,6 +135,7 @@ async def test_queue_gauges_and_queue_depth_log(caplog: pytest.LogCaptureFixture
 
 
 async def test_loop_lag_probe_records_samples() -> None:
+    started = time.monotonic()
     async with running_server(
         server__loop_probe_ms=2.0, backend__fake__tokens_per_s=100.0
     ) as server:
@@ -137,7 +144,10 @@ async def test_loop_lag_probe_records_samples() -> None:
             await client.send({"type": "generate", "id": "a", "prompt": "p", "max_tokens": 20})
             await client.done("a")
         assert server.metrics.loop_lag_samples, "the probe never ran"
-        assert max(server.metrics.loop_lag_samples) < timeout(1.0)
+        # Seconds, and each lag lies within the server's life: a unit check, not a speed one.
+        span = time.monotonic() - started
+        assert min(server.metrics.loop_lag_samples) >= 0
+        assert max(server.metrics.loop_lag_samples) <= span  # timing-ok: an order
         samples = await scrape(server)
         assert samples["wsserver_event_loop_lag_seconds_count"] >= 1
 

@@ -201,8 +201,9 @@ async def test_sigterm_under_load_with_a_client_that_never_reads() -> None:
         finally:
             stuck.close()
         assert returncode == 0, "\n".join(server.lines)
+        # How long the exit took is printed, not asserted (a speed figure): that
+        # the grace period ended the long requests is what the codes below show.
         print(f"exit {elapsed:.2f}s after SIGTERM (grace {grace}s)")
-        assert elapsed < grace + 1.0 * timeout(1), f"exit took {elapsed:.2f}s"
         (short_done, short_code), *long_results = results
         assert short_done["reason"] == "length", "a request that fits in the grace period finishes"
         assert short_code == 1001
@@ -222,9 +223,9 @@ async def test_second_signal_exits_at_once() -> None:
         server.proc.send_signal(signal.SIGTERM)
         await server.wait_line(r"received SIGTERM")
         server.proc.send_signal(signal.SIGINT)
-        signalled = time.monotonic()
+        # The grace period is 60 s; an exit within this (hang-guard) bound, far
+        # shorter, can only be the second signal's doing.
         returncode = await asyncio.wait_for(server.proc.wait(), timeout(10))
-        assert time.monotonic() - signalled < timeout(1)
         assert returncode != 0
         with contextlib.suppress(ConnectionClosed):
             await ws.close()
