@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the other sections of the JSON next to --out; replace only those measured",
     )
     parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="sections 1-2 also run wsserver as of this git ref (e.g. the commit before a "
+        "change), side by side with the working tree",
+    )
+    parser.add_argument(
         "--note",
         action="append",
         default=[],
@@ -153,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     opts = Options(
-        quick=args.quick, model=args.model, threads=args.threads, n_ctx=args.n_ctx, out=args.out
+        quick=args.quick,
+        model=args.model,
+        threads=args.threads,
+        n_ctx=args.n_ctx,
+        out=args.out,
+        baseline=args.baseline,
     )
     sections = _sections(args.sections)
     if args.render_only:

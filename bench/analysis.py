@@ -295,6 +295,14 @@ def _throughput_notes(r: dict[str, Any]) -> list[str]:
             "cores - 1), and keep per-token Python work on the producer thread minimal."
         )
         notes.append(text)
+    versus = r.get("baseline")
+    if versus and versus.get("decode_ratio_paired") is not None:
+        notes.append(
+            f"**Against the baseline** `wsserver@{versus['ref']}` (the same harness running that "
+            "commit's server side by side, paired per repeat over "
+            f"{versus['pairs']} repeats): decode x{fmt(versus['decode_ratio_paired'], 3)}, TTFT "
+            f"{versus['ttft_delta_ms_paired']:+.1f} ms."
+        )
     peer = _row(r, "llama_cpp.server")
     if (
         peer is not None

@@ -207,11 +207,16 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
     step_s = decode_step_ms / 1000
 
     names = ["in-process", "wsserver"] + (["llama_cpp.server"] if session.peer is not None else [])
-    contenders = {
+    contenders: dict[str, Any] = {
         "in-process": session.inproc,
         "wsserver": session.ws,
         "llama_cpp.server": session.peer,
     }
+    # wsserver at --baseline REF: the same scenarios, as often, right after the working tree's.
+    twins = [session.ws] + ([session.ws_baseline] if session.ws_baseline is not None else [])
+    for twin in twins[1:]:
+        names.insert(2, twin.name)
+        contenders[twin.name] = twin
 
     async def measure(name: str, scenario: Any, nxt: str, seconds: float) -> dict[str, Any]:
         """The short follow-up on the warm, idle model first (its TTFT is the reference),
@@ -248,14 +253,15 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
         nxt = NEXT_PROMPTS[i % len(NEXT_PROMPTS)]
         if i < reps["decode"]["wsserver"]:
             jitter = rng.uniform(0, step_s)
-            decode["wsserver"].append(
-                await measure(
-                    "wsserver",
-                    ws_mid_decode(session.ws, prompt, nxt, stream_s, jitter, long_tokens),
-                    nxt,
-                    limit,
+            for twin in twins:
+                decode[twin.name].append(
+                    await measure(
+                        twin.name,
+                        ws_mid_decode(twin, prompt, nxt, stream_s, jitter, long_tokens),
+                        nxt,
+                        limit,
+                    )
                 )
-            )
         if session.peer is not None and i < reps["decode"]["llama_cpp.server"]:
             jitter = rng.uniform(0, step_s)
             decode["llama_cpp.server"].append(
@@ -284,11 +290,10 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
         prompt, _ = long_prompt(session.inproc, i)
         nxt = NEXT_PROMPTS[(i + 1) % len(NEXT_PROMPTS)]
         if i < reps["prefill"]["wsserver"]:
-            prefill["wsserver"].append(
-                await measure(
-                    "wsserver", ws_mid_prefill(session.ws, prompt, nxt, delay_s), nxt, limit
+            for twin in twins:
+                prefill[twin.name].append(
+                    await measure(twin.name, ws_mid_prefill(twin, prompt, nxt, delay_s), nxt, limit)
                 )
-            )
         if session.peer is not None and i < reps["prefill"]["llama_cpp.server"]:
             opts.log(
                 f"  cancel: llama_cpp.server mid-prefill {i + 1}/{reps['prefill']['llama_cpp.server']} "

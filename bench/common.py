@@ -115,6 +115,9 @@ class ServerProcess:
 
     overrides: dict[str, Any]
     name: str = "wsserver"
+    #: The source tree the server runs from (``bench.probe_server`` and
+    #: ``wsserver`` are imported from it): this checkout, or a baseline's.
+    root: Path = ROOT
     proc: asyncio.subprocess.Process | None = None
     url: str = ""
     pid: int = 0
@@ -136,7 +139,7 @@ class ServerProcess:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                cwd=ROOT,
+                cwd=self.root,
                 env=env,
                 limit=1 << 20,
                 preexec_fn=die_with_parent,

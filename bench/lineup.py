@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .common import Skip
+from .common import ROOT, Skip
 from .contenders import InProcess, PeerContender, WsContender
 from .options import Options
 
@@ -77,6 +81,9 @@ class LlamaLineup:
     ws: WsContender | None = None
     peer: PeerContender | None = None
     ws_nodelay: WsContender | None = None
+    #: wsserver as of ``--baseline REF`` (named ``wsserver@REF``), or None.
+    ws_baseline: WsContender | None = None
+    baseline_dir: Path | None = None
     peer_error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -115,15 +122,40 @@ class LlamaLineup:
             self.ws_nodelay = await WsContender(
                 self.model, **kw, name="wsserver+nodelay", extra={"bench.patch_nodelay": True}
             ).start()
+        if self.opts.baseline:
+            self.baseline_dir = export_tree(self.opts.baseline)
+            self.ws_baseline = await WsContender(
+                self.model, **kw, name=f"wsserver@{self.opts.baseline}", root=self.baseline_dir
+            ).start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for contender in (self.ws, self.ws_nodelay, self.peer):
+        for contender in (self.ws, self.ws_nodelay, self.ws_baseline, self.peer):
             if contender is not None:
                 with contextlib.suppress(Exception):
                     await contender.stop()
         if self.inproc is not None:
             self.inproc.close()
+        if self.baseline_dir is not None:
+            shutil.rmtree(self.baseline_dir, ignore_errors=True)
+
+
+def export_tree(ref: str) -> Path:
+    """The source tree at git ``ref``, exported into a temporary folder.
+
+    The baseline server runs ``python -m bench.probe_server`` from there, so it
+    imports that commit's ``wsserver`` (the current directory comes first on
+    ``sys.path``) with this environment's dependencies.
+    """
+    target = Path(tempfile.mkdtemp(prefix="bench-baseline-"))
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", ref], cwd=ROOT, capture_output=True, check=False
+    )
+    if archive.returncode != 0:
+        shutil.rmtree(target, ignore_errors=True)
+        raise Skip(f"--baseline {ref}: {archive.stderr.decode(errors='replace').strip()}")
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
 
 
 def _default_model() -> str:

@@ -18,6 +18,9 @@ class Options:
     n_ctx: int = 4096
     n_batch: int = 512
     out: Path = Path("docs/benchmarks.md")
+    #: A git ref: sections 1-2 also run wsserver as it was at that commit, side
+    #: by side, to show a change costs nothing (``--baseline``).
+    baseline: str | None = None
     started: float = field(default_factory=time.monotonic)
 
     def log(self, message: str) -> None:

@@ -83,6 +83,8 @@ def markdown(
         ".venv/bin/python -m bench --sections ceiling slow idle --out /tmp/b.md  # fake-backend sections only",
         ".venv/bin/python -m bench --quick --out /tmp/b.md  # smoke run, seconds (what CI runs)",
         ".venv/bin/python -m bench --sections page --merge  # re-measure one section, keep the others",
+        "# sections 1-2 also against the server as of a git ref, side by side (a change's A/B):",
+        ".venv/bin/python -m bench --sections throughput cancel --baseline HEAD~1 --out /tmp/ab.md",
         "```",
         "",
         f"This run: `{meta['command']}`"

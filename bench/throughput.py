@@ -36,6 +36,8 @@ def contenders(session: LlamaLineup) -> list[tuple[str, Any]]:
         out.append(("llama_cpp.server", session.peer))
     if session.ws_nodelay is not None:
         out.append(("wsserver+nodelay", session.ws_nodelay))
+    if session.ws_baseline is not None:
+        out.append((session.ws_baseline.name, session.ws_baseline))
     return out
 
 
@@ -122,6 +124,10 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
         "client_minus_server": statistics.median(outside) if outside else None,
     }
     decode_step_ms = 1000 / base["decode_tps"]["median"] if base["decode_tps"]["median"] else None
+    versus = None
+    if session.ws_baseline is not None:
+        versus = _versus(runs["wsserver"], runs[session.ws_baseline.name], tokens)
+        versus["ref"] = session.opts.baseline
     spare = None
     missed = targets[0]["met"] is False or targets[1]["met"] is False
     if missed and session.threads > 1 and not opts.quick:
@@ -147,6 +153,7 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
         "targets": targets,
         "decode_step_ms": decode_step_ms,
         "spare_core": spare,
+        "baseline": versus,
         "peer_error": session.peer_error,
         "raw": {
             name: [
@@ -162,6 +169,23 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
             ]
             for name, per in runs.items()
         },
+    }
+
+
+def _versus(now: list[Run], then: list[Run], tokens: dict[int, int]) -> dict[str, Any]:
+    """The working tree against the baseline, paired per repeat (same prompt, adjacent in time)."""
+    ratios, deltas = [], []
+    for x, b in zip(now, then, strict=True):
+        n = tokens.get(x.prompt_index, b.pieces)
+        a, c = x.decode_tps(n), b.decode_tps(n)
+        if a and c:
+            ratios.append(a / c)
+        if x.first is not None and b.first is not None:
+            deltas.append(1000 * (x.first - b.first))
+    return {
+        "decode_ratio_paired": statistics.median(ratios) if ratios else None,
+        "ttft_delta_ms_paired": statistics.median(deltas) if deltas else None,
+        "pairs": len(ratios),
     }
 
 
