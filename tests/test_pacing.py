@@ -160,3 +160,19 @@ def test_ceiling_wait_and_order_hold_for_any_arrivals(
         frame_time = frames[bisect_right(ends, position)][0]
         assert frame_time - arrived <= window + 1e-9
         position += len(text)
+
+
+def test_a_full_frame_takes_no_more_until_it_is_sent() -> None:
+    pacing = Coalescer(flush_window=0.03, flush_tokens=5, max_chars=10)
+    pacing.add("first", 1)
+    assert pacing.due(0.0)
+    pacing.take(0.0)
+    pacing.add("abcdefgh", 1)
+    assert not pacing.full
+    pacing.add("ij", 1)
+    assert pacing.full
+    # Full is not due: the ceiling still holds, the frame waits for its window.
+    assert not pacing.due(0.01)
+    assert pacing.due(0.03)
+    assert pacing.take(0.03) == ("abcdefghij", 2)
+    assert not pacing.full

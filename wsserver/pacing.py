@@ -18,6 +18,15 @@ Two settings, ``flush_window`` (``stream.flush_ms``) and ``flush_tokens``:
 Neither rule can break the ceiling: the text pending after a flush was seen
 after it, so its own window ends no sooner than the previous delta's.
 
+* **The size.** One frame carries at most ``max_chars`` characters
+  (:data:`FRAME_TEXT_CHARS`, 64 KiB of UTF-8 at most): once that much is
+  pending (:attr:`Coalescer.full`) it goes as soon as the ceiling allows, as
+  for the count, and the sender takes nothing more from the channel until
+  it has gone, so the rest waits in the bounded channel
+  and the engine pauses. At default settings it never binds (a window holds a
+  few tokens); it bounds what an unlimited token rate with a long window would
+  otherwise gather into one frame.
+
 At a flush *everything* pending goes into one frame. While the socket is slow
 the sender is parked in ``send()``; tokens pile up in the channel meanwhile and
 come out merged at the next flush: fewer, larger frames. Only the last delta
@@ -27,13 +36,17 @@ flushes what is left at the end instead of holding the ``done`` back.
 
 from __future__ import annotations
 
-__all__ = ["Coalescer"]
+__all__ = ["FRAME_TEXT_CHARS", "Coalescer"]
+
+#: The most text one ``delta`` frame carries (characters; ≤ 4 bytes each in UTF-8).
+FRAME_TEXT_CHARS = 16 * 1024
 
 
 class Coalescer:
     """Accumulates text pieces and says when they should be flushed."""
 
     __slots__ = (
+        "_chars",
         "_flushed_once",
         "_last_flush",
         "_parts",
@@ -41,13 +54,18 @@ class Coalescer:
         "_tokens",
         "flush_tokens",
         "flush_window",
+        "max_chars",
     )
 
-    def __init__(self, *, flush_window: float, flush_tokens: int) -> None:
-        if flush_window < 0 or flush_tokens < 1:
-            raise ValueError("flush_window must be >= 0 and flush_tokens >= 1")
+    def __init__(
+        self, *, flush_window: float, flush_tokens: int, max_chars: int = FRAME_TEXT_CHARS
+    ) -> None:
+        if flush_window < 0 or flush_tokens < 1 or max_chars < 1:
+            raise ValueError("flush_window must be >= 0, flush_tokens and max_chars >= 1")
         self.flush_window = flush_window
         self.flush_tokens = flush_tokens
+        self.max_chars = max_chars
+        self._chars = 0
         self._parts: list[str] = []
         self._tokens = 0
         self._last_flush = 0.0
@@ -65,9 +83,15 @@ class Coalescer:
         """Whether text is waiting; only then can a flush become due."""
         return bool(self._parts)
 
+    @property
+    def full(self) -> bool:
+        """Whether a frame's worth of text is pending: take no more until it is sent."""
+        return self._chars >= self.max_chars
+
     def add(self, text: str, tokens: int) -> None:
         if text:
             self._parts.append(text)
+            self._chars += len(text)
         self._tokens += tokens
 
     def due(self, now: float) -> bool:
@@ -87,7 +111,7 @@ class Coalescer:
     def deadline(self) -> float:
         """When the pending text becomes due if nothing more arrives."""
         ceiling = self._last_flush + self.flush_window
-        if self._tokens >= self.flush_tokens or self._seen_at is None:
+        if self._tokens >= self.flush_tokens or self.full or self._seen_at is None:
             return ceiling
         return max(ceiling, self._seen_at + self.flush_window)
 
@@ -97,6 +121,7 @@ class Coalescer:
         tokens = self._tokens
         self._parts.clear()
         self._tokens = 0
+        self._chars = 0
         if text:
             self._last_flush = now
             self._flushed_once = True

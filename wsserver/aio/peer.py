@@ -16,6 +16,7 @@ from typing import Final
 from websockets.asyncio.server import ServerConnection
 
 from ..config import Config
+from ..pacing import FRAME_TEXT_CHARS
 
 __all__ = [
     "MAX_TOKEN_BYTES",
@@ -147,9 +148,10 @@ MAX_TOKEN_BYTES: Final = 256
 def memory_bound(config: Config) -> dict[str, int]:
     """The most one connection holds in process memory, by part (bytes).
 
-    * send: the output ceiling, one read's worth of pongs on top, and the
-      channel (``queue_tokens`` tokens); the kernel's ``sndbuf`` comes on
-      top of that in kernel memory;
+    * send: the output ceiling, one read's worth of pongs on top, the
+      channel (``queue_tokens`` tokens) and the text merged for the next
+      frame (one frame's size at most); the kernel's ``sndbuf`` comes on top
+      of that in kernel memory;
     * receive: websockets' queue (``max_queue`` + 1 frames before it pauses
       reading), the frame being parsed, the message our receive loop is
       handling, and one read;
@@ -159,7 +161,10 @@ def memory_bound(config: Config) -> dict[str, int]:
     server, stream, limits = config.server, config.stream, config.limits
     ceiling = max(server.max_output_bytes, server.write_limit)
     return {
-        "send": ceiling + READ_CHUNK_BYTES + stream.queue_tokens * MAX_TOKEN_BYTES,
+        "send": ceiling
+        + READ_CHUNK_BYTES
+        + stream.queue_tokens * MAX_TOKEN_BYTES
+        + 4 * FRAME_TEXT_CHARS,
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
         "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
     }

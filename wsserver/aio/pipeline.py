@@ -29,6 +29,7 @@ from typing import Any
 
 from websockets.exceptions import ConnectionClosed
 
+from .. import pacing
 from ..backends.base import Backend, GenerationRequest, Submission
 from ..errors import ProtocolError
 from ..logs import ConnectionLog
@@ -185,12 +186,22 @@ class Generation:
         """The sender: channel → coalesced ``delta`` frames → socket."""
         ctx = self.ctx
         channel = self.channel
-        coalescer = Coalescer(flush_window=ctx.flush_window, flush_tokens=ctx.flush_tokens)
+        coalescer = Coalescer(
+            flush_window=ctx.flush_window,
+            flush_tokens=ctx.flush_tokens,
+            max_chars=pacing.FRAME_TEXT_CHARS,
+        )
         loop = asyncio.get_running_loop()
         while True:
             if coalescer.due(loop.time()):
                 if not await self._flush(coalescer):
                     return
+                continue
+            if coalescer.full:
+                # A frame's worth of text waits for its window; the rest stays
+                # in the bounded channel meanwhile, and the engine pauses.
+                wait = max(0.0, coalescer.deadline() - loop.time())
+                await asyncio.sleep(wait)  # sleep-ok: the pacing itself, not a synchronisation
                 continue
             try:
                 # Wait for the window only with text pending: tokens whose bytes
@@ -207,7 +218,7 @@ class Generation:
                 return  # closed: cancelled, or the connection is going
             end = self._take(coalescer, item)
             # Merge whatever else is already waiting: one frame, not many.
-            while end is None:
+            while end is None and not coalescer.full:
                 more = channel.get_nowait()
                 if more is None:
                     break
