@@ -132,6 +132,10 @@ class HttpConnection(asyncio.Protocol):
         self._paused = False
         self._resumed = asyncio.Event()
         self._resumed.set()
+        #: Set while the write buffer is above its high-water mark (tests, as PeerAwareConnection).
+        self.writing_paused = asyncio.Event()
+        #: The largest the write buffer has been after a write (tests, diagnostics).
+        self.peak_write_buffer = 0
         self._fd: int | None = None
 
     # ------------------------------------------------------------ asyncio protocol
@@ -168,10 +172,12 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         self._paused = True
         self._resumed.clear()
+        self.writing_paused.set()
 
     def resume_writing(self) -> None:
         self._paused = False
         self._resumed.set()
+        self.writing_paused.clear()
 
     def _client_gone(self) -> None:
         if self._lost:
@@ -449,6 +455,9 @@ class HttpConnection(asyncio.Protocol):
             return
         if data:
             self._transport.write(data)
+            size = self._transport.get_write_buffer_size()
+            if size > self.peak_write_buffer:
+                self.peak_write_buffer = size
 
     def _next_cycle(self) -> None:
         if self._lost:
