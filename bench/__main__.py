@@ -1,6 +1,6 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
-    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page]
+    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, openai_sse, page, slow, throughput
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -35,6 +35,7 @@ ALIASES = {
     "5": "idle",
     "6": "page",
     "7": "adversaries",
+    "8": "openai",
 }
 
 
@@ -100,7 +101,7 @@ def _failed(exc: BaseException) -> dict[str, Any]:
 
 async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    llama = [s for s in ("throughput", "cancel") if s in sections]
+    llama = [s for s in ("throughput", "cancel", "openai") if s in sections]
     if llama:
         opts.log("sections 1-2: llama contenders")
         try:
@@ -116,6 +117,11 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
                         results["cancel"] = await cancel.run(opts, session, step)
                     except Exception as exc:
                         results["cancel"] = _failed(exc)
+                if "openai" in llama:
+                    try:
+                        results["openai"] = await openai_sse.run(opts, session)
+                    except Exception as exc:
+                        results["openai"] = _failed(exc)
         except Skip as exc:
             for name in llama:
                 results[name] = {"status": "skipped", "reason": str(exc)}
