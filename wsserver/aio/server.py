@@ -302,7 +302,7 @@ class Server:
                 blocked_seconds += max(0.0, now - since)
         http = list(self.api.live.values())
         return Snapshot(
-            connections=len(connections) + len(http),
+            connections=len(connections),
             buffered=[c.buffered_bytes() for c in connections] + [h.buffered_bytes() for h in http],
             producers_alive=sum(1 for g in generations if g.alive()),
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
