@@ -10,13 +10,10 @@ only moves bytes, vets each request and routes it:
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` — a
   :class:`~wsserver.aio.openai_stream.Completion`.
 
-Every request passes the same checks as a WebSocket handshake
-(:mod:`wsserver.security`): Host; Origin when a browser sends one; the
-token (``Authorization: Bearer``); the connection limits, which count HTTP
-connections as they count WebSocket ones; and a request rate per client
-(``limits.frames_per_s`` and ``frames_burst``: a request counts as a frame).
-Each response carries ``X-Request-ID``, the client's own if it is a valid
-request ID, else a generated one; it is the ``id`` of the request in logs.
+Every request first passes :class:`~wsserver.aio.openai_gate.Gate` (the
+WebSocket handshake's checks, CORS, a request rate). Each response carries
+``X-Request-ID`` (the client's, if valid, else a generated one): the
+request's ID in logs.
 
 **Flow control.** The transport's write buffer has a high-water mark of
 ``server.write_limit`` (and the listening socket's small ``SO_SNDBUF``);
@@ -39,12 +36,9 @@ import asyncio
 import contextlib
 import fcntl
 import logging
-import re
-import secrets
 import struct
 import termios
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Final
@@ -53,46 +47,18 @@ import h11
 
 from ..logs import ConnectionLog
 from ..openai_api import ApiError, error_body, models_body, parse_request
-from ..protocol import ID_PATTERN
-from ..security import ConnectionLimiter, FrameLimiter, Gatekeeper, Refusal, client_group
 from .connection import Shared
+from .openai_gate import Gate, RequestHeaders, request_id_of
 from .openai_stream import Completion, Headers, Hooks
 from .pipeline import Generation
 
-__all__ = ["ApiContext", "HttpConnection", "RateLimiter"]
+__all__ = ["ApiContext", "HttpConnection"]
 
 log = logging.getLogger("wsserver.openai")
 
 #: Bytes a client may send ahead while its request runs.
 MAX_PIPELINED: Final = 65536
-_ID_RE: Final = re.compile(ID_PATTERN)
-_HEADER_TOKENS: Final = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~, ]{1,512}")
-_ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Request-ID"
 _COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-
-
-class RateLimiter:
-    """Requests per client address group, a token bucket each (bounded in count)."""
-
-    def __init__(self, *, rate: float, burst: int, clients: int = 4096) -> None:
-        self._rate = rate
-        self._burst = burst
-        self._clients = clients
-        self._buckets: OrderedDict[str, FrameLimiter] = OrderedDict()
-
-    def allow(self, ip: str, now: float) -> bool:
-        if self._rate <= 0:
-            return True
-        group = client_group(ip)
-        bucket = self._buckets.get(group)
-        if bucket is None:
-            # close_after is the bucket's flood detector; HTTP has no flood close.
-            bucket = FrameLimiter(rate=self._rate, burst=self._burst, close_after=1 << 30, now=now)
-            self._buckets[group] = bucket
-            while len(self._buckets) > self._clients:
-                self._buckets.popitem(last=False)
-        self._buckets.move_to_end(group)
-        return bucket.check(now) == "ok"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -100,9 +66,7 @@ class ApiContext:
     """What every HTTP connection uses; built once by the server."""
 
     shared: Shared
-    gatekeeper: Gatekeeper
-    connection_limiter: ConnectionLimiter
-    rate_limiter: RateLimiter
+    gate: Gate
     #: The server's live HTTP connections, by connection ID.
     live: dict[str, HttpConnection] = field(default_factory=dict)
     next_id: Callable[[], str] = lambda: "h?"
@@ -137,6 +101,7 @@ class HttpConnection(asyncio.Protocol):
         #: The largest the write buffer has been after a write (tests, diagnostics).
         self.peak_write_buffer = 0
         self._fd: int | None = None
+        self._idle: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ asyncio protocol
 
@@ -151,6 +116,7 @@ class HttpConnection(asyncio.Protocol):
         self._fd = sock.fileno() if sock is not None else None
         self._api.live[self.conn_id] = self
         self.log.info("open from %s (HTTP)", self._peer)
+        self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
         if self._lost:
@@ -164,9 +130,10 @@ class HttpConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_idle()
         self._client_gone()
         self._api.live.pop(self.conn_id, None)
-        self._api.connection_limiter.release(self)
+        self._api.gate.connection_limiter.release(self)
         self.log.info("closed (HTTP)")
 
     def pause_writing(self) -> None:
@@ -201,6 +168,7 @@ class HttpConnection(asyncio.Protocol):
             if event is h11.PAUSED:
                 break
             if isinstance(event, h11.Request):
+                self._disarm_idle()
                 if not self._start_request(event):
                     return
             elif isinstance(event, h11.Data):
@@ -246,10 +214,8 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------ one request
 
     async def _handle(self, request: h11.Request, body: bytes) -> None:
-        headers = _Headers(request.headers)
-        request_id = headers.one("x-request-id")
-        if request_id is None or not _ID_RE.fullmatch(request_id):
-            request_id = secrets.token_hex(8)
+        headers = RequestHeaders(request.headers)
+        request_id = request_id_of(headers)
         extra: Headers = [("X-Request-ID", request_id)]
         try:
             await self._route(request, body, headers, request_id, extra)
@@ -278,44 +244,34 @@ class HttpConnection(asyncio.Protocol):
         self,
         request: h11.Request,
         body: bytes,
-        headers: _Headers,
+        headers: RequestHeaders,
         request_id: str,
         extra: Headers,
     ) -> None:
         method = request.method.decode("ascii", "replace")
         path = request.target.decode("ascii", "replace").split("?", 1)[0]
-        gate = self._api.gatekeeper
-        hosts = headers.all("host")
-        self._check(gate.check_host(hosts))
-        origins = headers.all("origin")
-        if origins:
-            # A browser: only the origins a WebSocket page may come from (CORS).
-            self._check(gate.check_origin(origins, hosts))
-            extra.extend(
-                [
-                    ("Access-Control-Allow-Origin", origins[0]),
-                    ("Vary", "Origin"),
-                    ("Access-Control-Expose-Headers", "X-Request-ID"),
-                ]
-            )
+        gate = self._api.gate
+        gate.check_browser(headers, extra)
         if method == "OPTIONS":
-            self._preflight(headers, extra)
+            gate.preflight(headers, extra)
+            self._simple(HTTPStatus.NO_CONTENT, b"", extra)
             return
-        self._check(gate.check_auth(headers.all("authorization"), (), upgrade=False))
-        if not self._admitted:
-            self._check(
-                self._api.connection_limiter.admit(self, self._peer, lambda: not self._lost)
-            )
-            self._admitted = True
-        if not self._api.rate_limiter.allow(self._peer, self._loop.time()):
-            raise ApiError(
-                HTTPStatus.TOO_MANY_REQUESTS, "too many requests; slow down", "rate_limited"
-            )
+        gate.check_client(
+            headers,
+            connection=self,
+            peer=self._peer,
+            alive=lambda: not self._lost,
+            admitted=self._admitted,
+            now=self._loop.time(),
+        )
+        self._admitted = True
         model = self._shared.backend.model_name
         kind = _COMPLETIONS.get(path)
         if kind is not None:
             if method != "POST":
                 raise _not_allowed(method, "POST")
+            if self._lost:
+                return  # gone before its request could start: nothing to run for it
             api = parse_request(
                 "chat" if kind == "chat" else "completion",
                 body,
@@ -343,25 +299,6 @@ class HttpConnection(asyncio.Protocol):
             )
         else:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path[:100]}", "not_found")
-
-    def _check(self, refusal: Refusal | None) -> None:
-        if refusal is None:
-            return
-        self._shared.metrics.handshakes_refused.labels(refusal.reason).inc()
-        code = "invalid_api_key" if refusal.reason == "auth" else refusal.reason
-        raise ApiError(refusal.status, refusal.message.strip(), code)
-
-    def _preflight(self, headers: _Headers, extra: Headers) -> None:
-        asked = headers.one("access-control-request-headers")
-        allowed = asked if asked is not None and _HEADER_TOKENS.fullmatch(asked) else _ALLOW_HEADERS
-        extra.extend(
-            [
-                ("Access-Control-Allow-Methods", "GET, POST, OPTIONS"),
-                ("Access-Control-Allow-Headers", allowed),
-                ("Access-Control-Max-Age", "600"),
-            ]
-        )
-        self._simple(HTTPStatus.NO_CONTENT, b"", extra)
 
     def _generation_started(self, generation: Generation) -> None:
         self.generations[generation.request.id] = generation
@@ -468,8 +405,28 @@ class HttpConnection(asyncio.Protocol):
         elif h.our_state is h11.DONE and h.their_state is h11.DONE:
             h.start_next_cycle()
             self._request = None
+            self._arm_idle()
             self._next_events()
         elif h.our_state in (h11.MUST_CLOSE, h11.DONE, h11.CLOSED, h11.ERROR):
+            self._close()
+
+    def _arm_idle(self) -> None:
+        """Between requests a keep-alive connection may wait ``server.idle_timeout_s``
+        (as an idle WebSocket may); then it is closed."""
+        self._disarm_idle()
+        idle = self._shared.config.server.idle_timeout_s
+        if idle > 0:
+            self._idle = self._loop.call_later(idle, self._idle_close)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_close(self) -> None:
+        self._idle = None
+        if self._handler is None:
+            self.log.info("idle; closing")
             self._close()
 
     def _close(self) -> None:
@@ -517,19 +474,3 @@ def _not_allowed(method: str, allowed: str) -> ApiError:
 
 def _encode(headers: Headers) -> list[tuple[bytes, bytes]]:
     return [(name.encode("ascii"), value.encode("latin-1")) for name, value in headers]
-
-
-class _Headers:
-    """Request headers by lower-case name (h11 lower-cases them already)."""
-
-    __slots__ = ("_items",)
-
-    def __init__(self, items: Iterable[tuple[bytes, bytes]]) -> None:
-        self._items = [(n.decode("ascii"), v.decode("latin-1")) for n, v in items]
-
-    def all(self, name: str) -> list[str]:
-        return [value for key, value in self._items if key == name]
-
-    def one(self, name: str) -> str | None:
-        values = self.all(name)
-        return values[0] if len(values) == 1 else None

@@ -136,6 +136,8 @@ class Completion:
         """Serve the request; returns once its response is complete (or the client gone)."""
         try:
             await self.apply(self.session.handle(self.api.generate, self._loop.time()))
+            if self._out.lost:
+                self.client_gone()  # went while the request was being set up
             await self._finished
         finally:
             self._stop_keepalive()

@@ -34,7 +34,8 @@ from .connection import Connection, Shared
 from .front import front_factory
 from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
-from .openai_http import ApiContext, HttpConnection, RateLimiter
+from .openai_gate import Gate, RateLimiter
+from .openai_http import ApiContext, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
 from .scheduler import Scheduler
@@ -151,9 +152,12 @@ class Server:
         #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
         self.api = ApiContext(
             shared=self._shared,
-            gatekeeper=self.gatekeeper,
-            connection_limiter=self.connection_limiter,
-            rate_limiter=RateLimiter(rate=limits.frames_per_s, burst=limits.frames_burst),
+            gate=Gate(
+                gatekeeper=self.gatekeeper,
+                connection_limiter=self.connection_limiter,
+                rate_limiter=RateLimiter(rate=limits.frames_per_s, burst=limits.frames_burst),
+                metrics=self.metrics,
+            ),
             next_id=lambda: f"c{next(self._ids)}",
         )
 
