@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0 = all cores)")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of another commit: its wsserver joins section 1 as 'wsserver (baseline)'",
+    )
+    parser.add_argument(
         "--render-only",
         action="store_true",
         help="measure nothing: rewrite the report and plots from the JSON next to --out",
@@ -159,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     opts = Options(
-        quick=args.quick, model=args.model, threads=args.threads, n_ctx=args.n_ctx, out=args.out
+        quick=args.quick,
+        model=args.model,
+        threads=args.threads,
+        n_ctx=args.n_ctx,
+        out=args.out,
+        baseline=args.baseline,
     )
     sections = _sections(args.sections)
     if args.render_only:

@@ -121,6 +121,8 @@ class ServerProcess:
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
     )
+    #: The checkout whose wsserver runs (another commit's, for ``--baseline``).
+    root: Path = ROOT
 
     async def start(self, timeout: float = 180.0) -> ServerProcess:
         env = dict(os.environ)
@@ -136,7 +138,7 @@ class ServerProcess:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                cwd=ROOT,
+                cwd=self.root,
                 env=env,
                 limit=1 << 20,
                 preexec_fn=die_with_parent,

@@ -138,6 +138,7 @@ class WsContender:
         threads: int,
         name: str = "wsserver",
         extra: dict[str, Any] | None = None,
+        root: Path | None = None,
     ) -> None:
         self.name = name
         self.server = ServerProcess(
@@ -152,6 +153,7 @@ class WsContender:
                 **(extra or {}),
             },
             name=name,
+            **({} if root is None else {"root": root}),
         )
         self.client: Any = None
 

@@ -77,6 +77,7 @@ class LlamaLineup:
     ws: WsContender | None = None
     peer: PeerContender | None = None
     ws_nodelay: WsContender | None = None
+    ws_base: WsContender | None = None
     peer_error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -107,6 +108,10 @@ class LlamaLineup:
         except Exception as exc:  # the peer is a comparison, not the subject
             self.peer_error = f"llama_cpp.server did not start: {exc}"
             self.opts.log(f"  {self.peer_error}")
+        if self.opts.baseline is not None:
+            self.ws_base = await WsContender(
+                self.model, **kw, name="wsserver (baseline)", root=self.opts.baseline
+            ).start()
         # A diagnostic fourth contender, only when the server's accepted
         # sockets lack TCP_NODELAY: the same server with that one thing fixed.
         stats = await self.ws.server.stats()
@@ -118,7 +123,7 @@ class LlamaLineup:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for contender in (self.ws, self.ws_nodelay, self.peer):
+        for contender in (self.ws, self.ws_nodelay, self.ws_base, self.peer):
             if contender is not None:
                 with contextlib.suppress(Exception):
                     await contender.stop()

@@ -18,6 +18,9 @@ class Options:
     n_ctx: int = 4096
     n_batch: int = 512
     out: Path = Path("docs/benchmarks.md")
+    #: Another checkout (e.g. ``git worktree add /tmp/base COMMIT``) whose wsserver
+    #: runs beside this one in section 1, as the contender "wsserver (baseline)".
+    baseline: Path | None = None
     started: float = field(default_factory=time.monotonic)
 
     def log(self, message: str) -> None:

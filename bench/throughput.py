@@ -36,6 +36,8 @@ def contenders(session: LlamaLineup) -> list[tuple[str, Any]]:
         out.append(("llama_cpp.server", session.peer))
     if session.ws_nodelay is not None:
         out.append(("wsserver+nodelay", session.ws_nodelay))
+    if session.ws_base is not None:
+        out.append(("wsserver (baseline)", session.ws_base))
     return out
 
 
