@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0 = all cores)")
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument(
+        "--repeats", type=int, help="repeats in sections 1, 2 and 8 (default: 10, 5-10, 8)"
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="a checkout of another commit: its wsserver joins section 1 as 'wsserver (baseline)'",
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         n_ctx=args.n_ctx,
         out=args.out,
         baseline=args.baseline,
+        repeats=args.repeats,
     )
     sections = _sections(args.sections)
     if args.render_only:

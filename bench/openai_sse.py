@@ -201,7 +201,7 @@ async def _measure(
     opts: Options, session: LlamaLineup, contenders: list[SseContender], notes: list[str]
 ) -> dict[str, Any]:
     assert session.inproc is not None
-    prompts = PROMPTS[: 3 if opts.quick else 8]
+    prompts = PROMPTS[: 3 if opts.quick else min(opts.repeats or 8, 8)]
     tokens = 16 if opts.quick else TOKENS
     runs: dict[str, list[Run]] = {c.name: [] for c in contenders}
     for contender in contenders:  # warm-up, not counted

@@ -21,6 +21,8 @@ class Options:
     #: Another checkout (e.g. ``git worktree add /tmp/base COMMIT``) whose wsserver
     #: runs beside this one in section 1, as the contender "wsserver (baseline)".
     baseline: Path | None = None
+    #: Fewer repeats than the full run's in sections 1, 2 and 8 (a busy machine).
+    repeats: int | None = None
     started: float = field(default_factory=time.monotonic)
 
     def log(self, message: str) -> None:

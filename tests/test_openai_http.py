@@ -212,6 +212,21 @@ async def test_a_queued_stream_gets_keep_alives_then_its_text() -> None:
         assert "".join(parse_chunk(e).text for e in events[:-1]) == expected_fake_text("b", 5, 1)
 
 
+async def test_shutdown_ends_a_running_stream_with_an_error_event_and_closes() -> None:
+    async with running_server(backend__fake__tokens_per_s=20.0) as server, sdk(server) as client:
+        stream = await client.completions.create(
+            model="m", prompt="a", max_tokens=100_000, stream=True
+        )
+        await stream.__anext__()
+        stopping = asyncio.create_task(server.stop(grace=0))
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            async for _chunk in stream:
+                pass
+        await asyncio.wait_for(stopping, timeout(10))
+        assert not server.api.live
+        assert requests_ended(server, "cancelled") == 1
+
+
 # ---------------------------------------------------------------- errors, auth, limits
 
 
