@@ -398,6 +398,23 @@ async def test_the_front_reads_a_request_line_in_pieces_and_websockets_keeps_the
         )
 
 
+async def test_pipelined_requests_are_answered_in_order_and_bad_http_is_a_400() -> None:
+    async with running_server() as server:
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-ID: "
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(head + b"one\r\n\r\n" + head + b"two\r\nConnection: close\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert response.count(b"HTTP/1.1 200 OK") == 2
+        assert response.index(b"X-Request-ID: one") < response.index(b"X-Request-ID: two")
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nbad header\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 400 Bad Request")
+        assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "bad_request"
+
+
 # ---------------------------------------------------------------- a slow reader
 
 

@@ -132,7 +132,11 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_idle()
         self._client_gone()
-        self._api.live.pop(self.conn_id, None)
+        if not self.generations:
+            # Else when the last engine is gone: until then its slot is this
+            # connection's (the server's orphan check, /readyz), as a
+            # WebSocket connection stays listed until its requests are gone.
+            self._api.live.pop(self.conn_id, None)
         self._api.gate.connection_limiter.release(self)
         self.log.info("closed (HTTP)")
 
@@ -305,6 +309,8 @@ class HttpConnection(asyncio.Protocol):
 
     async def _generation_gone(self, generation: Generation) -> None:
         self.generations.pop(generation.request.id, None)
+        if self._lost and not self.generations:
+            self._api.live.pop(self.conn_id, None)
         # The session's bookkeeping (a producer that ended without an end) as
         # a WebSocket connection does it.
         completion = self.completion
@@ -323,7 +329,8 @@ class HttpConnection(asyncio.Protocol):
         return self._paused
 
     def start(self, status: int, headers: Headers) -> None:
-        self._write(h11.Response(status_code=status, headers=_encode(headers)))
+        reason = HTTPStatus(status).phrase.encode("ascii")
+        self._write(h11.Response(status_code=status, headers=_encode(headers), reason=reason))
 
     def send(self, data: bytes) -> None:
         if data:
