@@ -1,6 +1,6 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
-    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page]
+    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, openai_sse, page, slow, throughput
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -35,6 +35,7 @@ ALIASES = {
     "5": "idle",
     "6": "page",
     "7": "adversaries",
+    "8": "openai",
 }
 
 
@@ -58,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0 = all cores)")
     parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument(
+        "--repeats", type=int, help="repeats in sections 1, 2 and 8 (default: 10, 5-10, 8)"
+    )
     parser.add_argument(
         "--render-only",
         action="store_true",
@@ -106,7 +110,7 @@ def _failed(exc: BaseException) -> dict[str, Any]:
 
 async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    llama = [s for s in ("throughput", "cancel") if s in sections]
+    llama = [s for s in ("throughput", "cancel", "openai") if s in sections]
     if llama:
         opts.log("sections 1-2: llama contenders")
         try:
@@ -122,6 +126,11 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
                         results["cancel"] = await cancel.run(opts, session, step)
                     except Exception as exc:
                         results["cancel"] = _failed(exc)
+                if "openai" in llama:
+                    try:
+                        results["openai"] = await openai_sse.run(opts, session)
+                    except Exception as exc:
+                        results["openai"] = _failed(exc)
         except Skip as exc:
             for name in llama:
                 results[name] = {"status": "skipped", "reason": str(exc)}
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         n_ctx=args.n_ctx,
         out=args.out,
         baseline=args.baseline,
+        repeats=args.repeats,
     )
     sections = _sections(args.sections)
     if args.render_only:

@@ -109,6 +109,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .page import summary_line
 
         lines.append(summary_line(pg))
+    oa = results.get("openai")
+    if _ok(oa):
+        from .openai_sse import headline
+
+        lines.append(f"| OpenAI API over SSE (section 8) | {headline(oa)} |")
     skipped = [k for k, v in results.items() if v.get("status") != "ok"]
     for key in skipped:
         lines.append(f"| section {key} | not measured: {results[key].get('reason', '?')} |")

@@ -196,6 +196,16 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
             "prefill": {"wsserver": 5, "llama_cpp.server": 2},
         }
     )
+    if opts.repeats and not quick:
+        n = opts.repeats
+        reps = {
+            "decode": {
+                "wsserver": n,
+                "llama_cpp.server": max(1, n // 2),
+                "in-process": max(1, n // 2),
+            },
+            "prefill": {"wsserver": max(1, n // 2), "llama_cpp.server": 1},
+        }
     stream_s = 0.05 if quick else 0.5
     long_tokens = LONG_TOKENS_QUICK if quick else LONG_TOKENS
     limit = 60.0 if quick else 120.0  # per measurement

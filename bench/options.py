@@ -21,6 +21,8 @@ class Options:
     #: A git ref: sections 1-2 also run wsserver as it was at that commit, side
     #: by side, to show a change costs nothing (``--baseline``).
     baseline: str | None = None
+    #: Fewer repeats than the full run's in sections 1, 2 and 8 (a busy machine).
+    repeats: int | None = None
     started: float = field(default_factory=time.monotonic)
 
     def log(self, message: str) -> None:

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, analysis, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, analysis, cancel, ceiling, idle, openai_sse, page, slow, throughput
 from .options import Options
 
 SECTIONS = {
@@ -21,6 +21,7 @@ SECTIONS = {
         "7. Adversarial clients: memory under a ping flood and maximal frames",
         adversaries,
     ),
+    "openai": ("8. The OpenAI API over SSE: wsserver, llama_cpp.server, llama-server", openai_sse),
 }
 
 

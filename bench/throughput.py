@@ -42,7 +42,7 @@ def contenders(session: LlamaLineup) -> list[tuple[str, Any]]:
 
 
 async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
-    repeats = 2 if opts.quick else 10
+    repeats = 2 if opts.quick else (opts.repeats or 10)
     max_tokens = 32 if opts.quick else 128
     entrants = contenders(session)
     opts.log(f"  throughput: warming up {len(entrants)} contenders …")

@@ -60,7 +60,7 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     command = [sys.executable, "-m", "bench", "--quick", "--out", str(out)]
     if bench_model is not None:
         # Section 6 (the page) has its own smoke test below.
-        command += ["--model", bench_model, "--sections", "1", "2", "3", "4", "5"]
+        command += ["--model", bench_model, "--sections", "1", "2", "3", "4", "5", "8"]
     else:
         command += ["--sections", "ceiling", "slow", "idle"]
     docs_before = _docs_state()
@@ -140,6 +140,14 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     assert (out.parent / "bench" / "cancel.png").exists() or importlib.util.find_spec(
         "matplotlib"
     ) is None
+
+    # 8: the SSE endpoint streamed, and the next request got the model after an abandon.
+    sse = results["openai"]
+    assert sse["status"] == "ok", sse.get("reason")
+    ws = next(r for r in sse["rows"] if r["contender"] == "wsserver (SSE)")
+    assert ws["ttft_ms"]["n"] > 0 and ws["decode_tps"]["n"] > 0, ws
+    assert ws["abandons"] > 0, ws
+    assert "## 8. The OpenAI API over SSE" in text
 
 
 @pytest.mark.browser

@@ -33,6 +33,7 @@ SANS_IO = [
     "wsserver.logs",
     "wsserver.backends.base",
     "wsserver.backends.openai_wire",
+    "wsserver.openai_api",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
@@ -31,9 +31,13 @@ from ..logs import ConnectionLog
 from ..protocol import Limits
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
 from .connection import Connection, Shared
+from .front import front_factory
 from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
+from .openai_gate import Gate, RateLimiter
+from .openai_http import ApiContext, HttpConnection
 from .peer import peer_aware_connection
+from .pipeline import Generation
 from .scheduler import Scheduler
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
@@ -145,6 +149,17 @@ class Server:
             engine_unready=self.backend.unready_reason,
             routes=web_routes(),
         )
+        #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
+        self.api = ApiContext(
+            shared=self._shared,
+            gate=Gate(
+                gatekeeper=self.gatekeeper,
+                connection_limiter=self.connection_limiter,
+                rate_limiter=RateLimiter(rate=limits.frames_per_s, burst=limits.frames_burst),
+                metrics=self.metrics,
+            ),
+            next_id=lambda: f"c{next(self._ids)}",
+        )
 
     @property
     def port(self) -> int:
@@ -176,9 +191,17 @@ class Server:
             close_timeout=server.send_timeout_s,
             server_header=self.server_name,
             select_subprotocol=_select_subprotocol,
-            create_connection=peer_aware_connection(
-                output_ceiling=max(server.max_output_bytes, server.write_limit),
-                output_timeout=server.send_timeout_s,
+            # Each client first meets the Front, which gives /v1 requests to the
+            # OpenAI HTTP API and everything else to websockets' own connection.
+            create_connection=cast(
+                "type[ServerConnection]",
+                front_factory(
+                    ws_factory=peer_aware_connection(
+                        output_ceiling=max(server.max_output_bytes, server.write_limit),
+                        output_timeout=server.send_timeout_s,
+                    ),
+                    http_factory=lambda: HttpConnection(self.api),
+                ),
             ),
             # Token frames are small and frequent: deflate would cost CPU on
             # every frame and ~100 KB of zlib state per connection.
@@ -246,12 +269,7 @@ class Server:
         periodic probe and by ``/readyz``.
         """
         now = asyncio.get_running_loop().time() if now is None else now
-        owned = {
-            g.slot
-            for c in list(self.connections.values())
-            for g in list(c.generations.values())
-            if g.slot is not None
-        }
+        owned = {g.slot for g in self._generations() if g.slot is not None}
         orphans = self.scheduler.held() - owned
         for slot in list(self._orphans):
             if slot not in orphans:
@@ -263,6 +281,12 @@ class Server:
                 newly.append(slot)
         return sorted(newly)
 
+    def _generations(self) -> list[Generation]:
+        """Every live request, over WebSocket connections and HTTP ones."""
+        tables = [c.generations for c in list(self.connections.values())]
+        tables += [h.generations for h in list(self.api.live.values())]
+        return [g for table in tables for g in list(table.values())]
+
     def producer_threads(self) -> int:
         """Requests whose engine still runs, across all connections: live
         producer threads for a threaded engine (tests, bench, the metric)."""
@@ -271,7 +295,7 @@ class Server:
     def snapshot(self) -> Snapshot:
         """The live state the metrics read at scrape time."""
         connections = list(self.connections.values())
-        generations = [g for c in connections for g in list(c.generations.values())]
+        generations = self._generations()
         now = time.monotonic()
         blocked_seconds = 0.0
         for generation in generations:
@@ -280,9 +304,10 @@ class Server:
             since = channel.blocked_since
             if since is not None:
                 blocked_seconds += max(0.0, now - since)
+        http = list(self.api.live.values())
         return Snapshot(
             connections=len(connections),
-            buffered=[c.buffered_bytes() for c in connections],
+            buffered=[c.buffered_bytes() for c in connections] + [h.buffered_bytes() for h in http],
             producers_alive=sum(1 for g in generations if g.alive()),
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
@@ -299,17 +324,14 @@ class Server:
         ws_server = self._ws_server
         ws_server.close(close_connections=False)
         log.info("shutting down: %d connection(s), grace %.1fs", len(self.connections), grace)
-        running = [
-            g.task
-            for c in list(self.connections.values())
-            for g in list(c.generations.values())
-            if g.task is not None
-        ]
+        running = [g.task for g in self._generations() if g.task is not None]
         if running and grace > 0:
             # asyncio.wait, not gather: a timeout must not cancel the requests.
             await asyncio.wait(running, timeout=grace)
         # The farewell (done cancelled, close 1001) is bounded: a client that
         # does not read is aborted rather than allowed to hold up the exit.
+        for http in list(self.api.live.values()):
+            http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
             return_exceptions=True,

@@ -1,0 +1,122 @@
+"""The WebSocket path, this checkout against another, side by side (fake backend).
+
+    python -m bench.ab_ws --baseline /tmp/base [--rounds 200]
+
+Both servers run the fake backend (no model, so what is measured is the
+server's own work) in their own processes, from two checkouts — this one and
+``--baseline`` (``git worktree add /tmp/base COMMIT``). Rounds alternate
+between them, so load on a shared machine hits both alike. Per round and
+server, over a fresh WebSocket connection:
+
+* **TTFT** — ``generate`` sent → first ``delta`` (fake at unlimited rate);
+* **throughput** — 2,000 tokens at unlimited rate, tokens / (done - first delta);
+* **cancel** — after the first ``delta`` of a long request at 200 tokens/s,
+  ``cancel`` sent → ``done`` (reason ``cancelled``) received.
+
+Medians and p90 are printed as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import ROOT, ServerProcess, percentile
+
+now = time.perf_counter
+
+
+async def _round(url: str) -> dict[str, float]:
+    from wsserver_client import Client
+
+    out: dict[str, float] = {}
+    async with Client(url) as client:
+        t0 = now()
+        stream = client.generate(prompt="ab", max_tokens=8)
+        async for _ in stream:
+            out["ttft_ms"] = 1000 * (now() - t0)
+            break
+        await stream.result()
+        stream = client.generate(prompt="tp", max_tokens=2000)
+        first = None
+        async for _ in stream:
+            if first is None:
+                first = now()
+        assert first is not None and stream.done is not None
+        out["tokens_per_s"] = stream.done.usage.completion_tokens / max(now() - first, 1e-9)
+    return out
+
+
+async def _cancel_round(url: str) -> float:
+    from wsserver_client import Client
+
+    async with Client(url) as client:
+        stream = client.generate(prompt="cancel", max_tokens=4000)
+        async for _ in stream:
+            break
+        t0 = now()
+        done = await stream.cancel()
+        assert done is not None and done.reason == "cancelled"
+        return 1000 * (now() - t0)
+
+
+async def main(baseline: Path, rounds: int) -> None:
+    servers = {
+        "this checkout": ServerProcess({"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}),
+        "baseline": ServerProcess(
+            {"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}, root=baseline
+        ),
+    }
+    paced = {
+        "this checkout": ServerProcess(
+            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0}, name="paced"
+        ),
+        "baseline": ServerProcess(
+            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0},
+            name="paced",
+            root=baseline,
+        ),
+    }
+    for s in [*servers.values(), *paced.values()]:
+        await s.start()
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"ttft_ms": [], "tokens_per_s": [], "cancel_ms": []} for n in servers
+    }
+    try:
+        names = list(servers)
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                result = await _round(servers[name].url)
+                for key, value in result.items():
+                    samples[name][key].append(value)
+                samples[name]["cancel_ms"].append(await _cancel_round(paced[name].url))
+    finally:
+        for s in [*servers.values(), *paced.values()]:
+            await s.stop()
+    print(f"{rounds} rounds, alternating; baseline = {baseline}, this checkout = {ROOT}\n")
+    print(
+        "| server | TTFT median / p90 (ms) | tokens/s median / p10 | cancel → done median / p90 (ms) |"
+    )
+    print("|---|---:|---:|---:|")
+    for name, s in samples.items():
+        print(
+            f"| {name} | {statistics.median(s['ttft_ms']):.2f} / {_p(s['ttft_ms'], 90):.2f} | "
+            f"{statistics.median(s['tokens_per_s']):,.0f} / {_p(s['tokens_per_s'], 10):,.0f} | "
+            f"{statistics.median(s['cancel_ms']):.2f} / {_p(s['cancel_ms'], 90):.2f} |"
+        )
+
+
+def _p(values: list[float], q: float) -> Any:
+    return percentile(values, q)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.ab_ws", description=__doc__)
+    parser.add_argument("--baseline", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    asyncio.run(main(args.baseline, args.rounds))

@@ -1,0 +1,175 @@
+"""The OpenAI API's shapes without I/O (wsserver/openai_api.py), and the front's routing rule."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+import pytest
+
+from wsserver.aio.front import is_openai_target
+from wsserver.backends.openai_wire import parse_chunk
+from wsserver.openai_api import ApiError, Reply, error_body, parse_request, status_of
+from wsserver.protocol import Done, Limits, Message, Timings, Usage
+from wsserver.sse import SSEParser
+
+LIMITS = Limits(max_prompt_chars=100, max_tokens=50)
+
+
+def chat(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"model": "anything", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(fields)
+    return orjson.dumps(body)
+
+
+def refused(kind: str, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(kind, body, "r1", LIMITS)  # type: ignore[arg-type]
+    return info.value
+
+
+def test_a_chat_body_becomes_the_same_generate_a_websocket_client_sends() -> None:
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None, "name": "ignored"},
+        ],
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        seed=11,
+        stop="\n",
+        logprobs=None,
+        presence_penalty=0.3,  # unknown to us: ignored, as the issue asks
+        user="someone",
+    )
+    api = parse_request("chat", body, "r1", LIMITS)
+    g = api.generate
+    assert g.messages == (
+        Message("system", "be brief"),
+        Message("user", "ab"),
+        Message("assistant", ""),
+    )
+    assert (g.id, g.max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop) == (
+        "r1",
+        7,
+        0.5,
+        0.9,
+        3,
+        11,
+        ("\n",),
+    )
+    assert (api.stream, api.include_usage) == (False, False)
+
+
+def test_a_completion_body_with_stream_options() -> None:
+    body = orjson.dumps(
+        {
+            "prompt": ["once"],
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    api = parse_request("completion", body, "r2", LIMITS)
+    assert (api.generate.prompt, api.generate.max_tokens) == ("once", 5)
+    assert (api.kind, api.stream, api.include_usage) == ("completion", True, True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "status", "code", "message"),
+    [
+        ("chat", chat(n=2), 400, "bad_request", "only n=1 is supported"),
+        (
+            "chat",
+            chat(temperature=101),
+            400,
+            "bad_request",
+            "'temperature' must be between 0 and 100",
+        ),
+        ("chat", chat(max_tokens=51), 400, "bad_request", "'max_tokens' exceeds the limit of 50"),
+        ("chat", chat(messages=[{"role": "tool", "content": "x"}]), 400, "bad_request", "role"),
+        ("chat", chat(stream_options={"include_usage": True}), 400, "bad_request", "stream: true"),
+        ("chat", chat(stream="yes"), 400, "bad_request", "'stream' must be a boolean"),
+        ("chat", b"{", 400, "bad_json", "invalid JSON"),
+        ("chat", b"[]", 400, "bad_json", "a JSON object"),
+        ("chat", orjson.dumps({"model": "m"}), 400, "bad_request", "'messages' is required"),
+        ("completion", orjson.dumps({"prompt": ["a", "b"]}), 400, "bad_request", "one prompt"),
+        ("completion", orjson.dumps({"prompt": "x" * 101}), 413, "too_large", "exceeds 100"),
+    ],
+)
+def test_refusals_carry_openai_status_code_and_our_message(
+    kind: str, body: bytes, status: int, code: str, message: str
+) -> None:
+    error = refused(kind, body)
+    assert (error.status, error.code) == (status, code)
+    assert message in error.message
+    obj = orjson.loads(error.body())["error"]
+    assert obj["message"] == error.message and obj["code"] == code and "type" in obj
+
+
+def test_status_of_every_kind_of_failure() -> None:
+    assert status_of("overloaded") is HTTPStatus.SERVICE_UNAVAILABLE
+    assert status_of("rate_limited") is HTTPStatus.TOO_MANY_REQUESTS
+    assert status_of("upstream_failed") is HTTPStatus.BAD_GATEWAY
+    assert status_of("internal") is HTTPStatus.INTERNAL_SERVER_ERROR
+    assert orjson.loads(error_body(401, "no", "invalid_api_key"))["error"]["type"] == (
+        "authentication_error"
+    )
+
+
+def done(reason: str = "stop") -> Done:
+    return Done(
+        id="r1",
+        reason=reason,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=3, completion_tokens=4),
+        timings=Timings(queued_ms=0, ttft_ms=1, total_ms=2, tokens_per_s=1),
+    )
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streamed_chunks_read_back_with_our_own_upstream_parser(kind: str) -> None:
+    """What we emit is what the openai backend (our client side) reads."""
+    reply = Reply(kind, "r1", "m", 123, include_usage=True)  # type: ignore[arg-type]
+    data = reply.text_chunk("Hel") + reply.text_chunk("lo") + reply.final_chunks(done("length"))
+    events = SSEParser().feed(data)
+    assert events[-1] == "[DONE]"
+    chunks = [parse_chunk(e) for e in events[:-1]]
+    assert "".join(c.text for c in chunks) == "Hello"
+    assert [c.finish for c in chunks] == [None, None, "length", None]
+    assert (chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == (3, 4)
+    first = orjson.loads(events[0])
+    assert first["id"] == ("chatcmpl-r1" if kind == "chat" else "cmpl-r1")
+    assert first["usage"] is None
+    if kind == "chat":
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hel"}
+        assert orjson.loads(events[1])["choices"][0]["delta"] == {"content": "lo"}
+
+
+def test_a_whole_body_has_the_text_and_usage() -> None:
+    body = orjson.loads(Reply("chat", "r1", "m", 1, include_usage=False).body("hi", done()))
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == "hi"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (b"POST /v1/chat/completions HTTP/1.1", True),
+        (b"GET /v1/models?x=1 HTTP/1.1", True),
+        (b"OPTIONS /v1 HTTP/1.1", True),
+        (b"GET / HTTP/1.1", False),
+        (b"GET /v10/models HTTP/1.1", False),
+        (b"GET /healthz HTTP/1.1", False),
+        (b"garbage", False),
+    ],
+)
+def test_the_front_routes_by_the_request_target(line: bytes, expected: bool) -> None:
+    assert is_openai_target(line) is expected

@@ -1,0 +1,495 @@
+"""The OpenAI HTTP API end to end: a real server on real sockets, the official
+``openai`` SDK (and aiohttp, curl, raw sockets) as clients.
+
+The fake backend is deterministic, so every text is checked against what the
+WebSocket path (or the fake's own oracle) gives for the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import h11
+import openai
+import pytest
+from conftest import expected_fake_text, running_server, timeout, wire
+
+from wsserver.aio import Server
+from wsserver.aio.openai_http import HttpConnection
+from wsserver.backends.openai_wire import parse_chunk
+from wsserver.sse import SSEParser
+
+MESSAGES = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "tell me"}]
+
+
+def base_url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.port}/v1"
+
+
+@contextlib.asynccontextmanager
+async def sdk(
+    server: Server, api_key: str = "unused", **kwargs: Any
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    client = openai.AsyncOpenAI(
+        base_url=base_url(server), api_key=api_key, max_retries=0, timeout=timeout(30), **kwargs
+    )
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def sync_sdk(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=base_url(server), api_key="unused", max_retries=0, timeout=timeout(30)
+    )
+
+
+def requests_ended(server: Server, reason: str) -> float:
+    value = server.metrics.registry.get_sample_value("wsserver_requests_total", {"reason": reason})
+    return value or 0.0
+
+
+def only_http(server: Server) -> HttpConnection:
+    (connection,) = server.api.live.values()
+    return connection
+
+
+async def ws_text(server: Server, **fields: Any) -> str:
+    async with wire(server) as client:
+        await client.send({"type": "generate", "id": "w", **fields})
+        text, _ = await client.done("w")
+        return text
+
+
+# ---------------------------------------------------------------- text, streams, usage
+
+
+async def test_chat_streamed_and_whole_give_the_websocket_text() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
+        expected = await ws_text(server, messages=MESSAGES, max_tokens=40, seed=5)
+        whole = await client.chat.completions.create(
+            model="whatever",
+            messages=MESSAGES,
+            max_tokens=40,
+            seed=5,  # type: ignore[arg-type]
+        )
+        assert whole.model == "fake"
+        assert whole.choices[0].message.content == expected
+        assert whole.choices[0].finish_reason == "length"
+        assert whole.usage is not None and whole.usage.completion_tokens == 40
+        stream = await client.chat.completions.create(
+            model="whatever",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=40,
+            seed=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        # The usage chunk: last, no choices, the request's counts.
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage is not None
+        assert (chunks[-1].usage.completion_tokens, chunks[-1].usage.total_tokens) == (
+            40,
+            40 + chunks[-1].usage.prompt_tokens,
+        )
+        assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completion_streamed_and_whole_give_the_fake_models_text() -> None:
+    expected = expected_fake_text("Once upon", 30, seed=9)
+    async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
+        whole = await client.completions.create(
+            model="m", prompt="Once upon", max_tokens=30, seed=9
+        )
+        assert whole.choices[0].text == expected
+        stream = await client.completions.create(
+            model="m", prompt="Once upon", max_tokens=30, seed=9, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert chunks[-1].usage is None  # not asked for
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["fake"]
+        assert (await client.models.retrieve("fake")).id == "fake"
+
+
+# ---------------------------------------------------------------- disconnect is cancel
+
+
+async def test_breaking_out_of_a_stream_cancels_it_and_the_next_request_starts_at_once() -> None:
+    # One slot at 20 tokens/s: the abandoned request would hold it for hours.
+    async with running_server(
+        backend__fake__tokens_per_s=20.0, backend__fake__parallel=1
+    ) as server:
+        client = sync_sdk(server)
+
+        def abandon_then_ask() -> str | None:
+            with client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                max_tokens=100_000,
+                stream=True,  # type: ignore[arg-type]
+            ) as stream:
+                for _chunk in stream:
+                    break
+            reply = client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                max_tokens=3,  # type: ignore[arg-type]
+            )
+            return reply.choices[0].finish_reason
+
+        try:
+            reason = await asyncio.wait_for(asyncio.to_thread(abandon_then_ask), timeout(30))
+        finally:
+            client.close()
+        assert reason == "length"
+        assert requests_ended(server, "cancelled") == 1
+        assert requests_ended(server, "length") == 1
+        assert server.producer_threads() == 0
+
+
+async def test_a_client_gone_while_queued_leaves_the_queue() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=20.0, backend__fake__parallel=1) as server,
+        sdk(server) as client,
+    ):
+        first = await client.completions.create(
+            model="m", prompt="a", max_tokens=100_000, stream=True
+        )
+        await first.__anext__()
+        async with aiohttp.ClientSession() as raw:
+            body = {"prompt": "b", "max_tokens": 5, "stream": True}
+            async with raw.post(base_url(server) + "/completions", json=body) as second:
+                # Queued: the headers, then a keep-alive comment while it waits.
+                assert second.status == 200
+                assert await second.content.readline() == b": keep-alive\n"
+                assert server.scheduler.waiting == 1
+                waiting = [
+                    g
+                    for c in server.api.live.values()
+                    for g in c.generations.values()
+                    if g.slot is None
+                ]
+        (generation,) = waiting
+        assert generation.task is not None
+        await asyncio.wait_for(generation.task, timeout(10))
+        assert server.scheduler.waiting == 0
+        await first.close()
+
+
+async def test_a_queued_stream_gets_keep_alives_then_its_text() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=20.0, backend__fake__parallel=1) as server,
+        sdk(server) as client,
+    ):
+        first = await client.completions.create(
+            model="m", prompt="a", max_tokens=100_000, stream=True
+        )
+        await first.__anext__()
+        async with aiohttp.ClientSession() as raw:
+            body = {"prompt": "b", "max_tokens": 5, "seed": 1, "stream": True}
+            async with raw.post(base_url(server) + "/completions", json=body) as second:
+                assert await second.content.readline() == b": keep-alive\n"
+                await first.close()  # frees the model: the queued one starts
+                rest = (await second.content.read()).decode().splitlines()
+        events = [line[len("data: ") :] for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(parse_chunk(e).text for e in events[:-1]) == expected_fake_text("b", 5, 1)
+
+
+async def test_shutdown_ends_a_running_stream_with_an_error_event_and_closes() -> None:
+    async with running_server(backend__fake__tokens_per_s=20.0) as server, sdk(server) as client:
+        stream = await client.completions.create(
+            model="m", prompt="a", max_tokens=100_000, stream=True
+        )
+        await stream.__anext__()
+        stopping = asyncio.create_task(server.stop(grace=0))
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            async for _chunk in stream:
+                pass
+        await asyncio.wait_for(stopping, timeout(10))
+        assert not server.api.live
+        assert requests_ended(server, "cancelled") == 1
+
+
+# ---------------------------------------------------------------- errors, auth, limits
+
+
+async def test_errors_come_as_the_sdks_exceptions_with_our_messages() -> None:
+    async with running_server(server__max_frame_bytes=4096) as server, sdk(server) as client:
+        with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
+            await client.chat.completions.create(model="m", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="'temperature' must be between 0 and 100"):
+            await client.completions.create(model="m", prompt="x", temperature=500)
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            await client.models.retrieve("gpt-17")
+        with pytest.raises(openai.APIStatusError, match="exceeds 4096 bytes") as info:
+            await client.completions.create(model="m", prompt="x" * 5000)
+        assert info.value.status_code == 413
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "too_large"
+        async with aiohttp.ClientSession() as raw:
+            async with raw.get(base_url(server) + "/embeddings") as missing:
+                assert missing.status == 404
+                assert (await missing.json())["error"]["type"] == "not_found_error"
+            async with raw.get(base_url(server) + "/chat/completions") as wrong:
+                assert wrong.status == 405
+
+
+async def test_a_full_queue_is_503_and_a_fast_client_429() -> None:
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=20.0,
+            backend__fake__parallel=1,
+            backend__fake__max_waiting=0,
+        ) as server,
+        sdk(server) as client,
+    ):
+        first = await client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True)
+        await first.__anext__()
+        with pytest.raises(openai.InternalServerError, match="already waiting") as info:
+            await client.completions.create(model="m", prompt="b", max_tokens=5)
+        assert info.value.status_code == 503
+        assert info.value.response.headers["retry-after"] == "1"
+        await first.close()
+    async with running_server(limits__frames_per_s=0.001, limits__frames_burst=2) as server:
+        async with sdk(server) as client:
+            await client.models.list()
+            await client.models.list()
+            with pytest.raises(openai.RateLimitError, match="too many requests"):
+                await client.models.list()
+
+
+async def test_the_token_is_required_as_a_bearer() -> None:
+    async with running_server(security__auth_token="s3cret") as server:
+        async with sdk(server, api_key="wrong") as client:
+            with pytest.raises(openai.AuthenticationError, match="missing or wrong token") as info:
+                await client.completions.create(model="m", prompt="a", max_tokens=2)
+            assert info.value.code == "invalid_api_key"
+        async with sdk(server, api_key="s3cret") as client:
+            reply = await client.completions.create(model="m", prompt="a", max_tokens=2)
+            assert reply.choices[0].finish_reason == "length"
+        refused = server.metrics.registry.get_sample_value(
+            "wsserver_handshakes_refused_total", {"reason": "auth"}
+        )
+        assert refused == 1
+
+
+async def fetch(
+    method: str, url: str, *, headers: dict[str, str] | None = None, body: Any = None
+) -> tuple[int, Any, Any]:
+    """One plain HTTP request: status, headers and the JSON body (or None)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, headers=headers, json=body) as response:
+            data = await response.read()
+            return response.status, response.headers, json.loads(data) if data else None
+
+
+async def test_host_origin_and_cors_preflight() -> None:
+    async with running_server(security__allowed_origins=["https://app.example"]) as server:
+        url = base_url(server) + "/chat/completions"
+        status, _, error = await fetch(
+            "GET", base_url(server) + "/models", headers={"Host": "evil.example"}
+        )
+        assert status == 403 and error["error"]["code"] == "host"
+        preflight = {
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        status, headers, _ = await fetch("OPTIONS", url, headers=preflight)
+        assert status == 204
+        assert headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in headers["access-control-allow-methods"]
+        assert headers["access-control-allow-headers"] == "authorization, content-type"
+        status, headers, _ = await fetch(
+            "OPTIONS", url, headers={**preflight, "Origin": "https://evil.example"}
+        )
+        assert status == 403 and "access-control-allow-origin" not in headers
+        body = {"messages": MESSAGES, "max_tokens": 2}
+        status, headers, _ = await fetch(
+            "POST", url, headers={"Origin": "https://app.example"}, body=body
+        )
+        assert status == 200
+        assert headers["access-control-allow-origin"] == "https://app.example"
+        assert headers["access-control-expose-headers"] == "X-Request-ID"
+        status, _, _ = await fetch(
+            "POST", url, headers={"Origin": "https://evil.example"}, body=body
+        )
+        assert status == 403
+
+
+async def test_x_request_id_is_echoed_or_generated_and_names_the_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="wsserver")
+    async with running_server() as server, sdk(server) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_headers={"X-Request-ID": "mine-1"},
+        )
+        assert raw.headers["x-request-id"] == "mine-1"
+        assert raw.parse().id == "chatcmpl-mine-1"
+        other = await client.completions.with_raw_response.create(
+            model="m", prompt="a", max_tokens=2, extra_headers={"X-Request-ID": "not valid!"}
+        )
+        generated = other.headers["x-request-id"]
+        assert generated != "not valid!" and len(generated) == 16
+    done_lines = [r.getMessage() for r in caplog.records if " done reason=" in r.getMessage()]
+    assert any("id=mine-1 done reason=length" in line for line in done_lines)
+    assert any(f"id={generated} done" in line for line in done_lines)
+
+
+# ---------------------------------------------------------------- other clients
+
+
+async def test_curl_streams_it() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        body = json.dumps({"prompt": "curl", "max_tokens": 50, "seed": 3, "stream": True})
+        process = await asyncio.create_subprocess_exec(
+            "curl", "-N", "-sS", "-H", "Content-Type: application/json", "-d", body,
+            base_url(server) + "/completions",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, _ = await asyncio.wait_for(process.communicate(), timeout(30))
+        assert process.returncode == 0
+        events = SSEParser().feed(stdout)
+        assert events[-1] == "[DONE]"
+        assert "".join(parse_chunk(e).text for e in events[:-1]) == expected_fake_text(
+            "curl", 50, 3
+        )
+
+
+async def test_the_front_reads_a_request_line_in_pieces_and_websockets_keeps_the_rest() -> None:
+    async with running_server() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        for piece in (
+            b"GET /v",
+            b"1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n",
+            b"Connection: close\r\n\r\n",
+        ):
+            writer.write(piece)
+            await writer.drain()
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 200 ")
+        assert b'"id":"fake"' in response
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{server.port}/healthz") as health:
+                assert (health.status, await health.text()) == (200, "ok\n")
+        assert await ws_text(server, prompt="p", max_tokens=3, seed=1) == expected_fake_text(
+            "p", 3, 1
+        )
+
+
+async def test_pipelined_requests_are_answered_in_order_and_bad_http_is_a_400() -> None:
+    async with running_server() as server:
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Request-ID: "
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(head + b"one\r\n\r\n" + head + b"two\r\nConnection: close\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert response.count(b"HTTP/1.1 200 OK") == 2
+        assert response.index(b"X-Request-ID: one") < response.index(b"X-Request-ID: two")
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nbad header\r\n\r\n")
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 400 Bad Request")
+        assert json.loads(response.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "bad_request"
+
+
+# ---------------------------------------------------------------- a slow reader
+
+
+async def test_a_slow_sse_reader_pauses_its_request_with_bounded_memory_and_gets_every_word() -> (
+    None
+):
+    """The client stops reading; the model runs flat out. Held for the client:
+    the channel (queue_tokens pieces) + the write buffer (write_limit) + one
+    merged chunk, under 64 KiB; the kernel's buffers (SO_SNDBUF) on top."""
+    bound = 64 * 1024
+    max_tokens = 60000
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        stream__queue_tokens=64,
+        server__sndbuf=16384,
+        server__write_limit=16384,
+        stream__stall_timeout_s=60.0,
+    ) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        body = json.dumps({"prompt": "slow", "max_tokens": max_tokens, "stream": True}).encode()
+        client = h11.Connection(h11.CLIENT)
+        request = h11.Request(
+            method="POST",
+            target="/v1/completions",
+            headers=[
+                ("Host", "127.0.0.1"),
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Connection", "close"),
+            ],
+        )
+        writer.write(client.send(request) + client.send(h11.Data(data=body)))
+        writer.write(client.send(h11.EndOfMessage()))
+        await writer.drain()
+        # The head comes at "started", once the request is submitted to the engine;
+        # then read nothing until the engine is paused on its full channel.
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout(20))
+        client.receive_data(head)
+        ((generation,),) = [c.generations.values() for c in server.api.live.values()]
+        connection = only_http(server)
+        await asyncio.wait_for(connection.writing_paused.wait(), timeout(20))
+        assert await asyncio.to_thread(generation.channel.blocked.wait, timeout(20))
+        # Watch it for a second: paused, the engine makes no progress and the
+        # buffers stay where they are (without backpressure it would run on).
+        tokens = generation.channel.tokens
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await asyncio.Event().wait()
+        held = connection.buffered_bytes()
+        assert held < bound, f"{held} bytes held for one slow client"
+        assert generation.channel.tokens == tokens < max_tokens, "the engine ran on regardless"
+        # Read on: everything arrives, complete and in order.
+        parser = SSEParser()
+        events: list[str] = []
+        async with asyncio.timeout(timeout(120)):
+            while True:
+                event = client.next_event()
+                if event is h11.NEED_DATA:
+                    client.receive_data(await reader.read(65536))
+                elif isinstance(event, h11.Response):
+                    assert event.status_code == 200
+                elif isinstance(event, h11.Data):
+                    events += parser.feed(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+        writer.close()
+        # At every write, not only when sampled: the write buffer never held
+        # more than its high-water mark and one chunk.
+        assert connection.peak_write_buffer < 32 * 1024, connection.peak_write_buffer
+        assert events[-1] == "[DONE]"
+        chunks = [parse_chunk(e) for e in events[:-1]]
+        assert "".join(c.text for c in chunks) == expected_fake_text("slow", max_tokens)
+        assert chunks[-1].finish == "length"

@@ -1,0 +1,75 @@
+"""The OpenAI API on the real llama.cpp engine (the tiny GGUF): a client that
+abandons a long prompt mid-prefill frees the model at once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+import openai
+from conftest import make_config, running_server, timeout
+
+from wsserver.backends.llama import LlamaBackend
+
+pytestmark = pytest.mark.llama
+
+#: ~7,000 prompt tokens: about a second of prefill for the tiny model.
+LONG_PROMPT = "hello world " * 3500
+
+
+async def test_abandoning_a_long_prompt_mid_prefill_frees_the_model_at_once(
+    tiny_gguf: Path,
+) -> None:
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__n_ctx=8192,
+        limits__max_tokens=8000,
+    )
+    async with running_server(config) as server:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        loop = asyncio.get_running_loop()
+        prefills: asyncio.Queue[str] = asyncio.Queue()
+        backend.on_prefill = lambda request_id, n: loop.call_soon_threadsafe(
+            prefills.put_nowait, request_id
+        )
+        aborts_before = backend.slot_stats(0)["aborts"]
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(60),
+        )
+        try:
+            # The headers come when the request gets the model, before its
+            # prefill: create() returns and the client can walk away.
+            stream = await client.completions.create(
+                model="tiny",
+                prompt=LONG_PROMPT,
+                max_tokens=50,
+                stream=True,
+                extra_headers={"X-Request-ID": "long"},
+            )
+            async with asyncio.timeout(timeout(10)):
+                assert await prefills.get() == "long"
+            await stream.close()
+            # The next request gets the model as soon as the abort lands.
+            reply = await client.completions.create(
+                model="tiny", prompt="Hello", max_tokens=3, temperature=0
+            )
+            assert reply.choices[0].finish_reason == "length"
+        finally:
+            await client.close()
+            backend.on_prefill = None
+        # The prefill itself was interrupted (llama.cpp's abort), not waited out.
+        assert backend.slot_stats(0)["aborts"] == aborts_before + 1
+        cancelled = server.metrics.registry.get_sample_value(
+            "wsserver_requests_total", {"reason": "cancelled"}
+        )
+        assert cancelled == 1

@@ -1,0 +1,483 @@
+"""The OpenAI HTTP API on the WebSocket port: one HTTP/1.1 connection.
+
+:class:`HttpConnection` is the asyncio protocol a connection gets when its
+first request line asks for ``/v1`` (:mod:`wsserver.aio.front`). HTTP/1.1
+itself is h11's (sans-I/O, python-hyper): bytes in, events out; this class
+only moves bytes, vets each request and routes it:
+
+* ``OPTIONS /v1/…`` — a CORS preflight, answered for the allowed origins;
+* ``GET /v1/models`` (and ``/v1/models/{id}``);
+* ``POST /v1/chat/completions`` and ``POST /v1/completions`` — a
+  :class:`~wsserver.aio.openai_stream.Completion`.
+
+Every request first passes :class:`~wsserver.aio.openai_gate.Gate` (the
+WebSocket handshake's checks, CORS, a request rate). Each response carries
+``X-Request-ID`` (the client's, if valid, else a generated one): the
+request's ID in logs.
+
+**Flow control.** The transport's write buffer has a high-water mark of
+``server.write_limit`` (and the listening socket's small ``SO_SNDBUF``);
+above it asyncio calls :meth:`HttpConnection.pause_writing` and
+:meth:`HttpConnection.drain` waits: a completion's pump waits there, so a slow
+reader pauses its own request. As over a WebSocket the wait is judged by the
+client's progress: no progress for ``stream.stall_timeout_s`` while another
+request waits for the model ends the request as ``stalled``; none for
+``server.send_timeout_s`` aborts the connection.
+
+**Disconnect is cancel.** EOF or a lost connection cancels the running
+completion at once (the request ends as ``cancelled`` and its engine stops).
+Bytes a client sends while its request runs (pipelining) are held up to
+:data:`MAX_PIPELINED` and then the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import struct
+import termios
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Final
+
+import h11
+
+from ..logs import ConnectionLog
+from ..openai_api import ApiError, error_body, models_body, parse_request
+from .connection import Shared
+from .openai_gate import Gate, RequestHeaders, request_id_of
+from .openai_stream import Completion, Headers, Hooks
+from .pipeline import Generation
+
+__all__ = ["ApiContext", "HttpConnection"]
+
+log = logging.getLogger("wsserver.openai")
+
+#: Bytes a client may send ahead while its request runs.
+MAX_PIPELINED: Final = 65536
+_COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ApiContext:
+    """What every HTTP connection uses; built once by the server."""
+
+    shared: Shared
+    gate: Gate
+    #: The server's live HTTP connections, by connection ID.
+    live: dict[str, HttpConnection] = field(default_factory=dict)
+    next_id: Callable[[], str] = lambda: "h?"
+
+
+class HttpConnection(asyncio.Protocol):
+    """One HTTP/1.1 connection that asked for the OpenAI API."""
+
+    def __init__(self, api: ApiContext) -> None:
+        self._api = api
+        self._shared = api.shared
+        self.conn_id = api.next_id()
+        self.log = ConnectionLog(log, self.conn_id)
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16384)
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._peer = "?"
+        self._request: h11.Request | None = None
+        self._body = bytearray()
+        self._handler: asyncio.Task[None] | None = None
+        self.completion: Completion | None = None
+        #: Generations started here whose engine is not gone yet (/readyz, /metrics, shutdown).
+        self.generations: dict[str, Generation] = {}
+        self._admitted = False
+        self._closing = False
+        self._lost = False
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        #: Set while the write buffer is above its high-water mark (tests, as PeerAwareConnection).
+        self.writing_paused = asyncio.Event()
+        #: The largest the write buffer has been after a write (tests, diagnostics).
+        self.peak_write_buffer = 0
+        self._fd: int | None = None
+        self._idle: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ asyncio protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        server = self._shared.config.server
+        transport.set_write_buffer_limits(high=server.write_limit)
+        peer = transport.get_extra_info("peername")
+        self._peer = str(peer[0]) if peer else "?"
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else None
+        self._api.live[self.conn_id] = self
+        self.log.info("open from %s (HTTP)", self._peer)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lost:
+            return
+        self._h11.receive_data(data)
+        self._next_events()
+
+    def eof_received(self) -> bool:
+        # A client that closes its side is gone: HTTP clients do not half-close.
+        self._client_gone()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_idle()
+        self._client_gone()
+        if not self.generations:
+            # Else when the last engine is gone: until then its slot is this
+            # connection's (the server's orphan check, /readyz), as a
+            # WebSocket connection stays listed until its requests are gone.
+            self._api.live.pop(self.conn_id, None)
+        self._api.gate.connection_limiter.release(self)
+        self.log.info("closed (HTTP)")
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        self._resumed.clear()
+        self.writing_paused.set()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._resumed.set()
+        self.writing_paused.clear()
+
+    def _client_gone(self) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        self._resumed.set()
+        if self.completion is not None:
+            self.completion.client_gone()
+
+    # ------------------------------------------------------------ reading requests
+
+    def _next_events(self) -> None:
+        while self._handler is None and not self._lost:
+            try:
+                event = self._h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._refuse_bad_http(exc)
+                return
+            if event is h11.NEED_DATA:
+                return
+            if event is h11.PAUSED:
+                break
+            if isinstance(event, h11.Request):
+                self._disarm_idle()
+                if not self._start_request(event):
+                    return
+            elif isinstance(event, h11.Data):
+                self._body += event.data
+                if len(self._body) > self._shared.config.server.max_frame_bytes:
+                    self._too_large()
+                    return
+            elif isinstance(event, h11.EndOfMessage):
+                request, body = self._request, bytes(self._body)
+                assert request is not None
+                self._body = bytearray()
+                self._handler = asyncio.create_task(self._handle(request, body))
+            elif isinstance(event, h11.ConnectionClosed):
+                self._client_gone()
+                return
+        if self._handler is not None and len(self._h11.trailing_data[0]) > MAX_PIPELINED:
+            self.log.info("sent too much ahead of its answer; closing")
+            self._close()
+
+    def _start_request(self, request: h11.Request) -> bool:
+        self._request = request
+        limit = self._shared.config.server.max_frame_bytes
+        for name, value in request.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                self._too_large()
+                return False
+        if self._h11.they_are_waiting_for_100_continue:
+            self._write(h11.InformationalResponse(status_code=100, headers=[]))
+        return True
+
+    def _too_large(self) -> None:
+        limit = self._shared.config.server.max_frame_bytes
+        message = f"the request body exceeds {limit} bytes"
+        self._simple(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, error_body(413, message, "too_large"))
+        self._close()
+
+    def _refuse_bad_http(self, exc: h11.RemoteProtocolError) -> None:
+        status = exc.error_status_hint
+        with contextlib.suppress(h11.LocalProtocolError):
+            self._simple(status, error_body(status, f"bad HTTP request: {exc}", "bad_request"))
+        self._close()
+
+    # ------------------------------------------------------------ one request
+
+    async def _handle(self, request: h11.Request, body: bytes) -> None:
+        headers = RequestHeaders(request.headers)
+        request_id = request_id_of(headers)
+        extra: Headers = [("X-Request-ID", request_id)]
+        try:
+            await self._route(request, body, headers, request_id, extra)
+        except ApiError as exc:
+            self.log.request(request_id).info(
+                "refused: %d %s", exc.status, exc.message, extra={"code": exc.code}
+            )
+            if exc.code in _METRIC_CODES:  # refusals by the gate are counted as such
+                self._shared.metrics.errors.labels(exc.code).inc()
+            status = exc.status
+            if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
+                extra.append(("Retry-After", "1"))
+            if status is HTTPStatus.UNAUTHORIZED:
+                extra.append(("WWW-Authenticate", "Bearer"))
+            self._simple(status, exc.body(), extra)
+        except Exception:
+            self.log.exception("HTTP request failed")
+            if not self._lost and self._h11.our_state is h11.SEND_RESPONSE:
+                self._simple(500, error_body(500, "internal error", "internal"), extra)
+        finally:
+            self.completion = None
+            self._handler = None
+        self._next_cycle()
+
+    async def _route(
+        self,
+        request: h11.Request,
+        body: bytes,
+        headers: RequestHeaders,
+        request_id: str,
+        extra: Headers,
+    ) -> None:
+        method = request.method.decode("ascii", "replace")
+        path = request.target.decode("ascii", "replace").split("?", 1)[0]
+        gate = self._api.gate
+        gate.check_browser(headers, extra)
+        if method == "OPTIONS":
+            gate.preflight(headers, extra)
+            self._simple(HTTPStatus.NO_CONTENT, b"", extra)
+            return
+        gate.check_client(
+            headers,
+            connection=self,
+            peer=self._peer,
+            alive=lambda: not self._lost,
+            admitted=self._admitted,
+            now=self._loop.time(),
+        )
+        self._admitted = True
+        model = self._shared.backend.model_name
+        kind = _COMPLETIONS.get(path)
+        if kind is not None:
+            if method != "POST":
+                raise _not_allowed(method, "POST")
+            if self._lost:
+                return  # gone before its request could start: nothing to run for it
+            api = parse_request(
+                "chat" if kind == "chat" else "completion",
+                body,
+                request_id,
+                self._shared.wire_limits,
+            )
+            completion = Completion(
+                api,
+                shared=self._shared,
+                out=self,
+                headers=extra,
+                log=self.log,
+                hooks=Hooks(started=self._generation_started, gone=self._generation_gone),
+            )
+            self.completion = completion
+            await completion.run()
+        elif path == "/v1/models" or (path.startswith("/v1/models/") and path[11:] == model):
+            if method != "GET":
+                raise _not_allowed(method, "GET")
+            single = path != "/v1/models"
+            self._simple(HTTPStatus.OK, models_body(model, single=single), extra)
+        elif path.startswith("/v1/models/"):
+            raise ApiError(
+                HTTPStatus.NOT_FOUND, f"the model {path[11:]!r} does not exist", "model_not_found"
+            )
+        else:
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path[:100]}", "not_found")
+
+    def _generation_started(self, generation: Generation) -> None:
+        self.generations[generation.request.id] = generation
+
+    async def _generation_gone(self, generation: Generation) -> None:
+        self.generations.pop(generation.request.id, None)
+        if self._lost and not self.generations:
+            self._api.live.pop(self.conn_id, None)
+        # The session's bookkeeping (a producer that ended without an end) as
+        # a WebSocket connection does it.
+        completion = self.completion
+        if completion is not None and completion.generation is generation:
+            now = self._loop.time()
+            await completion.apply(completion.session.producer_stopped(generation.request.id, now))
+
+    # ------------------------------------------------------------ the Responder
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def start(self, status: int, headers: Headers) -> None:
+        reason = HTTPStatus(status).phrase.encode("ascii")
+        self._write(h11.Response(status_code=status, headers=_encode(headers), reason=reason))
+
+    def send(self, data: bytes) -> None:
+        if data:
+            self._write(h11.Data(data=data))
+
+    def end(self) -> None:
+        self._write(h11.EndOfMessage())
+
+    async def drain(self) -> None:
+        """Wait while the write buffer is above the high-water mark, judging
+        the client by its progress (see the module docstring)."""
+        if not self._paused or self._lost:
+            return
+        server, stream = self._shared.config.server, self._shared.config.stream
+        send_timeout, stall_timeout = server.send_timeout_s, stream.stall_timeout_s or None
+        watch = min(0.25, send_timeout / 4, (stall_timeout or 1.0) / 4)
+        last_size = self._outstanding_bytes()
+        last_progress = self._loop.time()
+        while self._paused and not self._lost:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(watch):
+                    await self._resumed.wait()
+            if not self._paused or self._lost:
+                return
+            now = self._loop.time()
+            size = self._outstanding_bytes()
+            if size < last_size:
+                last_progress = now
+            last_size = size
+            idle = now - last_progress
+            completion = self.completion
+            if (
+                stall_timeout is not None
+                and idle >= stall_timeout
+                and completion is not None
+                and self._shared.scheduler.waiting > 0
+            ):
+                completion.stall()
+            if idle >= send_timeout:
+                self.log.warning("send made no progress for %.1fs; aborting the connection", idle)
+                if self._transport is not None:
+                    self._transport.abort()
+                return
+
+    # ------------------------------------------------------------ helpers
+
+    def _simple(self, status: int, body: bytes, headers: Headers | None = None) -> None:
+        """A whole response (only while one may start)."""
+        if self._lost or self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        all_headers = [("Content-Length", str(len(body))), *(headers or [])]
+        if body:
+            all_headers.insert(0, ("Content-Type", "application/json"))
+        self.start(status, all_headers)
+        self.send(body)
+        self.end()
+
+    def _write(self, event: h11.Event) -> None:
+        if self._lost or self._transport is None:
+            return
+        try:
+            data = self._h11.send(event)
+        except h11.LocalProtocolError:
+            self.log.exception("HTTP framing error; closing")
+            self._close()
+            return
+        if data:
+            self._transport.write(data)
+            size = self._transport.get_write_buffer_size()
+            if size > self.peak_write_buffer:
+                self.peak_write_buffer = size
+
+    def _next_cycle(self) -> None:
+        if self._lost:
+            return
+        h = self._h11
+        if self._closing:
+            self._close()
+        elif h.our_state is h11.DONE and h.their_state is h11.DONE:
+            h.start_next_cycle()
+            self._request = None
+            self._arm_idle()
+            self._next_events()
+        elif h.our_state in (h11.MUST_CLOSE, h11.DONE, h11.CLOSED, h11.ERROR):
+            self._close()
+
+    def _arm_idle(self) -> None:
+        """Between requests a keep-alive connection may wait ``server.idle_timeout_s``
+        (as an idle WebSocket may); then it is closed."""
+        self._disarm_idle()
+        idle = self._shared.config.server.idle_timeout_s
+        if idle > 0:
+            self._idle = self._loop.call_later(idle, self._idle_close)
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_close(self) -> None:
+        self._idle = None
+        if self._handler is None:
+            self.log.info("idle; closing")
+            self._close()
+
+    def _close(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    def _outstanding_bytes(self) -> int:
+        """Write buffer plus the kernel's unacknowledged send queue (as the Sender)."""
+        transport = self._transport
+        size = transport.get_write_buffer_size() if transport is not None else 0
+        if self._fd is not None:
+            try:
+                size += struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                self._fd = None
+        return size
+
+    def shutdown(self) -> None:
+        """Server shutdown: cancel the running request (its client is told), close."""
+        self._closing = True
+        if self.completion is not None:
+            self.completion.cancel()
+        else:
+            self._close()
+
+    def buffered_bytes(self) -> int:
+        """Bytes held for the client: channels + write buffer (/metrics, tests)."""
+        total = sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            total += transport.get_write_buffer_size()
+        return total
+
+
+_METRIC_CODES: Final = frozenset(
+    {"bad_json", "bad_request", "too_large", "rate_limited", "overloaded", "internal"}
+)
+
+
+def _not_allowed(method: str, allowed: str) -> ApiError:
+    return ApiError(
+        HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed here; use {allowed}", "bad_request"
+    )
+
+
+def _encode(headers: Headers) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("ascii"), value.encode("latin-1")) for name, value in headers]

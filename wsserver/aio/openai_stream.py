@@ -1,0 +1,327 @@
+"""One OpenAI completion request on the WebSocket request's own path.
+
+A :class:`Completion` runs the request exactly as a WebSocket ``generate``
+runs: a :class:`~wsserver.session.Session` of its own decides what happens,
+and a :class:`~wsserver.aio.pipeline.Generation` takes it through
+acquire → started → engine → pump → finalize, with the scheduler's FIFO, the
+bounded channel, the pacing and the cancel bookkeeping unchanged. Only the
+*effects* differ: where a WebSocket connection turns them into frames, this
+turns them into HTTP:
+
+* ``queued`` → the response's headers and a ``: keep-alive`` comment (also
+  every :data:`KEEPALIVE_S` while nothing else is sent);
+* ``started`` → the headers, so that a client's ``create(stream=True)``
+  returns while the prompt is processed and it can abandon it;
+* ``delta`` → one SSE chunk, written, then the write waits while the
+  transport is above its high-water mark: the pump stops, the channel fills,
+  the engine pauses, as over a WebSocket (without ``stream``, the text is
+  gathered: at most ``max_tokens`` tokens);
+* ``done`` → the finish chunk, the usage chunk and ``[DONE]`` (or the whole
+  JSON body); an ``error`` → OpenAI's error object, with its status while
+  the headers are still unsent, as an in-band event after.
+
+A disconnect is a ``cancel`` frame (:meth:`Completion.client_gone`): the
+session ends the request as cancelled and the generation stops its engine —
+within one step, mid-prefill too, through the cancel event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from ..backends.base import Outcome
+from ..logs import ConnectionLog
+from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
+from ..protocol import Cancel, Delta, Done, Error, Queued, Started
+from ..session import Effect, Send, Session, StartGeneration, StopGeneration
+from .connection import Shared, _done_summary
+from .pipeline import Generation, RequestContext
+
+__all__ = ["KEEPALIVE_S", "Completion", "Responder"]
+
+#: While a streamed request waits (for the model, or its prompt), a comment
+#: this often keeps proxies and clients from timing it out.
+KEEPALIVE_S = 10.0
+
+Headers = list[tuple[str, str]]
+
+
+class Responder(Protocol):
+    """What a completion writes its response with (the HTTP connection)."""
+
+    @property
+    def lost(self) -> bool: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    def start(self, status: int, headers: Headers) -> None: ...
+
+    def send(self, data: bytes) -> None:
+        """Write body bytes now (nothing is written once the client is gone)."""
+
+    async def drain(self) -> None:
+        """Wait while the transport is above its high-water mark."""
+
+    def end(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Hooks:
+    """What a completion tells its HTTP connection."""
+
+    #: The generation started (it counts for /readyz, /metrics and shutdown).
+    started: Callable[[Generation], None]
+    #: Its engine is gone.
+    gone: Callable[[Generation], Awaitable[None]]
+
+
+class Completion:
+    """One request of ``/v1/chat/completions`` or ``/v1/completions``."""
+
+    def __init__(
+        self,
+        api: ApiRequest,
+        *,
+        shared: Shared,
+        out: Responder,
+        headers: Headers,
+        log: ConnectionLog,
+        hooks: Hooks,
+    ) -> None:
+        self.api = api
+        self.request_id = api.generate.id
+        self.log = log.request(self.request_id)
+        self._shared = shared
+        self._out = out
+        self._headers = headers
+        self._hooks = hooks
+        self._loop = asyncio.get_running_loop()
+        config = shared.config
+        self.session = Session(restart_bytes=0)
+        self.reply = Reply(
+            api.kind,
+            self.request_id,
+            shared.backend.model_name,
+            int(time.time()),
+            include_usage=api.include_usage,
+        )
+        self.generation: Generation | None = None
+        self._text: list[str] = []
+        self._head_sent = False
+        self._finished: asyncio.Future[None] = self._loop.create_future()
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._wrote = False
+        self._ctx = RequestContext(
+            session=self.session,
+            backend=shared.backend,
+            scheduler=shared.scheduler,
+            metrics=shared.metrics,
+            log=log,
+            apply=self.apply,
+            in_background=self._in_background,
+            on_gone=hooks.gone,
+            queue_tokens=config.stream.queue_tokens,
+            flush_window=config.stream.flush_ms / 1000.0,
+            flush_tokens=config.stream.flush_tokens,
+            default_max_tokens=config.limits.default_max_tokens,
+        )
+
+    async def run(self) -> None:
+        """Serve the request; returns once its response is complete (or the client gone)."""
+        try:
+            await self.apply(self.session.handle(self.api.generate, self._loop.time()))
+            if self._out.lost:
+                self.client_gone()  # went while the request was being set up
+            await self._finished
+        finally:
+            self._stop_keepalive()
+
+    # ------------------------------------------------------------ what happens to it
+
+    def client_gone(self) -> None:
+        """The client disconnected: that is a cancel."""
+        if self.session.active_id is None:
+            return
+        self.log.info("client disconnected; cancelling")
+        effects = self.session.handle(Cancel(id=self.request_id), self._loop.time())
+        self._in_background(self.apply(effects))
+
+    def cancel(self) -> None:
+        """Server shutdown: end the request as cancelled (the client is told)."""
+        if self.session.active_id is not None:
+            effects = self.session.handle(Cancel(id=self.request_id), self._loop.time())
+            self._in_background(self.apply(effects))
+
+    def stall(self) -> None:
+        """The client read nothing for the stall timeout while others wait for
+        the model: end a request whose engine waits on it (as a WebSocket does)."""
+        generation = self.generation
+        if generation is None or generation.stopped or not generation.channel.blocked.is_set():
+            return
+        self.log.warning("client read nothing; ending the request as stalled")
+        stalled = Outcome(
+            reason="error",
+            completion_tokens=generation.channel.tokens,
+            error_code="stalled",
+            error_message="the client read nothing for the stall timeout",
+        )
+        effects = self.session.finish(self.request_id, stalled, self._loop.time())
+        generation.stop()
+        self._in_background(self.apply(effects))
+
+    # ------------------------------------------------------------ effects
+
+    async def apply(self, effects: Iterable[Effect]) -> None:
+        """Carry out the session's effects: this request's one way out."""
+        for effect in effects:
+            if isinstance(effect, StartGeneration):
+                generation = Generation(effect.request, self._ctx)
+                self.generation = generation
+                generation.task = asyncio.create_task(
+                    generation.run(), name=f"generation-{self._ctx.log.conn_id}-{self.request_id}"
+                )
+                self._hooks.started(generation)
+            elif isinstance(effect, StopGeneration):
+                if self.generation is not None:
+                    self.generation.log.info("cancel")
+                    self.generation.cancelled(self._loop.time())
+            elif isinstance(effect, Send):
+                await self._send(effect.frame)
+
+    async def _send(self, frame: object) -> None:
+        stream = self.api.stream
+        if isinstance(frame, Delta):
+            if stream:
+                self._head()
+                self._wrote = True
+                await self._write(self.reply.text_chunk(frame.text))
+            else:
+                self._text.append(frame.text)
+        elif isinstance(frame, Queued | Started):
+            if stream:
+                self._head()
+                if isinstance(frame, Queued):
+                    await self._write(KEEPALIVE)
+        elif isinstance(frame, Done):
+            self._log_done(frame)
+            await self._end(frame)
+        elif isinstance(frame, Error):
+            self._shared.metrics.errors.labels(frame.code).inc()
+            self.log.info("refused: %s %s", frame.code, frame.message, extra={"code": frame.code})
+            await self._fail(status_of(frame.code), frame.message, frame.code)
+
+    async def _end(self, done: Done) -> None:
+        if done.reason == "cancelled":
+            # Only a shutdown cancels a request whose client is still there.
+            await self._fail(
+                HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down", "cancelled"
+            )
+        elif done.reason == "error":
+            code = done.error_code or "internal"
+            await self._fail(status_of(code), done.error_message or "generation failed", code)
+        elif self.api.stream:
+            self._head()
+            await self._write_last(self.reply.final_chunks(done))
+        else:
+            body = self.reply.body("".join(self._text), done)
+            self._respond(HTTPStatus.OK, body, "application/json")
+
+    async def _fail(self, status: HTTPStatus, message: str, code: str) -> None:
+        if self._head_sent:
+            await self._write_last(error_event(status, message, code))
+        else:
+            self._respond(status, error_body(status, message, code), "application/json")
+
+    # ------------------------------------------------------------ writing
+
+    def _head(self) -> None:
+        if self._head_sent or self._out.lost:
+            return
+        self._head_sent = True
+        headers = [
+            ("Content-Type", "text/event-stream; charset=utf-8"),
+            ("Cache-Control", "no-cache"),
+            # nginx buffers a proxied body unless told otherwise.
+            ("X-Accel-Buffering", "no"),
+            *self._headers,
+        ]
+        self._out.start(HTTPStatus.OK, headers)
+        self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)
+
+    def _keep_alive(self) -> None:
+        self._keepalive = None
+        if self._finished.done() or self._out.lost:
+            return
+        if not self._wrote and not self._out.paused:
+            self._out.send(KEEPALIVE)
+        self._wrote = False
+        self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)
+
+    def _stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
+
+    async def _write(self, data: bytes) -> None:
+        self._out.send(data)
+        await self._out.drain()
+
+    async def _write_last(self, data: bytes) -> None:
+        if self._finished.done():
+            return
+        self._finish()
+        if not self._out.lost:
+            self._out.send(data)
+            self._out.end()
+
+    def _respond(self, status: int, body: bytes, content_type: str) -> None:
+        if self._finished.done():
+            return
+        self._finish()
+        if self._out.lost:
+            return
+        self._head_sent = True
+        headers = [
+            ("Content-Type", content_type),
+            ("Content-Length", str(len(body))),
+            *self._headers,
+        ]
+        if status == HTTPStatus.SERVICE_UNAVAILABLE or status == HTTPStatus.TOO_MANY_REQUESTS:
+            headers.append(("Retry-After", "1"))
+        self._out.start(status, headers)
+        self._out.send(body)
+        self._out.end()
+
+    def _finish(self) -> None:
+        self._stop_keepalive()
+        if not self._finished.done():
+            self._finished.set_result(None)
+
+    # ------------------------------------------------------------ helpers
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coroutine)
+        background = self._shared.background
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    def _log_done(self, frame: Done) -> None:
+        self._shared.metrics.done(frame)
+        timings = frame.timings
+        self.log.info(
+            "done %s",
+            _done_summary(frame),
+            extra={
+                "reason": frame.reason,
+                "queued_ms": round(timings.queued_ms, 3),
+                "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
+                "total_ms": round(timings.total_ms, 3),
+                "completion_tokens": frame.usage.completion_tokens,
+            },
+        )

@@ -1,0 +1,322 @@
+"""The OpenAI HTTP API's shapes, without the I/O (sans-I/O).
+
+Bodies in, :class:`~wsserver.protocol.Generate` out; ``done`` and ``delta``
+frames in, OpenAI's JSON objects and Server-Sent Events out.
+
+A ``/v1/chat/completions`` or ``/v1/completions`` body is mapped onto the
+WebSocket protocol's ``generate`` frame and validated by the very same
+parser (:func:`~wsserver.protocol.parse_client_frame`), so an HTTP request
+meets the same limits, with the same messages, as a WebSocket one. What the
+protocol does not know is dealt with here: OpenAI's names
+(``max_completion_tokens``), content given as a list of text parts, the
+``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``.
+Fields OpenAI has and we do not use (``logprobs``, ``presence_penalty``,
+``user``, …) are ignored, as the issue asks and as most local servers do;
+``null`` means "not given", as in OpenAI's own API.
+
+Every refusal is an :class:`ApiError` with its HTTP status and OpenAI's error
+object (``{"error": {"message", "type", "param", "code"}}``); ``code`` is the
+wire code a WebSocket client would get for the same fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final, Literal
+
+import orjson
+
+from .backends.openai_wire import DONE
+from .errors import ProtocolError, WireCode
+from .protocol import Done, Generate, Limits, parse_client_frame
+
+__all__ = [
+    "DONE_EVENT",
+    "KEEPALIVE",
+    "ApiError",
+    "ApiRequest",
+    "Kind",
+    "Reply",
+    "error_body",
+    "error_event",
+    "models_body",
+    "parse_request",
+    "status_of",
+]
+
+Kind = Literal["chat", "completion"]
+
+#: A comment line: ignored by every SSE client, it keeps proxies and clients
+#: from timing out a request that waits for the model.
+KEEPALIVE: Final = b": keep-alive\n\n"
+DONE_EVENT: Final = b"data: " + DONE.encode() + b"\n\n"
+
+#: The HTTP status of each wire code a request can be refused or fail with.
+_STATUS: Final[dict[str, HTTPStatus]] = {
+    "bad_json": HTTPStatus.BAD_REQUEST,
+    "bad_request": HTTPStatus.BAD_REQUEST,
+    "too_large": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    "rate_limited": HTTPStatus.TOO_MANY_REQUESTS,
+    "overloaded": HTTPStatus.SERVICE_UNAVAILABLE,
+    "stalled": HTTPStatus.SERVICE_UNAVAILABLE,
+}
+_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_ROLES: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+
+
+def status_of(code: WireCode) -> HTTPStatus:
+    """The HTTP status for a wire code (502 for an upstream's failure, else 500)."""
+    status = _STATUS.get(code)
+    if status is not None:
+        return status
+    return (
+        HTTPStatus.BAD_GATEWAY if code.startswith("upstream_") else HTTPStatus.INTERNAL_SERVER_ERROR
+    )
+
+
+class ApiError(Exception):
+    """A request refused or failed, as OpenAI reports it."""
+
+    def __init__(
+        self, status: HTTPStatus, message: str, code: str, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    @classmethod
+    def from_protocol(cls, exc: ProtocolError) -> ApiError:
+        return cls(status_of(exc.code), exc.message, exc.code)
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def _error_object(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
+    kind = _TYPES.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    """OpenAI's error object as a JSON body."""
+    return orjson.dumps(_error_object(status, message, code, param))
+
+
+def error_event(status: int, message: str, code: str) -> bytes:
+    """The error object as an SSE event: a stream that already began cannot
+    change its status, so a failure after the headers is reported in-band
+    (the ``openai`` SDKs raise ``APIError`` on it)."""
+    return b"data: " + orjson.dumps(_error_object(status, message, code, None)) + b"\n\n"
+
+
+def models_body(model: str, *, single: bool = False) -> bytes:
+    """``GET /v1/models`` (or ``/v1/models/{model}`` with ``single``)."""
+    entry = {"id": model, "object": "model", "created": 0, "owned_by": "wsserver"}
+    return orjson.dumps(entry if single else {"object": "list", "data": [entry]})
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A validated completion request."""
+
+    kind: Kind
+    generate: Generate
+    stream: bool
+    #: ``stream_options.include_usage``: a last chunk with the usage, before ``[DONE]``.
+    include_usage: bool
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, "bad_request", param)
+
+
+def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> ApiRequest:
+    """Validate a completion body; raise :class:`ApiError` with OpenAI's shape."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
+    given = {key: value for key, value in obj.items() if value is not None}
+    n = given.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise _bad("only n=1 is supported: one model generates one choice at a time", "n")
+    stream = given.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    include_usage = False
+    options = given.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise _bad("'stream_options' is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        include_usage = options.get("include_usage") is True
+    model = given.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    frame: dict[str, Any] = {"type": "generate", "id": request_id}
+    if kind == "chat":
+        if "messages" not in given:
+            raise _bad("'messages' is required", "messages")
+        frame["messages"] = _messages(given["messages"])
+    else:
+        if "prompt" not in given:
+            raise _bad("'prompt' is required", "prompt")
+        frame["prompt"] = _prompt(given["prompt"])
+    # max_completion_tokens is the newer name; OpenAI takes either.
+    for name in ("max_completion_tokens", "max_tokens"):
+        if name in given:
+            frame["max_tokens"] = given[name]
+            break
+    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+        if name in given:
+            frame[name] = given[name]
+    try:
+        generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+    except ProtocolError as exc:
+        raise ApiError.from_protocol(exc) from None
+    assert isinstance(generate, Generate)
+    return ApiRequest(kind, generate, stream, include_usage)
+
+
+def _prompt(value: Any) -> Any:
+    # One prompt only: a list of one string is what many clients send.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list):
+        raise _bad("only one prompt per request is supported (n=1, no batch)", "prompt")
+    return value
+
+
+def _messages(value: Any) -> Any:
+    if not isinstance(value, list):
+        return value  # the protocol's parser says what is wrong
+    out = []
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{index}] must be an object", "messages")
+        role = message.get("role")
+        mapped = _ROLES.get(role) if isinstance(role, str) else None
+        if mapped is None:
+            raise _bad(
+                f"messages[{index}].role must be one of system, developer, user, assistant",
+                "messages",
+            )
+        out.append({"role": mapped, "content": _content(message.get("content"), index)})
+    return out
+
+
+def _content(value: Any, index: int) -> Any:
+    """A message's text: a string, or the text parts of a list joined."""
+    if value is None:
+        return ""  # an assistant message may have no content
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise _bad(f"messages[{index}].content: only text parts are supported", "messages")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"messages[{index}].content: a text part needs a string 'text'", "messages")
+        texts.append(text)
+    return "".join(texts)
+
+
+class Reply:
+    """The chunks and bodies of one completion: the same ``id``, ``created``
+    and ``model`` on every one, in the shape of its kind."""
+
+    __slots__ = ("_chunk_object", "_first", "_head", "include_usage", "kind")
+
+    def __init__(
+        self, kind: Kind, request_id: str, model: str, created: int, *, include_usage: bool
+    ) -> None:
+        self.kind = kind
+        self.include_usage = include_usage
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self._head = {"id": prefix + request_id, "created": created, "model": model}
+        self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._first = True
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        obj: dict[str, Any] = {**self._head, "object": self._chunk_object, "choices": [choice]}
+        if self.include_usage:
+            obj["usage"] = None  # as OpenAI: null on every chunk but the usage one
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def text_chunk(self, text: str) -> bytes:
+        """One SSE event with this text (the first one also names the role)."""
+        if self.kind == "chat":
+            delta: dict[str, str] = {"content": text}
+            if self._first:
+                delta = {"role": "assistant", "content": text}
+            self._first = False
+            return self._chunk(
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            )
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def final_chunks(self, done: Done) -> bytes:
+        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
+        reason = "length" if done.reason == "length" else "stop"
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None}
+        choice["finish_reason"] = reason
+        out = self._chunk(choice)
+        if self.include_usage:
+            obj = {
+                **self._head,
+                "object": self._chunk_object,
+                "choices": [],
+                "usage": _usage(done),
+            }
+            out += b"data: " + orjson.dumps(obj) + b"\n\n"
+        return out + DONE_EVENT
+
+    def body(self, text: str, done: Done) -> bytes:
+        """The whole answer of a request without ``stream``."""
+        reason = "length" if done.reason == "length" else "stop"
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            kind = "text_completion"
+        return orjson.dumps(
+            {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
+        )
+
+
+def _usage(done: Done) -> dict[str, int]:
+    prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
