@@ -1,6 +1,6 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
-    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page]
+    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries upstream]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, page, slow, throughput, upstream
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -35,6 +35,7 @@ ALIASES = {
     "5": "idle",
     "6": "page",
     "7": "adversaries",
+    "8": "upstream",
 }
 
 
@@ -128,6 +129,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         ("idle", idle),
         ("page", page),
         ("adversaries", adversaries),
+        ("upstream", upstream),
     )
     for name, module in fake_sections:
         if name in sections:

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, analysis, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, analysis, cancel, ceiling, idle, page, slow, throughput, upstream
 from .options import Options
 
 SECTIONS = {
@@ -20,6 +20,10 @@ SECTIONS = {
     "adversaries": (
         "7. Adversarial clients: memory under a ping flood and maximal frames",
         adversaries,
+    ),
+    "upstream": (
+        "8. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
+        upstream,
     ),
 }
 
