@@ -34,6 +34,9 @@ import aiohttp
 import orjson
 import psutil
 
+from wsserver.aio import Server
+from wsserver.config import load_config
+
 from .common import LOAD_TEST_LIMITS, PYTHON, ROOT, ServerProcess, Skip, die_with_parent, fmt
 from .common import summary as stats
 from .options import Options
@@ -97,61 +100,97 @@ def _measure(run: dict[str, Any]) -> tuple[float | None, float | None]:
 
 
 async def side_by_side(
-    opts: Options, ws: Any, session: Any, url: str, body: dict[str, Any], reps: int, label: str
+    opts: Options,
+    ws: Any,
+    session: Any,
+    url: str,
+    body: dict[str, Any],
+    reps: int,
+    label: str,
+    upstream: SSEUpstream | None = None,
+    inproc_ws: Any | None = None,
 ) -> dict[str, Any]:
-    """``reps`` pairs of (direct, wsserver), alternating which goes first."""
-    direct: list[tuple[float | None, float | None]] = []
-    relayed: list[tuple[float | None, float | None]] = []
+    """``reps`` rounds of (direct, wsserver[, in-process]), rotating which goes first.
+
+    With an in-process ``upstream`` the request's way there is timed too
+    (sent → the upstream has its head), which splits the added TTFT in two.
+    ``inproc_ws``: a wsserver on the harness's own loop, with no process hop —
+    what wsserver's code costs, apart from the scheduling of one more process.
+    """
+    names = ["direct", "wsserver"] + (["in-process"] if inproc_ws is not None else [])
+    runs: dict[str, list[tuple[float | None, float | None]]] = {n: [] for n in names}
+    way_in: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(reps):
-        order = ("direct", "wsserver") if rep % 2 == 0 else ("wsserver", "direct")
-        for who in order:
+        for who in names[rep % len(names) :] + names[: rep % len(names)]:
             async with asyncio.timeout(RUN_TIMEOUT):
                 if who == "direct":
-                    run = await direct_stream(session, url, body)
-                    direct.append(_measure(vars(run)))
+                    run = vars(await direct_stream(session, url, body))
                 else:
-                    request_id = f"{len(relayed)}-{time.perf_counter_ns()}"
-                    relayed.append(_measure(await ws_stream(ws, request_id, body)))
-    pairs = [(d, r) for d, r in zip(direct, relayed, strict=True) if d[0] and r[0]]
-    ttft_delta = [r[0] - d[0] for d, r in pairs if r[0] is not None and d[0] is not None]
-    ratios = [r[1] / d[1] for d, r in pairs if r[1] and d[1]]
-    row = {
+                    request_id = f"{rep}-{time.perf_counter_ns()}"
+                    run = await ws_stream(ws if who == "wsserver" else inproc_ws, request_id, body)
+            runs[who].append(_measure(run))
+            if upstream is not None:
+                way_in[who].append((upstream.arrivals[-1] - run["sent"]) * 1000)
+    direct = runs["direct"]
+    row: dict[str, Any] = {
         "label": label,
         "reps": reps,
         "direct_ttft_ms": stats(d[0] for d in direct if d[0] is not None),
-        "wsserver_ttft_ms": stats(r[0] for r in relayed if r[0] is not None),
-        "ttft_delta_ms": stats(ttft_delta),
         "direct_tps": stats(d[1] for d in direct if d[1] is not None),
-        "wsserver_tps": stats(r[1] for r in relayed if r[1] is not None),
-        "tps_ratio": stats(ratios),
     }
+    for who, key in (("wsserver", ""), ("in-process", "inproc_")):
+        if who not in runs:
+            continue
+        relayed = runs[who]
+        pairs = list(zip(direct, relayed, strict=True))
+        row[f"{key}wsserver_ttft_ms"] = stats(r[0] for r in relayed if r[0] is not None)
+        row[f"{key}ttft_delta_ms"] = stats(r[0] - d[0] for d, r in pairs if r[0] and d[0])
+        row[f"{key}wsserver_tps"] = stats(r[1] for r in relayed if r[1] is not None)
+        row[f"{key}tps_ratio"] = stats(r[1] / d[1] for d, r in pairs if r[1] and d[1])
+    if upstream is not None:
+        for who in names:
+            row[f"{who.replace('-', '_')}_way_in_ms"] = stats(way_in[who])
     opts.log(
         f"    {label}: TTFT direct {fmt(row['direct_ttft_ms']['median'], 2)} ms, "
         f"wsserver {fmt(row['wsserver_ttft_ms']['median'], 2)} ms "
         f"(+{fmt(row['ttft_delta_ms']['median'], 2)}); throughput ratio {fmt(row['tps_ratio']['median'], 3)}"
+        + (
+            f"; in-process wsserver +{fmt(row['inproc_ttft_delta_ms']['median'], 2)} ms, "
+            f"{fmt(row['inproc_tps_ratio']['median'], 3)}"
+            if "inproc_ttft_delta_ms" in row
+            else ""
+        )
     )
     return row
 
 
 async def _overhead(opts: Options) -> list[dict[str, Any]]:
     rows = []
-    reps = 4 if opts.quick else 30
+    reps = 6 if opts.quick else 30
     for rate, tokens in ((1000.0, 40 if opts.quick else 300), (0.0, 200 if opts.quick else 3000)):
         upstream = await SSEUpstream(rate).start()
         server = await ServerProcess(relay_overrides(upstream.url), name="wsserver-openai").start()
+        values = {"server.host": "127.0.0.1", "server.port": 0, **relay_overrides(upstream.url)}
+        inproc = Server(load_config(env={}, overrides=values).config)
+        await inproc.start()
         try:
+            await inproc.wait_ready()
             ws = await open_connection(server.url)
+            inproc_ws = await open_connection(inproc.url)
             async with aiohttp.ClientSession() as session:
                 body = {"prompt": "bench", "max_tokens": tokens, "temperature": 0}
                 label = f"{rate:g} tokens/s" if rate else "unlimited"
-                # One unmeasured round warms both paths (connections, imports).
-                await side_by_side(opts, ws, session, upstream.url, body, 1, "warm-up")
-                row = await side_by_side(opts, ws, session, upstream.url, body, reps, label)
+                args = (opts, ws, session, upstream.url, body)
+                # One unmeasured round warms every path (connections, imports).
+                await side_by_side(*args, 3, "warm-up", upstream, inproc_ws)
+                row = await side_by_side(*args, reps, label, upstream, inproc_ws)
                 row.update(upstream="lean SSE upstream", rate=rate, tokens=tokens)
                 rows.append(row)
             await ws.close()
+            await inproc_ws.close()
         finally:
             await server.stop()
+            await inproc.stop(grace=0)
             await upstream.stop()
     return rows
 

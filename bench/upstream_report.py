@@ -21,6 +21,29 @@ def _overhead_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{fmt(r['ttft_delta_ms']['p99'], 2, ' ms')} | {fmt(r['direct_tps']['median'], 0)} / "
             f"{fmt(r['wsserver_tps']['median'], 0)} | **{fmt(r['tps_ratio']['median'], 3)}x** | {r['reps']} |"
         )
+    inproc = [r for r in rows if "inproc_ttft_delta_ms" in r]
+    if inproc:
+        lines += [
+            "",
+            "**The same wsserver without the process hop** — a third contender, a wsserver on the "
+            "harness's own event loop, in the same rotation. What it adds is what wsserver's code "
+            "costs; the rest of the row above is one more process to wake and schedule on each way, "
+            "which on this loaded 2-core machine is most of it (the way in: request sent until the "
+            "upstream has its head, noted by the upstream; medians, ms). At the unlimited rate the "
+            "in-process contender shares one loop and one core with the upstream and the client, so "
+            "its throughput there says nothing about wsserver:",
+            "",
+            "| rate | added TTFT: own process / in-process | throughput ratio: own process / in-process "
+            "| way in: direct / own process / in-process |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in inproc:
+            lines.append(
+                f"| {r['label']} | {fmt(r['ttft_delta_ms']['median'], 2)} / "
+                f"{fmt(r['inproc_ttft_delta_ms']['median'], 2)} | {fmt(r['tps_ratio']['median'], 3)}x / "
+                f"{fmt(r['inproc_tps_ratio']['median'], 3)}x | {fmt(r['direct_way_in_ms']['median'], 2)} / "
+                f"{fmt(r['wsserver_way_in_ms']['median'], 2)} / {fmt(r['in_process_way_in_ms']['median'], 2)} |"
+            )
     return lines
 
 
@@ -32,7 +55,7 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         'wsserver with `backend.kind = "openai"` in its own process, against a client that POSTs the '
         "same request and reads the upstream's server-sent events itself (aiohttp, JSON-parsing every "
-        "event). Pairs alternate which contender goes first. TTFT: request sent → first text; "
+        "event). Rounds rotate which contender goes first. TTFT: request sent → first text; "
         "throughput: tokens after the first over the time from the first to the last. The lean upstream "
         "(`bench/sse_upstream.py`, raw asyncio) runs in the harness process; llama-server in its own. "
         "**Measured on a shared, noisy 2-core machine** (see the load averages above): read the ratios, "
