@@ -158,49 +158,47 @@ async def direct_stream(
 ) -> DirectRun:
     """POST ``body`` with ``stream: true`` and read the events, as a plain client does.
 
-    ``stop_after``: close the response that many seconds after sending (the
-    Stop of a client that reads the SSE itself), before or after the first token.
+    ``stop_after``: drop the request that many seconds after sending it (the
+    Stop of a client that reads the SSE itself) — while it waits for the
+    response's head (llama-server sends none before its prefill is done) or
+    reads the body.
     """
     path = "/chat/completions" if "messages" in body else "/completions"
     run = DirectRun(sent=time.perf_counter())
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    response = await session.post(url + path, json=payload)
+    response = None
+    finished = False
     try:
-        buffer = b""
-        finished = False
-        deadline = None if stop_after is None else run.sent + stop_after
-        while True:
-            if deadline is not None:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                try:
-                    data = await asyncio.wait_for(response.content.readany(), left)
-                except TimeoutError:
-                    break
-            else:
+        async with asyncio.timeout(stop_after):
+            response = await session.post(url + path, json=payload)
+            buffer = b""
+            while True:
                 data = await response.content.readany()
-            if not data:
-                finished = True
-                break
-            buffer += data
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                obj = json.loads(event[6:])
-                for choice in obj.get("choices") or []:
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if text:
-                        run.tokens += 1
-                        if run.first is None:
-                            run.first = time.perf_counter()
-        run.end = time.perf_counter()
+                if not data:
+                    finished = True
+                    break
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                        continue
+                    obj = json.loads(event[6:])
+                    for choice in obj.get("choices") or []:
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        if text:
+                            run.tokens += 1
+                            if run.first is None:
+                                run.first = time.perf_counter()
+    except TimeoutError:
+        if stop_after is None:
+            raise
     finally:
-        if finished:
-            response.release()  # complete: the connection goes back to the pool
-        else:
-            response.close()  # a Stop: drop the connection, as wsserver's cancel does
+        run.end = time.perf_counter()
+        if response is not None:
+            if finished:
+                response.release()  # complete: the connection goes back to the pool
+            else:
+                response.close()  # a Stop: drop the connection, as wsserver's cancel does
     return run
 
 
