@@ -35,7 +35,7 @@ ALIASES = {
     "5": "idle",
     "6": "page",
     "7": "adversaries",
-    "8": "upstream",
+    "9": "upstream",
 }
 
 

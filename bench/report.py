@@ -22,7 +22,7 @@ SECTIONS = {
         adversaries,
     ),
     "upstream": (
-        "8. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
+        "9. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
         upstream,
     ),
 }

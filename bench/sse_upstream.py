@@ -1,6 +1,6 @@
 """A lean OpenAI-compatible streaming upstream, and a client that reads SSE directly.
 
-The relay benchmark (section 8, :mod:`bench.upstream`) needs an upstream
+The relay benchmark (section 9, :mod:`bench.upstream`) needs an upstream
 that costs as little CPU as possible per token, so that at hundreds of
 streams the figures describe wsserver and not the upstream: raw asyncio
 streams, one request per connection (the body ends at the close), one

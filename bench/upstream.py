@@ -1,4 +1,4 @@
-"""Section 8 — the openai backend: what wsserver costs in front of an engine.
+"""Section 9 — the openai backend: what wsserver costs in front of an engine.
 
     python -m bench --sections upstream     (needs scripts/llama-tools for llama-server)
 

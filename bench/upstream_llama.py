@@ -1,4 +1,4 @@
-"""Section 8, with a real llama-server as the upstream (built by ``scripts/llama-tools``).
+"""Section 9, with a real llama-server as the upstream (built by ``scripts/llama-tools``).
 
 llama-server (``-np 1``: one slot, so a request waits for the one before it
 to stop) on the default model, wsserver's openai backend in front of it
@@ -153,7 +153,10 @@ async def run(opts: Options) -> dict[str, Any]:
         ).start()
         try:
             ws = await open_connection(server.url)
-            async with aiohttp.ClientSession() as session:
+            # A new connection per request: llama-server (cpp-httplib) closes idle
+            # keep-alive connections on its own, and a POST on one it just closed fails.
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=connector) as session:
                 tokens = 16 if opts.quick else 64
                 body = {"prompt": SHORT_PROMPT, "max_tokens": tokens, "temperature": 0}
                 await side_by_side(opts, ws, session, url, body, 1, "warm-up")

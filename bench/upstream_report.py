@@ -1,4 +1,4 @@
-"""Section 8's text: the tables and prose of docs/benchmarks.md (see :mod:`bench.upstream`)."""
+"""Section 9's text: the tables and prose of docs/benchmarks.md (see :mod:`bench.upstream`)."""
 
 from __future__ import annotations
 

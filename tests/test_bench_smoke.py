@@ -195,9 +195,9 @@ def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path)
 
 @pytest.mark.timeout(int(150 * UNIT))
 def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path) -> None:
-    """Section 8 against its lean upstream (llama-server left out: BENCH_LLAMA_SERVER=none)."""
+    """Section 9 against its lean upstream (llama-server left out: BENCH_LLAMA_SERVER=none)."""
     out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "8", "--out", str(out)]
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "9", "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
     env["BENCH_LLAMA_SERVER"] = "none"
     proc = subprocess.run(
@@ -222,4 +222,4 @@ def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path)
     assert all(r["lag_p99_ms"] is not None for r in result["ceiling"])
     assert result["llama"]["status"] == "skipped"
     assert len(result["targets"]) == 4
-    assert "## 8. The openai backend" in out.read_text()
+    assert "## 9. The openai backend" in out.read_text()
