@@ -1,6 +1,7 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
-    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai]
+    python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
+                    upstream]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
@@ -21,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, openai_sse, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, openai_sse, page, slow, throughput, upstream
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -36,6 +37,7 @@ ALIASES = {
     "6": "page",
     "7": "adversaries",
     "8": "openai",
+    "9": "upstream",
 }
 
 
@@ -143,6 +145,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         ("idle", idle),
         ("page", page),
         ("adversaries", adversaries),
+        ("upstream", upstream),
     )
     for name, module in fake_sections:
         if name in sections:

@@ -25,7 +25,7 @@ def _row(result: dict[str, Any], contender: str, phase: str | None = None) -> di
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("throughput", "cancel", "page"):
+    for key in ("throughput", "cancel", "page", "upstream"):
         result = results.get(key)
         if _ok(result):
             out += result["targets"]
@@ -114,6 +114,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .openai_sse import headline
 
         lines.append(f"| OpenAI API over SSE (section 8) | {headline(oa)} |")
+    up = results.get("upstream")
+    if _ok(up):
+        from .upstream import summary_lines
+
+        lines += summary_lines(up)
     skipped = [k for k, v in results.items() if v.get("status") != "ok"]
     for key in skipped:
         lines.append(f"| section {key} | not measured: {results[key].get('reason', '?')} |")

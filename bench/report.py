@@ -7,7 +7,18 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, analysis, cancel, ceiling, idle, openai_sse, page, slow, throughput
+from . import (
+    adversaries,
+    analysis,
+    cancel,
+    ceiling,
+    idle,
+    openai_sse,
+    page,
+    slow,
+    throughput,
+    upstream,
+)
 from .options import Options
 
 SECTIONS = {
@@ -22,6 +33,10 @@ SECTIONS = {
         adversaries,
     ),
     "openai": ("8. The OpenAI API over SSE: wsserver, llama_cpp.server, llama-server", openai_sse),
+    "upstream": (
+        "9. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
+        upstream,
+    ),
 }
 
 

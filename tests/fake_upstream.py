@@ -57,6 +57,10 @@ class FakeUpstream:
         #: Chunks sent before a mid-stream fault (silence, drop, malformed, ...).
         self.fault_after = 3
         self.send_usage = True
+        #: llama-server's ``timings`` object in the final chunk (None = none).
+        self.timings: dict[str, Any] | None = None
+        #: A usage chunk before the first piece (as vLLM's continuous usage stats).
+        self.usage_first = False
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
@@ -146,6 +150,9 @@ class FakeUpstream:
         chat = request.path.endswith("/chat/completions")
         if chat:
             await self._event(response, stream, _chat({"role": "assistant"}))
+        if self.usage_first:
+            usage = {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}
+            await self._event(response, stream, {"choices": [], "usage": usage})
         index = 0
         while True:
             if mode != "endless" and index >= len(self.pieces):
@@ -170,6 +177,8 @@ class FakeUpstream:
             if chat
             else {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
         )
+        if self.timings is not None:
+            finish["timings"] = self.timings  # where llama-server puts them
         await self._event(response, stream, finish)
         if self.send_usage:
             usage = {"prompt_tokens": 7, "completion_tokens": index, "total_tokens": 7 + index}

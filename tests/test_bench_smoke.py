@@ -199,3 +199,35 @@ def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path)
         assert rows[f"{kind} / defaults"]["max_held_mib"] <= bound, rows
         assert rows[f"{kind} / defaults"]["sent_mib"] > 0, rows
     assert "## 7. Adversarial clients" in out.read_text()
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path) -> None:
+    """Section 9 against its lean upstream (llama-server left out: BENCH_LLAMA_SERVER=none)."""
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "9", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    env["BENCH_LLAMA_SERVER"] = "none"
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["upstream"]
+    assert result["status"] == "ok", result
+    assert [r["label"] for r in result["overhead"]] == ["1000 tokens/s", "unlimited"]
+    for row in result["overhead"]:
+        # Every pair streamed through both paths and was measured.
+        assert row["ttft_delta_ms"]["n"] == row["tps_ratio"]["n"] == row["reps"], row
+        assert row["direct_tps"]["median"] > 0 and row["wsserver_tps"]["median"] > 0, (
+            row
+        )  # timing-ok
+    cancel = result["cancel"]
+    assert cancel["wsserver_disconnect_ms"]["n"] == cancel["direct_disconnect_ms"]["n"] > 0
+    assert 0 < cancel["wsserver_disconnect_ms"]["max"] < 5000, cancel  # timing-ok: sanity
+    assert result["ceiling"], result
+    for row in result["ceiling"]:
+        assert row["delta_frames_per_s"] > 0, row  # timing-ok: it delivered
+    assert all(r["lag_p99_ms"] is not None for r in result["ceiling"])
+    assert result["llama"]["status"] == "skipped"
+    assert len(result["targets"]) == 4
+    assert "## 9. The openai backend" in out.read_text()

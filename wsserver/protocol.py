@@ -188,6 +188,8 @@ class Done:
     timings: Timings
     error_code: WireCode | None = None
     error_message: str | None = None
+    #: Figures the upstream engine reported (llama-server's ``timings``), if any.
+    upstream_timings: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +411,8 @@ def _to_wire(frame: ServerFrame) -> dict[str, Any]:
         }
         if frame.error_code is not None:
             out["error"] = {"code": frame.error_code, "message": frame.error_message or ""}
+        if frame.upstream_timings is not None:
+            out["upstream_timings"] = frame.upstream_timings
         return out
     if isinstance(frame, Started):
         return {"type": "started", "id": frame.id}
@@ -442,6 +446,7 @@ def parse_server_frame(data: str | bytes) -> ServerFrame:
             timings=Timings(**obj["timings"]),
             error_code=error.get("code"),
             error_message=error.get("message"),
+            upstream_timings=obj.get("upstream_timings"),
         )
     if kind == "started":
         return Started(id=obj["id"])

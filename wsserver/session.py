@@ -394,4 +394,5 @@ class Session:
             ),
             error_code=outcome.error_code,
             error_message=outcome.error_message,
+            upstream_timings=outcome.upstream_timings,
         )

@@ -83,6 +83,23 @@ export interface DoneFrame {
   /** Present when `reason` is `"error"`. */
   error?: { code: string; message: string };
   /**
+   * The upstream engine's own figures, when wsserver relays one that sends
+   * them (llama-server's `timings`; `backend.kind = "openai"`).
+   */
+  upstream_timings?: {
+    cache_n?: number;
+    prompt_n?: number;
+    prompt_ms?: number;
+    prompt_per_token_ms?: number;
+    prompt_per_second?: number;
+    predicted_n?: number;
+    predicted_ms?: number;
+    predicted_per_token_ms?: number;
+    predicted_per_second?: number;
+    draft_n?: number;
+    draft_n_accepted?: number;
+  };
+  /**
    * Set by the client (never by the server) on the `done` of a request
    * cancelled before it was sent.
    */

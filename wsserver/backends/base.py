@@ -93,6 +93,8 @@ class Outcome:
     completion_tokens: int = 0
     error_code: WireCode | None = None
     error_message: str | None = None
+    #: The upstream engine's own figures (llama-server's ``timings``), passed on as is.
+    upstream_timings: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,8 @@ class Relay:
         self.pieces = 0
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
+        #: llama-server's figures, from the last chunk that had them.
+        self.timings: dict[str, float] | None = None
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
@@ -60,8 +62,10 @@ class Relay:
                 self.done = True
                 return
             chunk = parse_chunk(event)
+            if chunk.timings is not None:
+                self.timings = chunk.timings
             if chunk.prompt_tokens is not None:
-                self.prompt_tokens = chunk.prompt_tokens
+                self._prompt(chunk.prompt_tokens)
             if chunk.completion_tokens is not None:
                 self.completion_tokens = chunk.completion_tokens
             if chunk.finish is not None:
@@ -80,7 +84,19 @@ class Relay:
         if tail:
             await self.offer(tail, 0)
         completion = self.completion_tokens if self.completion_tokens is not None else self.pieces
-        return Outcome(self.finish or "stop", self.prompt_tokens or 0, completion)
+        return Outcome(
+            self.finish or "stop",
+            self.prompt_tokens or 0,
+            completion,
+            upstream_timings=self.timings,
+        )
+
+    def _prompt(self, tokens: int) -> None:
+        """The upstream counted the prompt: tell the sink at once, so that a
+        request cancelled from now on still reports it in its ``done``."""
+        if tokens != self.prompt_tokens:
+            self.prompt_tokens = tokens
+            self.sink.prompt_processed(tokens)
 
     async def offer(self, text: str, tokens: int) -> None:
         """Into the sink, waiting (on the loop) while it is full."""

@@ -5,7 +5,8 @@ A request becomes the JSON body of ``/v1/completions`` (a ``prompt``) or
 ``stream_options.include_usage`` so that the last chunk carries the
 upstream's own token counts. Each ``data:`` event of the response is one
 :class:`Chunk`: the text it adds, the finish reason if it ends the choice,
-the usage if it has one; ``[DONE]`` ends the stream.
+the usage if it has one (and llama-server's ``timings``); ``[DONE]`` ends
+the stream.
 
 Failures carry their wire code (:class:`UpstreamError`) and say whether
 another upstream could still serve the request (``retry``: nothing reached
@@ -16,6 +17,7 @@ rotation until a probe answers).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,15 @@ from ..errors import BackendError, WireCode
 from ..protocol import DoneReason
 from .base import GenerationRequest
 
-__all__ = ["DONE", "Chunk", "UpstreamError", "error_message", "parse_chunk", "request_body"]
+__all__ = [
+    "DONE",
+    "UPSTREAM_TIMINGS",
+    "Chunk",
+    "UpstreamError",
+    "error_message",
+    "parse_chunk",
+    "request_body",
+]
 
 #: The data of the event that ends an OpenAI stream.
 DONE = "[DONE]"
@@ -80,6 +90,27 @@ class Chunk:
     finish: DoneReason | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    #: llama-server's own ``timings`` object (its last chunk has one), known keys only.
+    timings: dict[str, float] | None = None
+
+
+#: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
+#: token counts (``*_n``; ``cache_n`` = prompt tokens reused from its cache,
+#: ``draft_*`` with speculative decoding), milliseconds and rates. Anything else in the object is dropped, so the wire
+#: stays what docs/protocol.schema.json says whatever the upstream's version.
+UPSTREAM_TIMINGS = (
+    "cache_n",
+    "prompt_n",
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_n",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+    "draft_n",
+    "draft_n_accepted",
+)
 
 
 def _bad(message: str) -> UpstreamError:
@@ -130,7 +161,24 @@ def parse_chunk(data: str) -> Chunk:
     if isinstance(usage, dict):
         prompt_tokens = _count(usage.get("prompt_tokens"))
         completion_tokens = _count(usage.get("completion_tokens"))
-    return Chunk(text, finish, prompt_tokens, completion_tokens)
+    return Chunk(text, finish, prompt_tokens, completion_tokens, _timings(obj.get("timings")))
+
+
+def _timings(value: object) -> dict[str, float] | None:
+    """The known, finite, non-negative numbers of a ``timings`` object, or None."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, float] = {}
+    for key in UPSTREAM_TIMINGS:
+        number = value.get(key)
+        if (
+            isinstance(number, int | float)
+            and not isinstance(number, bool)
+            and math.isfinite(number)
+            and number >= 0
+        ):
+            out[key] = number
+    return out or None
 
 
 def _count(value: object) -> int | None:
