@@ -100,11 +100,13 @@ async def _ws_stream(
     max_tokens: int,
     t0: float,
     stop_on: asyncio.Event | None = None,
+    decoding: asyncio.Event | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """One request on its own connection: delta arrival times and the done frame.
 
-    With ``stop_on``, the request is cancelled once that event is set.
+    With ``stop_on``, the request is cancelled once that event is set;
+    ``decoding`` is set once five deltas arrived.
     """
     ws = await open_connection(url)
     canceller = None
@@ -127,6 +129,8 @@ async def _ws_stream(
             if msg["type"] == "delta":
                 arrivals.append(time.perf_counter() - t0)
                 parts.append(msg["text"])
+                if decoding is not None and len(arrivals) == 5:
+                    decoding.set()
             elif msg["type"] == "done":
                 text = "".join(parts)
                 return {"sent": sent - t0, "arrivals": arrivals, "done": msg, "text": text}
@@ -266,11 +270,15 @@ async def ingest_gap(model: str, threads: int, chunk: int, long_prompt: str) -> 
     try:
         t0 = time.perf_counter()
         done = asyncio.Event()
+        ready = [asyncio.Event() for _ in range(3)]
         decoding = [
-            asyncio.create_task(_ws_stream(server.url, f"d{i}", p, 3000, t0, stop_on=done))
+            asyncio.create_task(
+                _ws_stream(server.url, f"d{i}", p, 3000, t0, stop_on=done, decoding=ready[i])
+            )
             for i, p in enumerate(prompts(3, f"gap{chunk}"))
         ]
-        await asyncio.sleep(1.0)  # sleep-ok: let the three streams settle into decoding
+        for event in ready:  # the three streams are decoding
+            await event.wait()
         long = await _ws_stream(server.url, "long", long_prompt, 1, t0)
         await asyncio.sleep(0.5)  # sleep-ok: a little of the decoding after the ingest
         done.set()

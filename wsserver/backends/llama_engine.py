@@ -65,6 +65,7 @@ import functools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,6 +178,8 @@ class BatchEngine:
         self._incoming: list[_Job] = []
         self._jobs: list[_Job] = []  # admitted, in admission order
         self._stopping = False
+        #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
+        self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
         self.stats: dict[str, int] = {
             "requests": 0,
             "aborts": 0,
@@ -395,7 +398,10 @@ class BatchEngine:
                 self.on_prefill(job.request.id, len(job.prompt))
         self.stats["steps"] += 1
         self.stats["max_batch_sequences"] = max(self.stats["max_batch_sequences"], len(plan))
+        started = time.perf_counter()
         status = llama_cpp.llama_decode(self.ctx, batch.ready())
+        decoded = time.perf_counter()
+        self.seconds["decode"] += decoded - started
         with self._cond:
             for job, _, _ in plan:
                 job.in_flight = False
@@ -432,6 +438,7 @@ class BatchEngine:
                 job.next_token = None
             if index >= 0 and not job.cancelled:
                 self._sample(job, index)
+        self.seconds["sample"] += time.perf_counter() - decoded
 
     def _sample(self, job: _Job, index: int) -> None:
         assembler = job.assembler
