@@ -50,7 +50,7 @@ STREAMS = (1, 2, 4, 8, 16)
 TOKENS = 128
 #: Per sequence: a short prompt + 128 tokens fit; 16 x 1,024 cells stay small.
 N_CTX = 1024
-CHUNKS = (32, 64, 128, 256)
+CHUNKS = (32, 64, 128)
 TIMES = "\u00d7"
 
 
