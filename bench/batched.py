@@ -417,6 +417,7 @@ def render(result: dict[str, Any]) -> str:
             f"{fmt(ratio(ws, ls), 2, TIMES)} | {fmt(ratio(ws, cb), 2, TIMES)} | "
             f"{fmt(row['wsserver']['ttft_ms'])} |"
         )
+    lines += ["", *_targets(result)]
     first = result["rows"][0]["wsserver"].get("decode") or {}
     inproc = result.get("inprocess") or {}
     tg = result.get("llama_bench_tg")
@@ -458,3 +459,35 @@ def render(result: dict[str, Any]) -> str:
             f"{fmt(t['server_ttft_ms'])} |"
         )
     return "\n".join(lines)
+
+
+def _targets(result: dict[str, Any]) -> list[str]:
+    """The issue's targets against this run's figures."""
+    rows = {r["streams"]: r for r in result["rows"]}
+    out = ["| target | this run | met |", "|---|---|:-:|"]
+
+    def line(name: str, value: float | None, goal: float) -> None:
+        met = "-" if value is None else ("yes" if value >= goal else "no")
+        out.append(f"| {name} | {fmt(value, 2, TIMES)} | {met} |")
+
+    for n in (4, 8):
+        row = rows.get(n) or {}
+        ws = (row.get("wsserver") or {}).get("tok_s")
+        line(
+            f">= 1.0{TIMES} llama-server at {n} streams",
+            ratio(ws, (row.get("llama_server") or {}).get("tok_s")),
+            1.0,
+        )
+    worst = [
+        ratio(r["wsserver"]["tok_s"], r.get("batched_bench"))
+        for r in result["rows"]
+        if r.get("batched_bench")
+    ]
+    line(f">= 0.9{TIMES} the batched-bench ceiling (worst N)", min(worst) if worst else None, 0.9)
+    decode = (rows.get(1) or {}).get("wsserver", {}).get("decode") or {}
+    line(
+        f">= 0.95{TIMES} llama-bench tg{result['tokens']}, one stream",
+        ratio(decode.get("tok_s"), result.get("llama_bench_tg")),
+        0.95,
+    )
+    return out
