@@ -66,9 +66,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
@@ -79,6 +77,7 @@ from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import AbortFlag, Batch, new_sampler, quiet_errors
+from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
 
@@ -94,56 +93,6 @@ TYPICAL_P = 1.0
 _STATS_KEPT = 256
 
 Prepare = Callable[[GenerationRequest], tuple[list[int], tuple[str, ...]]]
-
-
-@dataclass
-class RequestStats:
-    """What one request cost the engine (read by tests and the benchmark)."""
-
-    prompt_tokens: int = 0
-    #: Prompt tokens whose cells came from the prompt cache.
-    reused: int = 0
-    #: Prompt tokens decoded for it (re-runs after an abort included).
-    decoded: int = 0
-    sequence: int = -1
-    aborted: bool = False
-
-
-@dataclass(eq=False)
-class SequenceState:
-    index: int
-    #: The tokens whose KV cells this sequence holds, position by position.
-    tokens: list[int] = field(default_factory=list)
-    job: _Job | None = None
-
-
-@dataclass(eq=False)
-class _Job:
-    request: GenerationRequest
-    sink: Sink
-    cancel: CancelEvent
-    submission: Submission
-    stats: RequestStats
-    prompt: list[int] = field(default_factory=list)
-    max_tokens: int = 0
-    seq: SequenceState | None = None
-    #: Prompt tokens whose cells are committed (the reused prefix included).
-    fed: int = 0
-    #: Sampled, its text delivered or held, not yet decoded.
-    next_token: int | None = None
-    sampler: Any = None
-    assembler: TextAssembler | None = None
-    produced: int = 0
-    #: Text the channel has not taken yet (a token's, then perhaps the tail).
-    outbox: deque[tuple[str, int]] = field(default_factory=deque)
-    ending: Outcome | None = None
-    #: Paused on a full channel; ``when_room`` clears it.
-    waiting_room: bool = False
-    cancelled: bool = False
-    #: Has prompt tokens in the decode in flight (a cancel then aborts it).
-    in_flight: bool = False
-    started: bool = False
-    on_cancel: Callable[[], None] | None = None
 
 
 class BatchEngine:
@@ -175,8 +124,8 @@ class BatchEngine:
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
         self._cond = threading.Condition(threading.RLock())
-        self._incoming: list[_Job] = []
-        self._jobs: list[_Job] = []  # admitted, in admission order
+        self._incoming: list[Job] = []
+        self._jobs: list[Job] = []  # admitted, in admission order
         self._stopping = False
         #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
         self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
@@ -203,7 +152,7 @@ class BatchEngine:
         self.request_stats[request.id] = stats
         while len(self.request_stats) > _STATS_KEPT:
             del self.request_stats[next(iter(self.request_stats))]
-        job = _Job(request, sink, cancel, Submission(), stats)
+        job = Job(request, sink, cancel, Submission(), stats)
         with self._cond:
             self._incoming.append(job)
             self._cond.notify()
@@ -211,14 +160,14 @@ class BatchEngine:
         cancel.add_callback(job.on_cancel)
         return job.submission
 
-    def _on_cancel(self, job: _Job) -> None:
+    def _on_cancel(self, job: Job) -> None:
         with self._cond:
             job.cancelled = True
             if job.in_flight:
                 self.flag.raise_()
             self._cond.notify()
 
-    def _on_room(self, job: _Job) -> None:
+    def _on_room(self, job: Job) -> None:
         with self._cond:
             job.waiting_room = False
             self._cond.notify()
@@ -266,7 +215,7 @@ class BatchEngine:
                         self._fail(job, "the backend failed", code="internal")
                 self._jobs = []
 
-    def _step(self, incoming: list[_Job]) -> None:
+    def _step(self, incoming: list[Job]) -> None:
         for job in list(self._jobs):
             if job.cancelled:
                 self._leave(job)
@@ -282,7 +231,7 @@ class BatchEngine:
 
     # ------------------------------------------------------------ admission
 
-    def _admit(self, job: _Job) -> None:
+    def _admit(self, job: Job) -> None:
         request = job.request
         try:
             prompt, stops = self._prepare(request)
@@ -308,7 +257,7 @@ class BatchEngine:
         if seq is None:  # the scheduler grants at most `parallel` slots
             self._fail(job, "no free sequence", code="internal")
             return
-        keep = min(_common_prefix(seq.tokens, prompt), len(prompt) - 1)
+        keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
             keep = 0  # a memory that cannot cut a sequence short
             llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
@@ -348,8 +297,8 @@ class BatchEngine:
         free = [s for s in self.sequences if s.job is None]
         if not free:
             return None
-        best = max(free, key=lambda s: _common_prefix(s.tokens, prompt))
-        if _common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
+        best = max(free, key=lambda s: common_prefix(s.tokens, prompt))
+        if common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
             return best
         return free[0]
 
@@ -358,7 +307,7 @@ class BatchEngine:
     def _decode_step(self) -> None:
         batch = self._batch
         batch.clear()
-        plan: list[tuple[_Job, int, int]] = []  # job, tokens fed, logits index or -1
+        plan: list[tuple[Job, int, int]] = []  # job, tokens fed, logits index or -1
         with self._cond:
             self.flag.lower()
             decoding = [
@@ -371,7 +320,7 @@ class BatchEngine:
                 index = batch.add(job.next_token, len(job.seq.tokens), job.seq.index, True)
                 plan.append((job, 1, index))
             budget = self.prefill_chunk if decoding else self.n_batch
-            first_chunks: list[_Job] = []
+            first_chunks: list[Job] = []
             for job in self._jobs:
                 remaining = len(job.prompt) - job.fed
                 if remaining <= 0 or budget <= 0 or job.cancelled:
@@ -440,7 +389,7 @@ class BatchEngine:
                 self._sample(job, index)
         self.seconds["sample"] += time.perf_counter() - decoded
 
-    def _sample(self, job: _Job, index: int) -> None:
+    def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler
         assert assembler is not None
         token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
@@ -457,7 +406,7 @@ class BatchEngine:
                 job.next_token = token
         self._deliver(job)
 
-    def _ending(self, job: _Job, reason: DoneReason) -> None:
+    def _ending(self, job: Job, reason: DoneReason) -> None:
         assert job.assembler is not None
         # A character cut off by max_tokens is dropped, as create_completion drops it.
         tail = job.assembler.flush()
@@ -467,7 +416,7 @@ class BatchEngine:
 
     # ------------------------------------------------------------ delivery and ends
 
-    def _deliver(self, job: _Job) -> None:
+    def _deliver(self, job: Job) -> None:
         """Hand the job's held text to its channel; pause it on a full one."""
         while job.outbox:
             text, tokens = job.outbox[0]
@@ -483,14 +432,14 @@ class BatchEngine:
             job.sink.end(job.ending)
             self._leave(job)
 
-    def _fail(self, job: _Job, message: str, *, code: Any = "internal") -> None:
+    def _fail(self, job: Job, message: str, *, code: Any = "internal") -> None:
         job.sink.end(Outcome(reason="error", error_code=code, error_message=message))
         if job.seq is not None:  # its cells may be half-written: never reused
             llama_cpp.llama_memory_seq_rm(self._memory, job.seq.index, -1, -1)
             job.seq.tokens.clear()
         self._leave(job)
 
-    def _leave(self, job: _Job) -> None:
+    def _leave(self, job: Job) -> None:
         """The request is over: free its sequence (its cells stay cached) and its slot."""
         if job.on_cancel is not None:
             job.cancel.remove_callback(job.on_cancel)
@@ -502,15 +451,7 @@ class BatchEngine:
         job.submission.complete()
 
     @staticmethod
-    def _free_sampler(job: _Job) -> None:
+    def _free_sampler(job: Job) -> None:
         if job.sampler is not None:
             llama_cpp.llama_sampler_free(job.sampler)
             job.sampler = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
