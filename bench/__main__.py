@@ -22,7 +22,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, openai_sse, page, slow, throughput, upstream
+from . import (
+    adversaries,
+    batched,
+    cancel,
+    ceiling,
+    idle,
+    openai_sse,
+    page,
+    slow,
+    throughput,
+    upstream,
+)
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -38,6 +49,7 @@ ALIASES = {
     "7": "adversaries",
     "8": "openai",
     "9": "upstream",
+    "10": "batched",
 }
 
 
@@ -154,6 +166,14 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
                 results[name] = await module.run(opts)
             except Exception as exc:
                 results[name] = _failed(exc)
+    if "batched" in sections:
+        opts.log("section batched: the batched llama engine vs llama.cpp's tools")
+        try:
+            results["batched"] = await batched.run(opts)
+        except Skip as exc:
+            results["batched"] = {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            results["batched"] = _failed(exc)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")

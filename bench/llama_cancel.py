@@ -9,7 +9,7 @@ Measures, on the backend directly (no sockets):
   the native (GIL-free) flag, first on a quiet process, then while another
   Python thread keeps the GIL busy (as an event loop under load does);
 * cancel latency in the middle of a ~3,000-token prompt prefill: from
-  ``cancel.set()`` to ``generate`` raising ``GenerationCancelled``;
+  ``cancel.set()`` to the engine completing the request (its sequence free);
 
 and end to end through a real server: from sending ``cancel`` mid-prefill to
 receiving ``done``, and to a second connection's queued request ``started``.
@@ -33,14 +33,15 @@ sys.path.insert(0, str(ROOT))
 
 import llama_cpp  # noqa: E402
 
-from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
+from wsserver.backends.base import CancelEvent, GenerationRequest, Submission  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.errors import GenerationCancelled  # noqa: E402
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 300
 
 
 class CountingSink:
+    """A channel that always has room (the engine's ``Sink``)."""
+
     def __init__(self) -> None:
         self.tokens = 0
 
@@ -49,6 +50,27 @@ class CountingSink:
 
     def emit(self, text: str, tokens: int = 1) -> None:
         self.tokens += tokens
+
+    def offer(self, text: str, tokens: int = 1) -> bool:
+        self.tokens += tokens
+        return True
+
+    def when_room(self, callback: Any) -> None:
+        callback()
+
+    def end(self, outcome: Any) -> None:
+        pass
+
+
+def generate(
+    backend: LlamaBackend, req: GenerationRequest, sink: CountingSink, cancel: CancelEvent
+) -> Submission:
+    """Submit and wait for the engine to complete the request."""
+    done = threading.Event()
+    submission = backend.submit(req, slot=0, sink=sink, cancel=cancel)
+    submission.add_done_callback(done.set)
+    done.wait()
+    return submission
 
 
 def request(prompt: str, max_tokens: int, request_id: str = "bench") -> GenerationRequest:
@@ -71,23 +93,25 @@ def throughput(backend: LlamaBackend, tokens: int, repeat: int) -> float:
     for i in range(repeat):
         # A fresh first word each run: no prefix-cache hit, same prompt length.
         prompt = f"Story {i}: once upon a time"
-        backend.generate(request(prompt, 1), slot=0, sink=CountingSink(), cancel=threading.Event())
+        generate(backend, request(prompt, 1), CountingSink(), CancelEvent())
         sink = CountingSink()
         started = time.perf_counter()
-        backend.generate(request(prompt, tokens), slot=0, sink=sink, cancel=threading.Event())
+        generate(backend, request(prompt, tokens), sink, CancelEvent())
         rates.append(sink.tokens / (time.perf_counter() - started))
     return statistics.median(rates)
 
 
 def set_callback(backend: LlamaBackend, mode: str) -> None:
-    slot = backend._slots[0]
+    engine = backend.engine
+    assert engine is not None
+    flag = engine.flag
     if mode == "none":
         llama_cpp.llama_set_abort_callback(
-            slot.llm.ctx, ctypes.cast(None, llama_cpp.ggml_abort_callback), ctypes.c_void_p(0)
+            engine.ctx, ctypes.cast(None, llama_cpp.ggml_abort_callback), ctypes.c_void_p(0)
         )
     else:
-        data = ctypes.cast(slot.flag, ctypes.c_void_p) if slot.native else ctypes.c_void_p(0)
-        llama_cpp.llama_set_abort_callback(slot.llm.ctx, slot._callback, data)
+        data = ctypes.cast(flag.buffer, ctypes.c_void_p) if flag.native else ctypes.c_void_p(0)
+        llama_cpp.llama_set_abort_callback(engine.ctx, flag._callback, data)
 
 
 class BusyThread:
@@ -118,23 +142,23 @@ def cancel_latencies(backend: LlamaBackend, repeat: int) -> list[float]:
         backend.on_prefill = lambda request_id, n, prefill=prefill: prefill.set()
         cancel = CancelEvent()  # what the server's channel passes
         ended: dict[str, float] = {}
-
-        def produce(prompt: str, cancel: threading.Event, ended: dict[str, float]) -> None:
-            try:
-                backend.generate(request(prompt, 16), slot=0, sink=CountingSink(), cancel=cancel)
-            except GenerationCancelled:
-                ended["at"] = time.perf_counter()
-
-        thread = threading.Thread(target=produce, args=(f"{i} " + LONG_PROMPT, cancel, ended))
-        thread.start()
+        completed = threading.Event()
+        submission = backend.submit(
+            request(f"{i} " + LONG_PROMPT, 16), slot=0, sink=CountingSink(), cancel=cancel
+        )
+        submission.add_done_callback(
+            lambda ended=ended: ended.setdefault("at", time.perf_counter())
+        )
+        submission.add_done_callback(completed.set)
         prefill.wait()
         # Cancel a little into the prefill (this is a benchmark, not a test).
-        time.sleep(0.2)
+        time.sleep(0.2)  # sleep-ok: a benchmark's pause, not synchronisation
         began = time.perf_counter()
         cancel.set()
-        thread.join()
+        completed.wait()
         backend.on_prefill = None
-        if "at" not in ended:
+        stats = backend.request_stats("bench")
+        if stats is not None and not stats.aborted and stats.decoded >= stats.prompt_tokens:
             raise RuntimeError("the prefill finished before the cancel")
         latencies.append(ended["at"] - began)
     return latencies
@@ -154,6 +178,7 @@ async def end_to_end(model: str, n_threads: int, repeat: int) -> tuple[list[floa
             "backend.kind": "llama",
             "backend.llama.model": model,
             "backend.llama.n_threads": n_threads,
+            "backend.llama.parallel": 1,
             "server.log_level": "warning",
         },
     ).config
@@ -191,7 +216,7 @@ async def end_to_end(model: str, n_threads: int, repeat: int) -> tuple[list[floa
                     ).decode()
                 )
                 assert orjson.loads(await b.recv())["type"] == "queued"
-                await asyncio.sleep(0.2)  # a little into the prefill
+                await asyncio.sleep(0.2)  # sleep-ok: a little into the prefill
                 sent = time.perf_counter()
                 await a.send(orjson.dumps({"type": "cancel", "id": f"long{i}"}).decode())
                 while orjson.loads(await a.recv())["type"] != "done":
@@ -231,7 +256,7 @@ def main() -> None:
     rows = _Rows()
     for abort_check in ("native", "python"):
         backend = LlamaBackend(
-            model=model, n_ctx=4096, n_threads=args.threads, abort_check=abort_check
+            model=model, n_ctx=4096, n_threads=args.threads, parallel=1, abort_check=abort_check
         )
         backend.load()
         try:

@@ -10,6 +10,7 @@ from typing import Any
 from . import (
     adversaries,
     analysis,
+    batched,
     cancel,
     ceiling,
     idle,
@@ -37,6 +38,7 @@ SECTIONS = {
         "9. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
         upstream,
     ),
+    "batched": ("10. The batched llama engine: many streams in one context", batched),
 }
 
 

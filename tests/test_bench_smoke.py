@@ -12,6 +12,7 @@ checks that every section ran and that its numbers are sane.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -231,3 +232,29 @@ def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path)
     assert result["llama"]["status"] == "skipped"
     assert len(result["targets"]) == 4
     assert "## 9. The openai backend" in out.read_text()
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_batched_engine_bench_runs(tmp_path: Path, bench_model: str | None) -> None:
+    """Section 10 on the tiny model (llama.cpp's own tools are left out in
+    quick mode): every part ran and its counts add up."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    model = bench_model
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "10", "--out", str(out)]
+    command += ["--model", str(model), "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["batched"]
+    assert result["status"] == "ok", result
+    for row in result["rows"]:
+        assert row["wsserver"]["tokens"] == row["streams"] * result["tokens"], row
+    turns = result["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4, 5]
+    assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in itertools.pairwise(turns))
+    assert result["gaps"] and result["gaps"][0]["gap_max_during_ms"] is not None
+    assert "## 10. The batched llama engine" in out.read_text()

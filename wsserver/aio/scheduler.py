@@ -1,7 +1,8 @@
-"""Fair sharing of the model's slots (contexts) across connections.
+"""Fair sharing of the model's slots across connections.
 
-A llama.cpp context serves one generation at a time, so a backend offers a
-fixed number of *slots*. Requests from every connection wait for one in a
+An engine runs a fixed number of generations at once (the llama backend:
+sequences decoded together in one context; the openai backend: upstream
+streams), so a backend offers that many *slots*. Requests from every connection wait for one in a
 single FIFO; each waiter is told its 1-based position whenever it changes
 (the ``queued`` frame). More than ``max_waiting`` waiters → ``overloaded``.
 Until the model has loaded no slot is handed out, so requests that arrive

@@ -1,44 +1,49 @@
-"""One llama.cpp context and what it takes to interrupt it (used by :mod:`.llama`).
+"""llama.cpp's native pieces the batched engine drives (used by :mod:`.llama_engine`).
 
-ggml calls a context's abort callback after every graph node — hundreds of
-times per decoded token, from its compute thread — and stops the running
-``llama_decode`` (which then returns 2) when the callback returns true. This
-module makes that callback cheap and exact:
-
-* **native** (the default): the callback is libc's ``strlen`` reading a
-  two-byte per-context buffer — ``b"\\0\\0"`` → 0 (false), ``b"\\1\\0"`` → 1
-  (true) — so no Python runs in the compute thread and the GIL is never
-  taken. The flag is raised by a callback on the request's
-  :class:`~wsserver.backends.base.CancelEvent`, on the thread that cancels, the
-  instant it cancels (for a plain ``threading.Event``, a watcher thread
-  blocked on it raises the flag instead);
-* **python** (the fallback where libc is not found): a ctypes callback that
-  reads the request's cancel event; it takes the GIL on every call.
-
-It also routes llama.cpp's log lines into Python logging.
+* **The context**: one ``llama_context`` with ``n_seq_max = parallel``
+  sequences, built from ``llama_context_default_params()`` on the model
+  (``llama_cpp.Llama`` cannot: its constructor has no ``n_seq_max`` and its
+  batch hard-codes sequence 0).
+* **The abort flag**: ggml calls a context's abort callback after every graph
+  node — hundreds of times per decoded token, from its compute thread — and
+  stops the running ``llama_decode`` (which then returns 2) when it returns
+  true. The callback is libc's ``strlen`` reading a two-byte buffer —
+  ``b"\\0\\0"`` → 0 (false), ``b"\\1\\0"`` → 1 (true) — so no Python runs in
+  the compute thread and the GIL is never taken. Where libc is not found a
+  ctypes callback reads the same byte (it takes the GIL on every call).
+* **Sampler chains**, one per request, exactly as llama-cpp-python's
+  ``create_completion`` builds them.
+* **The batch**: one ``llama_batch`` reused every step.
+* **The log bridge**: llama.cpp's log lines into Python logging.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
 
-__all__ = ["ContextSlot", "install_log_bridge", "native_flag_reader"]
+__all__ = [
+    "AbortFlag",
+    "Batch",
+    "install_log_bridge",
+    "native_flag_reader",
+    "new_context",
+    "new_sampler",
+    "quiet_errors",
+]
 
 _cpp_log = logging.getLogger("wsserver.llama.cpp")
 
 # ---------------------------------------------------------------- llama.cpp logs
 
 _log_bridge: Any = None
-#: The running request's cancel event, per producer thread (llama.cpp logs on
-#: the thread that called llama_decode), to tell an abort from a failure.
-_producer = threading.local()
+#: Set on the engine thread while an aborted decode unwinds: the error lines
+#: llama.cpp prints then are our own cancel, not a failure.
+_quiet = threading.local()
 
 
 def install_log_bridge() -> None:
@@ -56,13 +61,18 @@ def install_log_bridge() -> None:
         line = text.decode("utf-8", errors="replace").rstrip()
         if not line:
             return
-        cancel = getattr(_producer, "cancel", None)
-        if cancel is not None and cancel.is_set():
+        flag = getattr(_quiet, "flag", None)
+        if flag is not None and flag.raised:
             level = 1  # the errors an aborted decode reports: our own cancel
         _cpp_log.log(levels.get(level, logging.DEBUG), "%s", line)
 
     _log_bridge = llama_cpp.llama_log_callback(on_log)  # kept alive: llama.cpp holds a raw pointer
     llama_cpp.llama_log_set(_log_bridge, ctypes.c_void_p(0))
+
+
+def quiet_errors(flag: AbortFlag | None) -> None:
+    """On the calling thread, log llama.cpp's errors at debug while ``flag`` is raised."""
+    _quiet.flag = flag
 
 
 # ---------------------------------------------------------------- abort flag
@@ -84,122 +94,129 @@ def native_flag_reader() -> Any:
     return llama_cpp.ggml_abort_callback(address)
 
 
-class _CancelWatcher:
-    """For a plain ``threading.Event``: a thread that calls ``on_cancel`` when it is set.
+class AbortFlag:
+    """The context's abort flag: raised by a cancel, read by ggml's compute thread."""
 
-    The thread blocks on the event's own condition variable, so it wakes the
-    moment ``cancel.set()`` is called, and :meth:`stop` wakes it at the end of
-    the request without setting the event. (``threading.Event`` keeps that
-    condition in ``_cond``; if an implementation lacks it we fall back to
-    waking every 10 ms.) The server's channel passes a
-    :class:`~wsserver.backends.base.CancelEvent`, which needs no thread.
-    """
-
-    def __init__(self, cancel: threading.Event, on_cancel: Callable[[], None], name: str) -> None:
-        self._cancel = cancel
-        self._on_cancel = on_cancel
-        self._finished = False
-        self._cond: threading.Condition | None = getattr(cancel, "_cond", None)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        cancel = self._cancel
-        if self._cond is not None:
-            with self._cond:
-                self._cond.wait_for(lambda: self._finished or cancel.is_set())
-        else:  # pragma: no cover - CPython's Event always has _cond
-            while not self._finished and not cancel.wait(0.01):
-                pass
-        if cancel.is_set() and not self._finished:
-            self._on_cancel()
-
-    def stop(self) -> None:
-        if self._cond is not None:
-            with self._cond:
-                self._finished = True
-                self._cond.notify_all()
-        else:  # pragma: no cover
-            self._finished = True
-        self._thread.join()
-
-
-class ContextSlot:
-    """One llama.cpp context and its abort machinery."""
-
-    def __init__(self, index: int, llm: llama_cpp.Llama, native_reader: Any) -> None:
-        self.index = index
-        self.llm = llm
-        #: The running request's cancel event (read by the Python callback).
-        self.cancel: threading.Event | None = None
-        #: Native mode: the byte the abort callback reads; index 1 stays NUL.
-        self.flag = ctypes.create_string_buffer(2)
-        self.native = native_reader is not None
-        #: Decodes interrupted by the abort callback (for tests and metrics).
-        self.aborts = 0
-        self.requests = 0
-        # Guards (cancel, flag): a late cancel of a finished request must never
-        # raise the flag under the next request on this context.
-        self._lock = threading.Lock()
-        self._watcher: _CancelWatcher | None = None
-        self._hook: Callable[[], None] | None = None
-        if self.native:
-            self._callback = native_reader
-            data = ctypes.cast(self.flag, ctypes.c_void_p)
+    def __init__(self, ctx: Any, *, native: bool) -> None:
+        #: The byte the callback reads; index 1 stays NUL.
+        self.buffer = ctypes.create_string_buffer(2)
+        reader = native_flag_reader() if native else None
+        self.native = reader is not None
+        if reader is not None:
+            self._callback = reader
+            data = ctypes.cast(self.buffer, ctypes.c_void_p)
         else:
-            self._callback = llama_cpp.ggml_abort_callback(self._should_abort)
+            self._callback = llama_cpp.ggml_abort_callback(self._read)
             data = ctypes.c_void_p(0)
         # Keep self._callback referenced: llama.cpp holds only a raw pointer.
-        llama_cpp.llama_set_abort_callback(llm.ctx, self._callback, data)
+        llama_cpp.llama_set_abort_callback(ctx, self._callback, data)
 
-    def _should_abort(self, _data: Any) -> bool:
-        cancel = self.cancel
-        return cancel is not None and cancel.is_set()
+    def _read(self, _data: Any) -> bool:
+        return self.buffer.raw[0] != 0
 
-    def _raise_flag(self, cancel: threading.Event) -> None:
-        with self._lock:
-            if self.cancel is cancel:
-                self.flag[0] = b"\x01"
+    @property
+    def raised(self) -> bool:
+        return self.buffer.raw[0] != 0
 
-    def arm(self, cancel: threading.Event, request_id: str) -> None:
-        with self._lock:
-            self.cancel = cancel
-            self.flag[0] = b"\x00"
-        _producer.cancel = cancel
-        if not self.native:
-            return
-        add_callback = getattr(cancel, "add_callback", None)
-        if add_callback is not None:
-            # A CancelEvent: the canceller itself raises the flag, at once.
-            self._hook = functools.partial(self._raise_flag, cancel)
-            add_callback(self._hook)
-        else:
-            self._watcher = _CancelWatcher(
-                cancel,
-                functools.partial(self._raise_flag, cancel),
-                name=f"wsserver-llama-abort-{self.index}-{request_id}",
-            )
+    def raise_(self) -> None:
+        self.buffer[0] = b"\x01"
 
-    def disarm(self) -> None:
-        cancel = self.cancel
-        if self._hook is not None and cancel is not None:
-            cancel.remove_callback(self._hook)  # type: ignore[attr-defined]
-        self._hook = None
-        if self._watcher is not None:
-            self._watcher.stop()
-            self._watcher = None
-        with self._lock:
-            self.cancel = None
-            self.flag[0] = b"\x00"
-        _producer.cancel = None
+    def lower(self) -> None:
+        self.buffer[0] = b"\x00"
 
-    def reset(self) -> None:
-        """Forget everything the context holds: tokens and KV memory."""
-        llm = self.llm
-        llm.reset()  # type: ignore[no-untyped-call]
-        memory = llama_cpp.llama_get_memory(llm.ctx)
-        if memory is not None:
-            # Metadata only: emptied cells are never attended, and wiping the
-            # buffers (~75 MB for Gemma 3 270M at n_ctx 4096) would hold the
-            # context for milliseconds after a cancel.
-            llama_cpp.llama_memory_clear(memory, False)
+
+# ---------------------------------------------------------------- context
+
+
+def new_context(
+    model: Any, *, n_ctx_seq: int, n_seq_max: int, n_batch: int, n_ubatch: int, n_threads: int
+) -> Any:
+    """A context of ``n_seq_max`` sequences of ``n_ctx_seq`` cells each.
+
+    ``kv_unified = False`` (the default): llama.cpp splits ``n_ctx`` into one
+    KV stream per sequence (``n_ctx / n_seq_max`` each, padded to 256), so a
+    sequence's context length is exactly its own and attention reads only its
+    own cells. ``swa_full = True`` (the default, kept explicitly): models with
+    sliding-window attention (Gemma 3) keep every cell in their SWA layers too,
+    which is what makes reusing a cached prefix at any length correct.
+    Flash attention stays off, as in ``llama_cpp.Llama`` (the same kernels give
+    the same logits as ``create_completion``).
+    """
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx_seq * n_seq_max
+    params.n_seq_max = n_seq_max
+    params.n_batch = n_batch
+    params.n_ubatch = n_ubatch
+    params.n_threads = n_threads
+    params.n_threads_batch = n_threads
+    params.kv_unified = False
+    params.swa_full = True
+    # As llama_cpp.Llama (flash_attn=False): the same kernels, hence the same
+    # logits as create_completion, which the tests compare against.
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    if ctx is None:
+        raise RuntimeError("llama_init_from_model failed")
+    return ctx
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def new_sampler(
+    *, temperature: float, top_k: int, top_p: float, min_p: float, typical_p: float, seed: int
+) -> Any:
+    """A native sampler chain, as ``Llama._init_sampler`` builds it.
+
+    (Its repeat-penalty stage is left out: at the fixed neutral penalties it
+    returns without touching the candidates.) Free it with ``llama_sampler_free``.
+    """
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if temperature == 0.0:
+        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    for stage in (
+        llama_cpp.llama_sampler_init_top_k(top_k),
+        llama_cpp.llama_sampler_init_typical(typical_p, 1),
+        llama_cpp.llama_sampler_init_top_p(top_p, 1),
+        llama_cpp.llama_sampler_init_min_p(min_p, 1),
+        llama_cpp.llama_sampler_init_temp(temperature),
+        llama_cpp.llama_sampler_init_dist(seed),
+    ):
+        llama_cpp.llama_sampler_chain_add(chain, stage)
+    return chain
+
+
+# ---------------------------------------------------------------- batch
+
+
+class Batch:
+    """One ``llama_batch`` of up to ``capacity`` tokens, one sequence each, reused."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.native = llama_cpp.llama_batch_init(capacity, 0, 1)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append a token; returns its index (where its logits are, if asked for)."""
+        b = self.native
+        i = self.n
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+        self.n = i + 1
+        return i
+
+    def ready(self) -> Any:
+        self.native.n_tokens = self.n
+        return self.native
+
+    def free(self) -> None:
+        llama_cpp.llama_batch_free(self.native)

@@ -1,0 +1,493 @@
+"""Section 10: the batched llama engine, side by side with llama.cpp's own tools.
+
+Default model, temperature 0, distinct prompts (no shared prefix), one run;
+contenders alternate at every point so drift on this noisy machine hits all:
+
+* **Aggregate decode tokens/s** at N = 1, 2, 4, 8, 16 concurrent streams of
+  128 tokens: wsserver with ``parallel = N`` (N WebSocket connections, each
+  token counted when its frame arrives), ``llama-server -np N`` (N concurrent
+  streamed ``/completion`` requests), and ``llama-batched-bench``'s S_TG for
+  ``-npl N`` — the ceiling: one ``llama_decode`` per step over N sequences,
+  no sampling, no server. Rate = completion tokens / (last end - first send).
+* **The others' gap while a long prompt is ingested:** three wsserver streams
+  decode; a fourth request brings ~3,000 prompt tokens. Per ``prefill_chunk``:
+  the decoding streams' worst gap between delta frames during the ingest
+  (frames unpaced: ``flush_ms = 0``), their median gap before it, and the long
+  request's time to first token.
+* **Prompt cache:** time to first token of turn 1 and turn 5 of a chat whose
+  history starts at ~2,000 tokens (the next turn's prompt = history + answer +
+  new message), and the prompt tokens each turn decoded.
+* **Single stream:** wsserver (``parallel = 4`` and ``1``) vs in-process
+  llama-cpp-python (``create_completion``) vs ``llama-bench -n 128`` (tg128).
+
+llama.cpp's tools come from ``scripts/llama-tools`` (built once into a
+cache from llama-cpp-python's sdist, ~15-20 minutes on 2 cores; never in the
+test suite). Without them those columns read "not measured". Flash attention
+is off everywhere (``-fa off``), as in wsserver and llama-cpp-python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .common import ROOT, ServerProcess, Skip, fmt, free_port, ratio
+from .lineup import PROMPTS, _default_model
+from .options import Options
+from .wsload import open_connection
+
+STREAMS = (1, 2, 4, 8, 16)
+TOKENS = 128
+#: Per sequence: a short prompt + 128 tokens fit; 16 x 1,024 cells stay small.
+N_CTX = 1024
+CHUNKS = (32, 64, 128)
+TIMES = "\u00d7"
+
+
+def tools_dir() -> Path | None:
+    """llama.cpp's bin folder (scripts/llama-tools builds it once), or None."""
+    script = ROOT / "scripts" / "llama-tools"
+    try:
+        out = subprocess.run(
+            [str(script)], capture_output=True, text=True, timeout=3600, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line for line in out.splitlines() if line.strip()]
+    path = Path(lines[-1].strip()) if lines else None
+    return path if path and (path / "llama-server").exists() else None
+
+
+def prompts(n: int, tag: str) -> list[str]:
+    return [f"{tag} {i}. {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+
+
+# ------------------------------------------------------------------ wsserver
+
+
+def _ws_server(model: str, threads: int, parallel: int, **extra: Any) -> ServerProcess:
+    return ServerProcess(
+        {
+            "backend.kind": "llama",
+            "backend.llama.model": model,
+            "backend.llama.n_ctx": extra.pop("n_ctx", N_CTX),
+            "backend.llama.n_threads": threads,
+            "backend.llama.parallel": parallel,
+            "limits.max_tokens": 4096,
+            "limits.max_prompt_chars": 1_000_000,
+            "stream.flush_ms": 0.0,
+            "stream.flush_tokens": 1,
+            **extra,
+        },
+        name=f"wsserver-p{parallel}",
+    )
+
+
+async def _ws_stream(
+    url: str,
+    rid: str,
+    prompt: str,
+    max_tokens: int,
+    t0: float,
+    stop_on: asyncio.Event | None = None,
+    decoding: asyncio.Event | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One request on its own connection: delta arrival times and the done frame.
+
+    With ``stop_on``, the request is cancelled once that event is set;
+    ``decoding`` is set once five deltas arrived.
+    """
+    ws = await open_connection(url)
+    canceller = None
+    if stop_on is not None:
+
+        async def cancel_when_told() -> None:
+            await stop_on.wait()
+            await ws.send(orjson.dumps({"type": "cancel", "id": rid}).decode())
+
+        canceller = asyncio.create_task(cancel_when_told())
+    try:
+        frame = {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens}
+        frame.update({"temperature": 0, **extra})
+        sent = time.perf_counter()
+        await ws.send(orjson.dumps(frame).decode())
+        arrivals: list[float] = []
+        parts: list[str] = []
+        while True:
+            msg = orjson.loads(await ws.recv())
+            if msg["type"] == "delta":
+                arrivals.append(time.perf_counter() - t0)
+                parts.append(msg["text"])
+                if decoding is not None and len(arrivals) == 5:
+                    decoding.set()
+            elif msg["type"] == "done":
+                text = "".join(parts)
+                return {"sent": sent - t0, "arrivals": arrivals, "done": msg, "text": text}
+            elif msg["type"] == "error":
+                raise RuntimeError(f"wsserver refused {rid}: {msg}")
+    finally:
+        if canceller is not None:
+            canceller.cancel()
+        await ws.close()
+
+
+async def ws_aggregate(model: str, threads: int, n: int) -> dict[str, Any]:
+    server = await _ws_server(model, threads, n).start(timeout=300)
+    try:
+        # One request first: the model's pages are warm for every contender.
+        await _ws_stream(server.url, "warm", "Warm up.", 8, time.perf_counter())
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(
+            *(
+                _ws_stream(server.url, f"s{i}", p, TOKENS, t0)
+                for i, p in enumerate(prompts(n, "ws"))
+            )
+        )
+    finally:
+        await server.stop()
+    tokens = sum(r["done"]["usage"]["completion_tokens"] for r in runs)
+    end = max(r["arrivals"][-1] if r["arrivals"] else r["sent"] for r in runs)
+    ttft = [r["arrivals"][0] - r["sent"] for r in runs if r["arrivals"]]
+    out = {"tok_s": tokens / end, "tokens": tokens, "ttft_ms": statistics.median(ttft) * 1000}
+    if n == 1:
+        out["decode"] = _decode_rate(runs[0])
+    return out
+
+
+# ------------------------------------------------------------------ llama.cpp
+
+
+async def _sse_completion(port: int, prompt: str, t0: float) -> dict[str, Any]:
+    import aiohttp
+
+    body = {
+        "prompt": prompt,
+        "n_predict": TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{port}/completion", json=body) as resp,
+    ):
+        sent = time.perf_counter() - t0
+        first = last = None
+        tokens = 0
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            now = time.perf_counter() - t0
+            if data.get("content"):
+                first = first if first is not None else now
+            last = now
+            if data.get("stop"):
+                tokens = int(data.get("tokens_predicted") or data["timings"]["predicted_n"])
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens}
+
+
+async def server_aggregate(tools: Path, model: str, threads: int, n: int) -> dict[str, Any]:
+    port = free_port()
+    args = [str(tools / "llama-server"), "-m", model, "-np", str(n), "-c", str(N_CTX * n)]
+    args += ["-t", str(threads), "-fa", "off", "--port", str(port), "--host", "127.0.0.1"]
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        await _wait_health(port)
+        t0 = time.perf_counter()
+        await _sse_completion(port, "Warm up.", t0)
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(_sse_completion(port, p, t0) for p in prompts(n, "ls")))
+    finally:
+        proc.terminate()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(proc.wait(), 30)
+    tokens = sum(r["tokens"] for r in runs)
+    end = max(r["last"] for r in runs)
+    ttft = [r["first"] - r["sent"] for r in runs if r["first"] is not None]
+    return {"tok_s": tokens / end, "tokens": tokens, "ttft_ms": statistics.median(ttft) * 1000}
+
+
+async def _wait_health(port: int, timeout: float = 300) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.25)  # sleep-ok: polling a process we do not own
+    raise RuntimeError("llama-server did not become healthy")
+
+
+def batched_bench(tools: Path, model: str, threads: int) -> dict[int, float]:
+    """S_TG tokens/s per N from one ``llama-batched-bench`` run."""
+    npl = ",".join(str(n) for n in STREAMS)
+    args = [str(tools / "llama-batched-bench"), "-m", model, "-c", str(N_CTX * max(STREAMS))]
+    args += ["-b", "2048", "-ub", "512", "-npp", "16", "-ntg", str(TOKENS), "-npl", npl]
+    args += ["-t", str(threads), "-fa", "off", "--output-format", "jsonl"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=3600, check=True)
+    rates: dict[int, float] = {}
+    for line in (out.stdout + out.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and "speed_tg" in line:
+            row = json.loads(line)
+            rates[int(row["pl"])] = float(row["speed_tg"])
+    return rates
+
+
+def llama_bench_tg(tools: Path, model: str, threads: int) -> float | None:
+    args = [str(tools / "llama-bench"), "-m", model, "-p", "0", "-n", str(TOKENS)]
+    args += ["-t", str(threads), "-fa", "0", "-r", "3", "-o", "json"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=3600, check=True)
+    rows = json.loads(out.stdout)
+    return float(rows[0]["avg_ts"]) if rows else None
+
+
+# ------------------------------------------------------------------ the others' gap
+
+
+async def ingest_gap(model: str, threads: int, chunk: int, long_prompt: str) -> dict[str, Any]:
+    server = await _ws_server(
+        model, threads, 4, n_ctx=4096, **{"backend.llama.prefill_chunk": chunk}
+    ).start(timeout=300)
+    try:
+        t0 = time.perf_counter()
+        done = asyncio.Event()
+        ready = [asyncio.Event() for _ in range(3)]
+        decoding = [
+            asyncio.create_task(
+                _ws_stream(server.url, f"d{i}", p, 3000, t0, stop_on=done, decoding=ready[i])
+            )
+            for i, p in enumerate(prompts(3, f"gap{chunk}"))
+        ]
+        for event in ready:  # the three streams are decoding
+            await event.wait()
+        long = await _ws_stream(server.url, "long", long_prompt, 1, t0)
+        await asyncio.sleep(0.5)  # sleep-ok: a little of the decoding after the ingest
+        done.set()
+        runs = await asyncio.gather(*decoding)
+    finally:
+        await server.stop()
+    start, first = long["sent"], long["arrivals"][0] if long["arrivals"] else long["sent"]
+    during: list[float] = []
+    before: list[float] = []
+    for r in runs:
+        a = r["arrivals"]
+        for x, y in itertools.pairwise(a):
+            if y > start and x < first:
+                during.append(y - x)
+            elif y <= start:
+                before.append(y - x)
+    return {
+        "chunk": chunk,
+        "gap_before_ms": statistics.median(before) * 1000 if before else None,
+        "gap_max_during_ms": max(during) * 1000 if during else None,
+        "long_ttft_ms": (first - start) * 1000,
+    }
+
+
+# ------------------------------------------------------------------ chat turns
+
+
+async def chat_turns(model: str, threads: int, history: str) -> list[dict[str, Any]]:
+    server = await _ws_server(model, threads, 4, n_ctx=4096).start(timeout=300)
+    turns = []
+    try:
+        prompt = history + "\nUser: Summarise the record in one line.\nAssistant:"
+        for turn in range(1, 6):
+            t0 = time.perf_counter()
+            run = await _ws_stream(server.url, f"turn{turn}", prompt, 32, t0, stop=["\nUser:"])
+            text = run["text"]
+            ttft = (run["arrivals"][0] - run["sent"]) * 1000 if run["arrivals"] else None
+            turns.append(
+                {
+                    "turn": turn,
+                    "prompt_tokens": run["done"]["usage"]["prompt_tokens"],
+                    "ttft_ms": ttft,
+                    "server_ttft_ms": run["done"]["timings"]["ttft_ms"],
+                }
+            )
+            prompt += text + f" Point {turn}.\nUser: And then what happened?\nAssistant:"
+    finally:
+        await server.stop()
+    return turns
+
+
+# ------------------------------------------------------------------ the section
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"llama-cpp-python is not installed ({exc})") from None
+    model = opts.model or _default_model()
+    threads = opts.threads or os.cpu_count() or 1
+    streams = (1, 4) if opts.quick else STREAMS
+    tools = None if opts.quick else await asyncio.to_thread(tools_dir)
+    opts.log(f"  llama.cpp tools: {tools or 'not available'}")
+    result: dict[str, Any] = {"status": "ok", "threads": threads, "tokens": TOKENS, "rows": []}
+    ceiling = await asyncio.to_thread(batched_bench, tools, model, threads) if tools else {}
+    for n in streams:
+        opts.log(f"  {n} stream(s)")
+        row: dict[str, Any] = {"streams": n, "batched_bench": ceiling.get(n)}
+        row["wsserver"] = await ws_aggregate(model, threads, n)
+        if tools is not None:
+            row["llama_server"] = await server_aggregate(tools, model, threads, n)
+        result["rows"].append(row)
+    from .contenders import InProcess
+
+    inproc = InProcess(model, n_ctx=N_CTX, n_batch=opts.n_batch, threads=threads)
+    try:
+        single = await inproc.complete(prompts(1, "inproc")[0], TOKENS)
+        result["inprocess"] = {
+            "tok_s": single.decode_tps(TOKENS),
+            "ttft_ms": (single.first or 0.0) * 1000,
+        }
+        from .lineup import long_prompt
+
+        text, n_long = long_prompt(inproc, 1, 3000)
+        history, n_hist = long_prompt(inproc, 2, 2000)
+    finally:
+        inproc.close()
+    result["single_p4"] = await _single(model, threads)
+    if tools is not None:
+        result["llama_bench_tg"] = await asyncio.to_thread(llama_bench_tg, tools, model, threads)
+    chunks = (64,) if opts.quick else CHUNKS
+    result["long_prompt_tokens"] = n_long
+    result["gaps"] = [await ingest_gap(model, threads, c, text) for c in chunks]
+    result["history_tokens"] = n_hist
+    result["turns"] = await chat_turns(model, threads, history)
+    return result
+
+
+async def _single(model: str, threads: int) -> dict[str, Any]:
+    """One stream alone on the default ``parallel = 4`` (the row N = 1 has ``parallel = 1``)."""
+    server = await _ws_server(model, threads, 4).start(timeout=300)
+    try:
+        await _ws_stream(server.url, "warm", "Warm up.", 8, time.perf_counter())
+        t0 = time.perf_counter()
+        r = await _ws_stream(server.url, "one", prompts(1, "single")[0], TOKENS, t0)
+    finally:
+        await server.stop()
+    return _decode_rate(r)
+
+
+def _decode_rate(r: dict[str, Any]) -> dict[str, Any]:
+    """A single stream's decode rate (first to last token, as tg128 counts) and TTFT."""
+    a = r["arrivals"]
+    tokens = r["done"]["usage"]["completion_tokens"]
+    rate = (tokens - 1) / (a[-1] - a[0]) if len(a) > 1 and a[-1] > a[0] else None
+    return {"tok_s": rate, "ttft_ms": (a[0] - r["sent"]) * 1000 if a else None}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"Default model, {result['threads']} thread(s) everywhere, {result['tokens']} tokens per "
+        "stream, temperature 0, flash attention off; measured on a shared, noisy 2-core machine "
+        "(ratios side by side in one run mean more than absolute rates).",
+        "",
+        "| streams | wsserver tok/s | llama-server -np N | batched-bench S_TG (ceiling) "
+        "| vs llama-server | vs ceiling | wsserver TTFT ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        ws = row["wsserver"]["tok_s"]
+        ls = (row.get("llama_server") or {}).get("tok_s")
+        cb = row.get("batched_bench")
+        lines.append(
+            f"| {row['streams']} | {fmt(ws)} | {fmt(ls)} | {fmt(cb)} | "
+            f"{fmt(ratio(ws, ls), 2, TIMES)} | {fmt(ratio(ws, cb), 2, TIMES)} | "
+            f"{fmt(row['wsserver']['ttft_ms'])} |"
+        )
+    lines += ["", *_targets(result)]
+    first = result["rows"][0]["wsserver"].get("decode") or {}
+    inproc = result.get("inprocess") or {}
+    tg = result.get("llama_bench_tg")
+    p4 = result.get("single_p4") or {}
+    lines += [
+        "",
+        "Single stream, decode rate (first to last token, as tg128 counts it): "
+        f"wsserver `parallel = 1` {fmt(first.get('tok_s'))} tok/s "
+        f"(TTFT {fmt(first.get('ttft_ms'))} ms), `parallel = 4` {fmt(p4.get('tok_s'))} tok/s "
+        f"({fmt(ratio(p4.get('tok_s'), first.get('tok_s')), 3, TIMES)}); "
+        f"in-process llama-cpp-python {fmt(inproc.get('tok_s'))} tok/s "
+        f"(TTFT {fmt(inproc.get('ttft_ms'))} ms); `llama-bench` tg{result['tokens']} {fmt(tg)} tok/s "
+        f"→ wsserver {fmt(ratio(first.get('tok_s'), tg), 2, TIMES)} of llama-bench, "
+        f"{fmt(ratio(first.get('tok_s'), inproc.get('tok_s')), 2, TIMES)} of in-process.",
+        "",
+        f"A {result['long_prompt_tokens']}-token prompt arriving while three streams decode "
+        "(wsserver, `parallel = 4`):",
+        "",
+        "| prefill_chunk | others' median gap before, ms | others' worst gap during ingest, ms "
+        "| long prompt's TTFT, ms |",
+        "|---:|---:|---:|---:|",
+    ]
+    for g in result["gaps"]:
+        lines.append(
+            f"| {g['chunk']} | {fmt(g['gap_before_ms'])} | {fmt(g['gap_max_during_ms'])} | "
+            f"{fmt(g['long_ttft_ms'], 0)} |"
+        )
+    lines += [
+        "",
+        f"Chat turns on a {result['history_tokens']}-token history (each turn's prompt = "
+        "the previous prompt + answer + a new message; the cached prefix is reused):",
+        "",
+        "| turn | prompt tokens | TTFT at the client, ms | server ttft_ms |",
+        "|---:|---:|---:|---:|",
+    ]
+    for t in result["turns"]:
+        lines.append(
+            f"| {t['turn']} | {t['prompt_tokens']} | {fmt(t['ttft_ms'])} | "
+            f"{fmt(t['server_ttft_ms'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _targets(result: dict[str, Any]) -> list[str]:
+    """The issue's targets against this run's figures."""
+    rows = {r["streams"]: r for r in result["rows"]}
+    out = ["| target | this run | met |", "|---|---|:-:|"]
+
+    def line(name: str, value: float | None, goal: float) -> None:
+        met = "-" if value is None else ("yes" if value >= goal else "no")
+        out.append(f"| {name} | {fmt(value, 2, TIMES)} | {met} |")
+
+    for n in (4, 8):
+        row = rows.get(n) or {}
+        ws = (row.get("wsserver") or {}).get("tok_s")
+        line(
+            f">= 1.0{TIMES} llama-server at {n} streams",
+            ratio(ws, (row.get("llama_server") or {}).get("tok_s")),
+            1.0,
+        )
+    worst = [
+        ratio(r["wsserver"]["tok_s"], r.get("batched_bench"))
+        for r in result["rows"]
+        if r.get("batched_bench")
+    ]
+    line(f">= 0.9{TIMES} the batched-bench ceiling (worst N)", min(worst) if worst else None, 0.9)
+    decode = (rows.get(1) or {}).get("wsserver", {}).get("decode") or {}
+    line(
+        f">= 0.95{TIMES} llama-bench tg{result['tokens']}, one stream",
+        ratio(decode.get("tok_s"), result.get("llama_bench_tg")),
+        0.95,
+    )
+    return out

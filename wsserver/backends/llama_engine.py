@@ -1,0 +1,457 @@
+"""The batched engine: one thread, one llama.cpp context, many sequences.
+
+Theory of operation
+-------------------
+:class:`BatchEngine` owns a context of ``parallel`` sequences (see
+:func:`.llama_context.new_context`) and one thread that runs the step loop.
+The event loop only hands it requests (:meth:`BatchEngine.submit`) and
+cancels (a :class:`~wsserver.backends.base.CancelEvent` callback); channels
+with room again wake it through ``Sink.when_room``. It sleeps on a condition
+variable when nothing can run — idle, or every sequence paused on a full
+channel — and never polls.
+
+One step:
+
+1. **Cancels first.** A cancelled request leaves at once: no ``end`` (the
+   client had its ``done`` from the core), its sampler is freed and its
+   submission completed. Its sequence keeps exactly the cells that were
+   committed (see the prompt cache below).
+2. **Admission.** New requests are tokenized here (off the loop) and given a
+   free sequence: the one whose cached tokens share the longest prefix with
+   the prompt, relative to the prompt's length, if that is above
+   :data:`PREFIX_SIMILARITY` (llama-server's rule), else the lowest free one
+   (which keeps the decoding sequences' ids contiguous: with one KV stream per
+   sequence llama.cpp computes consecutive sequence ids in one micro-batch).
+   The tail after the common prefix is removed (``llama_memory_seq_rm``) and
+   only the rest is prefilled — always at least the last prompt token, whose
+   logits start the completion.
+3. **One batch.** The next token of every decoding sequence whose text was
+   delivered, plus prompt tokens of prefilling sequences, oldest first, up to
+   a budget: ``prefill_chunk`` while anyone else is decoding (so a long prompt
+   does not freeze the others: their gap is one chunk's compute), ``n_batch``
+   when no one is. A sequence whose last text its channel refused
+   (``Sink.offer`` → False: a slow client) sits out, holding that one token's
+   text, until ``when_room`` fires — its memory stays bounded by its channel,
+   the others keep their pace.
+4. **Decode**, then sample every sequence that asked for logits with its own
+   native sampler chain, and run the text through its
+   :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
+   a stop string, ``max_tokens`` or the sequence's full context end it.
+
+Cancel during a decode
+----------------------
+A cancel whose request has *prompt* tokens in the decode in flight raises the
+context's native abort flag: ggml stops after the graph node it is computing
+and ``llama_decode`` returns 2, having kept the micro-batches it finished. The
+engine then removes every batch sequence's cells from its pre-batch position
+on, so each is exactly where it was before the step, and the survivors simply
+run their part again next step. (A cancelled sequence with only its one
+decode token in flight is not worth aborting for: the step ends in
+milliseconds, and aborting would make the others redo it.)
+
+Prompt cache
+------------
+A sequence's :attr:`SequenceState.tokens` are the tokens whose KV cells it
+holds, by position — updated only when a decode succeeded and rolled back
+when one was aborted, so it is exact. Finished and cancelled requests leave
+their cells for the next request with the same prefix (the next turn of a
+chat, a regenerate); any other request removes them first. KV state thus
+never reaches another request except as a prefix of its own prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import llama_cpp
+
+from ..errors import BackendError
+from ..logs import context
+from ..protocol import DoneReason
+from ..textstream import TextAssembler
+from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .llama_context import AbortFlag, Batch, new_sampler, quiet_errors
+from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
+
+__all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
+
+log = logging.getLogger("wsserver.llama")
+
+#: llama-server's ``--slot-prompt-similarity`` default: below this share of
+#: the prompt in common, a cached sequence is not worth routing to.
+PREFIX_SIMILARITY = 0.1
+#: Sampling settings the protocol does not expose, at ``create_completion``'s defaults.
+MIN_P = 0.05
+TYPICAL_P = 1.0
+#: Per-request counters kept for tests and the bench, newest last.
+_STATS_KEPT = 256
+
+Prepare = Callable[[GenerationRequest], tuple[list[int], tuple[str, ...]]]
+
+
+class BatchEngine:
+    """The step loop over one context (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        ctx: Any,
+        vocab: Any,
+        n_ctx: int,
+        parallel: int,
+        n_batch: int,
+        prefill_chunk: int,
+        prepare: Prepare,
+        piece: Callable[[int], bytes],
+        native_abort: bool = True,
+    ) -> None:
+        self.ctx = ctx
+        self._vocab = vocab
+        self._memory = llama_cpp.llama_get_memory(ctx)
+        #: Prompt + completion per sequence: what was asked, within what llama.cpp made.
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
+        self.n_batch = n_batch
+        self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
+        self._prepare = prepare
+        self._piece = piece
+        self.sequences = [SequenceState(i) for i in range(parallel)]
+        self._batch = Batch(n_batch + parallel)
+        self.flag = AbortFlag(ctx, native=native_abort)
+        self._cond = threading.Condition(threading.RLock())
+        self._incoming: list[Job] = []
+        self._jobs: list[Job] = []  # admitted, in admission order
+        self._stopping = False
+        #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
+        self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
+        self.stats: dict[str, int] = {
+            "requests": 0,
+            "aborts": 0,
+            "steps": 0,
+            "prompt_tokens_reused": 0,
+            "prompt_tokens_decoded": 0,
+            "max_batch_sequences": 0,
+        }
+        self.request_stats: dict[str, RequestStats] = {}
+        #: Called on the engine thread just before a request's first prompt
+        #: tokens are decoded, with its ID and prompt length (the abort flag is
+        #: armed for it by then). For tests and metrics; quick, must not raise.
+        self.on_prefill: Callable[[str, int], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="wsserver-llama-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ loop side
+
+    def submit(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Submission:
+        stats = RequestStats()
+        self.request_stats[request.id] = stats
+        while len(self.request_stats) > _STATS_KEPT:
+            del self.request_stats[next(iter(self.request_stats))]
+        job = Job(request, sink, cancel, Submission(), stats)
+        with self._cond:
+            self._incoming.append(job)
+            self._cond.notify()
+        job.on_cancel = functools.partial(self._on_cancel, job)
+        cancel.add_callback(job.on_cancel)
+        return job.submission
+
+    def _on_cancel(self, job: Job) -> None:
+        with self._cond:
+            job.cancelled = True
+            if job.in_flight:
+                self.flag.raise_()
+            self._cond.notify()
+
+    def _on_room(self, job: Job) -> None:
+        with self._cond:
+            job.waiting_room = False
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+        for job in self._jobs:
+            self._free_sampler(job)
+        self._batch.free()
+
+    # ------------------------------------------------------------ the loop
+
+    def _runnable(self) -> bool:
+        if self._incoming or self._stopping:
+            return True
+        for job in self._jobs:
+            if job.cancelled:
+                return True
+            if job.waiting_room:
+                continue
+            if job.outbox or job.ending or job.next_token is not None:
+                return True
+            if job.fed < len(job.prompt):
+                return True
+        return False
+
+    def _run(self) -> None:
+        quiet_errors(self.flag)
+        while True:
+            with self._cond:
+                while not self._runnable():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                incoming, self._incoming = self._incoming, []
+            try:
+                self._step(incoming)
+            except Exception:  # a bug here must not kill the engine silently
+                log.exception("the batched engine failed; ending its requests")
+                for job in self._jobs + incoming:
+                    if not job.submission.done:
+                        self._fail(job, "the backend failed", code="internal")
+                self._jobs = []
+
+    def _step(self, incoming: list[Job]) -> None:
+        for job in list(self._jobs):
+            if job.cancelled:
+                self._leave(job)
+        for job in incoming:
+            if job.cancelled:
+                self._leave(job)
+            else:
+                self._admit(job)
+        for job in list(self._jobs):
+            if (job.outbox or job.ending) and not job.waiting_room:
+                self._deliver(job)
+        self._decode_step()
+
+    # ------------------------------------------------------------ admission
+
+    def _admit(self, job: Job) -> None:
+        request = job.request
+        try:
+            prompt, stops = self._prepare(request)
+        except BackendError as exc:
+            self._fail(job, str(exc), code=exc.code)
+            return
+        except Exception as exc:
+            log.warning("id=%s tokenizing failed: %r", request.id, exc)
+            self._fail(job, "the prompt could not be tokenized")
+            return
+        if not prompt:
+            self._fail(job, "the prompt is empty")
+            return
+        if len(prompt) >= self.n_ctx:
+            self._fail(
+                job,
+                f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
+                "tokens for prompt and completion together",
+                code="too_large",
+            )
+            return
+        seq = self._choose(prompt)
+        if seq is None:  # the scheduler grants at most `parallel` slots
+            self._fail(job, "no free sequence", code="internal")
+            return
+        keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
+            keep = 0  # a memory that cannot cut a sequence short
+            llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
+        del seq.tokens[keep:]
+        seq.job = job
+        job.seq = seq
+        job.prompt = prompt
+        job.fed = keep
+        # As llama-cpp-python does: the completion gets what room is left.
+        job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
+        seed = request.seed if request.seed is not None else random.getrandbits(32)
+        job.sampler = new_sampler(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            min_p=MIN_P,
+            typical_p=TYPICAL_P,
+            seed=seed,
+        )
+        job.assembler = TextAssembler(stops)
+        job.stats.prompt_tokens = len(prompt)
+        job.stats.reused = keep
+        job.stats.sequence = seq.index
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens_reused"] += keep
+        self._jobs.append(job)
+        log.debug(
+            "id=%s sequence %d: %d prompt tokens, %d from the cache",
+            request.id,
+            seq.index,
+            len(prompt),
+            keep,
+            extra=context(request.conn_id, request.id),
+        )
+
+    def _choose(self, prompt: list[int]) -> SequenceState | None:
+        free = [s for s in self.sequences if s.job is None]
+        if not free:
+            return None
+        best = max(free, key=lambda s: common_prefix(s.tokens, prompt))
+        if common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
+            return best
+        return free[0]
+
+    # ------------------------------------------------------------ one step
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        batch.clear()
+        plan: list[tuple[Job, int, int]] = []  # job, tokens fed, logits index or -1
+        with self._cond:
+            self.flag.lower()
+            decoding = [
+                j
+                for j in self._jobs
+                if j.next_token is not None and not j.outbox and not j.waiting_room
+            ]
+            for job in decoding:
+                assert job.seq is not None and job.next_token is not None
+                index = batch.add(job.next_token, len(job.seq.tokens), job.seq.index, True)
+                plan.append((job, 1, index))
+            budget = self.prefill_chunk if decoding else self.n_batch
+            first_chunks: list[Job] = []
+            for job in self._jobs:
+                remaining = len(job.prompt) - job.fed
+                if remaining <= 0 or budget <= 0 or job.cancelled:
+                    continue
+                assert job.seq is not None
+                take = min(remaining, budget)
+                budget -= take
+                start = len(job.seq.tokens)
+                index = -1
+                for k in range(take):
+                    last = job.fed + k == len(job.prompt) - 1
+                    i = batch.add(job.prompt[job.fed + k], start + k, job.seq.index, last)
+                    if last:
+                        index = i
+                plan.append((job, take, index))
+                job.in_flight = True
+                if not job.started:
+                    job.started = True
+                    first_chunks.append(job)
+        if not plan:
+            return
+        if self.on_prefill is not None:
+            for job in first_chunks:
+                self.on_prefill(job.request.id, len(job.prompt))
+        self.stats["steps"] += 1
+        self.stats["max_batch_sequences"] = max(self.stats["max_batch_sequences"], len(plan))
+        started = time.perf_counter()
+        status = llama_cpp.llama_decode(self.ctx, batch.ready())
+        decoded = time.perf_counter()
+        self.seconds["decode"] += decoded - started
+        with self._cond:
+            for job, _, _ in plan:
+                job.in_flight = False
+            aborted = self.flag.raised
+            self.flag.lower()
+        if status != 0:
+            # Back to where every sequence was before this step: llama.cpp kept
+            # the micro-batches it finished, and they go too.
+            for job, _, _ in plan:
+                assert job.seq is not None
+                llama_cpp.llama_memory_seq_rm(self._memory, job.seq.index, len(job.seq.tokens), -1)
+            if status == 2 or aborted:
+                self.stats["aborts"] += 1
+                for job, _, _ in plan:
+                    if job.cancelled:
+                        job.stats.aborted = True
+                return  # the survivors run their part again next step
+            log.error("llama_decode returned %d for a batch of %d tokens", status, batch.n)
+            for job, _, _ in plan:
+                self._fail(job, "the model failed while generating")
+            return
+        for job, fed, index in plan:
+            assert job.seq is not None
+            if job.fed < len(job.prompt):
+                job.seq.tokens.extend(job.prompt[job.fed : job.fed + fed])
+                job.fed += fed
+                job.stats.decoded += fed
+                self.stats["prompt_tokens_decoded"] += fed
+                if job.fed == len(job.prompt) and not job.cancelled:
+                    job.sink.prompt_processed(len(job.prompt))
+            else:
+                assert job.next_token is not None
+                job.seq.tokens.append(job.next_token)
+                job.next_token = None
+            if index >= 0 and not job.cancelled:
+                self._sample(job, index)
+        self.seconds["sample"] += time.perf_counter() - decoded
+
+    def _sample(self, job: Job, index: int) -> None:
+        assembler = job.assembler
+        assert assembler is not None
+        token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+        if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            self._ending(job, "stop")
+        else:
+            job.produced += 1
+            job.outbox.append((assembler.feed(self._piece(token)), 1))
+            if assembler.stopped:
+                job.ending = Outcome("stop", len(job.prompt), job.produced)
+            elif job.produced >= job.max_tokens:
+                self._ending(job, "length")
+            else:
+                job.next_token = token
+        self._deliver(job)
+
+    def _ending(self, job: Job, reason: DoneReason) -> None:
+        assert job.assembler is not None
+        # A character cut off by max_tokens is dropped, as create_completion drops it.
+        tail = job.assembler.flush()
+        if tail:
+            job.outbox.append((tail, 0))
+        job.ending = Outcome(reason, len(job.prompt), job.produced)
+
+    # ------------------------------------------------------------ delivery and ends
+
+    def _deliver(self, job: Job) -> None:
+        """Hand the job's held text to its channel; pause it on a full one."""
+        while job.outbox:
+            text, tokens = job.outbox[0]
+            if not job.sink.offer(text, tokens):
+                if job.cancelled or job.cancel.is_set():
+                    return
+                with self._cond:
+                    job.waiting_room = True
+                job.sink.when_room(functools.partial(self._on_room, job))
+                return
+            job.outbox.popleft()
+        if job.ending is not None:
+            job.sink.end(job.ending)
+            self._leave(job)
+
+    def _fail(self, job: Job, message: str, *, code: Any = "internal") -> None:
+        job.sink.end(Outcome(reason="error", error_code=code, error_message=message))
+        if job.seq is not None:  # its cells may be half-written: never reused
+            llama_cpp.llama_memory_seq_rm(self._memory, job.seq.index, -1, -1)
+            job.seq.tokens.clear()
+        self._leave(job)
+
+    def _leave(self, job: Job) -> None:
+        """The request is over: free its sequence (its cells stay cached) and its slot."""
+        if job.on_cancel is not None:
+            job.cancel.remove_callback(job.on_cancel)
+        self._free_sampler(job)
+        if job.seq is not None:
+            job.seq.job = None
+        if job in self._jobs:
+            self._jobs.remove(job)
+        job.submission.complete()
+
+    @staticmethod
+    def _free_sampler(job: Job) -> None:
+        if job.sampler is not None:
+            llama_cpp.llama_sampler_free(job.sampler)
+            job.sampler = None
