@@ -44,6 +44,16 @@ Request states and the events that move them (rows not listed are refused)::
 
 Because a request leaves ``WAITING``/``RUNNING`` exactly once, it gets exactly
 one ``done``, and nothing for its ID is emitted after it.
+
+A *resumable* request (``started`` carried a token) also keeps the deltas it
+sent in a bounded :class:`~wsserver.replay.ReplayTail`. When its connection is
+lost, :meth:`Session.detach` takes it out of this session as a
+:class:`Parked` request (the same state: seq, timings, tail), and another
+connection's session takes it in with :meth:`Session.adopt`, which replays the
+tail after the client's ``after_seq``; the request then goes on as if it had
+always been that session's. A request whose ``done`` was written into a
+connection that broke is parked too, finished: its resume replays the tail
+and the ``done``.
 """
 
 from __future__ import annotations
@@ -64,14 +74,17 @@ from .protocol import (
     Generate,
     Queued,
     Restart,
+    Resumed,
     ServerFrame,
     Started,
     Timings,
     Usage,
 )
+from .replay import ReplayTail
 
 __all__ = [
     "Effect",
+    "Parked",
     "RequestState",
     "Send",
     "Session",
@@ -122,6 +135,53 @@ class _Request:
     completion_tokens: int = 0
     position: int | None = None
     deferred: bool = field(default=False)
+    #: Only for a resumable request: its token and the deltas kept for a replay.
+    resume_token: str | None = None
+    tail: ReplayTail | None = None
+    #: A resumable request's ``done``, once it was emitted.
+    done: Done | None = None
+
+
+class Parked:
+    """A resumable request out of any session: its connection was lost.
+
+    It holds what the client's view needs to go on — seq, timings, the replay
+    tail — and, if the request finished meanwhile, its ``done``.
+    """
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: _Request) -> None:
+        self._entry = entry
+
+    @property
+    def id(self) -> str:
+        return self._entry.request.id
+
+    @property
+    def resume_token(self) -> str:
+        assert self._entry.resume_token is not None
+        return self._entry.resume_token
+
+    @property
+    def finished(self) -> bool:
+        return self._entry.done is not None
+
+    @property
+    def next_seq(self) -> int:
+        return self._entry.seq
+
+    def held_bytes(self) -> int:
+        """Wire bytes of the deltas kept for a replay."""
+        tail = self._entry.tail
+        return 0 if tail is None else tail.bytes
+
+    def cancelled(self, now: float) -> Done:
+        """End it as ``cancelled`` (a ``cancel`` with its token): the one ``done``."""
+        entry = self._entry
+        if entry.done is not None:
+            return entry.done
+        return _make_done(entry, Outcome(reason="cancelled"), now)
 
 
 def input_size(request: Generate) -> int:
@@ -135,9 +195,17 @@ class Session:
     """State of one connection. Not thread-safe: drive it from one thread."""
 
     def __init__(
-        self, *, id_memory: int = 1000, restart_memory: int = 16, restart_bytes: int = 1 << 19
+        self,
+        *,
+        id_memory: int = 1000,
+        restart_memory: int = 16,
+        restart_bytes: int = 1 << 19,
+        resume_tail_bytes: int = 1 << 18,
     ) -> None:
         self._id_memory = id_memory
+        self._resume_tail_bytes = resume_tail_bytes
+        #: The last resumable request that ended here (its done may be lost).
+        self._finished: _Request | None = None
         # Inputs kept for ``restart``: at most ``restart_memory`` of them and
         # ``restart_bytes`` of text — bytes, not a count, bound the memory of
         # an idle connection — but always the newest, whatever its size.
@@ -176,7 +244,11 @@ class Session:
                 return self._accept(frame, now)
             if isinstance(frame, Cancel):
                 return self._cancel(frame.id, now)
-            return self._restart(frame, now)
+            if isinstance(frame, Restart):
+                return self._restart(frame, now)
+            # A resume concerns a request of no session: the connection looks
+            # it up and calls adopt().
+            raise ProtocolError("bad_request", "resume is not handled here", frame.id)
         except ProtocolError as exc:
             return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
 
@@ -270,14 +342,18 @@ class Session:
         entry.position = position
         return [Send(Queued(id=request_id, position=position))]
 
-    def started(self, request_id: str, now: float) -> list[Effect]:
-        """The request got the model. Nothing if it ended meanwhile."""
+    def started(self, request_id: str, now: float, resume_token: str | None = None) -> list[Effect]:
+        """The request got the model. Nothing if it ended meanwhile. With a
+        ``resume_token`` it is resumable: it keeps a replay tail."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.WAITING:
             return []
         entry.state = RequestState.RUNNING
         entry.started = now
-        return [Send(Started(id=request_id))]
+        if resume_token is not None:
+            entry.resume_token = resume_token
+            entry.tail = ReplayTail(self._resume_tail_bytes)
+        return [Send(Started(id=request_id, resume_token=resume_token))]
 
     def prompt_processed(self, request_id: str, prompt_tokens: int) -> list[Effect]:
         """The engine counted the prompt (reported in ``done``'s usage)."""
@@ -299,6 +375,8 @@ class Session:
             entry.first_delta = now
         frame = Delta(id=request_id, seq=entry.seq, text=text)
         entry.seq += 1
+        if entry.tail is not None:
+            entry.tail.add(frame)
         return [Send(frame)]
 
     def finish(self, request_id: str, outcome: Outcome, now: float) -> list[Effect]:
@@ -321,6 +399,47 @@ class Session:
         if self._producer == request_id:
             self._producer = None
         return self.refuse(exc)
+
+    # ------------------------------------------------------------ resuming
+
+    def detach(self, request_id: str) -> Parked | None:
+        """Take a resumable request out of this session (its connection is
+        lost): a running one, or one whose ``done`` was emitted last. ``None``
+        if ``request_id`` is neither (it is cancelled as before)."""
+        entry = self._active
+        if entry is not None and entry.request.id == request_id:
+            if entry.state is not RequestState.RUNNING or entry.tail is None:
+                return None
+            self._active = None
+            if self._producer == request_id:
+                self._producer = None
+            return Parked(entry)
+        finished = self._finished
+        if finished is not None and finished.request.id == request_id:
+            self._finished = None
+            return Parked(finished)
+        return None
+
+    def adopt(self, parked: Parked, after_seq: int, now: float) -> list[Effect]:
+        """Take in a parked request: ``resumed``, the replay after
+        ``after_seq``, and its ``done`` if it has finished. Refused (nothing
+        touched) if this session runs a request, or the replay is not kept."""
+        entry = parked._entry
+        request_id = entry.request.id
+        running = self._active
+        if entry.done is None and (running is not None or self._producer is not None):
+            busy = running.request.id if running is not None else self._producer
+            raise ProtocolError("busy", f"request {busy!r} is still running", request_id)
+        assert entry.tail is not None
+        replay: list[Effect] = [Send(d) for d in entry.tail.after(after_seq, request_id)]
+        effects: list[Effect] = [Send(Resumed(id=request_id, after_seq=after_seq)), *replay]
+        if entry.done is not None:
+            effects.append(Send(entry.done))
+            return effects
+        self._remember(entry.request)
+        self._active = entry
+        self._producer = request_id
+        return effects
 
     def since_received_ms(self, request_id: str, now: float) -> float:
         """Milliseconds from receiving the request to ``now``, on the clock of
@@ -373,25 +492,34 @@ class Session:
         return entry
 
     def _done(self, entry: _Request, outcome: Outcome, now: float) -> Done:
-        entry.state = RequestState.DONE
         if self._active is entry:
             self._active = None
-        started = entry.started if entry.started is not None else now
-        generating = max(now - started, 1e-9)
-        completion = max(outcome.completion_tokens, entry.completion_tokens)
-        prompt = outcome.prompt_tokens or entry.prompt_tokens
-        return Done(
-            id=entry.request.id,
-            reason=outcome.reason,
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
-            timings=Timings(
-                queued_ms=(started - entry.received) * 1000.0,
-                ttft_ms=None
-                if entry.first_delta is None
-                else (entry.first_delta - entry.received) * 1000.0,
-                total_ms=(now - entry.received) * 1000.0,
-                tokens_per_s=completion / generating if entry.started is not None else 0.0,
-            ),
-            error_code=outcome.error_code,
-            error_message=outcome.error_message,
-        )
+        done = _make_done(entry, outcome, now)
+        if entry.tail is not None:
+            entry.done = done
+            self._finished = entry
+        return done
+
+
+def _make_done(entry: _Request, outcome: Outcome, now: float) -> Done:
+    """The request's one ``done`` frame, from its times and counts."""
+    entry.state = RequestState.DONE
+    started = entry.started if entry.started is not None else now
+    generating = max(now - started, 1e-9)
+    completion = max(outcome.completion_tokens, entry.completion_tokens)
+    prompt = outcome.prompt_tokens or entry.prompt_tokens
+    return Done(
+        id=entry.request.id,
+        reason=outcome.reason,
+        usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+        timings=Timings(
+            queued_ms=(started - entry.received) * 1000.0,
+            ttft_ms=None
+            if entry.first_delta is None
+            else (entry.first_delta - entry.received) * 1000.0,
+            total_ms=(now - entry.received) * 1000.0,
+            tokens_per_s=completion / generating if entry.started is not None else 0.0,
+        ),
+        error_code=outcome.error_code,
+        error_message=outcome.error_message,
+    )

@@ -21,8 +21,10 @@ __all__ = [
     "MAX_TOKEN_BYTES",
     "READ_CHUNK_BYTES",
     "PeerAwareConnection",
+    "detached_bound",
     "memory_bound",
     "peer_aware_connection",
+    "resume_tail_bytes",
 ]
 
 
@@ -163,6 +165,36 @@ def memory_bound(config: Config) -> dict[str, int]:
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
         "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
     }
+
+
+#: What Linux autotunes a send buffer up to (``net.ipv4.tcp_wmem``'s default
+#: maximum), for ``server.sndbuf = 0``.
+AUTOTUNED_SNDBUF_BYTES: Final = 4 << 20
+
+
+def resume_tail_bytes(config: Config) -> int:
+    """The wire bytes of sent deltas a resumable request keeps for a replay.
+
+    ``stream.resume_tail_bytes``, or (0) what may be sent but not received:
+    our frames wait above ``write_limit`` in the write buffer, whose ceiling
+    is ``max(max_output_bytes, write_limit)``, and the kernel holds up to
+    twice ``sndbuf`` (Linux doubles it). What the ceiling allows beyond
+    ``write_limit`` (240 KiB by default) covers what the client's TCP stack
+    took but its application never saw; a client that lost more gets
+    ``seq_out_of_range``, never a gap.
+    """
+    server = config.server
+    if config.stream.resume_tail_bytes:
+        return config.stream.resume_tail_bytes
+    sndbuf = server.sndbuf or AUTOTUNED_SNDBUF_BYTES
+    return max(server.max_output_bytes, server.write_limit) + 2 * sndbuf
+
+
+def detached_bound(config: Config) -> int:
+    """The most a detached request holds while it waits for its resume: its
+    replay tail and its full channel (wire/UTF-8 bytes, as measured by
+    :meth:`wsserver.aio.resume.Resumes.held_bytes`)."""
+    return resume_tail_bytes(config) + config.stream.queue_tokens * MAX_TOKEN_BYTES
 
 
 def peer_aware_connection(

@@ -34,6 +34,8 @@ from .connection import Connection, Shared
 from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
 from .peer import peer_aware_connection
+from .pipeline import Generation
+from .resume import Resumes
 from .scheduler import Scheduler
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
@@ -126,6 +128,8 @@ class Server:
             queue_log_s=config.server.queue_log_s,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
+        #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
+        self.resumes = Resumes(grace_s=config.stream.resume_grace_s)
         self._shared = Shared(
             config=config,
             backend=self.backend,
@@ -134,6 +138,7 @@ class Server:
             wire_limits=self.wire_limits,
             server_name=self.server_name,
             background=self.background,
+            resumes=self.resumes,
         )
         #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
         self.http = HttpContext(
@@ -246,12 +251,7 @@ class Server:
         periodic probe and by ``/readyz``.
         """
         now = asyncio.get_running_loop().time() if now is None else now
-        owned = {
-            g.slot
-            for c in list(self.connections.values())
-            for g in list(c.generations.values())
-            if g.slot is not None
-        }
+        owned = {g.slot for g in self._generations() if g.slot is not None}
         orphans = self.scheduler.held() - owned
         for slot in list(self._orphans):
             if slot not in orphans:
@@ -271,7 +271,7 @@ class Server:
     def snapshot(self) -> Snapshot:
         """The live state the metrics read at scrape time."""
         connections = list(self.connections.values())
-        generations = [g for c in connections for g in list(c.generations.values())]
+        generations = self._generations()
         now = time.monotonic()
         blocked_seconds = 0.0
         for generation in generations:
@@ -287,6 +287,11 @@ class Server:
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
         )
+
+    def _generations(self) -> list[Generation]:
+        """Every live request: those of the connections, and the detached ones."""
+        attached = [g for c in list(self.connections.values()) for g in c.generations.values()]
+        return attached + self.resumes.detached()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting; give running requests ``grace`` seconds; end the rest
@@ -308,6 +313,10 @@ class Server:
         if running and grace > 0:
             # asyncio.wait, not gather: a timeout must not cancel the requests.
             await asyncio.wait(running, timeout=grace)
+        # Detached requests have nobody to say farewell to: end them now.
+        detached = [g.task for g in self.resumes.close() if g.task is not None]
+        if detached:
+            await asyncio.gather(*detached, return_exceptions=True)
         # The farewell (done cancelled, close 1001) is bounded: a client that
         # does not read is aborted rather than allowed to hold up the exit.
         await asyncio.gather(
