@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from conftest import ROOT, expected_fake_text, running_server, timeout
@@ -147,3 +148,51 @@ def test_chat_cli_end_to_end_in_a_terminal_process() -> None:
         server.wait(timeout=timeout(15))
         if server.stderr is not None:
             server.stderr.close()
+
+
+# ---------------------------------------------------------------- resuming
+
+
+def _abort_server_side(server: Any) -> None:
+    """Abort every connection from the server's side (a TCP reset)."""
+    for connection in list(server.connections.values()):
+        connection.ws.transport.abort()
+
+
+async def test_a_resumable_stream_rides_over_a_server_side_abort() -> None:
+    from wsserver_client.client import Client as AsyncClient
+
+    reconnected: list[int] = []
+    async with (
+        running_server(backend__fake__tokens_per_s=400.0) as server,
+        AsyncClient(
+            server.url, resumable=True, on_reconnect=lambda c: reconnected.append(c.reconnects)
+        ) as client,
+    ):
+        stream = client.generate("ride over", max_tokens=150, seed=4)
+        pieces = []
+        async for text in stream:
+            pieces.append(text)
+            if len(pieces) == 3:
+                _abort_server_side(server)
+        assert "".join(pieces) == expected_fake_text("ride over", 150, seed=4)
+        assert stream.done is not None and stream.done.reason == "length"
+        assert reconnected == [1]
+        seqs = [d.seq for d in stream.deltas]
+        assert seqs == list(range(len(seqs)))
+        # The new connection serves new requests as usual.
+        result = await client.generate("after", max_tokens=5).result()
+        assert result.text == expected_fake_text("after", 5)
+
+
+async def test_a_stream_that_is_not_resumable_still_fails_on_a_lost_connection() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=400.0) as server,
+        Client(server.url) as client,
+    ):
+        stream = client.generate("no resume", max_tokens=100000)
+        with pytest.raises(GenerationError) as info:
+            async for _ in stream:
+                _abort_server_side(server)
+        assert info.value.code == "connection_lost"
+        assert client.reconnects == 0
