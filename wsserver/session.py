@@ -58,10 +58,9 @@ and the ``done``.
 
 from __future__ import annotations
 
-import enum
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .backends.base import Outcome
 from .errors import ProtocolError
@@ -77,10 +76,9 @@ from .protocol import (
     Resumed,
     ServerFrame,
     Started,
-    Timings,
-    Usage,
 )
 from .replay import ReplayTail
+from .request_record import Parked, RequestRecord, RequestState, make_done
 
 __all__ = [
     "Effect",
@@ -91,12 +89,6 @@ __all__ = [
     "StartGeneration",
     "StopGeneration",
 ]
-
-
-class RequestState(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,67 +115,6 @@ class StopGeneration:
 Effect = Send | StartGeneration | StopGeneration
 
 
-@dataclass(slots=True)
-class _Request:
-    request: Generate
-    received: float
-    state: RequestState = RequestState.WAITING
-    started: float | None = None
-    first_delta: float | None = None
-    seq: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    position: int | None = None
-    deferred: bool = field(default=False)
-    #: Only for a resumable request: its token and the deltas kept for a replay.
-    resume_token: str | None = None
-    tail: ReplayTail | None = None
-    #: A resumable request's ``done``, once it was emitted.
-    done: Done | None = None
-
-
-class Parked:
-    """A resumable request out of any session: its connection was lost.
-
-    It holds what the client's view needs to go on — seq, timings, the replay
-    tail — and, if the request finished meanwhile, its ``done``.
-    """
-
-    __slots__ = ("_entry",)
-
-    def __init__(self, entry: _Request) -> None:
-        self._entry = entry
-
-    @property
-    def id(self) -> str:
-        return self._entry.request.id
-
-    @property
-    def resume_token(self) -> str:
-        assert self._entry.resume_token is not None
-        return self._entry.resume_token
-
-    @property
-    def finished(self) -> bool:
-        return self._entry.done is not None
-
-    @property
-    def next_seq(self) -> int:
-        return self._entry.seq
-
-    def held_bytes(self) -> int:
-        """Wire bytes of the deltas kept for a replay."""
-        tail = self._entry.tail
-        return 0 if tail is None else tail.bytes
-
-    def cancelled(self, now: float) -> Done:
-        """End it as ``cancelled`` (a ``cancel`` with its token): the one ``done``."""
-        entry = self._entry
-        if entry.done is not None:
-            return entry.done
-        return _make_done(entry, Outcome(reason="cancelled"), now)
-
-
 def input_size(request: Generate) -> int:
     """The memory a request's input holds: its strings as Python stores them."""
     if request.prompt is not None:
@@ -205,7 +136,7 @@ class Session:
         self._id_memory = id_memory
         self._resume_tail_bytes = resume_tail_bytes
         #: The last resumable request that ended here (its done may be lost).
-        self._finished: _Request | None = None
+        self._finished: RequestRecord | None = None
         # Inputs kept for ``restart``: at most ``restart_memory`` of them and
         # ``restart_bytes`` of text — bytes, not a count, bound the memory of
         # an idle connection — but always the newest, whatever its size.
@@ -214,9 +145,9 @@ class Session:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._inputs: OrderedDict[str, tuple[Generate, int]] = OrderedDict()
         self._inputs_size = 0
-        self._active: _Request | None = None
+        self._active: RequestRecord | None = None
         self._producer: str | None = None
-        self._deferred: _Request | None = None
+        self._deferred: RequestRecord | None = None
 
     # ------------------------------------------------------------ inspection
 
@@ -264,7 +195,7 @@ class Session:
                 "busy", f"request {self._active.request.id!r} is still running", request.id
             )
         self._remember(request)
-        entry = _Request(request=request, received=now)
+        entry = RequestRecord(request=request, received=now)
         self._active = entry
         if self._producer is not None:
             # The previous producer is still winding down; start when it is gone.
@@ -304,7 +235,7 @@ class Session:
         effects.extend(self._accept(new, now))
         return effects
 
-    def _end_cancelled(self, entry: _Request, now: float) -> list[Effect]:
+    def _end_cancelled(self, entry: RequestRecord, now: float) -> list[Effect]:
         effects: list[Effect] = []
         if entry.deferred:
             # Never started: there is no producer of its own to stop.
@@ -326,6 +257,16 @@ class Session:
         ):
             _, (_, dropped) = self._inputs.popitem(last=False)
             self._inputs_size -= dropped
+
+    @property
+    def resume_bytes(self) -> int:
+        """Wire bytes of the replay tails this session holds (a resumable
+        request's, running or just finished)."""
+        held = 0
+        for entry in (self._active, self._finished):
+            if entry is not None and entry.tail is not None:
+                held += entry.tail.bytes
+        return held
 
     @property
     def restart_bytes(self) -> int:
@@ -424,7 +365,7 @@ class Session:
         """Take in a parked request: ``resumed``, the replay after
         ``after_seq``, and its ``done`` if it has finished. Refused (nothing
         touched) if this session runs a request, or the replay is not kept."""
-        entry = parked._entry
+        entry = parked.record
         request_id = entry.request.id
         running = self._active
         if entry.done is None and (running is not None or self._producer is not None):
@@ -485,41 +426,17 @@ class Session:
 
     # ------------------------------------------------------------ helpers
 
-    def _current(self, request_id: str) -> _Request | None:
+    def _current(self, request_id: str) -> RequestRecord | None:
         entry = self._active
         if entry is None or entry.request.id != request_id or entry.state is RequestState.DONE:
             return None
         return entry
 
-    def _done(self, entry: _Request, outcome: Outcome, now: float) -> Done:
+    def _done(self, entry: RequestRecord, outcome: Outcome, now: float) -> Done:
         if self._active is entry:
             self._active = None
-        done = _make_done(entry, outcome, now)
+        done = make_done(entry, outcome, now)
         if entry.tail is not None:
             entry.done = done
             self._finished = entry
         return done
-
-
-def _make_done(entry: _Request, outcome: Outcome, now: float) -> Done:
-    """The request's one ``done`` frame, from its times and counts."""
-    entry.state = RequestState.DONE
-    started = entry.started if entry.started is not None else now
-    generating = max(now - started, 1e-9)
-    completion = max(outcome.completion_tokens, entry.completion_tokens)
-    prompt = outcome.prompt_tokens or entry.prompt_tokens
-    return Done(
-        id=entry.request.id,
-        reason=outcome.reason,
-        usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
-        timings=Timings(
-            queued_ms=(started - entry.received) * 1000.0,
-            ttft_ms=None
-            if entry.first_delta is None
-            else (entry.first_delta - entry.received) * 1000.0,
-            total_ms=(now - entry.received) * 1000.0,
-            tokens_per_s=completion / generating if entry.started is not None else 0.0,
-        ),
-        error_code=outcome.error_code,
-        error_message=outcome.error_message,
-    )

@@ -413,6 +413,7 @@ class Connection:
             "send": self.buffered_bytes(),
             "receive": receive,
             "restart": self.session.restart_bytes,
+            "resume": self.session.resume_bytes,
         }
 
     async def shutdown(self, timeout: float | None = None) -> None:

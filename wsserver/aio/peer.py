@@ -156,7 +156,9 @@ def memory_bound(config: Config) -> dict[str, int]:
       reading), the frame being parsed, the message our receive loop is
       handling, and one read;
     * restart: the inputs kept for ``restart`` — the budget, or one maximal
-      input (4 bytes a character) if that is larger.
+      input (4 bytes a character) if that is larger;
+    * resume: a resumable request's replay tail (:func:`resume_tail_bytes`),
+      which any client may ask for.
     """
     server, stream, limits = config.server, config.stream, config.limits
     ceiling = max(server.max_output_bytes, server.write_limit)
@@ -164,6 +166,7 @@ def memory_bound(config: Config) -> dict[str, int]:
         "send": ceiling + READ_CHUNK_BYTES + stream.queue_tokens * MAX_TOKEN_BYTES,
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
         "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
+        "resume": resume_tail_bytes(config),
     }
 
 
