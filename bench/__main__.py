@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, cancel, ceiling, idle, page, resume, slow, throughput
 from .common import Skip, git_commit, machine
 from .lineup import LlamaLineup
 from .options import Options
@@ -128,6 +128,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         ("idle", idle),
         ("page", page),
         ("adversaries", adversaries),
+        ("resume", resume),
     )
     for name, module in fake_sections:
         if name in sections:

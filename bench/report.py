@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from . import adversaries, analysis, cancel, ceiling, idle, page, slow, throughput
+from . import adversaries, analysis, cancel, ceiling, idle, page, resume, slow, throughput
 from .options import Options
 
 SECTIONS = {
@@ -21,6 +21,7 @@ SECTIONS = {
         "7. Adversarial clients: memory under a ping flood and maximal frames",
         adversaries,
     ),
+    "resume": ("8. Resumable streams: bytes kept per detached request, time to resume", resume),
 }
 
 
