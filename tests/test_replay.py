@@ -218,3 +218,15 @@ def test_a_parked_request_cancelled_by_token_gets_one_done() -> None:
     done = parked.cancelled(2.0)
     assert done.reason == "cancelled" and done.usage.completion_tokens == 3
     assert round(done.timings.total_ms) == 2000
+
+
+def test_a_delivered_done_frees_the_tail() -> None:
+    session = Session()
+    running(session, "a")
+    session.delta("a", "text", 1, 1.0)
+    assert session.resume_bytes > 0
+    frames(session.finish("a", Outcome("stop"), 1.5))
+    assert session.resume_bytes > 0  # kept until the done is known to be out
+    session.done_sent("a")
+    assert session.resume_bytes == 0
+    assert session.detach("a") is None

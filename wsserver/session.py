@@ -361,6 +361,14 @@ class Session:
             return Parked(finished)
         return None
 
+    def done_sent(self, request_id: str) -> None:
+        """The ``done`` of ``request_id`` went out: its replay tail is no longer
+        needed (a connection lost from now on has nothing to resume)."""
+        finished = self._finished
+        if finished is not None and finished.request.id == request_id:
+            finished.tail = None
+            self._finished = None
+
     def adopt(self, parked: Parked, after_seq: int, now: float) -> list[Effect]:
         """Take in a parked request: ``resumed``, the replay after
         ``after_seq``, and its ``done`` if it has finished. Refused (nothing

@@ -295,7 +295,9 @@ class Generation:
             if end is not None:
                 if await self._flush(coalescer):
                     session = self.ctx.session
-                    await self._send(session.finish(self.request.id, end.outcome, loop.time()))
+                    done = session.finish(self.request.id, end.outcome, loop.time())
+                    if await self._send(done):
+                        self.ctx.session.done_sent(self.request.id)
                 return
 
     async def _flush(self, coalescer: Coalescer) -> bool:
