@@ -264,7 +264,8 @@ class Generation:
         loop = asyncio.get_running_loop()
         while True:
             # Detached: take nothing more (the channel fills, the engine pauses).
-            if not await self._bound():
+            # (Checked inline first: this loop runs per token at full speed.)
+            if not self.attached and not await self._bound():
                 return
             if coalescer.due(loop.time()):
                 if not await self._flush(coalescer):
@@ -283,7 +284,7 @@ class Generation:
                 continue
             if item is None:
                 return  # closed: cancelled, or the connection is going
-            if not await self._bound():
+            if not self.attached and not await self._bound():
                 return
             end = self._take(coalescer, item)
             # Merge whatever else is already waiting: one frame, not many.
