@@ -30,6 +30,7 @@ from . import (
     idle,
     openai_sse,
     page,
+    resume,
     slow,
     throughput,
     upstream,
@@ -50,6 +51,7 @@ ALIASES = {
     "8": "openai",
     "9": "upstream",
     "10": "batched",
+    "11": "resume",
 }
 
 
@@ -158,6 +160,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         ("page", page),
         ("adversaries", adversaries),
         ("upstream", upstream),
+        ("resume", resume),
     )
     for name, module in fake_sections:
         if name in sections:

@@ -16,6 +16,7 @@ from . import (
     idle,
     openai_sse,
     page,
+    resume,
     slow,
     throughput,
     upstream,
@@ -39,6 +40,7 @@ SECTIONS = {
         upstream,
     ),
     "batched": ("10. The batched llama engine: many streams in one context", batched),
+    "resume": ("11. Resumable streams: bytes kept per detached request, time to resume", resume),
 }
 
 

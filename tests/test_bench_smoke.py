@@ -258,3 +258,26 @@ def test_quick_batched_engine_bench_runs(tmp_path: Path, bench_model: str | None
     assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in itertools.pairwise(turns))
     assert result["gaps"] and result["gaps"][0]["gap_max_during_ms"] is not None
     assert "## 10. The batched llama engine" in out.read_text()
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_resume_bench_keeps_detached_requests_within_the_bound(tmp_path: Path) -> None:
+    """Section 11: a detached request held no more than its stated bound (a
+    memory figure, not a time), and the resume latencies were measured."""
+    from wsserver.aio.peer import detached_bound
+    from wsserver.config import load_config
+
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "resume", "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["resume"]
+    assert result["status"] == "ok", result
+    bound = detached_bound(load_config(env={}).config)
+    assert result["worst"]["bound_bytes"] == bound
+    assert 0 < result["worst"]["max_held_bytes"] <= bound, result["worst"]
+    assert result["latency"]["resume_to_replay_ms"]["n"] > 0
+    assert "## 11. Resumable streams" in out.read_text()

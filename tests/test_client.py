@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from conftest import ROOT, expected_fake_text, running_server, timeout
@@ -147,3 +150,135 @@ def test_chat_cli_end_to_end_in_a_terminal_process() -> None:
         server.wait(timeout=timeout(15))
         if server.stderr is not None:
             server.stderr.close()
+
+
+# ---------------------------------------------------------------- resuming
+
+
+def _abort_server_side(server: Any) -> None:
+    """Abort every connection from the server's side (a TCP reset)."""
+    for connection in list(server.connections.values()):
+        connection.ws.transport.abort()
+
+
+async def test_a_resumable_stream_rides_over_a_server_side_abort() -> None:
+    from wsserver_client.client import Client as AsyncClient
+
+    reconnected: list[int] = []
+    async with (
+        running_server(backend__fake__tokens_per_s=400.0) as server,
+        AsyncClient(
+            server.url, resumable=True, on_reconnect=lambda c: reconnected.append(c.reconnects)
+        ) as client,
+    ):
+        stream = client.generate("ride over", max_tokens=150, seed=4)
+        pieces = []
+        async for text in stream:
+            pieces.append(text)
+            if len(pieces) == 3:
+                _abort_server_side(server)
+        assert "".join(pieces) == expected_fake_text("ride over", 150, seed=4)
+        assert stream.done is not None and stream.done.reason == "length"
+        assert reconnected == [1]
+        seqs = [d.seq for d in stream.deltas]
+        assert seqs == list(range(len(seqs)))
+        # The new connection serves new requests as usual.
+        result = await client.generate("after", max_tokens=5).result()
+        assert result.text == expected_fake_text("after", 5)
+
+
+async def test_a_stream_that_is_not_resumable_still_fails_on_a_lost_connection() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=400.0) as server,
+        Client(server.url) as client,
+    ):
+        stream = client.generate("no resume", max_tokens=100000)
+        with pytest.raises(GenerationError) as info:
+            async for _ in stream:
+                _abort_server_side(server)
+        assert info.value.code == "connection_lost"
+        assert client.reconnects == 0
+
+
+class _Blackhole:
+    """A TCP relay that can drop the client's side while keeping the server's:
+    the client sees its connection lost, the server does not (yet) — a
+    vanished peer, as after a Wi-Fi switch."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._server: asyncio.Server | None = None
+        self.pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        #: Server-side connections kept open after their client side was dropped.
+        self.held: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        self.pairs.append((writer, up_writer))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            if dst not in self.held:
+                dst.close()  # pass the end on, as a TCP relay does
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def drop_client_side(self) -> asyncio.StreamWriter:
+        """Reset the client's connection; return the server-side one, left open."""
+        client_side, server_side = self.pairs[-1]
+        self.held.add(server_side)
+        client_side.transport.abort()
+        return server_side
+
+    async def close(self) -> None:
+        assert self._server is not None
+        for client_side, server_side in self.pairs:
+            client_side.transport.abort()
+            server_side.transport.abort()
+        self._server.close()
+        await self._server.wait_closed()
+
+
+async def test_a_resume_refused_as_already_attached_is_retried_until_the_server_lets_go() -> None:
+    from wsserver_client.client import Client as AsyncClient
+
+    async with running_server(backend__fake__tokens_per_s=300.0) as server:
+        refused = asyncio.Event()
+        claim = server.resumes.claim
+
+        def watching_claim(request_id: str, token: str) -> Any:
+            try:
+                return claim(request_id, token)
+            except Exception as exc:
+                if getattr(exc, "code", None) == "already_attached":
+                    refused.set()
+                raise
+
+        server.resumes.claim = watching_claim  # type: ignore[method-assign]
+        relay = _Blackhole(server.port)
+        port = await relay.start()
+        try:
+            async with AsyncClient(f"ws://127.0.0.1:{port}/", resumable=True) as client:
+                stream = client.generate("vanished", max_tokens=120, seed=6)
+                pieces = []
+                async for text in stream:
+                    pieces.append(text)
+                    if len(pieces) == 2:
+                        server_side = relay.drop_client_side()
+                        # The server still holds the request for the old
+                        # connection: the resume is refused, and retried.
+                        async with asyncio.timeout(timeout()):
+                            await refused.wait()
+                        server_side.transport.abort()  # now the server notices
+                assert "".join(pieces) == expected_fake_text("vanished", 120, seed=6)
+                assert stream.done is not None and stream.done.reason == "length"
+                assert client.reconnects == 1
+        finally:
+            await relay.close()

@@ -228,3 +228,35 @@ async def test_ctrl_c_caught_leaves_the_connection_usable() -> None:
         assert cancelled_count(server) == 1
     assert code == 0, err
     assert out.splitlines()[-2:] == ["DONE cancelled", "NEXT length"]
+
+
+async def test_a_resumable_stream_rides_over_a_server_side_abort() -> None:
+    async with running_server(backend__fake__tokens_per_s=400.0) as server:
+        loop = asyncio.get_running_loop()
+        aborted = asyncio.Event()
+
+        def abort() -> None:
+            for connection in list(server.connections.values()):
+                connection.ws.transport.abort()
+            aborted.set()
+
+        def scenario() -> tuple[str, Any, int, list[int]]:
+            reconnected: list[int] = []
+            with Client(
+                server.url, resumable=True, on_reconnect=lambda c: reconnected.append(c.reconnects)
+            ) as client:
+                stream = client.generate("sync ride", max_tokens=150, seed=9)
+                pieces = []
+                for text in stream:
+                    pieces.append(text)
+                    if len(pieces) == 3:
+                        loop.call_soon_threadsafe(abort)
+                seqs = [d.seq for d in stream.deltas]
+                return "".join(pieces), stream.done, client.reconnects, seqs
+
+        text, done, reconnects, seqs = await in_thread(scenario)
+        assert aborted.is_set()
+        assert text == expected_fake_text("sync ride", 150, seed=9)
+        assert done is not None and done.reason == "length"
+        assert reconnects == 1
+        assert seqs == list(range(len(seqs)))

@@ -94,6 +94,14 @@ class StreamConfig:
     #: A producer blocked by a non-reading client longer than this ends its
     #: request with reason ``error``, code ``stalled`` (0 = wait forever).
     stall_timeout_s: float = _key(5.0, low=0.0, high=86400.0)
+    #: Requests are resumable unless they say ``"resumable": false`` (else
+    #: only those that say ``true``); docs/protocol.md, "Resuming a stream".
+    resumable: bool = _key(False)
+    #: A detached resumable request waits this long for its ``resume``.
+    resume_grace_s: float = _key(30.0, low=0.0, high=86400.0)
+    #: Bytes of sent deltas kept for a replay (0 = derived from the send-side
+    #: bounds: max(max_output_bytes, write_limit) + 2 x sndbuf).
+    resume_tail_bytes: int = _key(0, low=0, high=1 << 30)
 
 
 @dataclass(frozen=True, slots=True)

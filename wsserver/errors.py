@@ -54,6 +54,11 @@ WireCode = Literal[
     "upstream_silent",
     "upstream_bad_stream",
     "upstream_truncated",
+    # ``resume`` (and ``cancel`` with a ``resume_token``) refused; see
+    # docs/protocol.md, "Resuming a stream".
+    "invalid_token",
+    "already_attached",
+    "seq_out_of_range",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 

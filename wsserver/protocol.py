@@ -37,6 +37,8 @@ __all__ = [
     "Message",
     "Queued",
     "Restart",
+    "Resume",
+    "Resumed",
     "ServerFrame",
     "Started",
     "Timings",
@@ -99,11 +101,27 @@ class Generate:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    #: Keep the request through a lost connection (``None``: the server's
+    #: ``stream.resumable`` default decides).
+    resumable: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     id: str
+    #: Cancel a *detached* resumable request from any connection that knows
+    #: its token (the request id alone is not a credential).
+    resume_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Pick up a detached resumable request on this connection: replay the
+    deltas after ``after_seq`` (-1: none arrived), then go on live."""
+
+    id: str
+    resume_token: str
+    after_seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +146,7 @@ class Restart:
         return replace(old, id=self.new_id, **changes)
 
 
-ClientFrame = Generate | Cancel | Restart
+ClientFrame = Generate | Cancel | Restart | Resume
 
 
 # ---------------------------------------------------------------- server frames
@@ -151,6 +169,16 @@ class Queued:
 @dataclass(frozen=True, slots=True)
 class Started:
     id: str
+    #: Only for a resumable request: what a ``resume`` must present.
+    resume_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """A ``resume`` was accepted: the deltas after ``after_seq`` follow."""
+
+    id: str
+    after_seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +227,7 @@ class Error:
     message: str
 
 
-ServerFrame = Hello | Queued | Started | Delta | Done | Error
+ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed
 
 
 # ---------------------------------------------------------------- parsing
@@ -230,8 +258,11 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
         if kind == "generate":
             return _parse_generate(obj, limits)
         if kind == "cancel":
-            _check_keys(obj, {"type", "id"})
-            return Cancel(id=_parse_id(obj, "id"))
+            _check_keys(obj, {"type", "id", "resume_token"})
+            token = _parse_token(obj) if "resume_token" in obj else None
+            return Cancel(id=_parse_id(obj, "id"), resume_token=token)
+        if kind == "resume":
+            return _parse_resume(obj)
         if kind == "restart":
             return _parse_restart(obj, limits)
     except ProtocolError as exc:
@@ -244,8 +275,20 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
 
 
 _GENERATE_FIELDS: Final = frozenset(
-    {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    {
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "resumable",
+    }
 )
+#: The longest ``resume_token`` accepted (the server issues 32 characters).
+MAX_TOKEN_CHARS: Final = 128
 
 
 def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
@@ -312,7 +355,32 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         out["seed"] = value
     if "stop" in obj:
         out["stop"] = _parse_stop(obj["stop"], fail)
+    if "resumable" in obj:
+        if not isinstance(obj["resumable"], bool):
+            raise fail("'resumable' must be true or false")
+        out["resumable"] = obj["resumable"]
     return out
+
+
+def _parse_resume(obj: dict[str, Any]) -> Resume:
+    _check_keys(obj, {"type", "id", "resume_token", "after_seq"})
+    request_id = _parse_id(obj, "id")
+    token = _parse_token(obj)
+    after_seq: Any = obj.get("after_seq")
+    if not _is_int(after_seq) or after_seq < -1:
+        raise ProtocolError(
+            "bad_request", "'after_seq' must be an integer >= -1 (-1: no delta arrived)"
+        )
+    return Resume(id=request_id, resume_token=token, after_seq=after_seq)
+
+
+def _parse_token(obj: dict[str, Any]) -> str:
+    value = obj.get("resume_token")
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_TOKEN_CHARS:
+        raise ProtocolError(
+            "bad_request", f"'resume_token' must be a string of 1 to {MAX_TOKEN_CHARS} characters"
+        )
+    return value
 
 
 def _parse_messages(value: Any, limits: Limits, fail: Any, request_id: str) -> tuple[Message, ...]:
@@ -415,7 +483,11 @@ def _to_wire(frame: ServerFrame) -> dict[str, Any]:
             out["upstream_timings"] = frame.upstream_timings
         return out
     if isinstance(frame, Started):
+        if frame.resume_token is not None:
+            return {"type": "started", "id": frame.id, "resume_token": frame.resume_token}
         return {"type": "started", "id": frame.id}
+    if isinstance(frame, Resumed):
+        return {"type": "resumed", "id": frame.id, "after_seq": frame.after_seq}
     if isinstance(frame, Queued):
         return {"type": "queued", "id": frame.id, "position": frame.position}
     if isinstance(frame, Error):
@@ -449,7 +521,9 @@ def parse_server_frame(data: str | bytes) -> ServerFrame:
             upstream_timings=obj.get("upstream_timings"),
         )
     if kind == "started":
-        return Started(id=obj["id"])
+        return Started(id=obj["id"], resume_token=obj.get("resume_token"))
+    if kind == "resumed":
+        return Resumed(id=obj["id"], after_seq=obj["after_seq"])
     if kind == "queued":
         return Queued(id=obj["id"], position=obj["position"])
     if kind == "error":

@@ -44,14 +44,23 @@ Request states and the events that move them (rows not listed are refused)::
 
 Because a request leaves ``WAITING``/``RUNNING`` exactly once, it gets exactly
 one ``done``, and nothing for its ID is emitted after it.
+
+A *resumable* request (``started`` carried a token) also keeps the deltas it
+sent in a bounded :class:`~wsserver.replay.ReplayTail`. When its connection is
+lost, :meth:`Session.detach` takes it out of this session as a
+:class:`Parked` request (the same state: seq, timings, tail), and another
+connection's session takes it in with :meth:`Session.adopt`, which replays the
+tail after the client's ``after_seq``; the request then goes on as if it had
+always been that session's. A request whose ``done`` was written into a
+connection that broke is parked too, finished: its resume replays the tail
+and the ``done``.
 """
 
 from __future__ import annotations
 
-import enum
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .backends.base import Outcome
 from .errors import ProtocolError
@@ -64,26 +73,22 @@ from .protocol import (
     Generate,
     Queued,
     Restart,
+    Resumed,
     ServerFrame,
     Started,
-    Timings,
-    Usage,
 )
+from .replay import ReplayTail
+from .request_record import Parked, RequestRecord, RequestState, make_done
 
 __all__ = [
     "Effect",
+    "Parked",
     "RequestState",
     "Send",
     "Session",
     "StartGeneration",
     "StopGeneration",
 ]
-
-
-class RequestState(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    DONE = "done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +115,6 @@ class StopGeneration:
 Effect = Send | StartGeneration | StopGeneration
 
 
-@dataclass(slots=True)
-class _Request:
-    request: Generate
-    received: float
-    state: RequestState = RequestState.WAITING
-    started: float | None = None
-    first_delta: float | None = None
-    seq: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    position: int | None = None
-    deferred: bool = field(default=False)
-
-
 def input_size(request: Generate) -> int:
     """The memory a request's input holds: its strings as Python stores them."""
     if request.prompt is not None:
@@ -135,9 +126,17 @@ class Session:
     """State of one connection. Not thread-safe: drive it from one thread."""
 
     def __init__(
-        self, *, id_memory: int = 1000, restart_memory: int = 16, restart_bytes: int = 1 << 19
+        self,
+        *,
+        id_memory: int = 1000,
+        restart_memory: int = 16,
+        restart_bytes: int = 1 << 19,
+        resume_tail_bytes: int = 1 << 18,
     ) -> None:
         self._id_memory = id_memory
+        self._resume_tail_bytes = resume_tail_bytes
+        #: The last resumable request that ended here (its done may be lost).
+        self._finished: RequestRecord | None = None
         # Inputs kept for ``restart``: at most ``restart_memory`` of them and
         # ``restart_bytes`` of text — bytes, not a count, bound the memory of
         # an idle connection — but always the newest, whatever its size.
@@ -146,9 +145,9 @@ class Session:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._inputs: OrderedDict[str, tuple[Generate, int]] = OrderedDict()
         self._inputs_size = 0
-        self._active: _Request | None = None
+        self._active: RequestRecord | None = None
         self._producer: str | None = None
-        self._deferred: _Request | None = None
+        self._deferred: RequestRecord | None = None
 
     # ------------------------------------------------------------ inspection
 
@@ -176,7 +175,11 @@ class Session:
                 return self._accept(frame, now)
             if isinstance(frame, Cancel):
                 return self._cancel(frame.id, now)
-            return self._restart(frame, now)
+            if isinstance(frame, Restart):
+                return self._restart(frame, now)
+            # A resume concerns a request of no session: the connection looks
+            # it up and calls adopt().
+            raise ProtocolError("bad_request", "resume is not handled here", frame.id)
         except ProtocolError as exc:
             return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
 
@@ -192,7 +195,7 @@ class Session:
                 "busy", f"request {self._active.request.id!r} is still running", request.id
             )
         self._remember(request)
-        entry = _Request(request=request, received=now)
+        entry = RequestRecord(request=request, received=now)
         self._active = entry
         if self._producer is not None:
             # The previous producer is still winding down; start when it is gone.
@@ -232,7 +235,7 @@ class Session:
         effects.extend(self._accept(new, now))
         return effects
 
-    def _end_cancelled(self, entry: _Request, now: float) -> list[Effect]:
+    def _end_cancelled(self, entry: RequestRecord, now: float) -> list[Effect]:
         effects: list[Effect] = []
         if entry.deferred:
             # Never started: there is no producer of its own to stop.
@@ -256,6 +259,16 @@ class Session:
             self._inputs_size -= dropped
 
     @property
+    def resume_bytes(self) -> int:
+        """Wire bytes of the replay tails this session holds (a resumable
+        request's, running or just finished)."""
+        held = 0
+        for entry in (self._active, self._finished):
+            if entry is not None and entry.tail is not None:
+                held += entry.tail.bytes
+        return held
+
+    @property
     def restart_bytes(self) -> int:
         """Memory held by the inputs kept for ``restart`` (see :func:`input_size`)."""
         return self._inputs_size
@@ -270,14 +283,18 @@ class Session:
         entry.position = position
         return [Send(Queued(id=request_id, position=position))]
 
-    def started(self, request_id: str, now: float) -> list[Effect]:
-        """The request got the model. Nothing if it ended meanwhile."""
+    def started(self, request_id: str, now: float, resume_token: str | None = None) -> list[Effect]:
+        """The request got the model. Nothing if it ended meanwhile. With a
+        ``resume_token`` it is resumable: it keeps a replay tail."""
         entry = self._current(request_id)
         if entry is None or entry.state is not RequestState.WAITING:
             return []
         entry.state = RequestState.RUNNING
         entry.started = now
-        return [Send(Started(id=request_id))]
+        if resume_token is not None:
+            entry.resume_token = resume_token
+            entry.tail = ReplayTail(self._resume_tail_bytes)
+        return [Send(Started(id=request_id, resume_token=resume_token))]
 
     def prompt_processed(self, request_id: str, prompt_tokens: int) -> list[Effect]:
         """The engine counted the prompt (reported in ``done``'s usage)."""
@@ -299,6 +316,8 @@ class Session:
             entry.first_delta = now
         frame = Delta(id=request_id, seq=entry.seq, text=text)
         entry.seq += 1
+        if entry.tail is not None:
+            entry.tail.add(frame)
         return [Send(frame)]
 
     def finish(self, request_id: str, outcome: Outcome, now: float) -> list[Effect]:
@@ -321,6 +340,55 @@ class Session:
         if self._producer == request_id:
             self._producer = None
         return self.refuse(exc)
+
+    # ------------------------------------------------------------ resuming
+
+    def detach(self, request_id: str) -> Parked | None:
+        """Take a resumable request out of this session (its connection is
+        lost): a running one, or one whose ``done`` was emitted last. ``None``
+        if ``request_id`` is neither (it is cancelled as before)."""
+        entry = self._active
+        if entry is not None and entry.request.id == request_id:
+            if entry.state is not RequestState.RUNNING or entry.tail is None:
+                return None
+            self._active = None
+            if self._producer == request_id:
+                self._producer = None
+            return Parked(entry)
+        finished = self._finished
+        if finished is not None and finished.request.id == request_id:
+            self._finished = None
+            return Parked(finished)
+        return None
+
+    def done_sent(self, request_id: str) -> None:
+        """The ``done`` of ``request_id`` went out: its replay tail is no longer
+        needed (a connection lost from now on has nothing to resume)."""
+        finished = self._finished
+        if finished is not None and finished.request.id == request_id:
+            finished.tail = None
+            self._finished = None
+
+    def adopt(self, parked: Parked, after_seq: int, now: float) -> list[Effect]:
+        """Take in a parked request: ``resumed``, the replay after
+        ``after_seq``, and its ``done`` if it has finished. Refused (nothing
+        touched) if this session runs a request, or the replay is not kept."""
+        entry = parked.record
+        request_id = entry.request.id
+        running = self._active
+        if entry.done is None and (running is not None or self._producer is not None):
+            busy = running.request.id if running is not None else self._producer
+            raise ProtocolError("busy", f"request {busy!r} is still running", request_id)
+        assert entry.tail is not None
+        replay: list[Effect] = [Send(d) for d in entry.tail.after(after_seq, request_id)]
+        effects: list[Effect] = [Send(Resumed(id=request_id, after_seq=after_seq)), *replay]
+        if entry.done is not None:
+            effects.append(Send(entry.done))
+            return effects
+        self._remember(entry.request)
+        self._active = entry
+        self._producer = request_id
+        return effects
 
     def since_received_ms(self, request_id: str, now: float) -> float:
         """Milliseconds from receiving the request to ``now``, on the clock of
@@ -366,33 +434,17 @@ class Session:
 
     # ------------------------------------------------------------ helpers
 
-    def _current(self, request_id: str) -> _Request | None:
+    def _current(self, request_id: str) -> RequestRecord | None:
         entry = self._active
         if entry is None or entry.request.id != request_id or entry.state is RequestState.DONE:
             return None
         return entry
 
-    def _done(self, entry: _Request, outcome: Outcome, now: float) -> Done:
-        entry.state = RequestState.DONE
+    def _done(self, entry: RequestRecord, outcome: Outcome, now: float) -> Done:
         if self._active is entry:
             self._active = None
-        started = entry.started if entry.started is not None else now
-        generating = max(now - started, 1e-9)
-        completion = max(outcome.completion_tokens, entry.completion_tokens)
-        prompt = outcome.prompt_tokens or entry.prompt_tokens
-        return Done(
-            id=entry.request.id,
-            reason=outcome.reason,
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
-            timings=Timings(
-                queued_ms=(started - entry.received) * 1000.0,
-                ttft_ms=None
-                if entry.first_delta is None
-                else (entry.first_delta - entry.received) * 1000.0,
-                total_ms=(now - entry.received) * 1000.0,
-                tokens_per_s=completion / generating if entry.started is not None else 0.0,
-            ),
-            error_code=outcome.error_code,
-            error_message=outcome.error_message,
-            upstream_timings=outcome.upstream_timings,
-        )
+        done = make_done(entry, outcome, now)
+        if entry.tail is not None:
+            entry.done = done
+            self._finished = entry
+        return done

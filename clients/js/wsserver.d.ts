@@ -30,6 +30,8 @@ export interface GenerateParams {
   seed?: number;
   /** A stop string or up to 4 of them. */
   stop?: string | string[];
+  /** Keep the request through a lost connection (docs/protocol.md, "Resuming a stream"). */
+  resumable?: boolean;
 }
 
 export interface Limits {
@@ -57,6 +59,14 @@ export interface QueuedFrame {
 export interface StartedFrame {
   type: "started";
   id: string;
+  /** Only for a resumable request. */
+  resume_token?: string;
+}
+
+export interface ResumedFrame {
+  type: "resumed";
+  id: string;
+  after_seq: number;
 }
 
 export interface DeltaFrame {
@@ -125,7 +135,10 @@ export type ErrorCode =
   | "upstream_timeout"
   | "upstream_silent"
   | "upstream_bad_stream"
-  | "upstream_truncated";
+  | "upstream_truncated"
+  | "invalid_token"
+  | "already_attached"
+  | "seq_out_of_range";
 
 export interface ErrorFrame {
   type: "error";
@@ -140,7 +153,8 @@ export type ServerFrame =
   | StartedFrame
   | DeltaFrame
   | DoneFrame
-  | ErrorFrame;
+  | ErrorFrame
+  | ResumedFrame;
 
 // ------------------------------------------------------------------ errors
 
@@ -199,6 +213,8 @@ export interface ClientEvents {
   frame: ServerFrame;
   /** An error not tied to a live request. */
   error: WsError;
+  /** A new connection resumed these resumable requests of a lost one. */
+  reconnect: { epoch: number; resumed: string[] };
 }
 
 export interface StreamEvents {
@@ -208,6 +224,8 @@ export interface StreamEvents {
   delta: string;
   done: DoneFrame;
   error: WsError;
+  /** The server accepted the resume: the text after `afterSeq` follows. */
+  resumed: { afterSeq: number };
 }
 
 // ------------------------------------------------------------------ options
@@ -240,6 +258,8 @@ export interface ClientOptions {
   WebSocket?: typeof WebSocket;
   /** Prefix of generated request IDs (default: random). */
   idPrefix?: string;
+  /** Make every request resumable (a request's own `resumable` wins). */
+  resumable?: boolean;
 }
 
 export interface RequestOptions {
@@ -302,6 +322,12 @@ export declare class GenerationStream
   readonly finished: boolean;
   /** True after `cancel()`, `restart()` or leaving the loop early. */
   readonly abandoned: boolean;
+  /** A resumable request's token (from `started`), else `null`. Keep it secret. */
+  resumeToken: string | null;
+  /** The `seq` of the last delta received (-1: none). */
+  readonly lastSeq: number;
+  /** True while a lost connection would keep this request. */
+  readonly resumable: boolean;
   /**
    * The server's `done` frame (any reason, including `cancelled` and
    * `error`). Rejects with a {@link WsError} when the request ends without
@@ -325,6 +351,8 @@ export declare class WsClient extends Emitter<ClientEvents> {
   readonly hello: HelloFrame | null;
   /** Incremented for every socket the client opens. */
   readonly epoch: number;
+  /** Whether requests are resumable unless they say otherwise. */
+  resumable: boolean;
   /** Connect now, or retry at once while `reconnecting`. */
   connect(): void;
   /** Resolves with `hello` once open; rejects if the client closes first. */
@@ -346,6 +374,14 @@ export declare class WsClient extends Emitter<ClientEvents> {
   ): GenerationStream;
   /** Cancel by ID; `null` if no live request has that ID. */
   cancel(id: string): Promise<DoneFrame | null>;
+  /**
+   * Pick up a resumable request an earlier page or process started (after a
+   * reload): the stream yields the text after `afterSeq`.
+   */
+  resume(
+    saved: { id: string; resumeToken: string; afterSeq: number },
+    options?: RequestOptions,
+  ): GenerationStream;
 }
 
 // Without this, every top-level declaration of a .d.ts module is exported,

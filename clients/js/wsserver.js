@@ -30,6 +30,14 @@
  * once the server's `hello` arrives. The client then reconnects with
  * exponential backoff and jitter unless `reconnect: false`.
  *
+ * Resumable requests (`resumable: true` on the client or the request) are
+ * the exception: the server keeps them through a lost connection, so they do
+ * not fail. After the reconnect's `hello` the client sends `resume` with the
+ * last `seq` it received, the server replays what may not have arrived, and
+ * the stream's iterator just goes on (no gap, no duplicate); the stream emits
+ * `resumed`, the client `reconnect`. `client.resume()` picks up a request a
+ * previous page (or process) started, from its id, token and last seq.
+ *
  * @module wsserver
  */
 
@@ -177,6 +185,14 @@ export class GenerationStream extends Emitter {
   #rejectDone = () => {};
   #nextSeq = 0;
   #iterating = false;
+  /** Set by `started` for a resumable request: what a resume presents. @type {string | null} */
+  resumeToken = null;
+  /** Between a lost connection and the server's `resumed` (internal). */
+  _suspended = false;
+  /** A `resume` was sent and not yet answered (internal). */
+  _resuming = false;
+  /** `resume` frames sent since the last success (internal). */
+  _resumeAttempts = 0;
   /** True once the server showed it accepted the request (queued, started or text). */
   #acknowledged = false;
 
@@ -225,6 +241,16 @@ export class GenerationStream extends Emitter {
   /** Whether the caller cancelled or restarted this request. */
   get abandoned() {
     return this.#abandoned;
+  }
+
+  /** The `seq` of the last delta received (-1: none). */
+  get lastSeq() {
+    return this.#nextSeq - 1;
+  }
+
+  /** Whether a lost connection keeps this request (the server can resume it). */
+  get resumable() {
+    return this.resumeToken !== null && !this.finished;
   }
 
   /**
@@ -321,6 +347,19 @@ export class GenerationStream extends Emitter {
   }
 
   /**
+   * A stream picked up from an earlier page or process (`client.resume()`).
+   * @param {string} token
+   * @param {number} afterSeq
+   * @internal
+   */
+  _restore(token, afterSeq) {
+    this.resumeToken = token;
+    this.#nextSeq = afterSeq + 1;
+    this.#acknowledged = true;
+    this._suspended = true;
+  }
+
+  /**
    * The caller gave up: from now on no text reaches it.
    * @internal
    */
@@ -350,12 +389,22 @@ export class GenerationStream extends Emitter {
         this.emit("queued", { position: frame.position });
         return;
       case "started":
+        if (typeof frame.resume_token === "string") this.resumeToken = frame.resume_token;
         if (this.#abandoned) return;
         this.status = "running";
         this.position = null;
         this.emit("started", undefined);
         return;
+      case "resumed":
+        this._suspended = false;
+        this._resuming = false;
+        this._resumeAttempts = 0;
+        if (this.#abandoned) return;
+        this.status = "running";
+        this.emit("resumed", { afterSeq: frame.after_seq });
+        return;
       case "delta":
+        if (frame.seq < this.#nextSeq) return; // replayed after a resume, and already here
         if (this.#abandoned) return; // a late frame of a cancelled request
         if (frame.seq !== this.#nextSeq || typeof frame.text !== "string") {
           this._fail(
@@ -380,6 +429,12 @@ export class GenerationStream extends Emitter {
         // an error is about a later frame: our cancel. A rate-limited cancel
         // leaves the request running, and its `done` still comes.
         if (this.#abandoned && this.#acknowledged && frame.code === "rate_limited") return;
+        if (this._resuming && frame.code === "already_attached") {
+          // The server has not yet seen the old connection go: ask again soon.
+          this._resuming = false;
+          this.#client._retryResume(this);
+          return;
+        }
         this._fail(new WsError(frame.code, frame.message, { requestId: this.id, frame }));
         return;
       default:
@@ -480,7 +535,9 @@ export class WsClient extends Emitter {
     super();
     /** The server URL. */
     this.url = String(url);
-    const { token, reconnect = true, connect = true, idPrefix } = options;
+    const { token, reconnect = true, connect = true, idPrefix, resumable = false } = options;
+    /** Ask for every request to be resumable (a request's own `resumable` wins). */
+    this.resumable = resumable;
     const impl = options.WebSocket ?? globalThis.WebSocket;
     if (typeof impl !== "function") {
       throw new TypeError("no WebSocket implementation: pass options.WebSocket");
@@ -598,6 +655,7 @@ export class WsClient extends Emitter {
    */
   generate(params, options = {}) {
     const input = clean(params);
+    if (this.resumable && !("resumable" in input)) input.resumable = true;
     const id = this.#takeId(options.id);
     const frame = { type: "generate", id, ...input };
     return this.#submit(new GenerationStream(this, id, frame, input), options);
@@ -620,6 +678,7 @@ export class WsClient extends Emitter {
     const previous =
       typeof old === "string" ? (this.#streams.get(old) ?? this.#recent.get(old)) : old;
     const changes = clean(overrides);
+    if (this.resumable && !("resumable" in changes)) changes.resumable = true;
     const id = this.#takeId(options.id);
     /** @type {Record<string, unknown>} */
     let input = changes;
@@ -655,7 +714,59 @@ export class WsClient extends Emitter {
     return stream.cancel();
   }
 
+  /**
+   * Pick up a resumable request that an earlier page (or process) started —
+   * after a reload, say, with the id, token and last seq it kept. The stream
+   * yields the text after `afterSeq`; it is resumed once the connection is
+   * open. It fails with `unknown_id` if the server no longer holds it.
+   *
+   * @param {{ id: string, resumeToken: string, afterSeq: number }} saved
+   * @param {RequestOptions} [options]
+   * @returns {GenerationStream}
+   */
+  resume(saved, options = {}) {
+    const id = this.#takeId(saved.id);
+    const stream = new GenerationStream(this, id, { type: "resume", id }, {});
+    stream._restore(saved.resumeToken, saved.afterSeq);
+    this.#submit(stream, { ...options, id });
+    return stream;
+  }
+
   // ---------------------------------------------------------------- internals
+
+  /**
+   * The server refused a resume with `already_attached`: it has not noticed
+   * the old connection go. Ask again with a backoff.
+   *
+   * @param {GenerationStream} stream
+   * @internal
+   */
+  _retryResume(stream) {
+    const delayMs = Math.min(20 * 2 ** stream._resumeAttempts, 1000);
+    if (stream._resumeAttempts > 40) {
+      this.#finish(stream, new WsError("already_attached", "resume kept being refused", { requestId: stream.id }));
+      return;
+    }
+    const epoch = this.#epoch;
+    setTimeout(() => {
+      if (epoch === this.#epoch && this.#state === "open" && !stream.finished) this.#resumeStream(stream);
+    }, delayMs);
+  }
+
+  /** @param {GenerationStream} stream */
+  #resumeStream(stream) {
+    stream._markSent(this.#epoch);
+    if (stream.abandoned) {
+      // Cancelled while away: cancel it there, or it would wait out its grace.
+      stream.status = "cancelling";
+      this.#send({ type: "cancel", id: stream.id, resume_token: stream.resumeToken });
+      return;
+    }
+    stream.status = "running";
+    stream._resuming = true;
+    stream._resumeAttempts += 1;
+    this.#send({ type: "resume", id: stream.id, resume_token: stream.resumeToken, after_seq: stream.lastSeq });
+  }
 
   /**
    * Abandon a stream and, unless a restart frame does it, cancel it on the server.
@@ -667,7 +778,7 @@ export class WsClient extends Emitter {
   _cancel(stream, implicit = false) {
     if (stream.finished || stream.abandoned) return;
     stream._abandon();
-    if (stream.status === "pending") {
+    if (stream.status === "pending" && !stream._suspended) {
       // Never sent: nothing to tell the server.
       this.#outbox = this.#outbox.filter((s) => s !== stream);
       this.#streams.delete(stream.id);
@@ -675,8 +786,11 @@ export class WsClient extends Emitter {
       this.#remember(stream);
       return;
     }
-    if (!implicit && stream.epoch === this.#epoch && this.#ws && this.#state === "open") {
-      this.#send({ type: "cancel", id: stream.id });
+    if (!implicit && stream.epoch === this.#epoch && this.#ws && this.#state === "open" && !stream._suspended) {
+      /** @type {Record<string, unknown>} */
+      const frame = { type: "cancel", id: stream.id };
+      if (stream.resumeToken !== null) frame.resume_token = stream.resumeToken;
+      this.#send(frame);
     }
   }
 
@@ -720,6 +834,10 @@ export class WsClient extends Emitter {
 
   /** @param {GenerationStream} stream */
   #sendRequest(stream) {
+    if (stream._suspended) {
+      this.#resumeStream(stream);
+      return;
+    }
     stream._markSent(this.#epoch);
     this.#send(stream.frame);
   }
@@ -819,6 +937,14 @@ export class WsClient extends Emitter {
     this.#attempt = 0;
     this.#setState("open", {});
     this.emit("hello", hello);
+    const resumed = [];
+    for (const stream of this.#streams.values()) {
+      if (stream._suspended && stream.status !== "pending") {
+        this.#resumeStream(stream);
+        resumed.push(stream.id);
+      }
+    }
+    if (resumed.length > 0) this.emit("reconnect", { epoch: this.#epoch, resumed });
     const waiting = this.#outbox;
     this.#outbox = [];
     for (const stream of waiting) {
@@ -870,6 +996,12 @@ export class WsClient extends Emitter {
   #failAll(error, waiting) {
     for (const stream of [...this.#streams.values()]) {
       if (stream.status === "pending" && !waiting) continue;
+      if (!waiting && this.#reconnect && stream.resumable) {
+        // The server keeps it: resume it after the reconnect.
+        stream._suspended = true;
+        stream._resuming = false;
+        continue;
+      }
       this.#finish(stream, new WsError(error.code, error.message, { requestId: stream.id }));
     }
     if (waiting) this.#outbox = [];

@@ -18,6 +18,10 @@
  * `done` frame (with its timings) fills in the statistics when it arrives.
  * Regenerate restarts the last request; the JS client drops any late text of
  * the old request, and each answer's renderer only ever writes its own stream.
+ *
+ * Answers are resumable: the JS client rides over a dropped connection, and a
+ * reload mid-answer saves the stream's id, token and last seq in
+ * sessionStorage (pagehide) so that the next page resumes it (resumeSaved).
  */
 
 import { WsClient } from "/wsserver.js";
@@ -77,9 +81,20 @@ const STICK_PX = 48;
 
 // ------------------------------------------------------------------ connection
 
+// Resumable: a dropped connection is ridden over by the client, and a reload
+// mid-answer picks the answer up where it was (see RESUME_KEY below).
 const client = new WsClient(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/`, {
   token: takeToken(),
+  resumable: true,
 });
+
+/**
+ * The answer streaming when the page went away (a reload): its request id,
+ * resume token, last seq and the text received up to it, and where it goes.
+ * sessionStorage, not localStorage: it belongs to this tab, and the token is
+ * a credential that should not outlive it.
+ */
+const RESUME_KEY = "wsserver.resume";
 
 /**
  * A token can be given in the URL fragment (`/#token=…`), which never reaches
@@ -154,8 +169,9 @@ class Turn {
    * @param {HTMLElement} article
    * @param {import("/store.js").StoredMessage} record where the answer is kept
    * @param {{role: string, content: string}[]} messages the request's input
+   * @param {string} [prefix] text already received (an answer resumed after a reload)
    */
-  constructor(stream, article, record, messages) {
+  constructor(stream, article, record, messages, prefix = "") {
     this.stream = stream;
     this.article = article;
     this.record = record;
@@ -170,9 +186,12 @@ class Turn {
     this.chars = 0;
     this.statsAt = 0;
 
-    record.content = "";
+    record.content = prefix;
     record.meta = "";
     this.metaEl.textContent = "";
+    if (prefix) this.view.append(prefix);
+    /** Characters of the answer that came before this stream (a resume). */
+    this.prefixChars = prefix.length;
     answerText.set(article, () => this.view.source);
     article.querySelector(".notice")?.remove();
     article.classList.add("streaming");
@@ -183,6 +202,10 @@ class Turn {
       setState("queued", `Queued — position ${position}`);
     });
     stream.on("started", () => {
+      if (current !== this) return;
+      setState("streaming", "Generating…");
+    });
+    stream.on("resumed", () => {
       if (current !== this) return;
       setState("streaming", "Generating…");
     });
@@ -308,7 +331,9 @@ class Turn {
     notice.textContent =
       error.code === "connection_lost"
         ? "The connection dropped; this answer is incomplete."
-        : `The request failed: ${error.message}`;
+        : error.code === "unknown_id"
+          ? "The answer could not be picked up again; it is incomplete."
+          : `The request failed: ${error.message}`;
     this.article.append(notice);
     this.setMeta("Incomplete");
     if (current === this) {
@@ -453,9 +478,10 @@ function stopEditing() {
  * @param {HTMLElement} article
  * @param {import("/store.js").StoredMessage} record
  * @param {{role: string, content: string}[]} messages
+ * @param {string} [prefix]
  */
-function begin(stream, article, record, messages) {
-  const turn = new Turn(stream, article, record, messages);
+function begin(stream, article, record, messages, prefix = "") {
+  const turn = new Turn(stream, article, record, messages, prefix);
   current = turn;
   last = turn;
   showStats("…", "–", "–");
@@ -655,12 +681,54 @@ ui.maxTokens.addEventListener("input", () => {
   ui.maxTokens.dataset.touched = "1";
 });
 
-// A reload mid-answer keeps what had been shown; save it on the way out too.
-addEventListener("pagehide", () => store.saveNow());
+// A reload mid-answer keeps what had been shown, and the answer goes on: save
+// it on the way out, with what resuming it needs.
+addEventListener("pagehide", () => {
+  saveResumable();
+  store.saveNow();
+});
+
+/** Keep the streaming answer's id, token and last seq for the next page. */
+function saveResumable() {
+  const stream = current?.stream;
+  if (!current || !stream || !stream.resumable || stream.abandoned || !store.currentId) return;
+  const saved = {
+    id: stream.id,
+    resumeToken: stream.resumeToken,
+    afterSeq: stream.lastSeq,
+    // Exactly the text up to afterSeq (the store may hold a little less).
+    text: current.text.slice(0, current.prefixChars) + stream.text,
+    conversation: store.currentId,
+  };
+  try {
+    sessionStorage.setItem(RESUME_KEY, JSON.stringify(saved));
+  } catch {
+    // Storage full or disabled: the answer stays as shown, incomplete.
+  }
+}
+
+/** After a reload: pick the answer that was streaming up where it was. */
+function resumeSaved() {
+  let saved;
+  try {
+    saved = JSON.parse(sessionStorage.getItem(RESUME_KEY) ?? "null");
+    sessionStorage.removeItem(RESUME_KEY);
+  } catch {
+    return;
+  }
+  if (!saved || typeof saved.id !== "string" || typeof saved.resumeToken !== "string") return;
+  const chat = store.current;
+  const record = chat?.messages.at(-1);
+  const article = /** @type {HTMLElement | null} */ (ui.log.querySelector(".message.assistant:last-of-type"));
+  if (!chat || store.currentId !== saved.conversation || record?.role !== "assistant" || article === null) return;
+  const stream = client.resume({ id: saved.id, resumeToken: saved.resumeToken, afterSeq: saved.afterSeq });
+  begin(stream, article, record, fitHistory(chat.messages.slice(0, -1)), String(saved.text ?? ""));
+}
 
 ui.temperatureValue.value = Number(ui.temperature.value).toFixed(2);
 showConversation();
 showHistory();
+resumeSaved();
 ui.prompt.focus();
 
 // For the browser console and the tests: the client, the streams, the store.

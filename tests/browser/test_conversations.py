@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from .chat import expect, last_answer, last_done, open_chat, send, set_options
-from .conftest import LiveServer
+from .chat import expect, last_answer, last_done, messages_for, open_chat, send, set_options
+from .conftest import LiveServer, reference_text
 
 pytestmark = pytest.mark.browser
 
@@ -74,18 +74,36 @@ def test_history_is_sent_and_restored_after_a_reload(page: Any, live_server_fact
     ]
 
 
-def test_a_reload_mid_answer_keeps_what_was_shown(page: Any, live_server_factory: Any) -> None:
-    open_chat(page, live_server_factory(**{"backend.fake.tokens_per_s": 100}))
-    set_options(page, max_tokens=100_000)
+def test_a_reload_mid_answer_shows_the_whole_answer(page: Any, live_server_factory: Any) -> None:
+    """The answer is resumable: id, token and last seq survive the reload in
+    sessionStorage, and the new page picks the answer up where it was."""
+    page.add_init_script(RECORD_SENT)
+    server = live_server_factory(**{"backend.fake.tokens_per_s": 100})
+    open_chat(page, server)
+    set_options(page, max_tokens=300, seed=3)
     send(page, "a long one")
     shown = "() => document.querySelector('.message.assistant .text')?.textContent.length ?? 0"
-    page.wait_for_function(f"() => ({shown})() > 200")
+    page.wait_for_function(f"() => ({shown})() > 100")
     before = page.evaluate(shown)
     page.reload()
-    expect(page.locator(".message.assistant .meta")).to_have_text("Incomplete")
-    # At least what had been shown when the page went away.
-    assert page.evaluate(shown) >= before
+    done = last_done(page)
+    assert done["reason"] == "length"
+    expect(page.locator(".message.assistant .meta")).to_contain_text("300 tokens")
+    expect(page.locator(".message.assistant .notice")).to_have_count(0)
+    whole = page.locator(".message.assistant .text").text_content() or ""
+    assert len(whole) > before
+    # The same text as an uninterrupted run, no gap and no duplicate.
+    expected, _ = reference_text(
+        server, messages=messages_for("a long one"), max_tokens=300, seed=3
+    )
+    assert " ".join(whole.split()) == " ".join(expected.split())
+    stored = page.evaluate("() => window.chat.store.current.messages.at(-1).content")
+    assert stored == expected
+    # The new page resumed; it never asked for the answer again.
+    sent = page.evaluate("() => window.__sent")
+    assert [f["type"] for f in sent] == ["resume"]
     expect(page.locator("#app")).to_have_attribute("data-state", "idle")
+    assert page.evaluate("() => sessionStorage.getItem('wsserver.resume')") is None
 
 
 def test_edit_and_resend_replaces_the_last_message_and_its_answer(

@@ -249,16 +249,18 @@ def test_page_works_under_its_content_security_policy(page: Any, live_server: Li
 def test_connection_state_is_shown_and_recovers(page: Any, live_server: LiveServer) -> None:
     open_chat(page, live_server)
     expect(page.locator("#connection-text")).to_have_text("Connected")
-    set_options(page, max_tokens=4000)
+    set_options(page, max_tokens=400)
     send(page, "interrupted")
     wait_text(page, 10)
 
-    # The connection drops (the server side aborts it): the answer in flight
-    # ends with an error, not silently, and the page reconnects by itself.
+    # The connection drops (the server side aborts it): the page reconnects
+    # by itself and the answer in flight is resumed, whole (it is resumable).
     assert live_server.drop_connections() == 1
-    expect(page.locator(".message.assistant .notice")).to_contain_text("connection dropped")
-    expect(page.locator("#app")).to_have_attribute("data-state", "idle")
     expect(page.locator("#app")).to_have_attribute("data-connection", "open", timeout=ms(20))
+    assert last_done(page)["reason"] == "length"
+    expect(page.locator(".message.assistant .meta")).to_contain_text("400 tokens")
+    expect(page.locator(".message.assistant .notice")).to_have_count(0)
+    expect(page.locator("#app")).to_have_attribute("data-state", "idle")
 
     # The server goes away for a while: the page says so, and retries.
     live_server.stop()

@@ -15,6 +15,11 @@ connection:
 Whatever the session answers — to a client frame or to a request's progress —
 comes back here as effects, and :meth:`Connection.apply` is the one place that
 turns them into frames, log lines and metrics.
+
+When the connection is lost, a running resumable request is *parked* in the
+server's :class:`~wsserver.aio.resume.Resumes` instead of being stopped; a
+``resume`` frame adopts such a request into this connection's session
+(replaying what may not have arrived) and attaches its generation here.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from ..backends.base import Backend, Outcome
 from ..config import Config
 from ..errors import ProtocolError
 from ..logs import ConnectionLog
-from ..protocol import Cancel, Done, Error, Hello, Limits, parse_client_frame
+from ..protocol import Cancel, Done, Error, Hello, Limits, Resume, parse_client_frame
 from ..security import FrameLimiter
-from ..session import Effect, Send, Session, StartGeneration, StopGeneration
+from ..session import Effect, RequestState, Send, Session, StartGeneration, StopGeneration
 from .metrics import Metrics
-from .peer import PeerAwareConnection
+from .peer import PeerAwareConnection, resume_tail_bytes
 from .pipeline import Generation, RequestContext
+from .resume import Resumes
 from .scheduler import Scheduler
 from .sender import Sender
 
@@ -59,6 +65,8 @@ class Shared:
     server_name: str
     #: Tasks started from callbacks, kept referenced until they finish.
     background: set[asyncio.Task[Any]]
+    #: Resumable requests, attached or detached (``None``: resuming is off).
+    resumes: Resumes | None = None
 
 
 class Connection:
@@ -73,7 +81,10 @@ class Connection:
         self._metrics = shared.metrics
         self._scheduler = shared.scheduler
         self._wire_limits = shared.wire_limits
-        self.session = Session(restart_bytes=config.limits.restart_memory_bytes)
+        self.session = Session(
+            restart_bytes=config.limits.restart_memory_bytes,
+            resume_tail_bytes=resume_tail_bytes(config),
+        )
         self.generations: dict[str, Generation] = {}
         self._send_timeout = config.server.send_timeout_s
         self._idle_timeout = config.server.idle_timeout_s or None
@@ -101,6 +112,8 @@ class Connection:
             flush_window=config.stream.flush_ms / 1000.0,
             flush_tokens=config.stream.flush_tokens,
             default_max_tokens=config.limits.default_max_tokens,
+            resumable_default=config.stream.resumable,
+            resumes=shared.resumes,
         )
         if isinstance(websocket, PeerAwareConnection):
             websocket.on_peer_close = self._peer_closed
@@ -170,7 +183,87 @@ class Connection:
             )
             await self.apply(self.session.refuse(exc))
             return
+        if isinstance(frame, Resume):
+            await self._resume(frame, now)
+            return
+        if (
+            isinstance(frame, Cancel)
+            and frame.resume_token is not None
+            and self.session.state_of(frame.id) not in (RequestState.WAITING, RequestState.RUNNING)
+        ):
+            await self._cancel_detached(frame, frame.resume_token, now)
+            return
         await self.apply(self.session.handle(frame, now))
+
+    # ------------------------------------------------------------ resuming
+
+    async def _resume(self, frame: Resume, now: float) -> None:
+        """Adopt a detached request: ``resumed``, the replay, then live frames."""
+        resumes, requests = self._shared.resumes, self._requests
+        try:
+            if resumes is None or requests is None:
+                raise ProtocolError("unknown_id", f"no resumable request {frame.id!r}", frame.id)
+            record = resumes.claim(frame.id, frame.resume_token)
+            assert record.parked is not None
+            effects = self.session.adopt(record.parked, frame.after_seq, now)
+        except ProtocolError as exc:
+            await self.apply(self.session.refuse(exc))
+            return
+        parked = resumes.take(record)
+        generation = record.generation
+        generation.log.info(
+            "resumed on %s after seq %d (%d replayed)",
+            self.conn_id,
+            frame.after_seq,
+            parked.next_seq - 1 - frame.after_seq,
+            extra={"after_seq": frame.after_seq},
+        )
+        if not parked.finished:
+            self.generations[frame.id] = generation
+        try:
+            await self.apply(effects)
+        finally:
+            # After the replay (or if this connection broke during it: then
+            # its teardown parks the request again, and the tail still holds
+            # the frames).
+            generation.attach(requests)
+
+    async def _cancel_detached(self, frame: Cancel, token: str, now: float) -> None:
+        """``cancel`` with a token for a request detached from its connection."""
+        resumes = self._shared.resumes
+        try:
+            if resumes is None:
+                raise ProtocolError("unknown_id", f"no running request {frame.id!r}", frame.id)
+            record = resumes.claim(frame.id, token)
+        except ProtocolError as exc:
+            await self.apply(self.session.refuse(exc))
+            return
+        assert record.parked is not None
+        done = record.parked.cancelled(now)
+        record.generation.log.info("cancel (detached, from %s)", self.conn_id)
+        resumes.drop(record, now)
+        await self.apply([Send(done)])
+
+    def _park(self, generation: Generation) -> bool:
+        """The connection is lost: keep a resumable request for a resume."""
+        resumes = self._shared.resumes
+        if resumes is None or resumes.closing or generation.stopped:
+            return False
+        if generation.resume_token is None:
+            return False
+        parked = self.session.detach(generation.request.id)
+        if parked is None or (parked.finished and not generation.waiting_for_resume):
+            return False
+        generation.detach()
+        if not resumes.park(generation, parked):
+            return False
+        self.generations.pop(generation.request.id, None)
+        generation.log.info(
+            "connection lost; detached, waiting %.1fs for a resume at seq %d",
+            resumes.grace_s,
+            parked.next_seq,
+        )
+        return True
 
     # ------------------------------------------------------------ effects
 
@@ -231,7 +324,8 @@ class Connection:
         self.log.info("client is closing; stopping its generation")
         self.closed = True
         for gen in list(self.generations.values()):
-            gen.stop()
+            if gen.resume_token is None:  # a resumable one is parked at teardown
+                gen.stop()
 
     def _stall_blocked_producers(self) -> None:
         """End requests whose engine waits on a client that reads nothing,
@@ -277,7 +371,7 @@ class Connection:
         await closing
 
     async def _teardown(self) -> None:
-        generations = list(self.generations.values())
+        generations = [g for g in list(self.generations.values()) if not self._park(g)]
         for gen in generations:
             gen.stop()
         tasks = [g.task for g in generations if g.task is not None]
@@ -319,6 +413,7 @@ class Connection:
             "send": self.buffered_bytes(),
             "receive": receive,
             "restart": self.session.restart_bytes,
+            "resume": self.session.resume_bytes,
         }
 
     async def shutdown(self, timeout: float | None = None) -> None:

@@ -22,8 +22,10 @@ __all__ = [
     "MAX_TOKEN_BYTES",
     "READ_CHUNK_BYTES",
     "PeerAwareConnection",
+    "detached_bound",
     "memory_bound",
     "peer_aware_connection",
+    "resume_tail_bytes",
 ]
 
 
@@ -156,7 +158,9 @@ def memory_bound(config: Config) -> dict[str, int]:
       reading), the frame being parsed, the message our receive loop is
       handling, and one read;
     * restart: the inputs kept for ``restart`` — the budget, or one maximal
-      input (4 bytes a character) if that is larger.
+      input (4 bytes a character) if that is larger;
+    * resume: a resumable request's replay tail (:func:`resume_tail_bytes`),
+      which any client may ask for.
     """
     server, stream, limits = config.server, config.stream, config.limits
     ceiling = max(server.max_output_bytes, server.write_limit)
@@ -167,7 +171,38 @@ def memory_bound(config: Config) -> dict[str, int]:
         + 4 * FRAME_TEXT_CHARS,
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
         "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
+        "resume": resume_tail_bytes(config),
     }
+
+
+#: What Linux autotunes a send buffer up to (``net.ipv4.tcp_wmem``'s default
+#: maximum), for ``server.sndbuf = 0``.
+AUTOTUNED_SNDBUF_BYTES: Final = 4 << 20
+
+
+def resume_tail_bytes(config: Config) -> int:
+    """The wire bytes of sent deltas a resumable request keeps for a replay.
+
+    ``stream.resume_tail_bytes``, or (0) what may be sent but not received:
+    our frames wait above ``write_limit`` in the write buffer, whose ceiling
+    is ``max(max_output_bytes, write_limit)``, and the kernel holds up to
+    twice ``sndbuf`` (Linux doubles it). What the ceiling allows beyond
+    ``write_limit`` (240 KiB by default) covers what the client's TCP stack
+    took but its application never saw; a client that lost more gets
+    ``seq_out_of_range``, never a gap.
+    """
+    server = config.server
+    if config.stream.resume_tail_bytes:
+        return config.stream.resume_tail_bytes
+    sndbuf = server.sndbuf or AUTOTUNED_SNDBUF_BYTES
+    return max(server.max_output_bytes, server.write_limit) + 2 * sndbuf
+
+
+def detached_bound(config: Config) -> int:
+    """The most a detached request holds while it waits for its resume: its
+    replay tail and its full channel (wire/UTF-8 bytes, as measured by
+    :meth:`wsserver.aio.resume.Resumes.held_bytes`)."""
+    return resume_tail_bytes(config) + config.stream.queue_tokens * MAX_TOKEN_BYTES
 
 
 def peer_aware_connection(

@@ -17,15 +17,25 @@ session lets start:
 
 Everything the session answers is handed to the connection's ``apply`` as
 effects: frames, their logs and their metrics leave from that one place.
+
+**Attachment.** ``Generation.ctx`` is the request's binding to a connection
+(its session, its ``apply``, its ``on_gone``) and nothing else refers to the
+connection. A resumable request whose connection is lost is *detached*
+(:meth:`Generation.detach`): the pump stops at its next step and waits — it
+reads nothing more from the channel, which fills, so the engine pauses — and a
+frame whose send failed is not retried: it is in the replay tail. A resume
+*attaches* it to the new connection's context (:meth:`Generation.attach`)
+after the replay was written, and the pump goes on there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from websockets.exceptions import ConnectionClosed
 
@@ -39,6 +49,16 @@ from ..session import Effect, RequestState, Send, Session
 from .channel import Channel, End, Item, Piece, PromptDone
 from .metrics import Metrics
 from .scheduler import Scheduler
+
+
+class ResumeRegistry(Protocol):
+    """What a request tells the server's registry of resumable requests
+    (:class:`wsserver.aio.resume.Resumes`, which depends on this module)."""
+
+    def add(self, generation: Generation, token: str) -> None: ...
+
+    def discard(self, generation: Generation) -> None: ...
+
 
 __all__ = ["Generation", "RequestContext"]
 
@@ -64,6 +84,10 @@ class RequestContext:
     flush_window: float
     flush_tokens: int
     default_max_tokens: int
+    #: Requests are resumable unless they say otherwise (``stream.resumable``).
+    resumable_default: bool = False
+    #: The server's registry of resumable requests (``None``: none are).
+    resumes: ResumeRegistry | None = None
 
 
 class Generation:
@@ -71,7 +95,16 @@ class Generation:
 
     def __init__(self, request: Generate, ctx: RequestContext) -> None:
         self.request = request
+        #: The binding to a connection; swapped by attach() on a resume.
         self.ctx = ctx
+        wants = request.resumable if request.resumable is not None else ctx.resumable_default
+        self.resumable = wants and ctx.resumes is not None
+        #: Set once ``started`` with a token was sent (resumable requests only).
+        self.resume_token: str | None = None
+        self.attached = True
+        #: The pump waits for a resume after a failed send (the frame is kept).
+        self.waiting_for_resume = False
+        self._rebound = asyncio.Event()
         self.log = ctx.log.request(request.id)
         self.channel = Channel(ctx.queue_tokens)
         self.task: asyncio.Task[None] | None = None
@@ -88,6 +121,7 @@ class Generation:
     def stop(self) -> None:
         """Cancel: wake and end the engine's work, stop waiting for a slot. Idempotent."""
         self.stopped = True
+        self._rebound.set()
         self.channel.close()
         if self.acquire is not None and not self.acquire.done():
             self.acquire.cancel()
@@ -99,6 +133,42 @@ class Generation:
             # The engine was done already: nothing left to wait for.
             self.exited_at = now
         self.stop()
+
+    def detach(self) -> None:
+        """Its connection is lost: the pump stops at its next step and waits."""
+        self.attached = False
+
+    def attach(self, ctx: RequestContext) -> None:
+        """Go on on another connection (after its replay was written)."""
+        self.ctx = ctx
+        self.log = ctx.log.request(self.request.id)
+        self.attached = True
+        self._rebound.set()
+
+    async def _bound(self, unless: RequestContext | None = None) -> bool:
+        """Wait while detached (or still bound to ``unless``, a connection that
+        failed). False if the request was stopped meanwhile."""
+        while not self.stopped and (not self.attached or self.ctx is unless):
+            self._rebound.clear()
+            await self._rebound.wait()
+        return not self.stopped
+
+    async def _send(self, effects: list[Effect]) -> bool:
+        """Carry out effects; for a resumable request a lost connection is not
+        the end: wait for a resume (what was sent is in the replay tail).
+        False if the request was stopped meanwhile."""
+        ctx = self.ctx
+        try:
+            await ctx.apply(effects)
+            return True
+        except ConnectionClosed:
+            if self.resume_token is None or self.stopped:
+                raise
+        self.waiting_for_resume = True
+        try:
+            return await self._bound(unless=ctx)
+        finally:
+            self.waiting_for_resume = False
 
     def alive(self) -> bool:
         """Whether the engine still runs anything for this request."""
@@ -124,9 +194,14 @@ class Generation:
             if self.stopped:
                 return
             now = loop.time()
-            effects = ctx.session.started(request_id, now)
+            # >= 128 bits: the request id alone is not a credential.
+            token = secrets.token_urlsafe(24) if self.resumable else None
+            effects = ctx.session.started(request_id, now, token)
             if not effects:
                 return
+            if token is not None and ctx.resumes is not None:
+                self.resume_token = token
+                ctx.resumes.add(self, token)
             queued_ms = ctx.session.since_received_ms(request_id, now)
             self.log.info(
                 "started slot=%s queued=%.1fms",
@@ -193,6 +268,10 @@ class Generation:
         )
         loop = asyncio.get_running_loop()
         while True:
+            # Detached: take nothing more (the channel fills, the engine pauses).
+            # (Checked inline first: this loop runs per token at full speed.)
+            if not self.attached and not await self._bound():
+                return
             if coalescer.due(loop.time()):
                 if not await self._flush(coalescer):
                     return
@@ -216,6 +295,8 @@ class Generation:
                 continue
             if item is None:
                 return  # closed: cancelled, or the connection is going
+            if not self.attached and not await self._bound():
+                return
             end = self._take(coalescer, item)
             # Merge whatever else is already waiting: one frame, not many.
             while end is None and not coalescer.full:
@@ -224,8 +305,11 @@ class Generation:
                     break
                 end = self._take(coalescer, more)
             if end is not None:
-                await self._flush(coalescer)
-                await ctx.apply(ctx.session.finish(self.request.id, end.outcome, loop.time()))
+                if await self._flush(coalescer):
+                    session = self.ctx.session
+                    done = session.finish(self.request.id, end.outcome, loop.time())
+                    if await self._send(done):
+                        self.ctx.session.done_sent(self.request.id)
                 return
 
     async def _flush(self, coalescer: Coalescer) -> bool:
@@ -241,8 +325,7 @@ class Generation:
         if isinstance(first, Send) and isinstance(first.frame, Delta) and first.frame.seq == 0:
             ttft_ms = ctx.session.since_received_ms(self.request.id, now)
             self.log.info("first text ttft=%.1fms", ttft_ms, extra={"ttft_ms": round(ttft_ms, 3)})
-        await ctx.apply(effects)
-        return True
+        return await self._send(effects)
 
     def _take(self, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
@@ -278,7 +361,9 @@ class Generation:
                 latency * 1000.0,
                 extra={"cancel_latency_ms": round(latency * 1000.0, 3)},
             )
-        await ctx.on_gone(self)
+        if ctx.resumes is not None and self.resume_token is not None:
+            ctx.resumes.discard(self)
+        await self.ctx.on_gone(self)
 
     async def _apply_safely(self, effects: Iterable[Effect]) -> None:
         with contextlib.suppress(ConnectionClosed):

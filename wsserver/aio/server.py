@@ -38,6 +38,7 @@ from .openai_gate import Gate, RateLimiter
 from .openai_http import ApiContext, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
+from .resume import Resumes
 from .scheduler import Scheduler
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
@@ -130,6 +131,8 @@ class Server:
             queue_log_s=config.server.queue_log_s,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
+        #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
+        self.resumes = Resumes(grace_s=config.stream.resume_grace_s)
         self._shared = Shared(
             config=config,
             backend=self.backend,
@@ -138,6 +141,7 @@ class Server:
             wire_limits=self.wire_limits,
             server_name=self.server_name,
             background=self.background,
+            resumes=self.resumes,
         )
         #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
         self.http = HttpContext(
@@ -313,6 +317,11 @@ class Server:
             blocked_seconds=blocked_seconds,
         )
 
+    def _generations(self) -> list[Generation]:
+        """Every live request: those of the connections, and the detached ones."""
+        attached = [g for c in list(self.connections.values()) for g in c.generations.values()]
+        return attached + self.resumes.detached()
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting; give running requests ``grace`` seconds; end the rest
         as ``cancelled``; close every connection with 1001."""
@@ -328,6 +337,10 @@ class Server:
         if running and grace > 0:
             # asyncio.wait, not gather: a timeout must not cancel the requests.
             await asyncio.wait(running, timeout=grace)
+        # Detached requests have nobody to say farewell to: end them now.
+        detached = [g.task for g in self.resumes.close() if g.task is not None]
+        if detached:
+            await asyncio.gather(*detached, return_exceptions=True)
         # The farewell (done cancelled, close 1001) is bounded: a client that
         # does not read is aborted rather than allowed to hold up the exit.
         for http in list(self.api.live.values()):

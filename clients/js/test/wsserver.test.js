@@ -221,6 +221,86 @@ test("a connection the server aborts: the request fails, is not replayed, the cl
   }
 });
 
+test("a resumable request rides over a server-side abort: no gap, no duplicate", { timeout: TIMEOUT }, async () => {
+  /** @type {any[]} */
+  const sent = [];
+  class LoggingWebSocket extends WebSocket {
+    /** @param {string} data */
+    send(data) {
+      sent.push(JSON.parse(data));
+      super.send(data);
+    }
+  }
+  const client = new WsClient(SERVER, {
+    WebSocket: LoggingWebSocket,
+    reconnect: { initialDelayMs: 20, jitter: 0 },
+    resumable: true,
+  });
+  /** @type {any[]} */
+  const reconnects = [];
+  client.on("reconnect", (event) => reconnects.push(event));
+  /** @type {number[]} */
+  const seqs = [];
+  client.on("frame", (frame) => {
+    if (frame.type === "delta") seqs.push(frame.seq);
+  });
+  try {
+    await client.ready();
+    const stream = client.generate({ prompt: "ride over", max_tokens: 150, seed: 3 });
+    /** @type {any[]} */
+    const resumed = [];
+    stream.on("resumed", (event) => resumed.push(event));
+    let pieces = "";
+    let dropped = false;
+    for await (const text of stream) {
+      pieces += text;
+      if (!dropped) {
+        dropped = true;
+        assert.ok(stream.resumeToken && stream.resumeToken.length >= 22);
+        assert.equal((await control("drop", "POST")).dropped, 1);
+      }
+    }
+    const done = await stream.done;
+    assert.equal(done.reason, "length");
+    assert.equal(pieces, await expectedText("ride over", 150, 3));
+    assert.equal(stream.text, pieces);
+    assert.equal(reconnects.length, 1);
+    assert.deepEqual(reconnects[0].resumed, [stream.id]);
+    assert.equal(resumed.length, 1);
+    const resumes = sent.filter((f) => f.type === "resume");
+    assert.equal(resumes.length >= 1, true);
+    assert.equal(resumes[0].id, stream.id);
+    assert.equal(resumes[0].after_seq, resumed[0].afterSeq);
+    // The server replays only what may not have arrived: seq never repeats.
+    assert.equal(new Set(seqs).size, seqs.length, `seqs ${seqs}`);
+    assert.equal(sent.filter((f) => f.type === "generate").length, 1, "sent once, never replayed");
+  } finally {
+    client.close();
+  }
+});
+
+test("client.resume() picks up a request another client started (a page reload)", { timeout: TIMEOUT }, async () => {
+  const first = new WsClient(SERVER, { reconnect: false, resumable: true });
+  const second = new WsClient(SERVER, { connect: false });
+  try {
+    await first.ready();
+    const stream = first.generate({ prompt: "reload me", max_tokens: 120, seed: 5 });
+    await firstDelta(stream);
+    // What a page keeps in sessionStorage: id, token, last seq, and the text so far.
+    const saved = { id: stream.id, resumeToken: String(stream.resumeToken), afterSeq: stream.lastSeq };
+    const before = stream.text;
+    first.close(); // the page goes away; the server detaches the request
+    second.connect();
+    const again = second.resume(saved);
+    const rest = await again.result();
+    assert.equal(rest.done.reason, "length");
+    assert.equal(before + rest.text, await expectedText("reload me", 120, 5));
+  } finally {
+    first.close();
+    second.close();
+  }
+});
+
 test("a server that shuts down and comes back: backoff, then open again", { timeout: TIMEOUT }, async () => {
   const client = new WsClient(SERVER, {
     reconnect: { initialDelayMs: 20, factor: 2, maxDelayMs: 160, jitter: 0 },

@@ -10,12 +10,20 @@ The rules about requests — IDs, frames, and that nothing of a cancelled or
 restarted request reaches the caller — live in :mod:`wsserver_client.core`,
 shared with the synchronous client (:mod:`wsserver_client.sync`). The frame
 classes and their parsing are shared with the server (:mod:`wsserver.protocol`).
+
+**Reconnecting.** With ``Client(url, resumable=True)`` (or ``resumable=True``
+on one request) the server keeps a request through a lost connection. When
+the connection drops while such a request is live, the reader reconnects
+(with a backoff, for up to ``reconnect_timeout`` seconds), sends ``resume``
+with the last ``seq`` received, and the stream's iterator just goes on; the
+``on_reconnect`` callback and :attr:`Client.reconnects` say it happened.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -100,16 +108,33 @@ class Client:
         *,
         token: str | None = None,
         origin: str | None = None,
+        resumable: bool = False,
+        reconnect_timeout: float = 30.0,
+        on_reconnect: Callable[[Client], None] | None = None,
         **connect_kwargs: Any,
     ) -> None:
         self.url = url
         self.token = token
+        #: Ask for every request to be resumable (a request's own
+        #: ``resumable=`` wins).
+        self.resumable = resumable
+        self.reconnect_timeout = reconnect_timeout
+        self.on_reconnect = on_reconnect
+        #: Times the connection was lost and the live requests resumed.
+        self.reconnects = 0
         self._connect_kwargs = connect_kwargs
         if origin is not None:
             self._connect_kwargs["origin"] = origin
+        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.ws: ClientConnection | None = None
         self.requests: RequestTable[Stream] = RequestTable()
         self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Clear while reconnecting: sends wait for the new connection.
+        self._connected = asyncio.Event()
 
     @property
     def hello(self) -> Hello | None:
@@ -129,16 +154,19 @@ class Client:
         await self.close()
 
     async def connect(self) -> None:
-        headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        self.ws = await connect(
-            self.url, additional_headers=headers or None, **self._connect_kwargs
-        )
-        self.requests.hello_from(await self.ws.recv())
+        await self._open()
         self._reader = asyncio.create_task(self._read())
 
+    async def _open(self) -> None:
+        self.ws = await connect(
+            self.url, additional_headers=self._headers or None, **self._connect_kwargs
+        )
+        self.requests.hello_from(await self.ws.recv())
+        self._connected.set()
+
     async def close(self) -> None:
+        self._closing = True
+        self._connected.set()
         if self.ws is not None:
             await self.ws.close()
         if self._reader is not None:
@@ -156,12 +184,16 @@ class Client:
         **params: Any,
     ) -> Stream:
         """A request; iterate the returned stream for its text."""
+        if self.resumable:
+            params.setdefault("resumable", True)
         request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
         return self.requests.add(Stream(self, request_id, frame))
 
     def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
         """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
         its input again with ``overrides``."""
+        if self.resumable:
+            overrides.setdefault("resumable", True)
         request_id, frame = self.requests.restart_frame(old, new_id, overrides)
         return self.requests.add(Stream(self, request_id, frame))
 
@@ -179,16 +211,67 @@ class Client:
         await self.ws.send(data)
 
     async def _send(self, frame: dict[str, Any]) -> None:
+        await self._connected.wait()  # while reconnecting, for the new connection
         assert self.ws is not None
         await self.ws.send(orjson.dumps(frame), text=True)
 
     async def _read(self) -> None:
-        assert self.ws is not None
         reason = "connection closed"
         try:
-            async for message in self.ws:
-                self.requests.receive(message)
-        except ConnectionClosed as exc:
-            reason = f"connection closed: {exc}"
+            while True:
+                assert self.ws is not None
+                try:
+                    async for message in self.ws:
+                        request = self.requests.receive(message)
+                        if request is not None and request.retry_resume:
+                            task = asyncio.create_task(self._retry_resume(request))
+                            self._tasks.add(task)
+                            task.add_done_callback(self._tasks.discard)
+                except ConnectionClosed as exc:
+                    reason = f"connection closed: {exc}"
+                if self._closing:
+                    break
+                kept = self.requests.lost(reason, keep_resumable=True)
+                if not kept:
+                    break
+                self._connected.clear()
+                if not await self._reconnect():
+                    reason += "; could not reconnect"
+                    break
         finally:
+            self._connected.set()
             self.requests.lost(reason)
+
+    async def _reconnect(self) -> bool:
+        """Connect again (backing off) and resume the kept requests."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reconnect_timeout
+        delay = 0.05
+        while not self._closing:
+            try:
+                await self._open()
+                for frame in self.requests.resume_frames():
+                    await self.ws.send(orjson.dumps(frame), text=True)  # type: ignore[union-attr]
+            except (OSError, ConnectionClosed, TimeoutError, GenerationError):
+                if loop.time() + delay > deadline:
+                    return False
+                await asyncio.sleep(delay)  # sleep-ok: reconnect backoff
+                delay = min(delay * 2, 2.0)
+                continue
+            self.reconnects += 1
+            if self.on_reconnect is not None:
+                self.on_reconnect(self)
+            return True
+        return False
+
+    async def _retry_resume(self, request: Stream) -> None:
+        """The server still holds the request for the old connection: it finds
+        out soon (its send fails, or a ping goes unanswered); ask again."""
+        if request.resume_attempts * 0.25 > self.reconnect_timeout:
+            request.fail(GenerationError("already_attached", "resume kept being refused"))
+            self.requests.live.pop(request.id, None)
+            return
+        await asyncio.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        if request.retry_resume and not request.finished:
+            with contextlib.suppress(ConnectionClosed):
+                await self._send(self.requests.resume_frame(request))

@@ -11,7 +11,12 @@ else lives here, once, with no socket, no asyncio and no websockets:
   neither frames still on the wire nor text already received but not yet
   read. Its ``done`` is still recorded, because the protocol makes ``done``
   the last frame of an ID;
-* failing every live request when the connection is lost.
+* failing every live request when the connection is lost — except a
+  *resumable* one (its ``started`` carried a ``resume_token``): that one is
+  kept, and after a reconnect :meth:`RequestTable.resume_frames` asks the
+  server to replay what may not have arrived (``after_seq`` = the last
+  ``seq`` received) and go on; deltas the client already has are dropped, so
+  the caller's text has no gap and no duplicate.
 
 An I/O layer feeds received messages to :meth:`RequestTable.receive`, sends
 the frames this module builds, and waits (in its own way) until
@@ -33,6 +38,7 @@ from wsserver.protocol import (
     Error,
     Hello,
     Queued,
+    Resumed,
     ServerFrame,
     Started,
     parse_server_frame,
@@ -82,6 +88,17 @@ class Request:
         #: The deltas received before the request ended or was abandoned.
         self.deltas: list[Delta] = []
         self.sent = False
+        #: Set by ``started`` for a resumable request: what a resume presents.
+        self.resume_token: str | None = None
+        #: True from a lost connection to the server's ``resumed``.
+        self.suspended = False
+        #: True between a reconnect's ``resume`` and the server's answer.
+        self.resuming = False
+        #: ``resume`` frames sent for this request (the retries back off).
+        self.resume_attempts = 0
+        #: The server still held the request for the lost connection
+        #: (``already_attached``): the I/O layer tries the resume again.
+        self.retry_resume = False
         self._abandoned = False
         # The server answered the request frame (queued, started or text): an
         # error after that is about a later frame of ours, i.e. our cancel.
@@ -114,6 +131,16 @@ class Request:
         an I/O layer waits for."""
         return bool(self._unread) or self.finished or self._abandoned
 
+    @property
+    def last_seq(self) -> int:
+        """The ``seq`` of the last delta received (-1: none)."""
+        return self.deltas[-1].seq if self.deltas else -1
+
+    @property
+    def resumable(self) -> bool:
+        """True if a lost connection keeps this request (it can be resumed)."""
+        return self.resume_token is not None and not self.finished
+
     def take(self) -> str | None:
         """The next piece of text for the caller, or ``None`` if there is none yet."""
         return self._unread.popleft() if self._unread else None
@@ -142,6 +169,8 @@ class Request:
             return
         if isinstance(frame, Delta):
             self._acknowledged = True
+            if frame.seq <= self.last_seq:
+                return  # replayed after a resume, and already here
             if not self._abandoned:  # a late frame of a cancelled request is dropped
                 self.deltas.append(frame)
                 self._unread.append(frame.text)
@@ -152,12 +181,24 @@ class Request:
         elif isinstance(frame, Started):
             self._acknowledged = True
             self.started = True
+            self.resume_token = frame.resume_token
+        elif isinstance(frame, Resumed):
+            self.resuming = False
+            self.suspended = False
+            self.resume_attempts = 0
         elif isinstance(frame, Done):
             self.done = frame
             self.changed()
         elif isinstance(frame, Error):
             if self._abandoned and self._acknowledged and frame.code == "rate_limited":
                 return  # our cancel was refused; the request runs on and its done comes
+            if self.resuming and frame.code == "already_attached":
+                # The server has not yet seen the old connection go.
+                self.resuming = False
+                self.retry_resume = True
+                self.changed()
+                return
+            self.resuming = False
             self.fail(GenerationError(frame.code, frame.message, frame.id))
 
     def abandon(self) -> None:
@@ -230,9 +271,13 @@ class RequestTable(Generic[R]):
     def cancel_frame(self, request_id: str) -> tuple[R | None, dict[str, Any]]:
         """Abandon ``request_id`` (if live) and the frame that cancels it."""
         request = self.live.get(request_id)
+        frame: dict[str, Any] = {"type": "cancel", "id": request_id}
         if request is not None:
             request.abandon()
-        return request, {"type": "cancel", "id": request_id}
+            if request.resume_token is not None:
+                # Works whether this connection holds it or it is detached.
+                frame["resume_token"] = request.resume_token
+        return request, frame
 
     def add(self, request: R) -> R:
         self.live[request.id] = request
@@ -255,8 +300,38 @@ class RequestTable(Generic[R]):
             del self.live[request.id]
         return request
 
-    def lost(self, reason: str) -> None:
-        """The connection closed: every live request fails with ``connection_lost``."""
+    def lost(self, reason: str, *, keep_resumable: bool = False) -> list[R]:
+        """The connection closed: every live request fails with
+        ``connection_lost`` — but with ``keep_resumable``, resumable ones stay
+        live (returned) for :meth:`resume_frames` after a reconnect."""
+        kept = []
         for request in list(self.live.values()):
+            request.resuming = False
+            if keep_resumable and request.resumable:
+                request.suspended = True
+                kept.append(request)
+                continue
             request.fail(GenerationError("connection_lost", reason, request.id))
-        self.live.clear()
+            del self.live[request.id]
+        return kept
+
+    def resume_frames(self) -> list[dict[str, Any]]:
+        """After a reconnect: a frame for each request kept by :meth:`lost`."""
+        return [self.resume_frame(r) for r in self.live.values() if r.suspended]
+
+    def resume_frame(self, request: Request) -> dict[str, Any]:
+        """``resume`` a kept request — or, if the caller abandoned it meanwhile,
+        ``cancel`` it with its token (else the server would hold it detached
+        until its grace runs out)."""
+        assert request.resume_token is not None
+        request.retry_resume = False
+        if request.abandoned:
+            return {"type": "cancel", "id": request.id, "resume_token": request.resume_token}
+        request.resuming = True
+        request.resume_attempts += 1
+        return {
+            "type": "resume",
+            "id": request.id,
+            "resume_token": request.resume_token,
+            "after_seq": request.last_seq,
+        }

@@ -27,6 +27,11 @@ still leaves the ``with`` block, and closing the client cancels in-band
 whatever still runs before the connection closes. (A caller who catches
 ``KeyboardInterrupt`` to carry on can call ``stream.cancel()``: it does nothing
 more if the request is already cancelled.)
+
+**Reconnecting**, as in the async client: with ``resumable=True`` a lost
+connection is reconnected (backing off, for up to ``reconnect_timeout``
+seconds) while the caller waits, the live requests are resumed, and the
+iterator goes on; ``on_reconnect`` and :attr:`Client.reconnects` tell.
 """
 
 from __future__ import annotations
@@ -126,14 +131,26 @@ class Client:
         token: str | None = None,
         origin: str | None = None,
         cancel_timeout: float = 10.0,
+        resumable: bool = False,
+        reconnect_timeout: float = 30.0,
+        on_reconnect: Callable[[Client], None] | None = None,
         **connect_kwargs: Any,
     ) -> None:
         self.url = url
         self.token = token
         self.cancel_timeout = cancel_timeout
+        self.resumable = resumable
+        self.reconnect_timeout = reconnect_timeout
+        self.on_reconnect = on_reconnect
+        #: Times the connection was lost and the live requests resumed.
+        self.reconnects = 0
+        self._closing = False
         self._connect_kwargs = connect_kwargs
         if origin is not None:
             self._connect_kwargs["origin"] = origin
+        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self.ws: ClientConnection | None = None
         self.requests: RequestTable[Stream] = RequestTable()
         self._lost: str | None = None
@@ -162,9 +179,7 @@ class Client:
         self.close()
 
     def connect(self) -> None:
-        headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+        headers = self._headers
         # Entered as a context manager: websockets >= 17.1 deprecates using
         # connect()'s return value directly, and older versions allow both.
         self.ws = self._exit.enter_context(
@@ -176,6 +191,7 @@ class Client:
         """Cancel in-band what still runs, then close the connection."""
         if self.ws is None:
             return
+        self._closing = True
         running = [s for s in self.requests.live.values() if s.sent and not s.abandoned]
         try:
             with contextlib.suppress(GenerationError, TimeoutError):
@@ -199,12 +215,16 @@ class Client:
         **params: Any,
     ) -> Stream:
         """A request; iterate the returned stream for its text."""
+        if self.resumable:
+            params.setdefault("resumable", True)
         request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
         return self.requests.add(Stream(self, request_id, frame))
 
     def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
         """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
         its input again with ``overrides``."""
+        if self.resumable:
+            overrides.setdefault("resumable", True)
         request_id, frame = self.requests.restart_frame(old, new_id, overrides)
         return self.requests.add(Stream(self, request_id, frame))
 
@@ -231,6 +251,9 @@ class Client:
             self.ws.send(orjson.dumps(frame), text=True)
         except ConnectionClosed as exc:
             self._connection_lost(exc)
+            if self._lost is None:  # reconnected (and resumed): send it there
+                self._send(frame)
+                return
             raise GenerationError("connection_lost", self._lost or "", frame.get("id")) from exc
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
@@ -250,9 +273,48 @@ class Client:
             except ConnectionClosed as exc:
                 self._connection_lost(exc)
                 continue
-            self.requests.receive(message)
+            request = self.requests.receive(message)
+            if request is not None and request.retry_resume:
+                self._retry_resume(request)
 
     def _connection_lost(self, exc: ConnectionClosed) -> None:
-        if self._lost is None:
-            self._lost = f"connection closed: {exc}"
-            self.requests.lost(self._lost)
+        if self._lost is not None:
+            return
+        reason = f"connection closed: {exc}"
+        if not self._closing and self.requests.lost(reason, keep_resumable=True):
+            if self._reconnect():
+                return
+            reason += "; could not reconnect"
+        self._lost = reason
+        self.requests.lost(reason)
+
+    def _reconnect(self) -> bool:
+        """Connect again (backing off) and resume the kept requests."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            self._exit.close()
+            try:
+                self.connect()
+                assert self.ws is not None
+                for frame in self.requests.resume_frames():
+                    self.ws.send(orjson.dumps(frame), text=True)
+            except (OSError, ConnectionClosed, TimeoutError, GenerationError):
+                if time.monotonic() + delay > deadline:
+                    return False
+                time.sleep(delay)  # sleep-ok: reconnect backoff
+                delay = min(delay * 2, 2.0)
+                continue
+            self.reconnects += 1
+            if self.on_reconnect is not None:
+                self.on_reconnect(self)
+            return True
+
+    def _retry_resume(self, request: Stream) -> None:
+        """The server still holds the request for the old connection; ask again."""
+        if request.resume_attempts * 0.25 > self.reconnect_timeout:
+            request.fail(GenerationError("already_attached", "resume kept being refused"))
+            self.requests.live.pop(request.id, None)
+            return
+        time.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        self._send(self.requests.resume_frame(request))

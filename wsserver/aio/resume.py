@@ -1,0 +1,179 @@
+"""The server's resumable requests: which are detached, and for how long.
+
+A resumable request is registered when its ``started`` (with the token) is
+sent, and forgotten when its engine is gone. While its connection lives it is
+*attached*; when the connection is lost the connection *parks* it here
+(:meth:`Resumes.park`): the request keeps its slot and its channel — which
+fills, so the engine pauses, exactly as for a slow reader — and a grace timer
+(``stream.resume_grace_s``) starts. A ``resume`` on any connection
+(:meth:`Resumes.claim`, then :meth:`Resumes.take`) cancels the timer and
+attaches it there; when the timer fires first the request is stopped and
+everything is freed, as a disconnect always did.
+
+Request ids are chosen by clients and are unique only per connection, so the
+registry is keyed by id *and* token: ids map to lists, and a token is compared
+with :func:`hmac.compare_digest` (no timing oracle on the token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass
+
+from ..errors import ProtocolError
+from ..session import Parked
+from .pipeline import Generation
+
+__all__ = ["Resumes"]
+
+log = logging.getLogger("wsserver.resume")
+
+
+@dataclass(slots=True, eq=False)
+class Record:
+    """One resumable request: attached (``parked is None``) or detached."""
+
+    generation: Generation
+    token: str
+    parked: Parked | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+class Resumes:
+    """Every resumable request of one server, attached or detached."""
+
+    def __init__(self, *, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._records: dict[str, list[Record]] = {}
+        #: Set when the server shuts down: nothing is parked any more.
+        self.closing = False
+        #: Requests whose grace ran out (metrics, tests).
+        self.expired = 0
+        #: Set whenever a request is parked (tests wait on it; they clear it).
+        self.parked_event = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def add(self, generation: Generation, token: str) -> None:
+        """A resumable request's ``started`` (with ``token``) is going out."""
+        self._records.setdefault(generation.request.id, []).append(Record(generation, token))
+
+    def discard(self, generation: Generation) -> None:
+        """The request's engine is gone: forget it (idempotent)."""
+        request_id = generation.request.id
+        records = self._records.get(request_id)
+        if not records:
+            return
+        for record in records:
+            if record.generation is generation:
+                self._cancel_timer(record)
+                records.remove(record)
+                break
+        if not records:
+            del self._records[request_id]
+
+    def park(self, generation: Generation, parked: Parked) -> bool:
+        """Its connection was lost: keep it for ``grace_s``. False if the
+        server is closing or the request is unknown (then stop it)."""
+        record = self._record(generation)
+        if self.closing or record is None:
+            return False
+        record.parked = parked
+        loop = asyncio.get_running_loop()
+        record.timer = loop.call_later(self.grace_s, self._expire, record)
+        self.parked_event.set()
+        return True
+
+    def claim(self, request_id: str, token: str) -> Record:
+        """The detached request ``request_id`` whose token is ``token``.
+
+        Refused, in this order so that a wrong token learns nothing more:
+        ``unknown_id`` (no resumable request has that id), ``invalid_token``,
+        ``already_attached`` (its connection is alive: the server has not
+        seen the old one go yet, or it was resumed elsewhere).
+        """
+        records = self._records.get(request_id)
+        if not records:
+            raise ProtocolError("unknown_id", f"no resumable request {request_id!r}", request_id)
+        given = token.encode()
+        for record in records:
+            if hmac.compare_digest(record.token.encode(), given):
+                if record.parked is None:
+                    raise ProtocolError(
+                        "already_attached",
+                        f"request {request_id!r} is attached to a live connection",
+                        request_id,
+                    )
+                return record
+        raise ProtocolError("invalid_token", "wrong resume_token", request_id)
+
+    def take(self, record: Record) -> Parked:
+        """Attach a claimed request (its new connection adopted it)."""
+        parked = record.parked
+        assert parked is not None
+        self._cancel_timer(record)
+        record.parked = None
+        return parked
+
+    def drop(self, record: Record, now: float) -> None:
+        """A ``cancel`` with the token: stop the detached request now."""
+        self._cancel_timer(record)
+        record.parked = None
+        record.generation.cancelled(now)
+        self.discard(record.generation)
+
+    def close(self) -> list[Generation]:
+        """Server shutdown: stop every detached request; their generations."""
+        self.closing = True
+        stopped = []
+        for record in self._all():
+            if record.parked is not None:
+                self._cancel_timer(record)
+                record.generation.stop()
+                stopped.append(record.generation)
+        return stopped
+
+    # ------------------------------------------------------------ inspection
+
+    def detached(self) -> list[Generation]:
+        """Generations of detached requests (no connection holds them)."""
+        return [r.generation for r in self._all() if r.parked is not None]
+
+    def held_bytes(self) -> int:
+        """What the detached requests hold: replay tails and channels."""
+        return sum(
+            r.parked.held_bytes() + r.generation.channel.buffered_bytes()
+            for r in self._all()
+            if r.parked is not None
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def _expire(self, record: Record) -> None:
+        record.timer = None
+        if record.parked is None:
+            return
+        record.generation.log.info(
+            "no resume within %.1fs; cancelling", self.grace_s, extra={"grace_s": self.grace_s}
+        )
+        self.expired += 1
+        record.parked = None
+        record.generation.stop()
+        self.discard(record.generation)
+
+    def _record(self, generation: Generation) -> Record | None:
+        for record in self._records.get(generation.request.id, ()):
+            if record.generation is generation:
+                return record
+        return None
+
+    def _all(self) -> list[Record]:
+        return [r for records in list(self._records.values()) for r in list(records)]
+
+    @staticmethod
+    def _cancel_timer(record: Record) -> None:
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
