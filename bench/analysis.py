@@ -25,10 +25,15 @@ def _row(result: dict[str, Any], contender: str, phase: str | None = None) -> di
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("throughput", "cancel", "page", "upstream"):
+    for key in ("throughput", "cancel", "page", "upstream", "batched"):
         result = results.get(key)
         if _ok(result):
-            out += result["targets"]
+            if key == "batched":
+                from .batched import targets as batched_targets
+
+                out += batched_targets(result)
+            else:
+                out += result["targets"]
         elif result is not None:
             out.append({"name": f"section {key}", "shown": "not measured", "met": None})
     return out
@@ -119,6 +124,19 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .upstream import summary_lines
 
         lines += summary_lines(up)
+    bt = results.get("batched")
+    if _ok(bt):
+        from .batched import summary_line as batched_line
+
+        lines.append(batched_line(bt))
+    rs = results.get("resume")
+    if _ok(rs):
+        worst, latency = rs["worst"], rs["latency"]["connect_to_replay_ms"]
+        lines.append(
+            "| resumable streams (section 11) | a detached request held at most "
+            f"{worst['max_held_bytes'] / 1024:.1f} KiB (bound {worst['bound_bytes'] / 1024:.0f} KiB); "
+            f"new connection → first replayed delta {fmt(latency['median'], 2)} ms median |"
+        )
     skipped = [k for k, v in results.items() if v.get("status") != "ok"]
     for key in skipped:
         lines.append(f"| section {key} | not measured: {results[key].get('reason', '?')} |")

@@ -286,10 +286,11 @@ class Server:
         return sorted(newly)
 
     def _generations(self) -> list[Generation]:
-        """Every live request, over WebSocket connections and HTTP ones."""
+        """Every live request: over WebSocket connections and HTTP ones, and
+        the detached ones (resumable requests whose connection was lost)."""
         tables = [c.generations for c in list(self.connections.values())]
         tables += [h.generations for h in list(self.api.live.values())]
-        return [g for table in tables for g in list(table.values())]
+        return [g for table in tables for g in list(table.values())] + self.resumes.detached()
 
     def producer_threads(self) -> int:
         """Requests whose engine still runs, across all connections: live
@@ -316,11 +317,6 @@ class Server:
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
         )
-
-    def _generations(self) -> list[Generation]:
-        """Every live request: those of the connections, and the detached ones."""
-        attached = [g for c in list(self.connections.values()) for g in c.generations.values()]
-        return attached + self.resumes.detached()
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting; give running requests ``grace`` seconds; end the rest
