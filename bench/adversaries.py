@@ -36,6 +36,8 @@ from typing import Any
 from .common import LOAD_TEST_LIMITS, ServerProcess, fmt, percentile
 from .options import Options
 
+MIB = 1024 * 1024
+
 #: 0.1.0's effective settings: no ceiling on unsent output, websockets' default queue.
 OLD = {"server.max_output_bytes": 1 << 28, "server.max_queue": 16}
 
@@ -172,6 +174,11 @@ async def run(opts: Options) -> dict[str, Any]:
 
 def render(r: dict[str, Any]) -> str:
     """Section 7 of docs/benchmarks.md."""
+    from wsserver.aio.peer import memory_bound
+    from wsserver.config import load_config
+
+    bound = memory_bound(load_config(env={}).config)
+    total = sum(bound.values()) / MIB
     return "\n".join(
         [
             "One attacker connection at a time against a fake-backend server (its own process), "
@@ -185,9 +192,10 @@ def render(r: dict[str, Any]) -> str:
             "",
             table(r["rows"], r["seconds"]),
             "",
-            "The documented per-connection bound with the defaults is ≈ 5.3 MiB "
-            "(docs/operations.md, *Memory per connection*): 0.5 MiB on the send side, "
-            "4.25 MiB on the receive side. With 0.1.0's settings the ping flood grows the "
+            f"The documented per-connection bound with the defaults is ≈ {total:.1f} MiB "
+            "(docs/operations.md, *Memory per connection*; `memory_bound()`): "
+            f"{bound['send'] / MIB:.1f} MiB on the send side, {bound['receive'] / MIB:.2f} MiB "
+            "on the receive side. With 0.1.0's settings the ping flood grows the "
             "server without limit (its pongs are written without flow control) and slows every "
             "other client; with the defaults the server stops reading the attacker once "
             "256 KiB of output wait, and aborts it after the send timeout.",

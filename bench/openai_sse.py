@@ -90,7 +90,7 @@ class SseContender:
         """Send a long prompt, drop the connection after a while; the drop's time."""
         stream = await SseStream.connect(self.port)
         await stream.post("/v1/completions", self.body(prompt, 16))
-        await asyncio.sleep(ABANDON_AFTER_S)
+        await asyncio.sleep(ABANDON_AFTER_S)  # sleep-ok: the scenario (the user gives up)
         stream.abort()
         return now()
 
@@ -131,7 +131,7 @@ class LlamaServer:
                 writer.close()
                 if b" 200 " in status:
                     return self
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # sleep-ok: polling a child process for health
         raise RuntimeError("llama-server did not become healthy")
 
     async def stop(self) -> None:
