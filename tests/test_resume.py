@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import Wire, expected_fake_text, running_server, slow_wire, timeout, wire
 
+from wsserver import pacing
 from wsserver.aio import Server
 from wsserver.aio.peer import PeerAwareConnection, detached_bound, resume_tail_bytes
 from wsserver.aio.pipeline import Generation
@@ -177,7 +178,15 @@ async def test_a_detached_request_holds_no_more_than_its_stated_bound() -> None:
         assert expected_fake_text(PROMPT, max_tokens // 5, seed=7).startswith(text)
 
 
-async def test_an_after_seq_older_than_the_tail_is_refused_and_nothing_is_touched() -> None:
+async def test_an_after_seq_older_than_the_tail_is_refused_and_nothing_is_touched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tail of 8 KiB, smaller than what the socket took: the oldest deltas are
+    # gone. Frames are capped at 1,000 characters here (at most ~3 KiB) so the
+    # tail always holds whole frames; flat out, one frame may otherwise carry
+    # up to FRAME_TEXT_CHARS, more than this tiny budget (the default budget,
+    # 288 KiB, is far above a maximal frame).
+    monkeypatch.setattr(pacing, "FRAME_TEXT_CHARS", 1000)
     max_tokens = 10**6
     async with running_server(
         backend__fake__tokens_per_s=0.0,
