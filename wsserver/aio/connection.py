@@ -380,18 +380,7 @@ class Connection:
 
     def _log_done(self, frame: Done) -> None:
         self._metrics.done(frame)
-        timings = frame.timings
-        self.log.request(frame.id).info(
-            "done %s",
-            _done_summary(frame),
-            extra={
-                "reason": frame.reason,
-                "queued_ms": round(timings.queued_ms, 3),
-                "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
-                "total_ms": round(timings.total_ms, 3),
-                "completion_tokens": frame.usage.completion_tokens,
-            },
-        )
+        log_done(self.log.request(frame.id), frame)
 
     # ------------------------------------------------------------ inspection
 
@@ -433,6 +422,22 @@ class Connection:
         except TimeoutError:
             self.log.info("did not take part in closing; aborting")
             self.ws.transport.abort()
+
+
+def log_done(log: Any, frame: Done) -> None:
+    """The one log line of a finished request, WebSocket or HTTP alike."""
+    timings = frame.timings
+    log.info(
+        "done %s",
+        _done_summary(frame),
+        extra={
+            "reason": frame.reason,
+            "queued_ms": round(timings.queued_ms, 3),
+            "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
+            "total_ms": round(timings.total_ms, 3),
+            "completion_tokens": frame.usage.completion_tokens,
+        },
+    )
 
 
 def _done_summary(frame: Done) -> str:

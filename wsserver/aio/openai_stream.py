@@ -39,7 +39,7 @@ from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
 from ..protocol import Cancel, Delta, Done, Error, Queued, Started
 from ..session import Effect, Send, Session, StartGeneration, StopGeneration
-from .connection import Shared, _done_summary
+from .connection import Shared, log_done
 from .pipeline import Generation, RequestContext
 
 __all__ = ["KEEPALIVE_S", "Completion", "Responder"]
@@ -313,15 +313,4 @@ class Completion:
 
     def _log_done(self, frame: Done) -> None:
         self._shared.metrics.done(frame)
-        timings = frame.timings
-        self.log.info(
-            "done %s",
-            _done_summary(frame),
-            extra={
-                "reason": frame.reason,
-                "queued_ms": round(timings.queued_ms, 3),
-                "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
-                "total_ms": round(timings.total_ms, 3),
-                "completion_tokens": frame.usage.completion_tokens,
-            },
-        )
+        log_done(self.log, frame)
