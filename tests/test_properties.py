@@ -23,8 +23,17 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsserver.backends.base import Outcome
 from wsserver.errors import ProtocolError
+from wsserver.events import (
+    Finished,
+    ModelGranted,
+    Outcome,
+    ProducerExited,
+    PromptCounted,
+    QueuePosition,
+    Rejected,
+    TextProduced,
+)
 from wsserver.protocol import (
     Delta,
     Done,
@@ -204,18 +213,19 @@ class Simulation:
         session = self.session
         kind = action[0]
         if kind == "queued":
-            self.apply(session.queued(request_id, action[1]))
+            self.apply(session.handle(QueuePosition(request_id, action[1]), 0.0))
         elif kind == "started":
-            self.apply(session.started(request_id, self.tick()))
+            self.apply(session.handle(ModelGranted(request_id), self.tick()))
         elif kind == "prompt":
-            assert session.prompt_processed(request_id, action[1]) == []
+            assert session.handle(PromptCounted(request_id, action[1]), 0.0) == []
         elif kind == "delta" and not self.producer_ended:
-            self.apply(session.delta(request_id, action[1], action[2], self.tick()))
+            self.apply(session.handle(TextProduced(request_id, action[1], action[2]), self.tick()))
         elif kind == "finish" and not self.producer_ended:
             self.producer_ended = True
             self.apply(
-                session.finish(
-                    request_id, Outcome(reason=action[1], completion_tokens=1), self.tick()
+                session.handle(
+                    Finished(request_id, Outcome(reason=action[1], completion_tokens=1)),
+                    self.tick(),
                 )
             )
         elif (
@@ -226,7 +236,7 @@ class Simulation:
             # The model queue was full: the I/O layer sends an error, no done.
             before = session.active_id
             full = ProtocolError("overloaded", "full", request_id)
-            effects = session.reject(request_id, full)
+            effects = session.handle(Rejected(request_id, full), 0.0)
             if before == request_id and session.active_id is None:
                 self.refused.add(request_id)
                 assert effects == [Send(Error(id=request_id, code="overloaded", message="full"))]
@@ -234,12 +244,12 @@ class Simulation:
                 # It never got a model slot or a thread: nothing is left to stop
                 # (the I/O layer's later producer_stopped report is a no-op).
                 self.producer = None
-                self.apply(session.producer_stopped(request_id, self.tick()))
+                self.apply(session.handle(ProducerExited(request_id), self.tick()))
             else:
                 assert effects == [], "a request that was not waiting was refused"
         elif kind == "producer_stopped":
             self.producer = None
-            self.apply(session.producer_stopped(request_id, self.tick()))
+            self.apply(session.handle(ProducerExited(request_id), self.tick()))
 
     def drain(self) -> None:
         """Let every producer run to its natural end, as a live connection would."""
@@ -247,12 +257,14 @@ class Simulation:
             request_id = self.producer
             if request_id is None:
                 break
-            self.apply(self.session.started(request_id, self.tick()))
-            self.apply(self.session.finish(request_id, Outcome(reason="length"), self.tick()))
+            self.apply(self.session.handle(ModelGranted(request_id), self.tick()))
+            self.apply(
+                self.session.handle(Finished(request_id, Outcome(reason="length")), self.tick())
+            )
             self.producer = None
-            self.apply(self.session.producer_stopped(request_id, self.tick()))
+            self.apply(self.session.handle(ProducerExited(request_id), self.tick()))
         assert self.producer is None, "a producer was left running"
-        assert self.session.producer_id is None
+        assert self.session._producer is None
         assert self.session.active_id is None
 
     # ------------------------------------------------------------ invariants

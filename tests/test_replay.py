@@ -8,8 +8,15 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME, SERVER_FRAME
 
-from wsserver.backends.base import Outcome
 from wsserver.errors import ProtocolError
+from wsserver.events import (
+    DoneDelivered,
+    Finished,
+    ModelGranted,
+    Outcome,
+    ProducerExited,
+    TextProduced,
+)
 from wsserver.protocol import (
     Cancel,
     Delta,
@@ -99,28 +106,29 @@ def test_the_tail_keeps_the_newest_deltas_within_its_budget() -> None:
     for seq in range(5):
         tail.add(Delta(id="a", seq=seq, text="xxxx"))
         assert tail.bytes <= tail.budget
-    assert (tail.first_seq, tail.next_seq, len(tail)) == (2, 5, 3)
-    assert [d.seq for d in tail.after(1, "a")] == [2, 3, 4]
-    assert [d.seq for d in tail.after(3, "a")] == [4]
-    assert tail.after(4, "a") == []
+    # The request's record keeps the next seq (5); the tail only the frames.
+    assert (tail.first_seq(5), len(tail)) == (2, 3)
+    assert [d.seq for d in tail.after(1, 5, "a")] == [2, 3, 4]
+    assert [d.seq for d in tail.after(3, 5, "a")] == [4]
+    assert tail.after(4, 5, "a") == []
     for bad in (0, 5, 100):
         with pytest.raises(ProtocolError) as info:
-            tail.after(bad, "a")
+            tail.after(bad, 5, "a")
         assert info.value.code == "seq_out_of_range"
 
 
 def test_an_empty_tail_takes_only_minus_one() -> None:
     tail = ReplayTail(budget=1000)
-    assert tail.after(-1, "a") == []
+    assert tail.after(-1, 0, "a") == []
     with pytest.raises(ProtocolError):
-        tail.after(0, "a")
+        tail.after(0, 0, "a")
 
 
 def test_a_delta_larger_than_the_budget_is_not_kept() -> None:
     tail = ReplayTail(budget=10)
     tail.add(Delta(id="a", seq=0, text="much too long for the budget"))
-    assert (tail.bytes, len(tail), tail.first_seq) == (0, 0, 1)
-    assert tail.after(0, "a") == []
+    assert (tail.bytes, len(tail), tail.first_seq(1)) == (0, 0, 1)
+    assert tail.after(0, 1, "a") == []
 
 
 # ---------------------------------------------------------------- the session
@@ -129,7 +137,7 @@ def test_a_delta_larger_than_the_budget_is_not_kept() -> None:
 def running(session: Session, request_id: str, token: str | None = "tok") -> None:
     request = Generate(id=request_id, prompt="p")
     assert session.handle(request, 0.0) == [StartGeneration(request)]
-    assert frames(session.started(request_id, 0.5, token)) == [
+    assert frames(session.handle(ModelGranted(request_id, token), 0.5)) == [
         Started(id=request_id, resume_token=token)
     ]
 
@@ -137,24 +145,26 @@ def running(session: Session, request_id: str, token: str | None = "tok") -> Non
 def test_detach_and_adopt_carry_seq_timings_and_the_replay() -> None:
     old = Session()
     running(old, "a")
-    old.delta("a", "one ", 1, 1.0)
-    old.delta("a", "two ", 1, 1.1)
+    old.handle(TextProduced("a", "one ", 1), 1.0)
+    old.handle(TextProduced("a", "two ", 1), 1.1)
     parked = old.detach("a")
     assert parked is not None and parked.next_seq == 2 and not parked.finished
-    assert old.active_id is None and old.producer_id is None
-    assert parked.resume_token == "tok" and parked.held_bytes() > 0
+    assert old.active_id is None and old._producer is None
+    assert parked.record.resume_token == "tok" and parked.held_bytes() > 0
 
     new = Session()
     effects = new.adopt(parked, 0, 2.0)
     assert frames(effects) == [Resumed(id="a", after_seq=0), Delta(id="a", seq=1, text="two ")]
-    assert new.active_id == "a" and new.producer_id == "a"
-    assert frames(new.delta("a", "three", 1, 2.1)) == [Delta(id="a", seq=2, text="three")]
-    (done,) = frames(new.finish("a", Outcome("length"), 3.0))
+    assert new.active_id == "a" and new._producer == "a"
+    assert frames(new.handle(TextProduced("a", "three", 1), 2.1)) == [
+        Delta(id="a", seq=2, text="three")
+    ]
+    (done,) = frames(new.handle(Finished("a", Outcome("length")), 3.0))
     assert isinstance(done, Done)
     assert done.usage.completion_tokens == 3
     assert round(done.timings.ttft_ms or 0) == 1000  # timing-ok: test clock; the old connection
     # Its input came along: it can be restarted here.
-    assert new.producer_stopped("a", 3.5) == []
+    assert new.handle(ProducerExited("a"), 3.5) == []
     restarted = new.handle(Restart(id="a", new_id="b"), 4.0)
     assert isinstance(restarted[-1], StartGeneration)
 
@@ -162,7 +172,7 @@ def test_detach_and_adopt_carry_seq_timings_and_the_replay() -> None:
 def test_adopt_is_refused_without_touching_anything() -> None:
     old = Session()
     running(old, "a")
-    old.delta("a", "x", 1, 1.0)
+    old.handle(TextProduced("a", "x", 1), 1.0)
     parked = old.detach("a")
     assert parked is not None
     busy = Session()
@@ -192,8 +202,8 @@ def test_only_a_running_resumable_request_detaches() -> None:
 def test_a_finished_request_whose_done_was_lost_resumes_to_its_done() -> None:
     old = Session()
     running(old, "a")
-    old.delta("a", "all", 1, 1.0)
-    (done,) = frames(old.finish("a", Outcome("stop"), 1.5))
+    old.handle(TextProduced("a", "all", 1), 1.0)
+    (done,) = frames(old.handle(Finished("a", Outcome("stop")), 1.5))
     parked = old.detach("a")
     assert parked is not None and parked.finished
     busy = Session()
@@ -206,16 +216,16 @@ def test_a_finished_request_whose_done_was_lost_resumes_to_its_done() -> None:
         done,
     ]
     assert busy.active_id == "b"
-    assert parked.cancelled(3.0) is done  # its one done, never a second
+    assert parked.cancelled_done(3.0) is done  # its one done, never a second
 
 
 def test_a_parked_request_cancelled_by_token_gets_one_done() -> None:
     old = Session()
     running(old, "a")
-    old.delta("a", "x", 3, 1.0)
+    old.handle(TextProduced("a", "x", 3), 1.0)
     parked = old.detach("a")
     assert parked is not None
-    done = parked.cancelled(2.0)
+    done = parked.cancelled_done(2.0)
     assert done.reason == "cancelled" and done.usage.completion_tokens == 3
     assert round(done.timings.total_ms) == 2000  # timing-ok: the test's own clock values
 
@@ -223,10 +233,10 @@ def test_a_parked_request_cancelled_by_token_gets_one_done() -> None:
 def test_a_delivered_done_frees_the_tail() -> None:
     session = Session()
     running(session, "a")
-    session.delta("a", "text", 1, 1.0)
+    session.handle(TextProduced("a", "text", 1), 1.0)
     assert session.resume_bytes > 0
-    frames(session.finish("a", Outcome("stop"), 1.5))
+    frames(session.handle(Finished("a", Outcome("stop")), 1.5))
     assert session.resume_bytes > 0  # kept until the done is known to be out
-    session.done_sent("a")
+    session.handle(DoneDelivered("a"), 0.0)
     assert session.resume_bytes == 0
     assert session.detach("a") is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Final, Literal, get_args
 
 __all__ = [
+    "AUTH_CHALLENGE",
     "WIRE_CODES",
     "BackendError",
     "ConfigError",
@@ -28,6 +29,7 @@ __all__ = [
     "ProtocolError",
     "WireCode",
     "WsServerError",
+    "refusal_headers",
 ]
 
 #: Codes an ``error`` frame (or the ``error`` member of a ``done`` frame with
@@ -103,3 +105,18 @@ class ModelLoadError(BackendError):
 
 class GenerationCancelled(WsServerError):
     """The request was cancelled; the producer unwinds and exits."""
+
+
+#: The challenge a 401 carries: browsers' plain-HTTP clients may answer Basic
+#: (the token as the password), API clients Bearer (docs/operations.md).
+AUTH_CHALLENGE: Final = 'Bearer, Basic realm="wsserver", charset="UTF-8"'
+
+
+def refusal_headers(status: int, *, challenge: str = "Bearer") -> list[tuple[str, str]]:
+    """The headers an HTTP refusal carries with its status: when to try again
+    (503, 429), how to authenticate (401). Every HTTP answer takes them here."""
+    if status == 401:
+        return [("WWW-Authenticate", challenge)]
+    if status in (429, 503):
+        return [("Retry-After", "1")]
+    return []

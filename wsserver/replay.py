@@ -31,31 +31,30 @@ class ReplayTail:
         self._frames: deque[tuple[Delta, int]] = deque()
         #: Wire bytes of the frames kept (always <= ``budget``).
         self.bytes = 0
-        #: The seq the next delta will carry.
-        self.next_seq = 0
 
     def add(self, frame: Delta) -> None:
         """Keep a delta that was handed to the socket; drop the oldest over budget."""
         size = len(serialize(frame))
         self._frames.append((frame, size))
         self.bytes += size
-        self.next_seq = frame.seq + 1
         while self._frames and self.bytes > self.budget:
             _, dropped = self._frames.popleft()
             self.bytes -= dropped
 
-    @property
-    def first_seq(self) -> int:
-        """The oldest seq still kept (``next_seq`` when nothing is)."""
-        return self._frames[0][0].seq if self._frames else self.next_seq
+    def first_seq(self, next_seq: int) -> int:
+        """The oldest seq still kept (``next_seq``, the seq the request's next
+        delta will carry — its record keeps it —, when nothing is)."""
+        return self._frames[0][0].seq if self._frames else next_seq
 
-    def after(self, after_seq: int, request_id: str) -> list[Delta]:
+    def after(self, after_seq: int, next_seq: int, request_id: str) -> list[Delta]:
         """The frames after ``after_seq``; refused if some of them are gone,
-        or if ``after_seq`` names a delta that was never sent."""
-        if not self.first_seq - 1 <= after_seq <= self.next_seq - 1:
+        or if ``after_seq`` names a delta that was never sent (``next_seq``:
+        the seq of the request's next delta)."""
+        first = self.first_seq(next_seq)
+        if not first - 1 <= after_seq <= next_seq - 1:
             raise ProtocolError(
                 "seq_out_of_range",
-                f"after_seq must be between {self.first_seq - 1} and {self.next_seq - 1}"
+                f"after_seq must be between {first - 1} and {next_seq - 1}"
                 " (older deltas are no longer kept)",
                 request_id,
             )

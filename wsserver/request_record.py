@@ -11,9 +11,9 @@ adopts it (docs/protocol.md, "Resuming a stream").
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .backends.base import Outcome
+from .events import Outcome
 from .protocol import Done, Generate, Timings, Usage
 from .replay import ReplayTail
 
@@ -37,8 +37,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     position: int | None = None
-    deferred: bool = field(default=False)
-    #: Only for a resumable request: its token and the deltas kept for a replay.
+    #: Only for a resumable request: its token (the one copy: the registry of
+    #: resumable requests reads it here) and the deltas kept for a replay.
     resume_token: str | None = None
     tail: ReplayTail | None = None
     #: A resumable request's ``done``, once it was emitted.
@@ -62,11 +62,6 @@ class Parked:
         return self.record.request.id
 
     @property
-    def resume_token(self) -> str:
-        assert self.record.resume_token is not None
-        return self.record.resume_token
-
-    @property
     def finished(self) -> bool:
         return self.record.done is not None
 
@@ -79,7 +74,7 @@ class Parked:
         tail = self.record.tail
         return 0 if tail is None else tail.bytes
 
-    def cancelled(self, now: float) -> Done:
+    def cancelled_done(self, now: float) -> Done:
         """End it as ``cancelled`` (a ``cancel`` with its token): the one ``done``."""
         entry = self.record
         if entry.done is not None:
@@ -92,7 +87,11 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
     entry.state = RequestState.DONE
     started = entry.started if entry.started is not None else now
     generating = max(now - started, 1e-9)
-    completion = max(outcome.completion_tokens, entry.completion_tokens)
+    # The engine's own count when it gives one (an upstream's usage), else
+    # what was delivered: the one count of completion tokens is the record's.
+    if outcome.completion_tokens:
+        entry.completion_tokens = outcome.completion_tokens
+    completion = entry.completion_tokens
     prompt = outcome.prompt_tokens or entry.prompt_tokens
     return Done(
         id=entry.request.id,

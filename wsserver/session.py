@@ -4,51 +4,64 @@ Theory of operation
 -------------------
 A connection runs at most one request at a time. The client sees a request go
 through ``accepted → (queued) → started → delta* → done``; the server also has
-to track the *producer* (the generation thread), whose life does not match the
-client's view: after a ``cancel`` the client gets ``done`` at once, while the
-producer may need one more model step to notice and exit. The session keeps
-both views:
+to track the *producer* (the request's engine work), whose life does not match
+the client's view: after a ``cancel`` the client gets ``done`` at once, while
+the producer may need one more model step to notice and exit. The session
+keeps both views:
 
-* ``active`` is the request the client considers running (``None`` after its
-  ``done`` was emitted). Frames for any other ID are refused or dropped.
-* ``producer`` is the ID whose producer thread is still alive. A new request is
+* the *active* request is the one the client considers running (none after
+  its ``done`` was emitted). Frames for any other ID are refused or dropped.
+* the *producer* is the ID whose engine work is still alive. A new request is
   accepted while an old producer winds down, but its :class:`StartGeneration`
-  effect is held back until :meth:`Session.producer_stopped` reports the old
-  thread gone, so two producers of one connection never overlap.
+  effect is held back until :class:`~wsserver.events.ProducerExited` reports
+  the old one gone, so two producers of one connection never overlap.
 
-The I/O layer feeds the session with client frames (:meth:`Session.handle`,
-:meth:`Session.refuse`) and with what happens to a request
-(:meth:`Session.queued`, :meth:`Session.started`,
-:meth:`Session.prompt_processed`, :meth:`Session.delta`,
-:meth:`Session.finish`, :meth:`Session.reject`,
-:meth:`Session.producer_stopped`). Every one of them returns a list of
-effects, which the I/O layer carries out in order in one place: every frame,
-and so every ``done`` and ``error`` with its log line and metrics, leaves that
-way. Methods take ``now`` (a monotonic time in seconds): request times are
-kept here, once, deterministically — the ``done`` frame's timings and the log's
-(:meth:`Session.since_received_ms`) come from the same clock readings.
+**One way in, one way out.** Everything reaches the session through
+:meth:`Session.handle`: the client's frames (:mod:`wsserver.protocol`) and the
+driver's reports of what happened to a request (:mod:`wsserver.events`). Each
+returns a list of effects, which the request driver (:mod:`wsserver.aio.driver`)
+carries out in order in one place. Methods take ``now`` (a monotonic time in
+seconds): request times are kept on the request's record, once — the ``done``
+frame's timings and the log's come from the same clock readings.
 
-Request states and the events that move them (rows not listed are refused)::
+**The transitions are data.** :data:`TRANSITIONS` maps (the state of the
+event's request, the event's type) to the handler that runs, the state the
+request is in afterwards, and the effects; :meth:`Session.handle` reads it, and
+the table below is rendered from it (a test checks that they match). A client
+frame whose row is missing is refused with :data:`REFUSALS`' code; a report
+whose row is missing is late — its request ended — and is dropped.
 
-    state      event                      next       effects
-    ---------  -------------------------  ---------  -----------------------------------
-    (none)     generate / restart(new)    WAITING    StartGeneration (maybe deferred)
-    WAITING    queued(position)           WAITING    Send(queued)
-    WAITING    started                    RUNNING    Send(started)
-    WAITING    reject (model queue full)  DONE       Send(error overloaded), no done
-    WAITING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
-    RUNNING    delta                      RUNNING    Send(delta)
-    RUNNING    finish(outcome)            DONE       Send(done stop|length|error)
-    RUNNING    cancel / restart(old)      DONE       StopGeneration, Send(done cancelled)
-    DONE       any producer report        DONE       nothing (late reports are dropped)
+.. transitions::
+
+    state    event           next     effects
+    -------  --------------  -------  -----------------------------------------------------
+    -        Generate        WAITING  StartGeneration (held while a producer winds down)
+    WAITING  QueuePosition   WAITING  Send(queued) when the position changed
+    WAITING  ModelGranted    RUNNING  Send(started)
+    WAITING  Rejected        DONE     Send(error overloaded), no done
+    WAITING  PromptCounted   WAITING  -
+    WAITING  Finished        DONE     Send(done)
+    WAITING  Cancel          DONE     StopGeneration (unless held), Send(done cancelled)
+    WAITING  Restart         DONE     Cancel it, then Generate its input as new_id
+    WAITING  ProducerExited  DONE     Send(done internal) if it was the producer
+    RUNNING  PromptCounted   RUNNING  -
+    RUNNING  TextProduced    RUNNING  Send(delta) unless the text is empty
+    RUNNING  Finished        DONE     Send(done stop|length|error)
+    RUNNING  Cancel          DONE     StopGeneration, Send(done cancelled)
+    RUNNING  Restart         DONE     Cancel it, then Generate its input as new_id
+    RUNNING  ProducerExited  DONE     Send(done internal): the engine ended without an end
+    DONE     Restart         DONE     Generate its input as new_id
+    DONE     DoneDelivered   DONE     drop the replay tail
+    DONE     ProducerExited  DONE     StartGeneration of the held request, if any
 
 Because a request leaves ``WAITING``/``RUNNING`` exactly once, it gets exactly
-one ``done``, and nothing for its ID is emitted after it.
+one ``done`` (or, when rejected, one ``error``), and nothing for its ID is
+emitted after it.
 
 A *resumable* request (``started`` carried a token) also keeps the deltas it
 sent in a bounded :class:`~wsserver.replay.ReplayTail`. When its connection is
 lost, :meth:`Session.detach` takes it out of this session as a
-:class:`Parked` request (the same state: seq, timings, tail), and another
+:class:`Parked` request (the same record: seq, timings, tail), and another
 connection's session takes it in with :meth:`Session.adopt`, which replays the
 tail after the client's ``after_seq``; the request then goes on as if it had
 always been that session's. A request whose ``done`` was written into a
@@ -60,10 +73,23 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final, NamedTuple
 
-from .backends.base import Outcome
-from .errors import ProtocolError
+from .errors import ProtocolError, WireCode
+from .events import (
+    DoneDelivered,
+    Finished,
+    ModelGranted,
+    Outcome,
+    ProducerExited,
+    PromptCounted,
+    QueuePosition,
+    Rejected,
+    Report,
+    TextProduced,
+)
 from .protocol import (
     Cancel,
     ClientFrame,
@@ -73,6 +99,7 @@ from .protocol import (
     Generate,
     Queued,
     Restart,
+    Resume,
     Resumed,
     ServerFrame,
     Started,
@@ -81,6 +108,8 @@ from .replay import ReplayTail
 from .request_record import Parked, RequestRecord, RequestState, make_done
 
 __all__ = [
+    "REFUSALS",
+    "TRANSITIONS",
     "Effect",
     "Parked",
     "RequestState",
@@ -88,6 +117,7 @@ __all__ = [
     "Session",
     "StartGeneration",
     "StopGeneration",
+    "render_transitions",
 ]
 
 
@@ -113,6 +143,69 @@ class StopGeneration:
 
 
 Effect = Send | StartGeneration | StopGeneration
+Event = ClientFrame | Report
+
+WAITING, RUNNING, DONE = RequestState.WAITING, RequestState.RUNNING, RequestState.DONE
+
+
+class Row(NamedTuple):
+    """One transition: the handler that runs, the state after it, its effects."""
+
+    handler: str
+    next: RequestState
+    effects: str
+
+
+#: (state of the event's request — ``None``: never seen —, event type) → transition.
+TRANSITIONS: Final[dict[tuple[RequestState | None, type], Row]] = {
+    (None, Generate): Row("_accept", WAITING, "StartGeneration (held while a producer winds down)"),
+    (WAITING, QueuePosition): Row("_queued", WAITING, "Send(queued) when the position changed"),
+    (WAITING, ModelGranted): Row("_granted", RUNNING, "Send(started)"),
+    (WAITING, Rejected): Row("_rejected", DONE, "Send(error overloaded), no done"),
+    (WAITING, PromptCounted): Row("_prompt_counted", WAITING, "-"),
+    (WAITING, Finished): Row("_ended", DONE, "Send(done)"),
+    (WAITING, Cancel): Row("_cancel", DONE, "StopGeneration (unless held), Send(done cancelled)"),
+    (WAITING, Restart): Row("_restart", DONE, "Cancel it, then Generate its input as new_id"),
+    (WAITING, ProducerExited): Row(
+        "_producer_exited", DONE, "Send(done internal) if it was the producer"
+    ),
+    (RUNNING, PromptCounted): Row("_prompt_counted", RUNNING, "-"),
+    (RUNNING, TextProduced): Row("_text", RUNNING, "Send(delta) unless the text is empty"),
+    (RUNNING, Finished): Row("_ended", DONE, "Send(done stop|length|error)"),
+    (RUNNING, Cancel): Row("_cancel", DONE, "StopGeneration, Send(done cancelled)"),
+    (RUNNING, Restart): Row("_restart", DONE, "Cancel it, then Generate its input as new_id"),
+    (RUNNING, ProducerExited): Row(
+        "_producer_exited", DONE, "Send(done internal): the engine ended without an end"
+    ),
+    (DONE, Restart): Row("_restart", DONE, "Generate its input as new_id"),
+    (DONE, DoneDelivered): Row("_done_delivered", DONE, "drop the replay tail"),
+    (DONE, ProducerExited): Row(
+        "_producer_exited", DONE, "StartGeneration of the held request, if any"
+    ),
+}
+
+#: A client frame with no row is refused with this code (its message says why).
+REFUSALS: Final[dict[type, tuple[WireCode, str]]] = {
+    Generate: ("duplicate_id", "id {id!r} was already used"),
+    Cancel: ("unknown_id", "no running request {id!r}"),
+    Restart: ("unknown_id", "no recent request {id!r} to restart"),
+    Resume: ("bad_request", "resume is not handled here"),
+}
+
+_ORDER: Final = {None: 0, WAITING: 1, RUNNING: 2, DONE: 3}
+
+
+def render_transitions() -> str:
+    """The transition table as the module docstring shows it."""
+    rows = sorted(TRANSITIONS.items(), key=lambda item: _ORDER[item[0][0]])
+    lines = [
+        f"{'state':<8} {'event':<15} {'next':<8} effects",
+        f"{'-' * 7}  {'-' * 14}  {'-' * 7}  {'-' * 53}",
+    ]
+    for (state, event), row in rows:
+        name = "-" if state is None else state.name
+        lines.append(f"{name:<8} {event.__name__:<15} {row.next.name:<8} {row.effects}".rstrip())
+    return "\n".join(lines)
 
 
 def input_size(request: Generate) -> int:
@@ -147,7 +240,8 @@ class Session:
         self._inputs_size = 0
         self._active: RequestRecord | None = None
         self._producer: str | None = None
-        self._deferred: RequestRecord | None = None
+        #: The accepted request held until the old producer is gone.
+        self._held: RequestRecord | None = None
 
     # ------------------------------------------------------------ inspection
 
@@ -156,40 +250,60 @@ class Session:
         """The request the client considers running, if any."""
         return None if self._active is None else self._active.request.id
 
-    @property
-    def producer_id(self) -> str | None:
-        """The request whose producer is alive (or about to start), if any."""
-        return self._producer
-
     def state_of(self, request_id: str) -> RequestState | None:
         if self._active is not None and self._active.request.id == request_id:
             return self._active.state
-        return RequestState.DONE if request_id in self._seen else None
+        return DONE if request_id in self._seen else None
 
-    # ------------------------------------------------------------ client frames
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The active request's record (its times, counts, token), if it is ``request_id``."""
+        active = self._active
+        return active if active is not None and active.request.id == request_id else None
 
-    def handle(self, frame: ClientFrame, now: float) -> list[Effect]:
-        """Apply a client frame. Refusals come back as an ``error`` frame."""
+    @property
+    def resume_bytes(self) -> int:
+        """Wire bytes of the replay tails this session holds (a resumable
+        request's, running or just finished)."""
+        return sum(
+            entry.tail.bytes
+            for entry in (self._active, self._finished)
+            if entry is not None and entry.tail is not None
+        )
+
+    @property
+    def restart_bytes(self) -> int:
+        """Memory held by the inputs kept for ``restart`` (see :func:`input_size`)."""
+        return self._inputs_size
+
+    # ------------------------------------------------------------ the one way in
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        """Apply a client frame or a report. Refusals come back as an ``error`` frame."""
+        state = self.state_of(event.id)
+        row = TRANSITIONS.get((state, type(event)))
         try:
-            if isinstance(frame, Generate):
-                return self._accept(frame, now)
-            if isinstance(frame, Cancel):
-                return self._cancel(frame.id, now)
-            if isinstance(frame, Restart):
-                return self._restart(frame, now)
-            # A resume concerns a request of no session: the connection looks
-            # it up and calls adopt().
-            raise ProtocolError("bad_request", "resume is not handled here", frame.id)
+            if row is None:
+                refusal = REFUSALS.get(type(event))
+                if refusal is None:
+                    return []  # a late report: its request has ended
+                code, message = refusal
+                reply_to = event.new_id if isinstance(event, Restart) else event.id
+                raise ProtocolError(code, message.format(id=event.id), reply_to)
+            handler: Callable[[Event, float], list[Effect]] = getattr(self, row.handler)
+            effects = handler(event, now)
         except ProtocolError as exc:
-            return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
+            return self.refuse(exc)
+        after = self.state_of(event.id)
+        assert after in (state, row.next), f"{row.handler} left {event.id!r} {after}"
+        return effects
 
     def refuse(self, exc: ProtocolError) -> list[Effect]:
         """Turn a parse error into the ``error`` frame the client gets."""
         return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
 
+    # ------------------------------------------------------------ client frames
+
     def _accept(self, request: Generate, now: float) -> list[Effect]:
-        if request.id in self._seen:
-            raise ProtocolError("duplicate_id", f"id {request.id!r} was already used", request.id)
         if self._active is not None:
             raise ProtocolError(
                 "busy", f"request {self._active.request.id!r} is still running", request.id
@@ -199,17 +313,22 @@ class Session:
         self._active = entry
         if self._producer is not None:
             # The previous producer is still winding down; start when it is gone.
-            entry.deferred = True
-            self._deferred = entry
+            self._held = entry
             return []
         self._producer = request.id
         return [StartGeneration(request)]
 
-    def _cancel(self, request_id: str, now: float) -> list[Effect]:
-        active = self._active
-        if active is None or active.request.id != request_id:
-            raise ProtocolError("unknown_id", f"no running request {request_id!r}", request_id)
-        return self._end_cancelled(active, now)
+    def _cancel(self, frame: Cancel | Restart, now: float) -> list[Effect]:
+        entry = self._active
+        assert entry is not None
+        effects: list[Effect] = []
+        if entry is self._held:
+            # Never started: there is no producer of its own to stop.
+            self._held = None
+        else:
+            effects.append(StopGeneration(entry.request.id))
+        effects.append(Send(self._done(entry, Outcome(reason="cancelled"), now)))
+        return effects
 
     def _restart(self, frame: Restart, now: float) -> list[Effect]:
         kept = self._inputs.get(frame.id)
@@ -221,28 +340,13 @@ class Session:
             raise ProtocolError(
                 "duplicate_id", f"id {frame.new_id!r} was already used", frame.new_id
             )
-        effects: list[Effect] = []
         active = self._active
-        if active is not None:
-            if active.request.id != frame.id:
-                raise ProtocolError(
-                    "busy", f"request {active.request.id!r} is still running", frame.new_id
-                )
-            effects.extend(self._end_cancelled(active, now))
-        new = frame.apply(kept[0])
-        if new.prompt is None and new.messages is None:  # pragma: no cover - apply() keeps one
-            raise ProtocolError("bad_request", "restart has no input", frame.new_id)
-        effects.extend(self._accept(new, now))
-        return effects
-
-    def _end_cancelled(self, entry: RequestRecord, now: float) -> list[Effect]:
-        effects: list[Effect] = []
-        if entry.deferred:
-            # Never started: there is no producer of its own to stop.
-            self._deferred = None
-        else:
-            effects.append(StopGeneration(entry.request.id))
-        effects.append(Send(self._done(entry, Outcome(reason="cancelled"), now)))
+        if active is not None and active.request.id != frame.id:
+            raise ProtocolError(
+                "busy", f"request {active.request.id!r} is still running", frame.new_id
+            )
+        effects = self._cancel(frame, now) if active is not None else []
+        effects.extend(self._accept(frame.apply(kept[0]), now))
         return effects
 
     def _remember(self, request: Generate) -> None:
@@ -258,88 +362,83 @@ class Session:
             _, (_, dropped) = self._inputs.popitem(last=False)
             self._inputs_size -= dropped
 
-    @property
-    def resume_bytes(self) -> int:
-        """Wire bytes of the replay tails this session holds (a resumable
-        request's, running or just finished)."""
-        held = 0
-        for entry in (self._active, self._finished):
-            if entry is not None and entry.tail is not None:
-                held += entry.tail.bytes
-        return held
+    # ------------------------------------------------------------ reports
 
-    @property
-    def restart_bytes(self) -> int:
-        """Memory held by the inputs kept for ``restart`` (see :func:`input_size`)."""
-        return self._inputs_size
-
-    # ------------------------------------------------------------ producer reports
-
-    def queued(self, request_id: str, position: int) -> list[Effect]:
-        """The request's place in the model's queue changed."""
-        entry = self._current(request_id)
-        if entry is None or entry.state is not RequestState.WAITING or entry.position == position:
+    def _queued(self, event: QueuePosition, now: float) -> list[Effect]:
+        entry = self._active
+        assert entry is not None
+        if entry.position == event.position:
             return []
-        entry.position = position
-        return [Send(Queued(id=request_id, position=position))]
+        entry.position = event.position
+        return [Send(Queued(id=event.id, position=event.position))]
 
-    def started(self, request_id: str, now: float, resume_token: str | None = None) -> list[Effect]:
-        """The request got the model. Nothing if it ended meanwhile. With a
-        ``resume_token`` it is resumable: it keeps a replay tail."""
-        entry = self._current(request_id)
-        if entry is None or entry.state is not RequestState.WAITING:
-            return []
-        entry.state = RequestState.RUNNING
+    def _granted(self, event: ModelGranted, now: float) -> list[Effect]:
+        entry = self._active
+        assert entry is not None
+        entry.state = RUNNING
         entry.started = now
-        if resume_token is not None:
-            entry.resume_token = resume_token
+        if event.resume_token is not None:
+            entry.resume_token = event.resume_token
             entry.tail = ReplayTail(self._resume_tail_bytes)
-        return [Send(Started(id=request_id, resume_token=resume_token))]
+        return [Send(Started(id=event.id, resume_token=event.resume_token))]
 
-    def prompt_processed(self, request_id: str, prompt_tokens: int) -> list[Effect]:
-        """The engine counted the prompt (reported in ``done``'s usage)."""
-        entry = self._current(request_id)
-        if entry is not None:
-            entry.prompt_tokens = prompt_tokens
+    def _rejected(self, event: Rejected, now: float) -> list[Effect]:
+        entry = self._active
+        assert entry is not None
+        entry.state = DONE
+        self._active = None
+        if self._producer == event.id:
+            self._producer = None
+        return self.refuse(event.error)
+
+    def _prompt_counted(self, event: PromptCounted, now: float) -> list[Effect]:
+        assert self._active is not None
+        self._active.prompt_tokens = event.prompt_tokens
         return []
 
-    def delta(self, request_id: str, text: str, tokens: int, now: float) -> list[Effect]:
-        """The next ``delta`` frame for this text; nothing if the request ended
-        (or the text is empty: held-back bytes still count as tokens)."""
-        entry = self._current(request_id)
-        if entry is None or entry.state is not RequestState.RUNNING:
-            return []
-        entry.completion_tokens += tokens
-        if not text:
+    def _text(self, event: TextProduced, now: float) -> list[Effect]:
+        entry = self._active
+        assert entry is not None
+        entry.completion_tokens += event.tokens
+        if not event.text:
             return []
         if entry.first_delta is None:
             entry.first_delta = now
-        frame = Delta(id=request_id, seq=entry.seq, text=text)
+        frame = Delta(id=event.id, seq=entry.seq, text=event.text)
         entry.seq += 1
         if entry.tail is not None:
             entry.tail.add(frame)
         return [Send(frame)]
 
-    def finish(self, request_id: str, outcome: Outcome, now: float) -> list[Effect]:
-        """The request ended by itself (or was ended as stalled). Nothing if it
-        already ended."""
-        entry = self._current(request_id)
-        if entry is None:
-            return []
-        return [Send(self._done(entry, outcome, now))]
+    def _ended(self, event: Finished, now: float) -> list[Effect]:
+        assert self._active is not None
+        return [Send(self._done(self._active, event.outcome, now))]
 
-    def reject(self, request_id: str, exc: ProtocolError) -> list[Effect]:
-        """The request was accepted here but refused before it started (the
-        model queue was full): forget it without a ``done`` — the client gets
-        an ``error`` frame instead, as for any refused ``generate``."""
-        entry = self._current(request_id)
-        if entry is None or entry.state is not RequestState.WAITING:
-            return []  # it ended meanwhile (its done is out): nothing more for it
-        entry.state = RequestState.DONE
-        self._active = None
-        if self._producer == request_id:
-            self._producer = None
-        return self.refuse(exc)
+    def _done_delivered(self, event: DoneDelivered, now: float) -> list[Effect]:
+        finished = self._finished
+        if finished is not None and finished.request.id == event.id:
+            finished.tail = None
+            self._finished = None
+        return []
+
+    def _producer_exited(self, event: ProducerExited, now: float) -> list[Effect]:
+        if self._producer != event.id:
+            return []
+        self._producer = None
+        entry = self._active
+        if entry is not None and entry.request.id == event.id:
+            # A producer that exits without reporting an end is an engine bug;
+            # the request still gets its one ``done``.
+            internal = Outcome(
+                "error", error_code="internal", error_message="generation ended unexpectedly"
+            )
+            return [Send(self._done(entry, internal, now))]
+        held = self._held
+        if held is None:
+            return []
+        self._held = None
+        self._producer = held.request.id
+        return [StartGeneration(held.request)]
 
     # ------------------------------------------------------------ resuming
 
@@ -349,7 +448,7 @@ class Session:
         if ``request_id`` is neither (it is cancelled as before)."""
         entry = self._active
         if entry is not None and entry.request.id == request_id:
-            if entry.state is not RequestState.RUNNING or entry.tail is None:
+            if entry.state is not RUNNING or entry.tail is None:
                 return None
             self._active = None
             if self._producer == request_id:
@@ -360,14 +459,6 @@ class Session:
             self._finished = None
             return Parked(finished)
         return None
-
-    def done_sent(self, request_id: str) -> None:
-        """The ``done`` of ``request_id`` went out: its replay tail is no longer
-        needed (a connection lost from now on has nothing to resume)."""
-        finished = self._finished
-        if finished is not None and finished.request.id == request_id:
-            finished.tail = None
-            self._finished = None
 
     def adopt(self, parked: Parked, after_seq: int, now: float) -> list[Effect]:
         """Take in a parked request: ``resumed``, the replay after
@@ -380,8 +471,9 @@ class Session:
             busy = running.request.id if running is not None else self._producer
             raise ProtocolError("busy", f"request {busy!r} is still running", request_id)
         assert entry.tail is not None
-        replay: list[Effect] = [Send(d) for d in entry.tail.after(after_seq, request_id)]
-        effects: list[Effect] = [Send(Resumed(id=request_id, after_seq=after_seq)), *replay]
+        replay = entry.tail.after(after_seq, entry.seq, request_id)
+        effects: list[Effect] = [Send(Resumed(id=request_id, after_seq=after_seq))]
+        effects.extend(Send(delta) for delta in replay)
         if entry.done is not None:
             effects.append(Send(entry.done))
             return effects
@@ -390,55 +482,7 @@ class Session:
         self._producer = request_id
         return effects
 
-    def since_received_ms(self, request_id: str, now: float) -> float:
-        """Milliseconds from receiving the request to ``now``, on the clock of
-        the ``done`` frame's timings (so log lines and ``done`` agree)."""
-        entry = self._active
-        if entry is None or entry.request.id != request_id:
-            return 0.0
-        return (now - entry.received) * 1000.0
-
-    def producer_stopped(self, request_id: str, now: float) -> list[Effect]:
-        """The producer thread of ``request_id`` has exited and freed the model."""
-        if self._producer != request_id:
-            return []
-        self._producer = None
-        entry = self._active
-        if (
-            entry is not None
-            and entry.request.id == request_id
-            and entry.state is not RequestState.DONE
-        ):
-            # A producer that exits without reporting an end is a backend bug;
-            # the request still gets its one ``done``.
-            return [
-                Send(
-                    self._done(
-                        entry,
-                        Outcome(
-                            reason="error",
-                            error_code="internal",
-                            error_message="generation ended unexpectedly",
-                        ),
-                        now,
-                    )
-                )
-            ]
-        deferred = self._deferred
-        if deferred is None:
-            return []
-        self._deferred = None
-        deferred.deferred = False
-        self._producer = deferred.request.id
-        return [StartGeneration(deferred.request)]
-
     # ------------------------------------------------------------ helpers
-
-    def _current(self, request_id: str) -> RequestRecord | None:
-        entry = self._active
-        if entry is None or entry.request.id != request_id or entry.state is RequestState.DONE:
-            return None
-        return entry
 
     def _done(self, entry: RequestRecord, outcome: Outcome, now: float) -> Done:
         if self._active is entry:

@@ -19,6 +19,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 
+from ..errors import AUTH_CHALLENGE, refusal_headers
 from ..security import ConnectionLimiter, Gatekeeper, Refusal, offered_subprotocols
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -133,10 +134,8 @@ def _respond(http: HttpContext, connection: ServerConnection, request: Request) 
             extra={"status": refusal.status.value, "refusal": refusal.reason},
         )
         response = text_response(refusal.status, refusal.message)
-        if refusal.status is HTTPStatus.UNAUTHORIZED:
-            response.headers["WWW-Authenticate"] = 'Bearer, Basic realm="wsserver", charset="UTF-8"'
-        elif refusal.status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
-            response.headers["Retry-After"] = "1"
+        for name, value in refusal_headers(refusal.status, challenge=AUTH_CHALLENGE):
+            response.headers[name] = value
         return response
     if upgrade:
         return None

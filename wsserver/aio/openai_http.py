@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import struct
-import termios
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -45,14 +42,16 @@ from typing import Final
 
 import h11
 
+from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import ApiError, error_body, models_body, parse_request
-from .connection import Shared
+from .drain import DrainWatch, write_buffered
 from .openai_gate import Gate, RequestHeaders, request_id_of
-from .openai_stream import Completion, Headers, Hooks
+from .openai_stream import Completion, Headers
 from .pipeline import Generation
+from .services import Services
 
-__all__ = ["ApiContext", "HttpConnection"]
+__all__ = ["HttpApi", "HttpConnection"]
 
 log = logging.getLogger("wsserver.openai")
 
@@ -62,10 +61,10 @@ _COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "compl
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ApiContext:
+class HttpApi:
     """What every HTTP connection uses; built once by the server."""
 
-    shared: Shared
+    services: Services
     gate: Gate
     #: The server's live HTTP connections, by connection ID.
     live: dict[str, HttpConnection] = field(default_factory=dict)
@@ -75,10 +74,10 @@ class ApiContext:
 class HttpConnection(asyncio.Protocol):
     """One HTTP/1.1 connection that asked for the OpenAI API."""
 
-    def __init__(self, api: ApiContext) -> None:
-        self._api = api
-        self._shared = api.shared
-        self.conn_id = api.next_id()
+    def __init__(self, http_api: HttpApi) -> None:
+        self._http_api = http_api
+        self._services = http_api.services
+        self.conn_id = http_api.next_id()
         self.log = ConnectionLog(log, self.conn_id)
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16384)
         self._transport: asyncio.Transport | None = None
@@ -93,14 +92,14 @@ class HttpConnection(asyncio.Protocol):
         self._admitted = False
         self._closing = False
         self._lost = False
-        self._paused = False
-        self._resumed = asyncio.Event()
-        self._resumed.set()
         #: Set while the write buffer is above its high-water mark (tests, as PeerAwareConnection).
         self.writing_paused = asyncio.Event()
+        #: Set while a write need not wait: below the mark, or the client is gone.
+        self._writable = asyncio.Event()
+        self._writable.set()
         #: The largest the write buffer has been after a write (tests, diagnostics).
         self.peak_write_buffer = 0
-        self._fd: int | None = None
+        self._watch: DrainWatch | None = None
         self._idle: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ asyncio protocol
@@ -108,13 +107,19 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        server = self._shared.config.server
-        transport.set_write_buffer_limits(high=server.write_limit)
+        config = self._services.config
+        transport.set_write_buffer_limits(high=config.server.write_limit)
         peer = transport.get_extra_info("peername")
         self._peer = str(peer[0]) if peer else "?"
-        sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else None
-        self._api.live[self.conn_id] = self
+        self._watch = DrainWatch(
+            transport,
+            send_timeout=config.server.send_timeout_s,
+            stall_timeout=config.stream.stall_timeout_s or None,
+            on_stall=self._stall,
+            log=self.log,
+            request_id=lambda: None,
+        )
+        self._http_api.live[self.conn_id] = self
         self.log.info("open from %s (HTTP)", self._peer)
         self._arm_idle()
 
@@ -136,25 +141,25 @@ class HttpConnection(asyncio.Protocol):
             # Else when the last engine is gone: until then its slot is this
             # connection's (the server's orphan check, /readyz), as a
             # WebSocket connection stays listed until its requests are gone.
-            self._api.live.pop(self.conn_id, None)
-        self._api.gate.connection_limiter.release(self)
+            self._http_api.live.pop(self.conn_id, None)
+        self._http_api.gate.connection_limiter.release(self)
+        if self._watch is not None:
+            self._watch.detach()
         self.log.info("closed (HTTP)")
 
     def pause_writing(self) -> None:
-        self._paused = True
-        self._resumed.clear()
+        self._writable.clear()
         self.writing_paused.set()
 
     def resume_writing(self) -> None:
-        self._paused = False
-        self._resumed.set()
+        self._writable.set()
         self.writing_paused.clear()
 
     def _client_gone(self) -> None:
         if self._lost:
             return
         self._lost = True
-        self._resumed.set()
+        self._writable.set()
         if self.completion is not None:
             self.completion.client_gone()
 
@@ -177,7 +182,7 @@ class HttpConnection(asyncio.Protocol):
                     return
             elif isinstance(event, h11.Data):
                 self._body += event.data
-                if len(self._body) > self._shared.config.server.max_frame_bytes:
+                if len(self._body) > self._max_body:
                     self._too_large()
                     return
             elif isinstance(event, h11.EndOfMessage):
@@ -192,9 +197,14 @@ class HttpConnection(asyncio.Protocol):
             self.log.info("sent too much ahead of its answer; closing")
             self._close()
 
+    @property
+    def _max_body(self) -> int:
+        """The largest request body: a WebSocket frame's limit (``server.max_frame_bytes``)."""
+        return self._services.config.server.max_frame_bytes
+
     def _start_request(self, request: h11.Request) -> bool:
         self._request = request
-        limit = self._shared.config.server.max_frame_bytes
+        limit = self._max_body
         for name, value in request.headers:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 self._too_large()
@@ -204,7 +214,7 @@ class HttpConnection(asyncio.Protocol):
         return True
 
     def _too_large(self) -> None:
-        limit = self._shared.config.server.max_frame_bytes
+        limit = self._max_body
         message = f"the request body exceeds {limit} bytes"
         self._simple(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, error_body(413, message, "too_large"))
         self._close()
@@ -228,13 +238,9 @@ class HttpConnection(asyncio.Protocol):
                 "refused: %d %s", exc.status, exc.message, extra={"code": exc.code}
             )
             if exc.code in _METRIC_CODES:  # refusals by the gate are counted as such
-                self._shared.metrics.errors.labels(exc.code).inc()
-            status = exc.status
-            if status in (HTTPStatus.SERVICE_UNAVAILABLE, HTTPStatus.TOO_MANY_REQUESTS):
-                extra.append(("Retry-After", "1"))
-            if status is HTTPStatus.UNAUTHORIZED:
-                extra.append(("WWW-Authenticate", "Bearer"))
-            self._simple(status, exc.body(), extra)
+                self._services.metrics.errors.labels(exc.code).inc()
+            extra.extend(refusal_headers(exc.status))
+            self._simple(exc.status, exc.body(), extra)
         except Exception:
             self.log.exception("HTTP request failed")
             if not self._lost and self._h11.our_state is h11.SEND_RESPONSE:
@@ -254,7 +260,7 @@ class HttpConnection(asyncio.Protocol):
     ) -> None:
         method = request.method.decode("ascii", "replace")
         path = request.target.decode("ascii", "replace").split("?", 1)[0]
-        gate = self._api.gate
+        gate = self._http_api.gate
         gate.check_browser(headers, extra)
         if method == "OPTIONS":
             gate.preflight(headers, extra)
@@ -269,7 +275,7 @@ class HttpConnection(asyncio.Protocol):
             now=self._loop.time(),
         )
         self._admitted = True
-        model = self._shared.backend.model_name
+        model = self._services.backend.model_name
         kind = _COMPLETIONS.get(path)
         if kind is not None:
             if method != "POST":
@@ -280,15 +286,16 @@ class HttpConnection(asyncio.Protocol):
                 "chat" if kind == "chat" else "completion",
                 body,
                 request_id,
-                self._shared.wire_limits,
+                self._services.wire_limits,
             )
             completion = Completion(
                 api,
-                shared=self._shared,
+                services=self._services,
                 out=self,
                 headers=extra,
                 log=self.log,
-                hooks=Hooks(started=self._generation_started, gone=self._generation_gone),
+                generations=self.generations,
+                on_gone=self._generation_gone,
             )
             self.completion = completion
             await completion.run()
@@ -304,19 +311,9 @@ class HttpConnection(asyncio.Protocol):
         else:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path[:100]}", "not_found")
 
-    def _generation_started(self, generation: Generation) -> None:
-        self.generations[generation.request.id] = generation
-
-    async def _generation_gone(self, generation: Generation) -> None:
-        self.generations.pop(generation.request.id, None)
+    def _generation_gone(self, generation: Generation) -> None:
         if self._lost and not self.generations:
-            self._api.live.pop(self.conn_id, None)
-        # The session's bookkeeping (a producer that ended without an end) as
-        # a WebSocket connection does it.
-        completion = self.completion
-        if completion is not None and completion.generation is generation:
-            now = self._loop.time()
-            await completion.apply(completion.session.producer_stopped(generation.request.id, now))
+            self._http_api.live.pop(self.conn_id, None)
 
     # ------------------------------------------------------------ the Responder
 
@@ -326,7 +323,7 @@ class HttpConnection(asyncio.Protocol):
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self.writing_paused.is_set()
 
     def start(self, status: int, headers: Headers) -> None:
         reason = HTTPStatus(status).phrase.encode("ascii")
@@ -342,38 +339,14 @@ class HttpConnection(asyncio.Protocol):
     async def drain(self) -> None:
         """Wait while the write buffer is above the high-water mark, judging
         the client by its progress (see the module docstring)."""
-        if not self._paused or self._lost:
+        if self._writable.is_set() or self._watch is None:
             return
-        server, stream = self._shared.config.server, self._shared.config.stream
-        send_timeout, stall_timeout = server.send_timeout_s, stream.stall_timeout_s or None
-        watch = min(0.25, send_timeout / 4, (stall_timeout or 1.0) / 4)
-        last_size = self._outstanding_bytes()
-        last_progress = self._loop.time()
-        while self._paused and not self._lost:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(watch):
-                    await self._resumed.wait()
-            if not self._paused or self._lost:
-                return
-            now = self._loop.time()
-            size = self._outstanding_bytes()
-            if size < last_size:
-                last_progress = now
-            last_size = size
-            idle = now - last_progress
-            completion = self.completion
-            if (
-                stall_timeout is not None
-                and idle >= stall_timeout
-                and completion is not None
-                and self._shared.scheduler.waiting > 0
-            ):
-                completion.stall()
-            if idle >= send_timeout:
-                self.log.warning("send made no progress for %.1fs; aborting the connection", idle)
-                if self._transport is not None:
-                    self._transport.abort()
-                return
+        await self._watch.wait(self._writable.wait)
+
+    def _stall(self) -> None:
+        completion = self.completion
+        if completion is not None:
+            completion.driver.stall()
 
     # ------------------------------------------------------------ helpers
 
@@ -421,7 +394,7 @@ class HttpConnection(asyncio.Protocol):
         """Between requests a keep-alive connection may wait ``server.idle_timeout_s``
         (as an idle WebSocket may); then it is closed."""
         self._disarm_idle()
-        idle = self._shared.config.server.idle_timeout_s
+        idle = self._services.config.server.idle_timeout_s
         if idle > 0:
             self._idle = self._loop.call_later(idle, self._idle_close)
 
@@ -440,17 +413,6 @@ class HttpConnection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
 
-    def _outstanding_bytes(self) -> int:
-        """Write buffer plus the kernel's unacknowledged send queue (as the Sender)."""
-        transport = self._transport
-        size = transport.get_write_buffer_size() if transport is not None else 0
-        if self._fd is not None:
-            try:
-                size += struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-            except OSError:
-                self._fd = None
-        return size
-
     def shutdown(self) -> None:
         """Server shutdown: cancel the running request (its client is told), close."""
         self._closing = True
@@ -461,11 +423,8 @@ class HttpConnection(asyncio.Protocol):
 
     def buffered_bytes(self) -> int:
         """Bytes held for the client: channels + write buffer (/metrics, tests)."""
-        total = sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            total += transport.get_write_buffer_size()
-        return total
+        held = sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
+        return held + write_buffered(self._transport)
 
 
 _METRIC_CODES: Final = frozenset(

@@ -1,12 +1,10 @@
-"""One OpenAI completion request on the WebSocket request's own path.
+"""The OpenAI dialect: one completion request, rendered as HTTP and SSE.
 
 A :class:`Completion` runs the request exactly as a WebSocket ``generate``
-runs: a :class:`~wsserver.session.Session` of its own decides what happens,
-and a :class:`~wsserver.aio.pipeline.Generation` takes it through
-acquire → started → engine → pump → finalize, with the scheduler's FIFO, the
-bounded channel, the pacing and the cancel bookkeeping unchanged. Only the
-*effects* differ: where a WebSocket connection turns them into frames, this
-turns them into HTTP:
+runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
+:class:`~wsserver.session.Session` of its own takes it through the scheduler's
+FIFO, the engine, the bounded channel, the pacing and the cancel bookkeeping —
+and only renders the frames the driver gives back (:meth:`Completion.write`):
 
 * ``queued`` → the response's headers and a ``: keep-alive`` comment (also
   every :data:`KEEPALIVE_S` while nothing else is sent);
@@ -21,7 +19,7 @@ turns them into HTTP:
   the headers are still unsent, as an in-band event after.
 
 A disconnect is a ``cancel`` frame (:meth:`Completion.client_gone`): the
-session ends the request as cancelled and the generation stops its engine —
+driver ends the request as cancelled and the generation stops its engine —
 within one step, mid-prefill too, through the cancel event.
 """
 
@@ -29,18 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Protocol
 
-from ..backends.base import Outcome
+from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
-from ..protocol import Cancel, Delta, Done, Error, Queued, Started
-from ..session import Effect, Send, Session, StartGeneration, StopGeneration
-from .connection import Shared, log_done
-from .pipeline import Generation, RequestContext
+from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
+from ..session import Session
+from .driver import RequestDriver
+from .pipeline import Generation
+from .services import Services
 
 __all__ = ["KEEPALIVE_S", "Completion", "Responder"]
 
@@ -71,16 +69,6 @@ class Responder(Protocol):
     def end(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Hooks:
-    """What a completion tells its HTTP connection."""
-
-    #: The generation started (it counts for /readyz, /metrics and shutdown).
-    started: Callable[[Generation], None]
-    #: Its engine is gone.
-    gone: Callable[[Generation], Awaitable[None]]
-
-
 class Completion:
     """One request of ``/v1/chat/completions`` or ``/v1/completions``."""
 
@@ -88,113 +76,65 @@ class Completion:
         self,
         api: ApiRequest,
         *,
-        shared: Shared,
+        services: Services,
         out: Responder,
         headers: Headers,
         log: ConnectionLog,
-        hooks: Hooks,
+        generations: dict[str, Generation],
+        on_gone: Callable[[Generation], None],
     ) -> None:
         self.api = api
         self.request_id = api.generate.id
         self.log = log.request(self.request_id)
-        self._shared = shared
         self._out = out
         self._headers = headers
-        self._hooks = hooks
         self._loop = asyncio.get_running_loop()
-        config = shared.config
-        self.session = Session(restart_bytes=0)
         self.reply = Reply(
             api.kind,
             self.request_id,
-            shared.backend.model_name,
+            services.backend.model_name,
             int(time.time()),
             include_usage=api.include_usage,
         )
-        self.generation: Generation | None = None
         self._text: list[str] = []
         self._head_sent = False
         self._finished: asyncio.Future[None] = self._loop.create_future()
         self._keepalive: asyncio.TimerHandle | None = None
         self._wrote = False
-        self._ctx = RequestContext(
-            session=self.session,
-            backend=shared.backend,
-            scheduler=shared.scheduler,
-            metrics=shared.metrics,
+        self.driver = RequestDriver(
+            services,
+            dialect=self,
             log=log,
-            apply=self.apply,
-            in_background=self._in_background,
-            on_gone=hooks.gone,
-            queue_tokens=config.stream.queue_tokens,
-            flush_window=config.stream.flush_ms / 1000.0,
-            flush_tokens=config.stream.flush_tokens,
-            default_max_tokens=config.limits.default_max_tokens,
+            session=Session(restart_bytes=0),
+            generations=generations,
+            on_gone=on_gone,
         )
 
     async def run(self) -> None:
         """Serve the request; returns once its response is complete (or the client gone)."""
         try:
-            await self.apply(self.session.handle(self.api.generate, self._loop.time()))
+            await self.driver.receive(self.api.generate)
             if self._out.lost:
                 self.client_gone()  # went while the request was being set up
             await self._finished
         finally:
             self._stop_keepalive()
 
-    # ------------------------------------------------------------ what happens to it
-
     def client_gone(self) -> None:
         """The client disconnected: that is a cancel."""
-        if self.session.active_id is None:
+        if self.driver.session.active_id is None:
             return
         self.log.info("client disconnected; cancelling")
-        effects = self.session.handle(Cancel(id=self.request_id), self._loop.time())
-        self._in_background(self.apply(effects))
+        self.driver.services.in_background(self.driver.cancel_active())
 
     def cancel(self) -> None:
         """Server shutdown: end the request as cancelled (the client is told)."""
-        if self.session.active_id is not None:
-            effects = self.session.handle(Cancel(id=self.request_id), self._loop.time())
-            self._in_background(self.apply(effects))
+        self.driver.services.in_background(self.driver.cancel_active())
 
-    def stall(self) -> None:
-        """The client read nothing for the stall timeout while others wait for
-        the model: end a request whose engine waits on it (as a WebSocket does)."""
-        generation = self.generation
-        if generation is None or generation.stopped or not generation.channel.blocked.is_set():
-            return
-        self.log.warning("client read nothing; ending the request as stalled")
-        stalled = Outcome(
-            reason="error",
-            completion_tokens=generation.channel.tokens,
-            error_code="stalled",
-            error_message="the client read nothing for the stall timeout",
-        )
-        effects = self.session.finish(self.request_id, stalled, self._loop.time())
-        generation.stop()
-        self._in_background(self.apply(effects))
+    # ------------------------------------------------------------ the dialect
 
-    # ------------------------------------------------------------ effects
-
-    async def apply(self, effects: Iterable[Effect]) -> None:
-        """Carry out the session's effects: this request's one way out."""
-        for effect in effects:
-            if isinstance(effect, StartGeneration):
-                generation = Generation(effect.request, self._ctx)
-                self.generation = generation
-                generation.task = asyncio.create_task(
-                    generation.run(), name=f"generation-{self._ctx.log.conn_id}-{self.request_id}"
-                )
-                self._hooks.started(generation)
-            elif isinstance(effect, StopGeneration):
-                if self.generation is not None:
-                    self.generation.log.info("cancel")
-                    self.generation.cancelled(self._loop.time())
-            elif isinstance(effect, Send):
-                await self._send(effect.frame)
-
-    async def _send(self, frame: object) -> None:
+    async def write(self, frame: ServerFrame) -> None:
+        """Render one frame of the request as HTTP: SSE, or the whole body."""
         stream = self.api.stream
         if isinstance(frame, Delta):
             if stream:
@@ -209,11 +149,8 @@ class Completion:
                 if isinstance(frame, Queued):
                     await self._write(KEEPALIVE)
         elif isinstance(frame, Done):
-            self._log_done(frame)
             await self._end(frame)
         elif isinstance(frame, Error):
-            self._shared.metrics.errors.labels(frame.code).inc()
-            self.log.info("refused: %s %s", frame.code, frame.message, extra={"code": frame.code})
             await self._fail(status_of(frame.code), frame.message, frame.code)
 
     async def _end(self, done: Done) -> None:
@@ -291,9 +228,8 @@ class Completion:
             ("Content-Type", content_type),
             ("Content-Length", str(len(body))),
             *self._headers,
+            *refusal_headers(status),
         ]
-        if status == HTTPStatus.SERVICE_UNAVAILABLE or status == HTTPStatus.TOO_MANY_REQUESTS:
-            headers.append(("Retry-After", "1"))
         self._out.start(status, headers)
         self._out.send(body)
         self._out.end()
@@ -302,15 +238,3 @@ class Completion:
         self._stop_keepalive()
         if not self._finished.done():
             self._finished.set_result(None)
-
-    # ------------------------------------------------------------ helpers
-
-    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coroutine)
-        background = self._shared.background
-        background.add(task)
-        task.add_done_callback(background.discard)
-
-    def _log_done(self, frame: Done) -> None:
-        self._shared.metrics.done(frame)
-        log_done(self.log, frame)

@@ -33,10 +33,12 @@ log = logging.getLogger("wsserver.resume")
 
 @dataclass(slots=True, eq=False)
 class Record:
-    """One resumable request: attached (``parked is None``) or detached."""
+    """One resumable request: attached (``parked is None``) or detached.
+
+    Its token is the request record's (``generation.resume_token``), kept there once.
+    """
 
     generation: Generation
-    token: str
     parked: Parked | None = None
     timer: asyncio.TimerHandle | None = None
 
@@ -56,9 +58,9 @@ class Resumes:
 
     # ------------------------------------------------------------ lifecycle
 
-    def add(self, generation: Generation, token: str) -> None:
-        """A resumable request's ``started`` (with ``token``) is going out."""
-        self._records.setdefault(generation.request.id, []).append(Record(generation, token))
+    def add(self, generation: Generation) -> None:
+        """A resumable request's ``started`` (with its token) is going out."""
+        self._records.setdefault(generation.request.id, []).append(Record(generation))
 
     def discard(self, generation: Generation) -> None:
         """The request's engine is gone: forget it (idempotent)."""
@@ -99,7 +101,8 @@ class Resumes:
             raise ProtocolError("unknown_id", f"no resumable request {request_id!r}", request_id)
         given = token.encode()
         for record in records:
-            if hmac.compare_digest(record.token.encode(), given):
+            token_of = record.generation.resume_token or ""
+            if hmac.compare_digest(token_of.encode(), given):
                 if record.parked is None:
                     raise ProtocolError(
                         "already_attached",
@@ -121,7 +124,7 @@ class Resumes:
         """A ``cancel`` with the token: stop the detached request now."""
         self._cancel_timer(record)
         record.parked = None
-        record.generation.cancelled(now)
+        record.generation.cancel_at(now)
         self.discard(record.generation)
 
     def close(self) -> list[Generation]:

@@ -2,9 +2,11 @@
 
 It owns the backend, the scheduler that shares the backend's slots, the
 metrics and the set of live connections, and hands each piece of the asyncio
-layer only what that piece uses: a :class:`~wsserver.aio.connection.Shared`
-to every connection, an :class:`~wsserver.aio.http.HttpContext` to the plain
-HTTP answers, callables to the metrics.
+layer only what that piece uses: the :class:`~wsserver.aio.services.Services`
+that every request uses to both dialects (WebSocket connections, and the
+OpenAI API's :class:`~wsserver.aio.openai_http.HttpApi`), an
+:class:`~wsserver.aio.http.HttpContext` to the plain HTTP answers, callables
+to the metrics.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
-from .connection import Connection, Shared
+from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
 from .openai_gate import Gate, RateLimiter
-from .openai_http import ApiContext, HttpConnection
+from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
 from .resume import Resumes
 from .scheduler import Scheduler
+from .services import Services
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
 
@@ -133,7 +136,7 @@ class Server:
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
         self.resumes = Resumes(grace_s=config.stream.resume_grace_s)
-        self._shared = Shared(
+        self._services = Services(
             config=config,
             backend=self.backend,
             scheduler=self.scheduler,
@@ -141,7 +144,6 @@ class Server:
             wire_limits=self.wire_limits,
             server_name=self.server_name,
             background=self.background,
-            resumes=self.resumes,
         )
         #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
         self.http = HttpContext(
@@ -154,8 +156,8 @@ class Server:
             routes=web_routes(),
         )
         #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
-        self.api = ApiContext(
-            shared=self._shared,
+        self.api = HttpApi(
+            services=self._services,
             gate=Gate(
                 gatekeeper=self.gatekeeper,
                 connection_limiter=self.connection_limiter,
@@ -248,7 +250,7 @@ class Server:
 
     async def _handle(self, websocket: ServerConnection) -> None:
         conn_id = f"c{next(self._ids)}"
-        connection = Connection(self._shared, websocket, conn_id)
+        connection = Connection(self._services, websocket, conn_id, resumes=self.resumes)
         self.connections[conn_id] = connection
         self.metrics.connections_total.inc()
         peer = websocket.remote_address

@@ -65,9 +65,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import BackendError, GenerationCancelled, WireCode
+from ..errors import BackendError, GenerationCancelled
+from ..events import Outcome
 from ..logs import context
-from ..protocol import DoneReason, Generate, Message
+from ..protocol import Generate, Message
 
 __all__ = [
     "Backend",
@@ -82,19 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("wsserver.producer")
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How a request ended, as the engine reports it."""
-
-    reason: DoneReason
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error_code: WireCode | None = None
-    error_message: str | None = None
-    #: The upstream engine's own figures (llama-server's ``timings``), passed on as is.
-    upstream_timings: dict[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

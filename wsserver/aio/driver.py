@@ -1,0 +1,396 @@
+"""The request driver: a request's way through the server, written once.
+
+Theory of operation
+-------------------
+Every wire — the WebSocket protocol (:mod:`wsserver.aio.connection`), the
+OpenAI HTTP API (:mod:`wsserver.aio.openai_stream`) — is a *dialect*: it
+parses its bytes into the core's client frames and hands them to a
+:class:`RequestDriver`, and it renders the frames the driver gives back
+(:class:`Dialect`). Everything between is the driver's, the same for every
+wire:
+
+* the :class:`~wsserver.session.Session`, fed through its one entry with the
+  client's frames and with the reports (:mod:`wsserver.events`) of each
+  request's :class:`~wsserver.aio.pipeline.Generation` (admission, the
+  scheduler, the engine, the pump);
+* :meth:`RequestDriver.apply`, the one way out of the session: frames to the
+  dialect, and with every ``error`` and ``done`` its metrics and its log line;
+  generations started and stopped;
+* cancel, restart, resume (adopting a parked request, cancelling a detached
+  one, parking on a lost connection), the stall of a client that reads
+  nothing while others wait, background sends, and the teardown.
+
+So a request goes down once — dialect → driver → session — and its answers
+come back up once — session → driver → dialect; a generation's reports take
+the same way in (generation → driver → session → driver → dialect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any, Final, Protocol
+
+from websockets.exceptions import ConnectionClosed
+
+from ..errors import ProtocolError
+from ..events import (
+    DoneDelivered,
+    Finished,
+    ModelGranted,
+    Outcome,
+    ProducerExited,
+    QueuePosition,
+    Report,
+    TextProduced,
+)
+from ..logs import ConnectionLog
+from ..protocol import Cancel, ClientFrame, Delta, Done, Error, Resume, ServerFrame
+from ..session import Effect, RequestState, Send, Session, StartGeneration, StopGeneration
+from .pipeline import Generation
+from .resume import Resumes
+from .services import Services
+
+__all__ = ["Dialect", "RequestDriver", "log_done"]
+
+_LIVE: Final = (RequestState.WAITING, RequestState.RUNNING)
+
+
+class Dialect(Protocol):
+    """How one wire writes the core's frames."""
+
+    async def write(self, frame: ServerFrame) -> None:
+        """Render one frame. Raises ``ConnectionClosed`` when the wire is lost
+        and could tell (a WebSocket); a wire that cannot (HTTP) drops it."""
+
+
+class _Closed:
+    """The dialect of a driver whose connection is gone."""
+
+    async def write(self, frame: ServerFrame) -> None:
+        raise ConnectionClosed(None, None)
+
+
+class RequestDriver:
+    """Drives the requests of one session: a WebSocket connection's, or one HTTP request's."""
+
+    def __init__(
+        self,
+        services: Services,
+        *,
+        dialect: Dialect,
+        log: ConnectionLog,
+        session: Session,
+        resumes: Resumes | None = None,
+        generations: dict[str, Generation] | None = None,
+        on_gone: Callable[[Generation], None] | None = None,
+    ) -> None:
+        self.services = services
+        self.log = log
+        self.session = session
+        #: Generations started here whose engine is not gone yet (a table the
+        #: connection may share among the drivers of its requests).
+        self.generations: dict[str, Generation] = {} if generations is None else generations
+        #: Set when the connection is going: nothing starts, nothing more is reported.
+        self.closed = False
+        self._dialect: Dialect = dialect
+        self._resumes = resumes
+        self._resumable_default = services.config.stream.resumable
+        self._on_gone = on_gone
+        self._loop = asyncio.get_running_loop()
+
+    # ------------------------------------------------------------ the client's side
+
+    async def receive(self, frame: ClientFrame) -> None:
+        """A client frame, parsed by the dialect."""
+        now = self._loop.time()
+        if isinstance(frame, Resume):
+            await self._resume(frame, now)
+        elif (
+            isinstance(frame, Cancel)
+            and frame.resume_token is not None
+            and self.session.state_of(frame.id) not in _LIVE
+        ):
+            await self._cancel_detached(frame, frame.resume_token, now)
+        else:
+            await self.apply(self.session.handle(frame, now))
+
+    async def refuse(self, exc: ProtocolError) -> None:
+        """A frame the dialect could not parse, or refused: its ``error``."""
+        await self.apply(self.session.refuse(exc))
+
+    async def cancel_active(self) -> None:
+        """End the running request as cancelled (the client left, or the server
+        is shutting down), and write its ``done``."""
+        request_id = self.session.active_id
+        if request_id is not None:
+            effects = self.session.handle(Cancel(id=request_id), self._loop.time())
+            await self._apply_safely(effects)
+
+    # ------------------------------------------------------------ the generations' side
+
+    async def report(self, event: Report) -> bool:
+        """What happened to a request: ask the session, write its answer.
+        Whether the request is still live afterwards."""
+        now = self._loop.time()
+        if isinstance(event, ModelGranted):
+            return await self._granted(event, now)
+        effects = self.session.handle(event, now)
+        if isinstance(event, TextProduced) and effects:
+            self._log_first_text(event.id, effects, now)
+        await self.apply(effects)
+        return self.session.state_of(event.id) in _LIVE
+
+    def note(self, event: Report) -> None:
+        """A report that sends nothing (the prompt count)."""
+        effects = self.session.handle(event, self._loop.time())
+        assert not effects, effects
+
+    def queued(self, request_id: str, position: int) -> None:
+        """The scheduler's callback: a waiting request's position changed."""
+        effects = self.session.handle(QueuePosition(request_id, position), self._loop.time())
+        if effects:
+            self.services.in_background(self._send_queued(request_id, effects))
+
+    async def _send_queued(self, request_id: str, effects: list[Effect]) -> None:
+        # This runs as a task, after the scheduler's callback: meanwhile a cancel
+        # may have ended the request and sent its done. Check at the last moment
+        # (no await between the check and the write) so that a queued frame
+        # never follows its done.
+        if self.session.state_of(request_id) is RequestState.WAITING:
+            await self._apply_safely(effects)
+
+    async def _granted(self, event: ModelGranted, now: float) -> bool:
+        generation = self.generations.get(event.id)
+        # >= 128 bits: the request id alone is not a credential.
+        resumable = generation is not None and generation.resumable
+        token = secrets.token_urlsafe(24) if resumable else None
+        effects = self.session.handle(ModelGranted(event.id, token), now)
+        if not effects or generation is None:
+            return False
+        if token is not None and self._resumes is not None:
+            self._resumes.add(generation)
+        queued_ms = (now - generation.record.received) * 1000.0
+        generation.log.info(
+            "started slot=%s queued=%.1fms",
+            generation.slot,
+            queued_ms,
+            extra={"slot": generation.slot, "queued_ms": round(queued_ms, 3)},
+        )
+        await self.apply(effects)
+        return True
+
+    def _log_first_text(self, request_id: str, effects: list[Effect], now: float) -> None:
+        first = effects[0]
+        if isinstance(first, Send) and isinstance(first.frame, Delta) and first.frame.seq == 0:
+            record = self.session.record(request_id)
+            ttft_ms = 0.0 if record is None else (now - record.received) * 1000.0
+            self.log.request(request_id).info(
+                "first text ttft=%.1fms", ttft_ms, extra={"ttft_ms": round(ttft_ms, 3)}
+            )
+
+    async def generation_gone(self, generation: Generation) -> None:
+        """A generation's task has ended and its engine is gone."""
+        request_id = generation.request.id
+        if self._resumes is not None and generation.resume_token is not None:
+            self._resumes.discard(generation)
+        if self.generations.get(request_id) is generation:
+            del self.generations[request_id]
+        if self._on_gone is not None:
+            self._on_gone(generation)
+        if not self.closed:
+            effects = self.session.handle(ProducerExited(request_id), self._loop.time())
+            await self._apply_safely(effects)
+
+    def stall(self) -> None:
+        """The client read nothing for the stall timeout: end the requests whose
+        engine waits on it, if another request waits for the model (else
+        nobody is harmed)."""
+        if self.services.scheduler.waiting == 0:
+            return
+        now = self._loop.time()
+        for generation in list(self.generations.values()):
+            if generation.channel.blocked.is_set() and not generation.stopped:
+                generation.log.warning(
+                    "client read nothing for %.1fs; ending the request as stalled",
+                    self.services.config.stream.stall_timeout_s,
+                )
+                stalled = Outcome(
+                    reason="error",
+                    completion_tokens=generation.channel.tokens,
+                    error_code="stalled",
+                    error_message="the client read nothing for the stall timeout",
+                )
+                effects = self.session.handle(Finished(generation.request.id, stalled), now)
+                generation.stop()
+                if effects:
+                    # Logged (and counted) when written, like every done.
+                    self.services.in_background(self._apply_safely(effects))
+
+    # ------------------------------------------------------------ the one way out
+
+    async def apply(self, effects: Iterable[Effect]) -> None:
+        """Carry out the session's effects, in order: the one way out of the session."""
+        for effect in effects:
+            if isinstance(effect, Send):
+                frame = effect.frame
+                if isinstance(frame, Error):
+                    self.services.metrics.errors.labels(frame.code).inc()
+                    self.log.request(frame.id).info(
+                        "refused: %s %s", frame.code, frame.message, extra={"code": frame.code}
+                    )
+                elif isinstance(frame, Done):
+                    self.services.metrics.done(frame)
+                    log_done(self.log.request(frame.id), frame)
+                await self._dialect.write(frame)
+                if isinstance(frame, Done):
+                    self.session.handle(DoneDelivered(frame.id), self._loop.time())
+            elif isinstance(effect, StartGeneration):
+                self._start(effect)
+            elif isinstance(effect, StopGeneration):
+                generation = self.generations.get(effect.id)
+                if generation is not None:
+                    generation.log.info("cancel")
+                    generation.cancel_at(self._loop.time())
+
+    def _start(self, effect: StartGeneration) -> None:
+        request = effect.request
+        record = self.session.record(request.id)
+        if self.closed or record is None:
+            return  # closed: nothing starts any more
+        wants = request.resumable if request.resumable is not None else self._resumable_default
+        generation = Generation(
+            request, self, record, resumable=wants and self._resumes is not None
+        )
+        self.generations[request.id] = generation
+        generation.task = asyncio.create_task(
+            generation.run(), name=f"generation-{self.log.conn_id}-{request.id}"
+        )
+
+    async def _apply_safely(self, effects: Iterable[Effect]) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self.apply(effects)
+
+    # ------------------------------------------------------------ resuming
+
+    async def _resume(self, frame: Resume, now: float) -> None:
+        """Adopt a detached request: ``resumed``, the replay, then live frames."""
+        resumes = self._resumes
+        try:
+            if resumes is None or self.closed:
+                raise ProtocolError("unknown_id", f"no resumable request {frame.id!r}", frame.id)
+            record = resumes.claim(frame.id, frame.resume_token)
+            assert record.parked is not None
+            effects = self.session.adopt(record.parked, frame.after_seq, now)
+        except ProtocolError as exc:
+            await self.refuse(exc)
+            return
+        parked = resumes.take(record)
+        generation = record.generation
+        generation.log.info(
+            "resumed on %s after seq %d (%d replayed)",
+            self.log.conn_id,
+            frame.after_seq,
+            parked.next_seq - 1 - frame.after_seq,
+            extra={"after_seq": frame.after_seq},
+        )
+        if not parked.finished:
+            self.generations[frame.id] = generation
+        try:
+            await self.apply(effects)
+        finally:
+            # After the replay (or if this connection broke during it: then
+            # its teardown parks the request again, and the tail still holds
+            # the frames).
+            generation.attach(self)
+
+    async def _cancel_detached(self, frame: Cancel, token: str, now: float) -> None:
+        """``cancel`` with a token for a request detached from its connection."""
+        resumes = self._resumes
+        try:
+            if resumes is None:
+                raise ProtocolError("unknown_id", f"no running request {frame.id!r}", frame.id)
+            record = resumes.claim(frame.id, token)
+        except ProtocolError as exc:
+            await self.refuse(exc)
+            return
+        assert record.parked is not None
+        done = record.parked.cancelled_done(now)
+        record.generation.log.info("cancel (detached, from %s)", self.log.conn_id)
+        resumes.drop(record, now)
+        await self.apply([Send(done)])
+
+    def _park(self, generation: Generation) -> bool:
+        """The connection is lost: keep a resumable request for a resume."""
+        resumes = self._resumes
+        if resumes is None or resumes.closing or generation.stopped:
+            return False
+        if generation.resume_token is None:
+            return False
+        parked = self.session.detach(generation.request.id)
+        if parked is None or (parked.finished and not generation.waiting_for_resume):
+            return False
+        generation.detach()
+        if not resumes.park(generation, parked):
+            return False
+        self.generations.pop(generation.request.id, None)
+        generation.log.info(
+            "connection lost; detached, waiting %.1fs for a resume at seq %d",
+            resumes.grace_s,
+            parked.next_seq,
+        )
+        return True
+
+    # ------------------------------------------------------------ closing
+
+    def peer_closing(self) -> None:
+        """The client is going: stop producing for it right away (a resumable
+        request is parked at :meth:`close` instead)."""
+        self.closed = True
+        for generation in list(self.generations.values()):
+            if generation.resume_token is None:
+                generation.stop()
+
+    async def close(self) -> None:
+        """The connection is gone: park what can be resumed, stop the rest and
+        wait for their engines."""
+        self.closed = True
+        self._dialect = _Closed()
+        stopping = [g for g in list(self.generations.values()) if not self._park(g)]
+        for generation in stopping:
+            generation.stop()
+        tasks = [g.task for g in stopping if g.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def buffered_bytes(self) -> int:
+        """Bytes this driver's requests hold in their channels."""
+        return sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
+
+
+def log_done(log: Any, frame: Done) -> None:
+    """The one log line of a finished request, WebSocket or HTTP alike."""
+    timings = frame.timings
+    log.info(
+        "done %s",
+        _done_summary(frame),
+        extra={
+            "reason": frame.reason,
+            "queued_ms": round(timings.queued_ms, 3),
+            "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
+            "total_ms": round(timings.total_ms, 3),
+            "completion_tokens": frame.usage.completion_tokens,
+        },
+    )
+
+
+def _done_summary(frame: Done) -> str:
+    usage, timings = frame.usage, frame.timings
+    ttft = "-" if timings.ttft_ms is None else f"{timings.ttft_ms:.1f}ms"
+    return (
+        f"reason={frame.reason} prompt_tokens={usage.prompt_tokens} "
+        f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
+        f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
+    )
