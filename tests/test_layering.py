@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "wsserver"
 
 SANS_IO = [
     "wsserver.protocol",
+    "wsserver.client_frames",
     "wsserver.session",
     "wsserver.pacing",
     "wsserver.textstream",

@@ -8,6 +8,7 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME, SERVER_FRAME
 
+from wsserver import protocol
 from wsserver.errors import WIRE_CODES, ProtocolError
 from wsserver.protocol import (
     Cancel,
@@ -343,6 +344,12 @@ WIRE_BYTES = [
 )
 def test_serialize_writes_the_exact_bytes_of_v1(frame: object, wire: str) -> None:
     assert serialize(frame) == wire.encode()  # type: ignore[arg-type]
+
+
+def test_the_delta_fast_path_writes_what_the_description_says() -> None:
+    # serialize() writes a delta by hand (the hot path); the description decides.
+    frame = Delta(id="a", seq=3, text="x")
+    assert serialize(frame) == orjson.dumps(protocol._to_wire(frame))
 
 
 def test_serialize_refuses_non_frames() -> None:
