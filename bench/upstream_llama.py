@@ -32,6 +32,8 @@ from .common import ServerProcess, Skip, die_with_parent, fmt, free_port
 from .common import summary as stats
 from .options import Options
 from .sse_upstream import direct_stream
+from .upstream_pairs import relay_overrides, side_by_side, ws_stream
+from .wsload import open_connection
 
 SHORT_PROMPT = "Once upon a time, in a small village by the sea, there lived"
 #: Words per long prompt (roughly as many tokens): long enough that its prefill
@@ -113,8 +115,6 @@ async def _ws_stop_then_next(
     ws: Any, rep: int, stop_after: float, next_body: dict[str, Any]
 ) -> float | None:
     """Through wsserver: the long request, ``cancel`` after ``stop_after`` s, then the next."""
-    from .upstream import ws_stream
-
     request_id = f"long-{rep}"
     await ws.send(
         orjson.dumps(
@@ -141,9 +141,6 @@ async def _direct_stop_then_next(
 
 
 async def run(opts: Options) -> dict[str, Any]:
-    from .upstream import relay_overrides, side_by_side
-    from .wsload import open_connection
-
     model = _model(opts)
     llama_server_binary()
     opts.log(f"  llama-server on {Path(model).name} …")
@@ -204,41 +201,3 @@ async def run(opts: Options) -> dict[str, Any]:
         f"direct {fmt(stop['direct_next_ttft_ms']['median'])} ms"
     )
     return {"status": "ok", "model": Path(model).name, "rows": [row], "stop": stop}
-
-
-def render(result: dict[str, Any]) -> list[str]:
-    if result.get("status") != "ok":
-        return [f"llama-server as the upstream: not measured in this run: {result.get('reason')}."]
-    s = result["stop"]
-    return [
-        f"**The next request's wait after a Stop mid-prefill**, llama-server (`-np 1`) on "
-        f"`{result['model']}`: a prompt of ~{s['long_words']} words (new each time; its whole prefill "
-        f"took {s['prefill_s'] * 1000:.0f} ms) is stopped after {s['stop_after_s'] * 1000:.0f} ms, then a "
-        f"short request is sent at once; its time to first token ({s['reps']} each, alternating):",
-        "",
-        "| Stop by | next request's first token (median / worst ms) |",
-        "|---|---:|",
-        f"| wsserver: `cancel` frame (it closes the upstream stream) | "
-        f"{fmt(s['wsserver_next_ttft_ms']['median'])} / {fmt(s['wsserver_next_ttft_ms']['max'])} |",
-        f"| a client closing llama-server's SSE response itself | "
-        f"{fmt(s['direct_next_ttft_ms']['median'])} / {fmt(s['direct_next_ttft_ms']['max'])} |",
-        f"| (no Stop: an idle server's TTFT for that request) | "
-        f"{fmt(s['idle_ttft_ms']['median'])} / {fmt(s['idle_ttft_ms']['max'])} |",
-        "",
-        *_stop_note(s),
-    ]
-
-
-def _stop_note(s: dict[str, Any]) -> list[str]:
-    via, direct = s["wsserver_next_ttft_ms"]["median"], s["direct_next_ttft_ms"]["median"]
-    idle = s["idle_ttft_ms"]["median"]
-    if via is None or direct is None or idle is None:
-        return []
-    same = abs(via - direct) <= max(0.2 * direct, 20.0)
-    return [
-        "wsserver closes the upstream connection the moment the `cancel` arrives, which is all a "
-        "client of llama-server can do. What the next request waits beyond an idle server's TTFT "
-        f"({via - idle:+.0f} ms via wsserver, {direct - idle:+.0f} ms closing directly) is "
-        "llama-server noticing the closed connection and leaving the abandoned prefill"
-        + (", the same either way." if same else "; here the two differ by more than the noise.")
-    ]

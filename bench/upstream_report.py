@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import upstream_llama
 from .common import fmt
 
 
@@ -137,8 +136,46 @@ def render(result: dict[str, Any]) -> str:
                 "its own, not its limit."
             )
             lines.append("")
-    lines += upstream_llama.render(llama)
+    lines += _llama_lines(llama)
     return "\n".join(lines).rstrip()
+
+
+def _llama_lines(result: dict[str, Any]) -> list[str]:
+    if result.get("status") != "ok":
+        return [f"llama-server as the upstream: not measured in this run: {result.get('reason')}."]
+    s = result["stop"]
+    return [
+        f"**The next request's wait after a Stop mid-prefill**, llama-server (`-np 1`) on "
+        f"`{result['model']}`: a prompt of ~{s['long_words']} words (new each time; its whole prefill "
+        f"took {s['prefill_s'] * 1000:.0f} ms) is stopped after {s['stop_after_s'] * 1000:.0f} ms, then a "
+        f"short request is sent at once; its time to first token ({s['reps']} each, alternating):",
+        "",
+        "| Stop by | next request's first token (median / worst ms) |",
+        "|---|---:|",
+        f"| wsserver: `cancel` frame (it closes the upstream stream) | "
+        f"{fmt(s['wsserver_next_ttft_ms']['median'])} / {fmt(s['wsserver_next_ttft_ms']['max'])} |",
+        f"| a client closing llama-server's SSE response itself | "
+        f"{fmt(s['direct_next_ttft_ms']['median'])} / {fmt(s['direct_next_ttft_ms']['max'])} |",
+        f"| (no Stop: an idle server's TTFT for that request) | "
+        f"{fmt(s['idle_ttft_ms']['median'])} / {fmt(s['idle_ttft_ms']['max'])} |",
+        "",
+        *_stop_note(s),
+    ]
+
+
+def _stop_note(s: dict[str, Any]) -> list[str]:
+    via, direct = s["wsserver_next_ttft_ms"]["median"], s["direct_next_ttft_ms"]["median"]
+    idle = s["idle_ttft_ms"]["median"]
+    if via is None or direct is None or idle is None:
+        return []
+    same = abs(via - direct) <= max(0.2 * direct, 20.0)
+    return [
+        "wsserver closes the upstream connection the moment the `cancel` arrives, which is all a "
+        "client of llama-server can do. What the next request waits beyond an idle server's TTFT "
+        f"({via - idle:+.0f} ms via wsserver, {direct - idle:+.0f} ms closing directly) is "
+        "llama-server noticing the closed connection and leaving the abandoned prefill"
+        + (", the same either way." if same else "; here the two differ by more than the noise.")
+    ]
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:

@@ -5,9 +5,10 @@
   no I/O framework: no asyncio, websockets, janus, prometheus_client or
   llama_cpp — checked in a fresh interpreter, so indirect imports count too.
 * None of them imports anything from the asyncio layer (``wsserver.aio``).
-* No import cycle anywhere in the package: the graph of imports between
-  wsserver's modules, read from the source with :mod:`ast` (imports inside
-  functions and ``TYPE_CHECKING`` blocks included), has no cycle.
+* No import cycle in wsserver, in bench or in the Python client
+  (``wsserver_client``): the graph of imports between each package's own
+  modules, read from the source with :mod:`ast` (imports inside functions
+  and ``TYPE_CHECKING`` blocks included), has no cycle.
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "wsserver"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "wsserver"
+#: The packages held to "no import cycle", by name: each one's own modules.
+PACKAGES = {
+    "wsserver": PACKAGE,
+    "bench": ROOT / "bench",
+    "wsserver_client": ROOT / "clients" / "python" / "wsserver_client",
+}
 
 SANS_IO = [
     "wsserver.protocol",
+    "wsserver.client_frames",
     "wsserver.session",
     "wsserver.pacing",
     "wsserver.textstream",
@@ -75,26 +84,26 @@ def test_only_the_openai_backend_imports_aiohttp() -> None:
     assert result.stdout.strip() == "False"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """wsserver module → the wsserver modules it imports (anywhere in its source)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """The package's module → the package's modules it imports (anywhere in its source)."""
+    modules = {_module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parent = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = parent.rsplit(".", node.level - 1)[0] if node.level > 1 else parent
                     base = f"{base}.{node.module}" if node.module else base
                 else:
                     base = node.module or ""
@@ -132,18 +141,29 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_import_graph_is_read_correctly() -> None:
-    # The check below is only as good as the graph: spot-check known edges.
-    graph = _import_graph()
-    assert "wsserver.aio.connection" in graph["wsserver.aio.server"]
-    assert "wsserver.backends.base" in graph["wsserver.aio.pipeline"]
-    assert "wsserver.backends.llama" in graph["wsserver.backends"]  # a lazy import
-    assert "wsserver.protocol" in graph["wsserver.session"]
-    assert "wsserver" in graph["wsserver.aio.server"]  # from .. import __version__
+#: Edges known to be there, one of each way of importing: the cycle check is
+#: only as good as the graph it reads.
+KNOWN_EDGES = [
+    ("wsserver.aio.server", "wsserver.aio.connection"),
+    ("wsserver.aio.pipeline", "wsserver.backends.base"),
+    ("wsserver.backends", "wsserver.backends.llama"),  # a lazy import
+    ("wsserver.session", "wsserver.protocol"),
+    ("wsserver.aio.server", "wsserver"),  # from .. import __version__
+    ("bench.upstream", "bench.common"),
+    ("bench.analysis", "bench.upstream"),  # a lazy import
+    ("wsserver_client.client", "wsserver_client.core"),
+]
 
 
-def test_no_import_cycle_in_the_package() -> None:
-    cycle = _find_cycle(_import_graph())
+@pytest.mark.parametrize(("importer", "imported"), KNOWN_EDGES)
+def test_the_import_graph_is_read_correctly(importer: str, imported: str) -> None:
+    package = PACKAGES[importer.partition(".")[0]]
+    assert imported in _import_graph(package)[importer]
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle_in_the_package(package: str) -> None:
+    cycle = _find_cycle(_import_graph(PACKAGES[package]))
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 

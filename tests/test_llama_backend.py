@@ -125,6 +125,17 @@ def request(prompt: str | None = "Once upon a time", **fields: Any) -> Generatio
     return GenerationRequest(**values)
 
 
+def prompt_tokens(backend: LlamaBackend, req: GenerationRequest) -> int | None:
+    """The prompt's length in tokens, as the engine feeds it (``None``: no model)."""
+    tokens = backend.tokenize_prompt(req)
+    return None if tokens is None else len(tokens)
+
+
+def has_chat_template(backend: LlamaBackend) -> bool:
+    """Whether messages go through the model's own chat template (else the plain-text fallback)."""
+    return backend._chat_formatter is not None
+
+
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:
     """A fresh llama-cpp-python context, without its stdout/stderr juggling."""
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
@@ -346,14 +357,14 @@ def test_end_of_sequence_ends_with_stop_and_real_usage(tmp_path: Path) -> None:
 def test_length_reason_and_context_limits(tiny_gguf: Path) -> None:
     with loaded(tiny_gguf, n_ctx=64) as small:
         long_prompt = "hello world " * 40
-        n_prompt = small.count_prompt_tokens(request(long_prompt))
+        n_prompt = prompt_tokens(small, request(long_prompt))
         assert n_prompt is not None and n_prompt >= 64
         outcome, _ = run(small, request(long_prompt))
         assert (outcome.reason, outcome.error_code) == ("error", "too_large")
         assert "context holds 64 tokens" in outcome.error_message
         # A prompt that fits: max_tokens is clamped to the room left, reason "length".
         prompt = "hello world " * 20
-        n_prompt = small.count_prompt_tokens(request(prompt))
+        n_prompt = prompt_tokens(small, request(prompt))
         assert n_prompt is not None and n_prompt < 64
         outcome, _sink = run(small, request(prompt, max_tokens=1000))
         assert (outcome.reason, outcome.completion_tokens) == ("length", 64 - n_prompt)
@@ -372,7 +383,7 @@ def test_chat_messages_use_the_plain_fallback_without_a_template(
     )
     prompt = plain_chat_prompt(messages)
     assert prompt == "System: You are terse.\nUser: Say hello.\nAssistant:"
-    assert not backend.has_chat_template
+    assert not has_chat_template(backend)
     outcome, sink = run(backend, request(None, messages=messages, max_tokens=40))
     ref = complete(
         reference, prompt, max_tokens=40, temperature=0.0, stop=list(CHAT_FALLBACK_STOPS)
@@ -390,7 +401,7 @@ def test_chat_messages_use_the_models_template(tmp_path: Path) -> None:
     )
     path = write_tiny_gguf(tmp_path / "chat.gguf", chat_template=template)
     with loaded(path) as chat:
-        assert chat.has_chat_template
+        assert has_chat_template(chat)
         messages = (Message(role="user", content="Hi there"),)
         outcome, sink = run(chat, request(None, messages=messages, max_tokens=20))
         reference = open_reference(path)
@@ -458,7 +469,7 @@ def test_cancel_from_another_thread_mid_prefill_cuts_it_short(tiny_gguf: Path) -
         b.on_prefill = None
         assert outcome is None and sink.pieces == []
         stats = b.request_stats("long")
-        n_prompt = b.count_prompt_tokens(request(LONG_PROMPT))
+        n_prompt = prompt_tokens(b, request(LONG_PROMPT))
         assert stats is not None and n_prompt is not None
         # The prefill was cut short, not run to its end.
         assert stats.decoded < n_prompt
@@ -635,7 +646,7 @@ async def test_server_cancel_mid_decode(tiny_gguf: Path) -> None:
 def assert_cut_short(backend: LlamaBackend, request_id: str, prompt: str) -> None:
     """The request's prefill was abandoned before its end (cancel, disconnect)."""
     stats = backend.request_stats(request_id)
-    n_prompt = backend.count_prompt_tokens(request(prompt))
+    n_prompt = prompt_tokens(backend, request(prompt))
     assert stats is not None and n_prompt is not None
     assert stats.decoded < n_prompt, (stats, n_prompt)
 

@@ -27,6 +27,7 @@ from test_llama_backend import (  # noqa: E402
     assert_cut_short,
     llama_server,
     loaded,
+    prompt_tokens,
     request,
     run,
 )
@@ -74,7 +75,7 @@ def test_concurrent_streams_complete_with_usage_and_the_text_they_get_alone(
     for r, req, text in zip(running, reqs, expected, strict=True):
         outcome = r.sink.outcome
         assert outcome.reason == "length"
-        assert outcome.prompt_tokens == batched.count_prompt_tokens(req) == r.sink.prompt_tokens
+        assert outcome.prompt_tokens == prompt_tokens(batched, req) == r.sink.prompt_tokens
         assert outcome.completion_tokens == req.max_tokens == r.sink.tokens
         assert r.sink.text == text, req.id
     # They were decoded together: fewer steps than tokens, four sequences at once.
@@ -119,7 +120,7 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     assert second.wait()[1].text == expected[1]
     assert first.wait()[1].text == expected[0]
     stats = batched.request_stats("long")
-    n_prompt = batched.count_prompt_tokens(long)
+    n_prompt = prompt_tokens(batched, long)
     assert stats is not None and n_prompt is not None
     assert stats.reused + stats.decoded == n_prompt
     # The short stream got a token in every step of the long prompt's
@@ -226,7 +227,7 @@ def test_after_aborts_a_request_gives_the_text_of_a_fresh_server(
         second.wait()
         b.on_prefill = None
         partial = b.request_stats("a2")
-        n_prompt = b.count_prompt_tokens(request(prompt))
+        n_prompt = prompt_tokens(b, request(prompt))
         assert partial is not None and n_prompt is not None and partial.decoded < n_prompt
         # The same prompt again picks up exactly the committed part.
         assert run(b, request(prompt, id="a3", max_tokens=24))[1].text == fresh[0]
@@ -246,8 +247,8 @@ def test_the_next_chat_turn_reuses_the_cached_prefix_and_decodes_only_the_rest(
     first = request(history, id="turn1", max_tokens=20)
     _, sink = run(batched, first)
     turn2 = request(history + sink.text + "\nUser: and then?\nAssistant:", id="turn2")
-    n1 = batched.count_prompt_tokens(first)
-    n2 = batched.count_prompt_tokens(turn2)
+    n1 = prompt_tokens(batched, first)
+    n2 = prompt_tokens(batched, turn2)
     assert n1 is not None and n2 is not None
     outcome, sink2 = run(batched, turn2)
     stats = batched.request_stats("turn2")
@@ -275,7 +276,7 @@ def test_a_different_prompt_never_sees_another_requests_cells(batched: LlamaBack
 def test_context_full_per_sequence_ends_with_length_or_too_large(tiny_gguf: Path) -> None:
     with loaded(tiny_gguf, parallel=2, n_ctx=64) as small:
         prompt = "hello world " * 20
-        n_prompt = small.count_prompt_tokens(request(prompt))
+        n_prompt = prompt_tokens(small, request(prompt))
         assert n_prompt is not None and n_prompt < 64
         both = together(
             small,

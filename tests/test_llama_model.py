@@ -22,9 +22,11 @@ from test_llama_backend import (  # noqa: E402
     assert_cut_short,
     cancel_during_prefill,
     complete,
+    has_chat_template,
     next_prefill,
     open_reference,
     prefill_queue,
+    prompt_tokens,
     request,
 )
 from wsserver_client import Client  # noqa: E402
@@ -95,7 +97,7 @@ async def test_the_capital_of_france_streams_sensible_text(model_path: Path) -> 
 
 async def test_chat_messages_use_the_plain_text_fallback() -> None:
     async with model_server() as server, Client(server.url) as client:
-        assert isinstance(server.backend, LlamaBackend) and not server.backend.has_chat_template
+        assert isinstance(server.backend, LlamaBackend) and not has_chat_template(server.backend)
         result = await client.generate(
             messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=32,
@@ -113,7 +115,7 @@ async def test_cancel_mid_prefill_of_3000_tokens_and_the_next_starts_before_its_
     ):
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
-        n_prompt = backend.count_prompt_tokens(request(LONG_PROMPT))
+        n_prompt = prompt_tokens(backend, request(LONG_PROMPT))
         assert n_prompt is not None and 2900 <= n_prompt <= 3100
         done, _answered, _freed = await cancel_during_prefill(
             server,
@@ -205,7 +207,7 @@ async def test_streams_batched_together_on_the_default_model() -> None:
     async with model_server(backend__llama__parallel=4) as server:
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
-        n_prompt = backend.count_prompt_tokens(request(prompt))
+        n_prompt = prompt_tokens(backend, request(prompt))
         steps = backend.stats()["steps"]
         async with contextlib.AsyncExitStack() as stack:
             # One connection each: a connection runs one request at a time.
@@ -244,8 +246,8 @@ async def test_prefix_reuse_beyond_the_sliding_window_gives_the_fresh_text(
         )
         text, frames = await client.done("t2", units=120)
         stats = backend.request_stats("t2")
-        n1 = backend.count_prompt_tokens(request(history))
-        n2 = backend.count_prompt_tokens(request(turn2))
+        n1 = prompt_tokens(backend, request(history))
+        n2 = prompt_tokens(backend, request(turn2))
         assert stats is not None and n1 is not None and n2 is not None and n1 > 512
         assert stats.reused >= n1 - 1 and stats.decoded == n2 - stats.reused
         assert frames[-1]["usage"]["prompt_tokens"] == n2

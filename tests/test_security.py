@@ -25,6 +25,7 @@ from wsserver.security import (
     ConnectionLimiter,
     FrameLimiter,
     Gatekeeper,
+    TokenBucket,
     exposure_warning,
     select_subprotocol,
 )
@@ -198,6 +199,15 @@ def test_connection_limiter() -> None:
     alive["b"] = False
     assert limiter.count("1.1.1.1") == 1
     assert limiter.count() == 2
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    bucket = TokenBucket(rate=10.0, burst=2, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [True, True, False]
+    assert bucket.take(0.1) and not bucket.take(0.1)  # one token a tenth of a second
+    assert [bucket.take(60.0) for _ in range(3)] == [True, True, False]  # never above burst
+    assert not bucket.take(59.0)  # a clock going back refills nothing
+    assert all(TokenBucket(rate=0.0, burst=0, now=0.0).take(0.0) for _ in range(3))
 
 
 def test_frame_limiter_bucket_and_flood() -> None:

@@ -1,4 +1,4 @@
-"""What clients/js and the JSON Schema copy from wsserver/protocol.py still matches it.
+"""What clients/js and the JSON Schema copy from :mod:`wsserver.protocol` still matches it.
 
 The JS client (``wsserver.js``, its types ``wsserver.d.ts``) and
 ``docs/protocol.schema.json`` restate the request-id rule, the stop-string

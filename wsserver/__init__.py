@@ -1,7 +1,8 @@
 """wsserver: stream a local LLM's output to WebSocket clients, without the stutter.
 
 Layers, by dependency direction: the sans-I/O core — :mod:`~wsserver.protocol`
-(wire frames), :mod:`~wsserver.session` (per-connection state machine),
+(wire frames; the client's parsed by :mod:`~wsserver.client_frames`),
+:mod:`~wsserver.session` (per-connection state machine),
 :mod:`~wsserver.pacing`, :mod:`~wsserver.textstream`, :mod:`~wsserver.security`
 — and the engine seam (:mod:`wsserver.backends.base`, with the engines in
 :mod:`wsserver.backends`) → the asyncio layer, :mod:`wsserver.aio`.

@@ -27,8 +27,9 @@ and it cannot forge them. So every handshake and HTTP request passes, in order:
    all of loopback as one (127.0.0.2, .3, … are the same machine).
 
 After the handshake a :class:`FrameLimiter` per connection meters client
-frames with a token bucket: excess frames are refused with ``rate_limited``,
-and a client that keeps flooding is disconnected (close 1008).
+frames with a :class:`TokenBucket`: excess frames are refused with
+``rate_limited``, and a client that keeps flooding is disconnected (close
+1008). The OpenAI API meters requests per client with the same bucket.
 
 This module does no I/O: the HTTP layer (:mod:`wsserver.http`) feeds it
 header values and acts on the :class:`Refusal` it returns.
@@ -57,6 +58,7 @@ __all__ = [
     "FrameLimiter",
     "Gatekeeper",
     "Refusal",
+    "TokenBucket",
     "client_group",
     "exposure_warning",
     "select_subprotocol",
@@ -140,10 +142,6 @@ class Gatekeeper:
             hosts.add(configured)
         self._any_host = "*" in hosts
         self._hosts = frozenset(hosts - {"*"})
-
-    @property
-    def auth_enabled(self) -> bool:
-        return self._token_digest is not None
 
     def check_host(self, values: Sequence[str]) -> Refusal | None:
         """Step 1: the ``Host`` header values of the request."""
@@ -304,33 +302,52 @@ class ConnectionLimiter:
 Verdict = Literal["ok", "limited", "flood"]
 
 
-class FrameLimiter:
-    """Token bucket for one connection's frames, plus flood detection.
+class TokenBucket:
+    """A rate with bursts: ``rate`` tokens a second refill a bucket of ``burst``.
 
-    ``rate`` frames per second refill a bucket of ``burst``; each frame takes
-    one. A frame that finds the bucket empty is ``"limited"``; the
-    ``close_after``-th limited frame within :data:`FLOOD_WINDOW_S` seconds is
-    ``"flood"``. ``rate`` 0 disables the limiter.
+    Each :meth:`take` costs one token and is refused while the bucket is
+    empty. ``rate`` 0 means no limit. The clock is the caller's (``now``,
+    in seconds), so tests need no sleeps.
     """
 
-    __slots__ = ("_burst", "_close_after", "_last", "_rate", "_refused", "_tokens")
+    __slots__ = ("_burst", "_last", "_rate", "_tokens")
 
-    def __init__(self, *, rate: float, burst: int, close_after: int, now: float) -> None:
+    def __init__(self, *, rate: float, burst: int, now: float) -> None:
         self._rate = rate
         self._burst = float(burst)
         self._tokens = float(burst)
         self._last = now
-        self._close_after = close_after
-        self._refused: deque[float] = deque(maxlen=close_after)
 
-    def check(self, now: float) -> Verdict:
+    def take(self, now: float) -> bool:
+        """Take one token if there is one; ``False`` when the bucket is empty."""
         if self._rate <= 0:
-            return "ok"
+            return True
         elapsed = max(0.0, now - self._last)
         self._last = now
         self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
         if self._tokens >= 1.0:
             self._tokens -= 1.0
+            return True
+        return False
+
+
+class FrameLimiter:
+    """One connection's frames: a :class:`TokenBucket`, plus flood detection.
+
+    A frame that finds the bucket empty is ``"limited"``; the
+    ``close_after``-th limited frame within :data:`FLOOD_WINDOW_S` seconds is
+    ``"flood"``. ``rate`` 0 disables the limiter.
+    """
+
+    __slots__ = ("_bucket", "_close_after", "_refused")
+
+    def __init__(self, *, rate: float, burst: int, close_after: int, now: float) -> None:
+        self._bucket = TokenBucket(rate=rate, burst=burst, now=now)
+        self._close_after = close_after
+        self._refused: deque[float] = deque(maxlen=close_after)
+
+    def check(self, now: float) -> Verdict:
+        if self._bucket.take(now):
             return "ok"
         self._refused.append(now)
         if len(self._refused) >= self._close_after and now - self._refused[0] <= FLOOD_WINDOW_S:

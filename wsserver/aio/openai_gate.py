@@ -21,7 +21,7 @@ from typing import Final
 
 from ..openai_api import ApiError
 from ..protocol import ID_PATTERN
-from ..security import ConnectionLimiter, FrameLimiter, Gatekeeper, Refusal, client_group
+from ..security import ConnectionLimiter, Gatekeeper, Refusal, TokenBucket, client_group
 from .metrics import Metrics
 
 __all__ = ["Gate", "RateLimiter", "RequestHeaders", "request_id_of"]
@@ -65,7 +65,7 @@ class RateLimiter:
         self._rate = rate
         self._burst = burst
         self._clients = clients
-        self._buckets: OrderedDict[str, FrameLimiter] = OrderedDict()
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def allow(self, ip: str, now: float) -> bool:
         if self._rate <= 0:
@@ -73,13 +73,12 @@ class RateLimiter:
         group = client_group(ip)
         bucket = self._buckets.get(group)
         if bucket is None:
-            # close_after is the bucket's flood detector; HTTP has no flood close.
-            bucket = FrameLimiter(rate=self._rate, burst=self._burst, close_after=1 << 30, now=now)
+            bucket = TokenBucket(rate=self._rate, burst=self._burst, now=now)
             self._buckets[group] = bucket
             while len(self._buckets) > self._clients:
                 self._buckets.popitem(last=False)
         self._buckets.move_to_end(group)
-        return bucket.check(now) == "ok"
+        return bucket.take(now)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -248,10 +248,6 @@ class LlamaBackend(Backend):
         """What one recent request cost: prompt tokens reused from the cache and decoded."""
         return self.engine.request_stats.get(request_id) if self.engine is not None else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._chat_formatter is not None
-
     # ------------------------------------------------------------ tokens
 
     def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
@@ -286,11 +282,6 @@ class LlamaBackend(Backend):
             return self._prompt(request)[0]
         except Exception:
             return None
-
-    def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
-        """The prompt's token count as the engine feeds it (tests, bench)."""
-        tokens = self.tokenize_prompt(request)
-        return None if tokens is None else len(tokens)
 
     def _piece(self, token: int) -> bytes:
         """A token's raw bytes (a byte token is one byte, maybe half a character)."""
