@@ -5,6 +5,11 @@
   no I/O framework: no asyncio, websockets, janus, prometheus_client or
   llama_cpp — checked in a fresh interpreter, so indirect imports count too.
 * None of them imports anything from the asyncio layer (``wsserver.aio``).
+* The sans-I/O core (protocol, client frames, session, events, request
+  records, replay tails) loads neither the engines' package
+  (``wsserver.backends``) nor the configuration: the core depends on no engine.
+* Each wire dialect — the WebSocket protocol, the OpenAI HTTP API — imports
+  no other dialect's modules: what they share is the request driver's.
 * No import cycle in wsserver, in bench or in the Python client
   (``wsserver_client``): the graph of imports between each package's own
   modules, read from the source with :mod:`ast` (imports inside functions
@@ -29,10 +34,30 @@ PACKAGES = {
     "wsserver_client": ROOT / "clients" / "python" / "wsserver_client",
 }
 
-SANS_IO = [
+#: The core a request's state lives in: sans-I/O, and above the engines.
+CORE = [
     "wsserver.protocol",
     "wsserver.client_frames",
+    "wsserver.events",
+    "wsserver.replay",
+    "wsserver.request_record",
     "wsserver.session",
+    "wsserver.transitions",
+]
+
+#: Each dialect's own modules (a wire's parsing, rendering and transport).
+DIALECTS = {
+    "websocket": {"wsserver.aio.connection", "wsserver.aio.sender", "wsserver.aio.peer"},
+    "openai": {
+        "wsserver.aio.openai_stream",
+        "wsserver.aio.openai_http",
+        "wsserver.aio.openai_gate",
+        "wsserver.openai_api",
+    },
+}
+
+SANS_IO = [
+    *CORE,
     "wsserver.pacing",
     "wsserver.textstream",
     "wsserver.sse",
@@ -60,6 +85,31 @@ def test_sans_io_modules_import_no_io_framework(module: str) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "", f"{module} pulls in {result.stdout.strip()}"
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_loads_no_engine_and_no_configuration(module: str) -> None:
+    code = (
+        "import sys\n"
+        f"import {module}\n"
+        "bad = sorted(m for m in sys.modules"
+        " if m.startswith('wsserver.backends') or m in ('wsserver.config', 'asyncio', 'websockets'))\n"
+        "print(','.join(bad))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "", f"{module} pulls in {result.stdout.strip()}"
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_no_dialect_imports_another(dialect: str) -> None:
+    graph = _import_graph()
+    others = set().union(*(m for name, m in DIALECTS.items() if name != dialect))
+    for module in DIALECTS[dialect]:
+        assert module in graph, f"{module} is not a module any more: update DIALECTS"
+        crossing = graph[module] & others
+        assert not crossing, f"{module} imports {sorted(crossing)}"
 
 
 def test_only_the_llama_backend_imports_llama_cpp() -> None:
@@ -176,3 +226,12 @@ def test_a_cycle_would_be_found() -> None:
 def test_the_core_and_the_seam_import_nothing_from_the_asyncio_layer(module: str) -> None:
     imported = _import_graph()[module]
     assert not [m for m in imported if m.startswith("wsserver.aio")], imported
+
+
+def test_the_asyncio_layers_module_tree_names_every_module() -> None:
+    import wsserver.aio
+
+    doc = wsserver.aio.__doc__ or ""
+    names = {p.stem for p in (PACKAGE / "aio").glob("*.py") if p.stem != "__init__"}
+    missing = sorted(n for n in names if f" {n} " not in doc and f" {n}," not in doc)
+    assert not missing, f"wsserver/aio/__init__.py's tree omits {missing}"

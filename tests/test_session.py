@@ -343,3 +343,26 @@ def _restart_error(session: Session, old: str, new: str) -> str | None:
     effects = session.handle(Restart(id=old, new_id=new), 0.0)
     errors = [e.frame.code for e in effects if isinstance(e, Send) and isinstance(e.frame, Error)]
     return errors[0] if errors else None
+
+
+# ---------------------------------------------------------------- the table
+
+
+def test_the_documented_transition_table_is_the_one_the_session_reads() -> None:
+    import textwrap
+
+    from wsserver import transitions
+
+    rendered = textwrap.indent(transitions.render_transitions(), "    ")
+    assert transitions.__doc__ is not None
+    assert rendered in transitions.__doc__, "regenerate the table: render_transitions()"
+
+
+def test_every_row_names_a_handler_of_the_session() -> None:
+    from wsserver.transitions import TRANSITIONS
+
+    for (state, event), row in TRANSITIONS.items():
+        assert callable(getattr(Session, row.handler, None)), (state, event, row)
+    # Every event a request can receive has at least one row.
+    kinds = {event for _, event in TRANSITIONS}
+    assert {Generate, Cancel, Restart} <= kinds

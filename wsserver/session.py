@@ -24,35 +24,11 @@ carries out in order in one place. Methods take ``now`` (a monotonic time in
 seconds): request times are kept on the request's record, once — the ``done``
 frame's timings and the log's come from the same clock readings.
 
-**The transitions are data.** :data:`TRANSITIONS` maps (the state of the
-event's request, the event's type) to the handler that runs, the state the
-request is in afterwards, and the effects; :meth:`Session.handle` reads it, and
-the table below is rendered from it (a test checks that they match). A client
-frame whose row is missing is refused with :data:`REFUSALS`' code; a report
-whose row is missing is late — its request ended — and is dropped.
-
-.. transitions::
-
-    state    event           next     effects
-    -------  --------------  -------  -----------------------------------------------------
-    -        Generate        WAITING  StartGeneration (held while a producer winds down)
-    WAITING  QueuePosition   WAITING  Send(queued) when the position changed
-    WAITING  ModelGranted    RUNNING  Send(started)
-    WAITING  Rejected        DONE     Send(error overloaded), no done
-    WAITING  PromptCounted   WAITING  -
-    WAITING  Finished        DONE     Send(done)
-    WAITING  Cancel          DONE     StopGeneration (unless held), Send(done cancelled)
-    WAITING  Restart         DONE     Cancel it, then Generate its input as new_id
-    WAITING  ProducerExited  DONE     Send(done internal) if it was the producer
-    RUNNING  PromptCounted   RUNNING  -
-    RUNNING  TextProduced    RUNNING  Send(delta) unless the text is empty
-    RUNNING  Finished        DONE     Send(done stop|length|error)
-    RUNNING  Cancel          DONE     StopGeneration, Send(done cancelled)
-    RUNNING  Restart         DONE     Cancel it, then Generate its input as new_id
-    RUNNING  ProducerExited  DONE     Send(done internal): the engine ended without an end
-    DONE     Restart         DONE     Generate its input as new_id
-    DONE     DoneDelivered   DONE     drop the replay tail
-    DONE     ProducerExited  DONE     StartGeneration of the held request, if any
+**The transitions are data** (:mod:`wsserver.transitions`): which handler
+runs for (the state of the event's request, the event's type), and the state
+the request is in afterwards; :meth:`Session.handle` reads that table. A
+client frame with no row is refused; a report with no row is late — its
+request ended — and is dropped.
 
 Because a request leaves ``WAITING``/``RUNNING`` exactly once, it gets exactly
 one ``done`` (or, when rejected, one ``error``), and nothing for its ID is
@@ -75,9 +51,8 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, NamedTuple
 
-from .errors import ProtocolError, WireCode
+from .errors import ProtocolError
 from .events import (
     DoneDelivered,
     Finished,
@@ -99,17 +74,15 @@ from .protocol import (
     Generate,
     Queued,
     Restart,
-    Resume,
     Resumed,
     ServerFrame,
     Started,
 )
 from .replay import ReplayTail
 from .request_record import Parked, RequestRecord, RequestState, make_done
+from .transitions import REFUSALS, TRANSITIONS
 
 __all__ = [
-    "REFUSALS",
-    "TRANSITIONS",
     "Effect",
     "Parked",
     "RequestState",
@@ -117,7 +90,6 @@ __all__ = [
     "Session",
     "StartGeneration",
     "StopGeneration",
-    "render_transitions",
 ]
 
 
@@ -146,66 +118,6 @@ Effect = Send | StartGeneration | StopGeneration
 Event = ClientFrame | Report
 
 WAITING, RUNNING, DONE = RequestState.WAITING, RequestState.RUNNING, RequestState.DONE
-
-
-class Row(NamedTuple):
-    """One transition: the handler that runs, the state after it, its effects."""
-
-    handler: str
-    next: RequestState
-    effects: str
-
-
-#: (state of the event's request — ``None``: never seen —, event type) → transition.
-TRANSITIONS: Final[dict[tuple[RequestState | None, type], Row]] = {
-    (None, Generate): Row("_accept", WAITING, "StartGeneration (held while a producer winds down)"),
-    (WAITING, QueuePosition): Row("_queued", WAITING, "Send(queued) when the position changed"),
-    (WAITING, ModelGranted): Row("_granted", RUNNING, "Send(started)"),
-    (WAITING, Rejected): Row("_rejected", DONE, "Send(error overloaded), no done"),
-    (WAITING, PromptCounted): Row("_prompt_counted", WAITING, "-"),
-    (WAITING, Finished): Row("_ended", DONE, "Send(done)"),
-    (WAITING, Cancel): Row("_cancel", DONE, "StopGeneration (unless held), Send(done cancelled)"),
-    (WAITING, Restart): Row("_restart", DONE, "Cancel it, then Generate its input as new_id"),
-    (WAITING, ProducerExited): Row(
-        "_producer_exited", DONE, "Send(done internal) if it was the producer"
-    ),
-    (RUNNING, PromptCounted): Row("_prompt_counted", RUNNING, "-"),
-    (RUNNING, TextProduced): Row("_text", RUNNING, "Send(delta) unless the text is empty"),
-    (RUNNING, Finished): Row("_ended", DONE, "Send(done stop|length|error)"),
-    (RUNNING, Cancel): Row("_cancel", DONE, "StopGeneration, Send(done cancelled)"),
-    (RUNNING, Restart): Row("_restart", DONE, "Cancel it, then Generate its input as new_id"),
-    (RUNNING, ProducerExited): Row(
-        "_producer_exited", DONE, "Send(done internal): the engine ended without an end"
-    ),
-    (DONE, Restart): Row("_restart", DONE, "Generate its input as new_id"),
-    (DONE, DoneDelivered): Row("_done_delivered", DONE, "drop the replay tail"),
-    (DONE, ProducerExited): Row(
-        "_producer_exited", DONE, "StartGeneration of the held request, if any"
-    ),
-}
-
-#: A client frame with no row is refused with this code (its message says why).
-REFUSALS: Final[dict[type, tuple[WireCode, str]]] = {
-    Generate: ("duplicate_id", "id {id!r} was already used"),
-    Cancel: ("unknown_id", "no running request {id!r}"),
-    Restart: ("unknown_id", "no recent request {id!r} to restart"),
-    Resume: ("bad_request", "resume is not handled here"),
-}
-
-_ORDER: Final = {None: 0, WAITING: 1, RUNNING: 2, DONE: 3}
-
-
-def render_transitions() -> str:
-    """The transition table as the module docstring shows it."""
-    rows = sorted(TRANSITIONS.items(), key=lambda item: _ORDER[item[0][0]])
-    lines = [
-        f"{'state':<8} {'event':<15} {'next':<8} effects",
-        f"{'-' * 7}  {'-' * 14}  {'-' * 7}  {'-' * 53}",
-    ]
-    for (state, event), row in rows:
-        name = "-" if state is None else state.name
-        lines.append(f"{name:<8} {event.__name__:<15} {row.next.name:<8} {row.effects}".rstrip())
-    return "\n".join(lines)
 
 
 def input_size(request: Generate) -> int:

@@ -5,15 +5,24 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
 :mod:`wsserver.pacing`, :mod:`wsserver.security`) and the engine seam
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
-    server       listening socket, lifecycle, shutdown; builds the rest
+    server        listening socket, lifecycle, shutdown; builds the rest
+    ├── front          the first request line: /v1 → the OpenAI dialect, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
-    └── connection     receive loop; the one way out of the session (apply)
-        ├── sender         frames to the client, drain watchdog
-        ├── peer           the websockets connection class, memory bound
-        └── pipeline       one request: acquire → started → submit → pump → finalize
-            ├── channel        engine → loop bounded queue (the seam's Sink)
-            ├── scheduler      FIFO of requests waiting for the engine's slots
-            └── metrics        Prometheus metrics, loop-lag probe
+    ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
+    │   ├── sender         frames to the socket (serialized as they are)
+    │   └── peer           the websockets connection class, memory bound
+    ├── openai_http    the OpenAI dialect's HTTP/1.1 transport (h11)
+    │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
+    │   └── openai_stream  one completion: rendered as SSE or a JSON body
+    └── driver         the request driver: a request's way, the same for every dialect
+        ├── pipeline       one request's engine side: acquire → submit → pump → finalize
+        │   ├── channel        engine → loop bounded queue (the seam's Sink)
+        │   └── services       what every request uses (built once by the server)
+        │       ├── scheduler      FIFO of requests waiting for the engine's slots
+        │       └── metrics        Prometheus metrics, loop-lag probe
+        ├── resume         the resumable requests: detached ones, grace timers, tokens
+        └── drain          the one drain watchdog (every dialect's transport uses it)
+    upstream_metrics   the openai backend's per-upstream metrics, read at scrape time
 
 Only this package imports websockets, janus and prometheus_client.
 """
