@@ -1,4 +1,4 @@
-"""The WebSocket path, this checkout against another, side by side (fake backend).
+"""The WebSocket and HTTP paths, this checkout against another, side by side (fake backend).
 
     python -m bench.ab_ws --baseline /tmp/base [--rounds 200]
 
@@ -11,7 +11,11 @@ server, over a fresh WebSocket connection:
 * **TTFT** — ``generate`` sent → first ``delta`` (fake at unlimited rate);
 * **throughput** — 2,000 tokens at unlimited rate, tokens / (done - first delta);
 * **cancel** — after the first ``delta`` of a long request at 200 tokens/s,
-  ``cancel`` sent → ``done`` (reason ``cancelled``) received.
+  ``cancel`` sent → ``done`` (reason ``cancelled``) received;
+* the same **TTFT** and **throughput** over the OpenAI HTTP API
+  (``POST /v1/completions`` streamed as SSE, on a fresh HTTP connection):
+  request sent → first text chunk, and completion tokens (from the usage
+  chunk) over the time from the first chunk to ``[DONE]``.
 
 Medians and p90 are printed as a Markdown table.
 """
@@ -28,6 +32,7 @@ from typing import Any
 from .common import ROOT, ServerProcess, percentile
 
 now = time.perf_counter
+_HTTP = ("http_ttft_ms", "http_tokens_per_s")
 
 
 async def _round(url: str) -> dict[str, float]:
@@ -48,6 +53,41 @@ async def _round(url: str) -> dict[str, float]:
                 first = now()
         assert first is not None and stream.done is not None
         out["tokens_per_s"] = stream.done.usage.completion_tokens / max(now() - first, 1e-9)
+    return out
+
+
+async def _http_round(url: str) -> dict[str, float]:
+    import aiohttp
+    import orjson
+
+    base = url.replace("ws://", "http://").rstrip("/")
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as http:
+        for key, tokens in (("http_ttft_ms", 8), ("http_tokens_per_s", 2000)):
+            body = {
+                "model": "any",
+                "prompt": "ab",
+                "max_tokens": tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            t0 = now()
+            first: float | None = None
+            completion = 0
+            async with http.post(f"{base}/v1/completions", json=body) as response:
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = orjson.loads(line[6:])
+                    if chunk.get("usage"):
+                        completion = chunk["usage"]["completion_tokens"]
+                    elif first is None:
+                        first = now()
+            assert first is not None
+            if key == "http_ttft_ms":
+                out[key] = 1000 * (first - t0)
+            else:
+                out[key] = completion / max(now() - first, 1e-9)
     return out
 
 
@@ -84,7 +124,7 @@ async def main(baseline: Path, rounds: int) -> None:
     for s in [*servers.values(), *paced.values()]:
         await s.start()
     samples: dict[str, dict[str, list[float]]] = {
-        n: {"ttft_ms": [], "tokens_per_s": [], "cancel_ms": []} for n in servers
+        n: {k: [] for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP)} for n in servers
     }
     try:
         names = list(servers)
@@ -94,6 +134,8 @@ async def main(baseline: Path, rounds: int) -> None:
                 for key, value in result.items():
                     samples[name][key].append(value)
                 samples[name]["cancel_ms"].append(await _cancel_round(paced[name].url))
+                for key, value in (await _http_round(servers[name].url)).items():
+                    samples[name][key].append(value)
     finally:
         for s in [*servers.values(), *paced.values()]:
             await s.stop()
@@ -107,6 +149,15 @@ async def main(baseline: Path, rounds: int) -> None:
             f"| {name} | {statistics.median(s['ttft_ms']):.2f} / {_p(s['ttft_ms'], 90):.2f} | "
             f"{statistics.median(s['tokens_per_s']):,.0f} / {_p(s['tokens_per_s'], 10):,.0f} | "
             f"{statistics.median(s['cancel_ms']):.2f} / {_p(s['cancel_ms'], 90):.2f} |"
+        )
+    print("\nThe OpenAI HTTP API (SSE):\n")
+    print("| server | TTFT median / p90 (ms) | tokens/s median / p10 |")
+    print("|---|---:|---:|")
+    for name, s in samples.items():
+        ttft, tps = s["http_ttft_ms"], s["http_tokens_per_s"]
+        print(
+            f"| {name} | {statistics.median(ttft):.2f} / {_p(ttft, 90):.2f} | "
+            f"{statistics.median(tps):,.0f} / {_p(tps, 10):,.0f} |"
         )
 
 
