@@ -308,6 +308,11 @@ async def test_server_streams_in_one_batch_and_a_slow_reader_holds_no_one_back(
         stream__queue_tokens=1,
         server__sndbuf=1024,
         server__write_limit=1024,
+        # The slow reader reads nothing until the others are done: on a busy
+        # machine that can outlast the default 10 s after which a connection
+        # that makes no progress is aborted (its channel then closes), which
+        # is not what this test is about.
+        server__send_timeout_s=600.0,
     ) as server:
         async with (
             slow_wire(server, rcvbuf=1024, max_queue=1) as slow,
