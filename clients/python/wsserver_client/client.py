@@ -14,7 +14,8 @@ classes and their parsing are shared with the server (:mod:`wsserver.protocol`).
 **Reconnecting.** With ``Client(url, resumable=True)`` (or ``resumable=True``
 on one request) the server keeps a request through a lost connection. When
 the connection drops while such a request is live, the reader reconnects
-(with a backoff, for up to ``reconnect_timeout`` seconds), sends ``resume``
+(backing off, for up to ``reconnect_timeout`` seconds: the policy of
+:mod:`wsserver_client.reconnect`, which the table applies), sends ``resume``
 with the last ``seq`` received, and the stream's iterator just goes on; the
 ``on_reconnect`` callback and :attr:`Client.reconnects` say it happened.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -33,6 +35,7 @@ from websockets.exceptions import ConnectionClosed
 from wsserver.protocol import Done, Error, Hello
 
 from .core import GenerationError, Request, RequestResult, RequestTable
+from .reconnect import ReconnectPolicy
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
@@ -118,7 +121,6 @@ class Client:
         #: Ask for every request to be resumable (a request's own
         #: ``resumable=`` wins).
         self.resumable = resumable
-        self.reconnect_timeout = reconnect_timeout
         self.on_reconnect = on_reconnect
         #: Times the connection was lost and the live requests resumed.
         self.reconnects = 0
@@ -129,12 +131,25 @@ class Client:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.ws: ClientConnection | None = None
-        self.requests: RequestTable[Stream] = RequestTable()
+        self.requests: RequestTable[Stream] = RequestTable(
+            ReconnectPolicy(timeout_s=reconnect_timeout)
+        )
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         #: Clear while reconnecting: sends wait for the new connection.
         self._connected = asyncio.Event()
+
+    @property
+    def reconnect_timeout(self) -> float:
+        """How long after a lost connection a resumable request may take to
+        be resumed (reconnecting, and asking again when the server refuses);
+        then it fails."""
+        return self.requests.policy.timeout_s
+
+    @reconnect_timeout.setter
+    def reconnect_timeout(self, seconds: float) -> None:
+        self.requests.policy = replace(self.requests.policy, timeout_s=seconds)
 
     @property
     def hello(self) -> Hello | None:
@@ -243,20 +258,16 @@ class Client:
             self.requests.lost(reason)
 
     async def _reconnect(self) -> bool:
-        """Connect again (backing off) and resume the kept requests."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.reconnect_timeout
-        delay = 0.05
-        while not self._closing:
+        """Connect again, after the policy's waits, and resume the kept requests."""
+        for wait in self.requests.reconnect_waits():
+            await asyncio.sleep(wait)  # sleep-ok: reconnect backoff
+            if self._closing:
+                break
             try:
                 await self._open()
                 for frame in self.requests.resume_frames():
                     await self.ws.send(orjson.dumps(frame), text=True)  # type: ignore[union-attr]
             except (OSError, ConnectionClosed, TimeoutError, GenerationError):
-                if loop.time() + delay > deadline:
-                    return False
-                await asyncio.sleep(delay)  # sleep-ok: reconnect backoff
-                delay = min(delay * 2, 2.0)
                 continue
             self.reconnects += 1
             if self.on_reconnect is not None:
@@ -267,11 +278,10 @@ class Client:
     async def _retry_resume(self, request: Stream) -> None:
         """The server still holds the request for the old connection: it finds
         out soon (its send fails, or a ping goes unanswered); ask again."""
-        if request.resume_attempts * 0.25 > self.reconnect_timeout:
-            request.fail(GenerationError("already_attached", "resume kept being refused"))
-            self.requests.live.pop(request.id, None)
+        wait = self.requests.retry_wait(request)
+        if wait is None:
             return
-        await asyncio.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        await asyncio.sleep(wait)  # sleep-ok: resume backoff
         if request.retry_resume and not request.finished:
             with contextlib.suppress(ConnectionClosed):
                 await self._send(self.requests.resume_frame(request))

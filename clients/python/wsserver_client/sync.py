@@ -28,10 +28,11 @@ whatever still runs before the connection closes. (A caller who catches
 ``KeyboardInterrupt`` to carry on can call ``stream.cancel()``: it does nothing
 more if the request is already cancelled.)
 
-**Reconnecting**, as in the async client: with ``resumable=True`` a lost
-connection is reconnected (backing off, for up to ``reconnect_timeout``
-seconds) while the caller waits, the live requests are resumed, and the
-iterator goes on; ``on_reconnect`` and :attr:`Client.reconnects` tell.
+**Reconnecting**, as in the async client and by the same policy
+(:mod:`wsserver_client.reconnect`): with ``resumable=True`` a lost connection
+is reconnected (backing off, for up to ``reconnect_timeout`` seconds) while
+the caller waits, the live requests are resumed, and the iterator goes on;
+``on_reconnect`` and :attr:`Client.reconnects` tell.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -49,6 +51,7 @@ from websockets.sync.client import ClientConnection, connect
 from wsserver.protocol import Done, Error, Hello
 
 from .core import GenerationError, Request, RequestResult, RequestTable
+from .reconnect import ReconnectPolicy
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
@@ -140,7 +143,6 @@ class Client:
         self.token = token
         self.cancel_timeout = cancel_timeout
         self.resumable = resumable
-        self.reconnect_timeout = reconnect_timeout
         self.on_reconnect = on_reconnect
         #: Times the connection was lost and the live requests resumed.
         self.reconnects = 0
@@ -152,9 +154,22 @@ class Client:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self.ws: ClientConnection | None = None
-        self.requests: RequestTable[Stream] = RequestTable()
+        self.requests: RequestTable[Stream] = RequestTable(
+            ReconnectPolicy(timeout_s=reconnect_timeout)
+        )
         self._lost: str | None = None
         self._exit = contextlib.ExitStack()
+
+    @property
+    def reconnect_timeout(self) -> float:
+        """How long after a lost connection a resumable request may take to
+        be resumed (reconnecting, and asking again when the server refuses);
+        then it fails."""
+        return self.requests.policy.timeout_s
+
+    @reconnect_timeout.setter
+    def reconnect_timeout(self, seconds: float) -> None:
+        self.requests.policy = replace(self.requests.policy, timeout_s=seconds)
 
     @property
     def hello(self) -> Hello | None:
@@ -289,10 +304,9 @@ class Client:
         self.requests.lost(reason)
 
     def _reconnect(self) -> bool:
-        """Connect again (backing off) and resume the kept requests."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
+        """Connect again, after the policy's waits, and resume the kept requests."""
+        for wait in self.requests.reconnect_waits():
+            time.sleep(wait)  # sleep-ok: reconnect backoff
             self._exit.close()
             try:
                 self.connect()
@@ -300,21 +314,17 @@ class Client:
                 for frame in self.requests.resume_frames():
                     self.ws.send(orjson.dumps(frame), text=True)
             except (OSError, ConnectionClosed, TimeoutError, GenerationError):
-                if time.monotonic() + delay > deadline:
-                    return False
-                time.sleep(delay)  # sleep-ok: reconnect backoff
-                delay = min(delay * 2, 2.0)
                 continue
             self.reconnects += 1
             if self.on_reconnect is not None:
                 self.on_reconnect(self)
             return True
+        return False
 
     def _retry_resume(self, request: Stream) -> None:
         """The server still holds the request for the old connection; ask again."""
-        if request.resume_attempts * 0.25 > self.reconnect_timeout:
-            request.fail(GenerationError("already_attached", "resume kept being refused"))
-            self.requests.live.pop(request.id, None)
+        wait = self.requests.retry_wait(request)
+        if wait is None:
             return
-        time.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        time.sleep(wait)  # sleep-ok: resume backoff
         self._send(self.requests.resume_frame(request))
