@@ -166,6 +166,15 @@ class Request:
         """The next piece of text for the caller, or ``None`` if there is none yet."""
         return self._unread.popleft() if self._unread else None
 
+    def pieces(self) -> Iterator[str | None]:
+        """Iteration without the waiting: each piece of text in turn, or
+        ``None`` when there is none yet (the I/O layer waits until
+        :attr:`ready`, then asks for the next). Ends with the request, raising
+        its :class:`GenerationError` if it failed."""
+        while not self.ended:
+            yield self.take()
+        self.raise_for_error()
+
     def raise_for_error(self) -> None:
         """Raise the request's :class:`GenerationError`, if it failed and the
         caller still wanted it (an abandoned request ends quietly)."""

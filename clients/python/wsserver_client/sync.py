@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -48,10 +47,10 @@ import orjson
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from wsserver.protocol import Done, Error, Hello
+from wsserver.protocol import Done
 
-from .core import GenerationError, Request, RequestResult, RequestTable
-from .reconnect import ReconnectPolicy
+from .base import ClientBase
+from .core import GenerationError, Request, RequestResult
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
@@ -77,15 +76,11 @@ class Stream(Request):
     def __iter__(self) -> Iterator[str]:
         try:
             self.send()
-            while True:
-                text = self.take()
-                if text is not None:
-                    yield text
-                elif self.ended:
-                    self.raise_for_error()
-                    return
-                else:
+            for text in self.pieces():
+                if text is None:
                     self.client._wait(lambda: self.ready)
+                else:
+                    yield text
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -119,67 +114,24 @@ class Stream(Request):
             self.cancel(timeout=self.client.cancel_timeout)
 
 
-class Client:
+class Client(ClientBase[Stream]):
     """A connection to wsserver. Use as a context manager.
 
     ``cancel_timeout`` bounds how long Ctrl-C and :meth:`close` wait for the
-    ``done`` of a request they cancel. Other keyword arguments go to
-    :func:`websockets.sync.client.connect` (``open_timeout``, ``max_size``, …).
+    ``done`` of a request they cancel. The other options are the async
+    client's (:class:`~wsserver_client.base.ClientBase`); keyword arguments
+    other than those go to :func:`websockets.sync.client.connect`
+    (``open_timeout``, ``max_size``, …).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        origin: str | None = None,
-        cancel_timeout: float = 10.0,
-        resumable: bool = False,
-        reconnect_timeout: float = 30.0,
-        on_reconnect: Callable[[Client], None] | None = None,
-        **connect_kwargs: Any,
-    ) -> None:
-        self.url = url
-        self.token = token
+    def __init__(self, url: str, *, cancel_timeout: float = 10.0, **options: Any) -> None:
         self.cancel_timeout = cancel_timeout
-        self.resumable = resumable
-        self.on_reconnect = on_reconnect
-        #: Times the connection was lost and the live requests resumed.
-        self.reconnects = 0
-        self._closing = False
-        self._connect_kwargs = connect_kwargs
-        if origin is not None:
-            self._connect_kwargs["origin"] = origin
-        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        super().__init__(url, **options)
+
+    def _init_io(self) -> None:
         self.ws: ClientConnection | None = None
-        self.requests: RequestTable[Stream] = RequestTable(
-            ReconnectPolicy(timeout_s=reconnect_timeout)
-        )
         self._lost: str | None = None
         self._exit = contextlib.ExitStack()
-
-    @property
-    def reconnect_timeout(self) -> float:
-        """How long after a lost connection a resumable request may take to
-        be resumed (reconnecting, and asking again when the server refuses);
-        then it fails."""
-        return self.requests.policy.timeout_s
-
-    @reconnect_timeout.setter
-    def reconnect_timeout(self, seconds: float) -> None:
-        self.requests.policy = replace(self.requests.policy, timeout_s=seconds)
-
-    @property
-    def hello(self) -> Hello | None:
-        """The server's ``hello`` (model, limits), once connected."""
-        return self.requests.hello
-
-    @property
-    def errors(self) -> list[Error]:
-        """``error`` frames about no live request."""
-        return self.requests.errors
 
     def __enter__(self) -> Client:
         self.connect()
@@ -218,31 +170,6 @@ class Client:
         finally:
             self._exit.close()
 
-    def new_id(self) -> str:
-        return self.requests.new_id()
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        id: str | None = None,
-        **params: Any,
-    ) -> Stream:
-        """A request; iterate the returned stream for its text."""
-        if self.resumable:
-            params.setdefault("resumable", True)
-        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
-        return self.requests.add(Stream(self, request_id, frame))
-
-    def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
-        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
-        its input again with ``overrides``."""
-        if self.resumable:
-            overrides.setdefault("resumable", True)
-        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
-        return self.requests.add(Stream(self, request_id, frame))
-
     def cancel(self, request_id: str, *, timeout: float | None = None) -> Done | None:
         """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
         stream, frame = self.requests.cancel_frame(request_id)
@@ -257,6 +184,9 @@ class Client:
         self.ws.send(data)
 
     # ------------------------------------------------------------ internals
+
+    def _stream(self, request_id: str, frame: dict[str, Any]) -> Stream:
+        return Stream(self, request_id, frame)
 
     def _send(self, frame: dict[str, Any]) -> None:
         assert self.ws is not None, "call connect() first"
@@ -315,9 +245,7 @@ class Client:
                     self.ws.send(orjson.dumps(frame), text=True)
             except (OSError, ConnectionClosed, TimeoutError, GenerationError):
                 continue
-            self.reconnects += 1
-            if self.on_reconnect is not None:
-                self.on_reconnect(self)
+            self._reconnected()
             return True
         return False
 
