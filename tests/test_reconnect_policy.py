@@ -10,23 +10,20 @@ Plain synchronous pytest: a clock and draws of our own, no loop, no sleeps.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib
+import inspect
 import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from conftest import ROOT
+from wsserver_client import reconnect
 from wsserver_client.client import Client as AsyncClient
 from wsserver_client.core import Request, RequestTable
-from wsserver_client.reconnect import (
-    RECONNECT_GAVE_UP,
-    RESUME_GAVE_UP,
-    ReconnectPolicy,
-    keeps_on_loss,
-    resume_frame,
-    retries_refusal,
-)
+from wsserver_client.reconnect import ReconnectPolicy
 from wsserver_client.sync import Client as SyncClient
 
 from wsserver.protocol import Delta, Error, Resumed, Started, serialize
@@ -65,9 +62,27 @@ def started(table: RequestTable[Request], token: str | None = "tok", last_seq: i
     return request
 
 
+def expected_wait(row: dict[str, Any]) -> Any:
+    """A ``waits`` row's wait (as near as floats go), or ``None``: given up."""
+    return None if row["wait_s"] is None else pytest.approx(row["wait_s"], abs=1e-9)
+
+
+def assert_kept_or_given_up(
+    table: RequestTable[Request], request: Request, row: dict[str, Any], code: str
+) -> None:
+    if row["wait_s"] is None:
+        assert request.error is not None and request.error.code == code
+        assert table.live == {}
+    else:
+        assert request.error is None and table.live == {"r1": request}
+
+
 def test_the_numbers_are_the_tables() -> None:
     assert dataclasses.asdict(ReconnectPolicy()) == TABLE["policy"]
-    assert TABLE["gave_up"] == {"reconnecting": RECONNECT_GAVE_UP, "resuming": RESUME_GAVE_UP}
+    assert TABLE["gave_up"] == {
+        "reconnecting": reconnect.RECONNECT_GAVE_UP,
+        "resuming": reconnect.RESUME_GAVE_UP,
+    }
     # Both clients' reconnect_timeout defaults to the policy's budget.
     for client_class in (AsyncClient, SyncClient):
         client = client_class("ws://127.0.0.1:9/")
@@ -78,10 +93,7 @@ def test_the_numbers_are_the_tables() -> None:
 @rows("waits")
 def test_the_wait_before_each_try(row: dict[str, Any]) -> None:
     wait = ReconnectPolicy().wait(row["attempt"], row["elapsed_s"], row["draw"])
-    if row["wait_s"] is None:
-        assert wait is None
-    else:
-        assert wait == pytest.approx(row["wait_s"], abs=1e-9)
+    assert wait == expected_wait(row)
 
 
 @rows("waits")
@@ -95,14 +107,8 @@ def test_the_wait_before_each_reconnect(row: dict[str, Any]) -> None:
     for _ in range(row["attempt"] - 1):
         next(waits)  # the tries before, all at once (the clock stands still)
     clock.now = row["elapsed_s"]
-    wait = next(waits, None)
-    if row["wait_s"] is None:
-        assert wait is None
-        assert request.error is not None and request.error.code == TABLE["gave_up"]["reconnecting"]
-        assert table.live == {}
-    else:
-        assert wait == pytest.approx(row["wait_s"], abs=1e-9)
-        assert request.error is None and table.live == {"r1": request}
+    assert next(waits, None) == expected_wait(row)
+    assert_kept_or_given_up(table, request, row, TABLE["gave_up"]["reconnecting"])
 
 
 # (A resume is not refused thousands of times within the budget: those rows
@@ -119,20 +125,14 @@ def test_the_wait_before_asking_again_after_a_refused_resume(row: dict[str, Any]
         table.receive(serialize(Error(id="r1", code="already_attached", message="held")))
     assert request.retry_resume
     clock.now = row["elapsed_s"]
-    wait = table.retry_wait(request)
-    if row["wait_s"] is None:
-        assert wait is None
-        assert request.error is not None and request.error.code == TABLE["gave_up"]["resuming"]
-        assert table.live == {}
-    else:
-        assert wait == pytest.approx(row["wait_s"], abs=1e-9)
-        assert request.error is None and table.live == {"r1": request}
+    assert table.retry_wait(request) == expected_wait(row)
+    assert_kept_or_given_up(table, request, row, TABLE["gave_up"]["resuming"])
 
 
 @rows("losses")
 def test_what_a_lost_connection_keeps(row: dict[str, Any]) -> None:
     resumable = row["resume_token"] is not None
-    assert keeps_on_loss(resumable, reconnecting=row["reconnecting"]) is row["kept"]
+    assert reconnect.keeps_on_loss(resumable, reconnecting=row["reconnecting"]) is row["kept"]
     table = table_at(Clock())
     request = started(table, row["resume_token"])
     if row["abandoned"]:
@@ -148,7 +148,9 @@ def test_what_a_lost_connection_keeps(row: dict[str, Any]) -> None:
 @rows("resumes")
 def test_what_a_kept_request_sends_on_the_new_connection(row: dict[str, Any]) -> None:
     r = row["request"]
-    frame = resume_frame(r["id"], r["resume_token"], r["last_seq"], abandoned=r["abandoned"])
+    frame = reconnect.resume_frame(
+        r["id"], r["resume_token"], r["last_seq"], abandoned=r["abandoned"]
+    )
     assert frame == row["frame"]
     table = table_at(Clock())
     request = started(table, r["resume_token"], r["last_seq"])
@@ -162,7 +164,7 @@ def test_what_a_kept_request_sends_on_the_new_connection(row: dict[str, Any]) ->
 
 @rows("errors")
 def test_which_errors_about_a_resume_are_retried(row: dict[str, Any]) -> None:
-    assert retries_refusal(row["code"], resuming=row["resuming"]) is row["retried"]
+    assert reconnect.retries_refusal(row["code"], resuming=row["resuming"]) is row["retried"]
     table = table_at(Clock())
     request = started(table)
     table.lost("connection closed", keep_resumable=True)
@@ -193,3 +195,16 @@ def test_the_budget_runs_from_the_first_loss_until_the_resume_is_accepted() -> N
     clock.now = 25.0
     table.lost("connection closed once more", keep_resumable=True)
     assert request.lost_at == 25.0
+
+
+@pytest.mark.parametrize("module", ["wsserver_client.reconnect", "wsserver_client.base"])
+def test_the_policy_and_the_shared_client_do_no_io(module: str) -> None:
+    """Read from the source, as test_client_core.py reads the core's."""
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    imported = {
+        ((node.module if isinstance(node, ast.ImportFrom) else alias.name) or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not imported & {"asyncio", "websockets", "socket", "threading", "selectors", "time"}
