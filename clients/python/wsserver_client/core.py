@@ -23,8 +23,8 @@ else lives here, once, with no socket, no asyncio and no websockets:
   :meth:`RequestTable.reconnect_waits` and :meth:`RequestTable.retry_wait`.
 
 An I/O layer feeds received messages to :meth:`RequestTable.receive`, sends
-the frames this module builds, and waits (in its own way) until
-:meth:`Request.take` has text or :attr:`Request.ended` is true. A subclass of
+the frames this module builds, and iterates :meth:`Request.pieces`, waiting
+(in its own way) whenever it has no text yet. A subclass of
 :class:`Request` can override :meth:`Request.changed` to be woken. The table
 reads the time from the clock it is given (``time.monotonic``), only to
 measure how long ago a connection was lost; the I/O layer does the waiting.
