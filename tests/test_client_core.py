@@ -91,6 +91,20 @@ def test_text_flows_in_order_and_done_ends_the_request() -> None:
     assert request.text == "Hello"
 
 
+def test_pieces_is_iteration_without_the_waiting() -> None:
+    """What both clients' iterators run on: text, None (wait), then the end."""
+    table, (request, failing) = table_with("a", "b")
+    pieces, failing_pieces = request.pieces(), failing.pieces()
+    assert next(pieces) is None  # nothing yet: the I/O layer waits until ready
+    table.receive(wire(Delta(id="a", seq=0, text="Hi")))
+    assert next(pieces) == "Hi"
+    table.receive(done("a"))
+    assert list(pieces) == []
+    table.receive(wire(Error(id="b", code="busy", message="one at a time")))
+    with pytest.raises(GenerationError):
+        next(failing_pieces)
+
+
 def test_nothing_of_an_abandoned_request_reaches_the_caller() -> None:
     table, (request,) = table_with("a")
     table.receive(wire(Delta(id="a", seq=0, text="read")))

@@ -6,6 +6,10 @@ Node side can make the server misbehave (abort every connection, shut down,
 come back on the same port) and ask what the server saw. Node's output is
 shown when it fails.
 
+``clients/js/test/reconnect-policy.test.js`` needs no server: it checks the
+JS client's reconnect/resume policy against clients/reconnect-policy.json, the
+table tests/test_reconnect_policy.py checks the Python clients against.
+
 ``tsc -p clients/js`` checks wsserver.js against wsserver.d.ts (TypeScript is
 a pinned dev dependency in clients/js/package.json, installed by
 ``scripts/install --test``); scripts/lint runs it too.
@@ -170,9 +174,29 @@ async def test_the_js_client_under_node_against_a_real_server() -> None:
             if node.returncode is None:
                 node.kill()
                 await node.wait()
-    text = output.decode(errors="replace")
+    assert_all_passed(node.returncode, output.decode(errors="replace"))
+
+
+def test_the_js_client_follows_the_reconnect_policy_table() -> None:
+    result = subprocess.run(
+        [
+            *node_command(),
+            "--test",
+            "--test-reporter=spec",
+            str(JS / "test" / "reconnect-policy.test.js"),
+        ],
+        cwd=JS,
+        capture_output=True,
+        text=True,
+        timeout=timeout(60),
+    )
+    assert_all_passed(result.returncode, result.stdout + result.stderr)
+
+
+def assert_all_passed(returncode: int | None, text: str) -> None:
+    """A ``node --test`` run (its exit code and spec report) passed every test it had."""
     print(text)
-    assert node.returncode == 0, f"node --test failed ({node.returncode}):\n{text}"
+    assert returncode == 0, f"node --test failed ({returncode}):\n{text}"
     # Every test ran and passed: none skipped, cancelled or left as todo.
     counts = dict(re.findall(r"^\S+ (tests|pass|fail|cancelled|skipped|todo) (\d+)$", text, re.M))
     assert int(counts["tests"]) > 0 and counts["pass"] == counts["tests"], text

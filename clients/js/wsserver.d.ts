@@ -230,10 +230,14 @@ export interface StreamEvents {
 
 // ------------------------------------------------------------------ options
 
+/**
+ * The reconnect/resume policy (the Python clients' too; docs/protocol.md,
+ * "Resuming a stream"). The defaults are {@link RECONNECT_DEFAULTS}.
+ */
 export interface ReconnectOptions {
-  /** First retry delay. Default 250 ms. */
+  /** First retry delay. Default 100 ms. */
   initialDelayMs?: number;
-  /** Cap of the delay. Default 10 000 ms. */
+  /** Cap of the delay. Default 1000 ms. */
   maxDelayMs?: number;
   /** Growth per failed attempt. Default 2. */
   factor?: number;
@@ -241,7 +245,47 @@ export interface ReconnectOptions {
   jitter?: number;
   /** Give up (state `closed`) after this many failed attempts. Default Infinity. */
   maxAttempts?: number;
+  /**
+   * A resumable request kept through a lost connection fails when the next
+   * try to get it back (reconnecting, or asking again after `already_attached`)
+   * would start later than this after the loss: with `connection_lost` or
+   * `already_attached`. The connection goes on reconnecting. Default 30 000 ms,
+   * the server's default `stream.resume_grace_s`.
+   */
+  resumeTimeoutMs?: number;
 }
+
+/** The policy's numbers: the default {@link ReconnectOptions}. */
+export declare const RECONNECT_DEFAULTS: Readonly<Required<ReconnectOptions>>;
+
+/**
+ * The policy's decisions as plain functions (what the client calls; checked
+ * against clients/reconnect-policy.json by the tests of both languages).
+ */
+export declare const reconnectPolicy: Readonly<{
+  /** The error codes of a kept request given up. */
+  gaveUp: Readonly<{ reconnecting: "connection_lost"; resuming: "already_attached" }>;
+  /** The wait before try `attempt` (1, 2, …); `draw` in [0, 1) picks the jitter. */
+  delayMs(options: Required<ReconnectOptions>, attempt: number, draw: number): number;
+  /** The wait before try `attempt`, `elapsedMs` after the loss; `null`: give up. */
+  waitMs(
+    options: Required<ReconnectOptions>,
+    attempt: number,
+    elapsedMs: number,
+    draw: number,
+  ): number | null;
+  /** Whether a live request is kept through a lost connection, to be resumed. */
+  keepsOnLoss(resumable: boolean, reconnecting: boolean): boolean;
+  /** The `resume` (or, if abandoned, `cancel`) frame of a kept request. */
+  resumeFrame(request: {
+    id: string;
+    resumeToken: string | null;
+    lastSeq: number;
+    abandoned: boolean;
+  }): Record<string, unknown>;
+  /** Whether an `error` about a request is retried: `already_attached` to our `resume`. */
+  retriesRefusal(code: string, resuming: boolean): boolean;
+}>;
 
 export interface ClientOptions {
   /**

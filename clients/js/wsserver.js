@@ -38,6 +38,13 @@
  * `resumed`, the client `reconnect`. `client.resume()` picks up a request a
  * previous page (or process) started, from its id, token and last seq.
  *
+ * When to reconnect, how long to wait, what a kept request sends, which
+ * refused resume is asked again and when to give up is one policy for every
+ * wsserver client ({@link reconnectPolicy}, {@link RECONNECT_DEFAULTS}): the
+ * Python clients decide alike (wsserver_client/reconnect.py), and the tests
+ * of both languages check their code against one table,
+ * clients/reconnect-policy.json.
+ *
  * @module wsserver
  */
 
@@ -193,6 +200,8 @@ export class GenerationStream extends Emitter {
   _resuming = false;
   /** `resume` frames sent since the last success (internal). */
   _resumeAttempts = 0;
+  /** When (`performance.now()`) the connection this stream is kept from was lost (internal). */
+  _lostAt = 0;
   /** True once the server showed it accepted the request (queued, started or text). */
   #acknowledged = false;
 
@@ -357,6 +366,7 @@ export class GenerationStream extends Emitter {
     this.#nextSeq = afterSeq + 1;
     this.#acknowledged = true;
     this._suspended = true;
+    this._lostAt = performance.now();
   }
 
   /**
@@ -429,7 +439,7 @@ export class GenerationStream extends Emitter {
         // an error is about a later frame: our cancel. A rate-limited cancel
         // leaves the request running, and its `done` still comes.
         if (this.#abandoned && this.#acknowledged && frame.code === "rate_limited") return;
-        if (this._resuming && frame.code === "already_attached") {
+        if (reconnectPolicy.retriesRefusal(frame.code, this._resuming)) {
           // The server has not yet seen the old connection go: ask again soon.
           this._resuming = false;
           this.#client._retryResume(this);
@@ -477,14 +487,101 @@ export class GenerationStream extends Emitter {
   }
 }
 
-/** @type {Required<ReconnectOptions>} */
-const RECONNECT_DEFAULTS = {
-  initialDelayMs: 250,
-  maxDelayMs: 10_000,
+/**
+ * The reconnect/resume policy's numbers, the Python clients' too
+ * (wsserver_client/reconnect.py: ReconnectPolicy, in seconds). Why these:
+ * docs/protocol.md, "Resuming a stream".
+ *
+ * @type {Readonly<Required<ReconnectOptions>>}
+ */
+export const RECONNECT_DEFAULTS = Object.freeze({
+  initialDelayMs: 100,
+  maxDelayMs: 1000,
   factor: 2,
   jitter: 0.25,
   maxAttempts: Infinity,
-};
+  resumeTimeoutMs: 30_000,
+});
+
+/**
+ * The reconnect/resume policy's decisions, as plain functions of plain
+ * values: the client calls them, and clients/js/test/reconnect-policy.test.js
+ * checks them against clients/reconnect-policy.json, the table the Python
+ * clients' test reads too.
+ */
+export const reconnectPolicy = Object.freeze({
+  /** The error codes of a kept request given up: no connection in time, or its resume refused to the end. */
+  gaveUp: Object.freeze({ reconnecting: "connection_lost", resuming: "already_attached" }),
+
+  /**
+   * The wait before try `attempt` (1, 2, …) after a lost connection or a
+   * refused resume: `initialDelayMs`, times `factor` each try, at most
+   * `maxDelayMs`, less up to `jitter` of it as `draw` (in [0, 1)) says.
+   *
+   * @param {Required<ReconnectOptions>} options
+   * @param {number} attempt
+   * @param {number} draw
+   * @returns {number}
+   */
+  delayMs(options, attempt, draw) {
+    const base = Math.min(options.maxDelayMs, options.initialDelayMs * options.factor ** (attempt - 1));
+    return base * (1 - options.jitter * draw);
+  },
+
+  /**
+   * The wait before try `attempt`, `elapsedMs` after the connection was lost,
+   * or `null`: give up, that try would start after `resumeTimeoutMs`.
+   *
+   * @param {Required<ReconnectOptions>} options
+   * @param {number} attempt
+   * @param {number} elapsedMs
+   * @param {number} draw
+   * @returns {number | null}
+   */
+  waitMs(options, attempt, elapsedMs, draw) {
+    const delayMs = reconnectPolicy.delayMs(options, attempt, draw);
+    return elapsedMs + delayMs <= options.resumeTimeoutMs ? delayMs : null;
+  },
+
+  /**
+   * Whether a live request survives a lost connection, to be resumed: only a
+   * resumable one, and only if the client reconnects. Any other fails with
+   * `connection_lost`.
+   *
+   * @param {boolean} resumable
+   * @param {boolean} reconnecting
+   * @returns {boolean}
+   */
+  keepsOnLoss(resumable, reconnecting) {
+    return resumable && reconnecting;
+  },
+
+  /**
+   * What a kept request sends on the new connection: `resume` after the last
+   * `seq` received, or, if the caller gave it up meanwhile, `cancel` with its
+   * token (else the server holds it until its grace runs out).
+   *
+   * @param {{ id: string, resumeToken: string | null, lastSeq: number, abandoned: boolean }} request
+   * @returns {Record<string, unknown>}
+   */
+  resumeFrame(request) {
+    const { id, resumeToken, lastSeq, abandoned } = request;
+    if (abandoned) return { type: "cancel", id, resume_token: resumeToken };
+    return { type: "resume", id, resume_token: resumeToken, after_seq: lastSeq };
+  },
+
+  /**
+   * Whether an `error` about a request is retried rather than failing it:
+   * only `already_attached` in answer to our `resume`.
+   *
+   * @param {string} code
+   * @param {boolean} resuming
+   * @returns {boolean}
+   */
+  retriesRefusal(code, resuming) {
+    return resuming && code === "already_attached";
+  },
+});
 
 /**
  * A connection to wsserver that reconnects by itself.
@@ -742,9 +839,12 @@ export class WsClient extends Emitter {
    * @internal
    */
   _retryResume(stream) {
-    const delayMs = Math.min(20 * 2 ** stream._resumeAttempts, 1000);
-    if (stream._resumeAttempts > 40) {
-      this.#finish(stream, new WsError("already_attached", "resume kept being refused", { requestId: stream.id }));
+    const options = this.#reconnect ?? RECONNECT_DEFAULTS;
+    const elapsedMs = performance.now() - stream._lostAt;
+    const delayMs = reconnectPolicy.waitMs(options, stream._resumeAttempts, elapsedMs, Math.random());
+    if (delayMs === null) {
+      const code = reconnectPolicy.gaveUp.resuming;
+      this.#finish(stream, new WsError(code, "resume kept being refused", { requestId: stream.id }));
       return;
     }
     const epoch = this.#epoch;
@@ -756,16 +856,16 @@ export class WsClient extends Emitter {
   /** @param {GenerationStream} stream */
   #resumeStream(stream) {
     stream._markSent(this.#epoch);
+    const frame = reconnectPolicy.resumeFrame(stream);
     if (stream.abandoned) {
-      // Cancelled while away: cancel it there, or it would wait out its grace.
+      // Cancelled while away: a cancel, or it would wait out its grace.
       stream.status = "cancelling";
-      this.#send({ type: "cancel", id: stream.id, resume_token: stream.resumeToken });
-      return;
+    } else {
+      stream.status = "running";
+      stream._resuming = true;
+      stream._resumeAttempts += 1;
     }
-    stream.status = "running";
-    stream._resuming = true;
-    stream._resumeAttempts += 1;
-    this.#send({ type: "resume", id: stream.id, resume_token: stream.resumeToken, after_seq: stream.lastSeq });
+    this.#send(frame);
   }
 
   /**
@@ -977,8 +1077,19 @@ export class WsClient extends Emitter {
       return;
     }
     this.#attempt += 1;
-    const base = Math.min(options.maxDelayMs, options.initialDelayMs * options.factor ** (this.#attempt - 1));
-    const delayMs = Math.round(base * (1 - options.jitter * Math.random()));
+    const draw = Math.random();
+    // A kept request that this try would reach too late is given up; the
+    // connection itself goes on reconnecting, for the requests to come.
+    const now = performance.now();
+    for (const stream of [...this.#streams.values()]) {
+      if (stream._suspended && reconnectPolicy.waitMs(options, this.#attempt, now - stream._lostAt, draw) === null) {
+        const error = new WsError(reconnectPolicy.gaveUp.reconnecting, "could not reconnect in time", {
+          requestId: stream.id,
+        });
+        this.#finish(stream, error);
+      }
+    }
+    const delayMs = Math.round(reconnectPolicy.delayMs(options, this.#attempt, draw));
     this.#setState("reconnecting", { attempt: this.#attempt, delayMs, code, reason });
     this.#timer = setTimeout(() => {
       this.#timer = null;
@@ -996,8 +1107,10 @@ export class WsClient extends Emitter {
   #failAll(error, waiting) {
     for (const stream of [...this.#streams.values()]) {
       if (stream.status === "pending" && !waiting) continue;
-      if (!waiting && this.#reconnect && stream.resumable) {
-        // The server keeps it: resume it after the reconnect.
+      if (reconnectPolicy.keepsOnLoss(stream.resumable, !waiting && this.#reconnect !== null)) {
+        // The server keeps it: resume it after the reconnect. Still away
+        // since an earlier loss, that loss is when its time began.
+        if (!stream._suspended) stream._lostAt = performance.now();
         stream._suspended = true;
         stream._resuming = false;
         continue;
@@ -1120,5 +1233,13 @@ function randomPrefix() {
  *
  * @type {typeof import("./wsserver.d.ts")}
  */
-const declaredExports = { PROTOCOL_VERSION, SUBPROTOCOL, WsError, GenerationStream, WsClient };
+const declaredExports = {
+  PROTOCOL_VERSION,
+  SUBPROTOCOL,
+  RECONNECT_DEFAULTS,
+  reconnectPolicy,
+  WsError,
+  GenerationStream,
+  WsClient,
+};
 void declaredExports;

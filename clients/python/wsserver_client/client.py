@@ -14,7 +14,8 @@ classes and their parsing are shared with the server (:mod:`wsserver.protocol`).
 **Reconnecting.** With ``Client(url, resumable=True)`` (or ``resumable=True``
 on one request) the server keeps a request through a lost connection. When
 the connection drops while such a request is live, the reader reconnects
-(with a backoff, for up to ``reconnect_timeout`` seconds), sends ``resume``
+(backing off, for up to ``reconnect_timeout`` seconds: the policy of
+:mod:`wsserver_client.reconnect`, which the table applies), sends ``resume``
 with the last ``seq`` received, and the stream's iterator just goes on; the
 ``on_reconnect`` callback and :attr:`Client.reconnects` say it happened.
 """
@@ -23,16 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.protocol import Done, Error, Hello
+from wsserver.protocol import Done
 
-from .core import GenerationError, Request, RequestResult, RequestTable
+from .base import ClientBase
+from .core import GenerationError, Request, RequestResult
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
@@ -64,18 +66,14 @@ class Stream(Request):
 
     async def _iterate(self) -> AsyncIterator[str]:
         await self.send()
-        while True:
-            text = self.take()
+        for text in self.pieces():
             if text is not None:
                 yield text
-            elif self.ended:
-                self.raise_for_error()
-                return
-            else:
-                # Nothing can happen between the checks above and clear():
-                # no await in between, so no wake-up is lost.
-                self._wake.clear()
-                await self._wake.wait()
+                continue
+            # Nothing can happen between pieces() finding no text and clear():
+            # no await in between, so no wake-up is lost.
+            self._wake.clear()
+            await self._wake.wait()
 
     async def result(self) -> RequestResult:
         """Read to the end; return the whole text and the ``done`` frame."""
@@ -99,52 +97,20 @@ class Stream(Request):
         return self.done
 
 
-class Client:
-    """A connection to wsserver. Use as an async context manager."""
+class Client(ClientBase[Stream]):
+    """A connection to wsserver. Use as an async context manager.
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        origin: str | None = None,
-        resumable: bool = False,
-        reconnect_timeout: float = 30.0,
-        on_reconnect: Callable[[Client], None] | None = None,
-        **connect_kwargs: Any,
-    ) -> None:
-        self.url = url
-        self.token = token
-        #: Ask for every request to be resumable (a request's own
-        #: ``resumable=`` wins).
-        self.resumable = resumable
-        self.reconnect_timeout = reconnect_timeout
-        self.on_reconnect = on_reconnect
-        #: Times the connection was lost and the live requests resumed.
-        self.reconnects = 0
-        self._connect_kwargs = connect_kwargs
-        if origin is not None:
-            self._connect_kwargs["origin"] = origin
-        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+    The options are :class:`~wsserver_client.base.ClientBase`'s; keyword
+    arguments other than those go to websockets'
+    :func:`~websockets.asyncio.client.connect` (``open_timeout``, ``max_size``, …).
+    """
+
+    def _init_io(self) -> None:
         self.ws: ClientConnection | None = None
-        self.requests: RequestTable[Stream] = RequestTable()
         self._reader: asyncio.Task[None] | None = None
-        self._closing = False
         self._tasks: set[asyncio.Task[None]] = set()
         #: Clear while reconnecting: sends wait for the new connection.
         self._connected = asyncio.Event()
-
-    @property
-    def hello(self) -> Hello | None:
-        """The server's ``hello`` (model, limits), once connected."""
-        return self.requests.hello
-
-    @property
-    def errors(self) -> list[Error]:
-        """``error`` frames about no live request."""
-        return self.requests.errors
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -172,31 +138,6 @@ class Client:
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
 
-    def new_id(self) -> str:
-        return self.requests.new_id()
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        id: str | None = None,
-        **params: Any,
-    ) -> Stream:
-        """A request; iterate the returned stream for its text."""
-        if self.resumable:
-            params.setdefault("resumable", True)
-        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
-        return self.requests.add(Stream(self, request_id, frame))
-
-    def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
-        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
-        its input again with ``overrides``."""
-        if self.resumable:
-            overrides.setdefault("resumable", True)
-        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
-        return self.requests.add(Stream(self, request_id, frame))
-
     async def cancel(self, request_id: str) -> Done | None:
         """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
         stream, frame = self.requests.cancel_frame(request_id)
@@ -209,6 +150,9 @@ class Client:
         """Send a frame as is (for tests and debugging)."""
         assert self.ws is not None
         await self.ws.send(data)
+
+    def _stream(self, request_id: str, frame: dict[str, Any]) -> Stream:
+        return Stream(self, request_id, frame)
 
     async def _send(self, frame: dict[str, Any]) -> None:
         await self._connected.wait()  # while reconnecting, for the new connection
@@ -243,35 +187,28 @@ class Client:
             self.requests.lost(reason)
 
     async def _reconnect(self) -> bool:
-        """Connect again (backing off) and resume the kept requests."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.reconnect_timeout
-        delay = 0.05
-        while not self._closing:
+        """Connect again, after the policy's waits, and resume the kept requests."""
+        for wait in self.requests.reconnect_waits():
+            await asyncio.sleep(wait)  # sleep-ok: reconnect backoff
+            if self._closing:
+                break
             try:
                 await self._open()
                 for frame in self.requests.resume_frames():
                     await self.ws.send(orjson.dumps(frame), text=True)  # type: ignore[union-attr]
             except (OSError, ConnectionClosed, TimeoutError, GenerationError):
-                if loop.time() + delay > deadline:
-                    return False
-                await asyncio.sleep(delay)  # sleep-ok: reconnect backoff
-                delay = min(delay * 2, 2.0)
                 continue
-            self.reconnects += 1
-            if self.on_reconnect is not None:
-                self.on_reconnect(self)
+            self._reconnected()
             return True
         return False
 
     async def _retry_resume(self, request: Stream) -> None:
         """The server still holds the request for the old connection: it finds
         out soon (its send fails, or a ping goes unanswered); ask again."""
-        if request.resume_attempts * 0.25 > self.reconnect_timeout:
-            request.fail(GenerationError("already_attached", "resume kept being refused"))
-            self.requests.live.pop(request.id, None)
+        wait = self.requests.retry_wait(request)
+        if wait is None:
             return
-        await asyncio.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        await asyncio.sleep(wait)  # sleep-ok: resume backoff
         if request.retry_resume and not request.finished:
             with contextlib.suppress(ConnectionClosed):
                 await self._send(self.requests.resume_frame(request))

@@ -16,19 +16,28 @@ else lives here, once, with no socket, no asyncio and no websockets:
   kept, and after a reconnect :meth:`RequestTable.resume_frames` asks the
   server to replay what may not have arrived (``after_seq`` = the last
   ``seq`` received) and go on; deltas the client already has are dropped, so
-  the caller's text has no gap and no duplicate.
+  the caller's text has no gap and no duplicate;
+* when to reconnect, how long to wait before each try, when to ask again
+  after a refused ``resume`` and when to give up: the policy of
+  :mod:`wsserver_client.reconnect`, applied by :meth:`RequestTable.lost`,
+  :meth:`RequestTable.reconnect_waits` and :meth:`RequestTable.retry_wait`.
 
 An I/O layer feeds received messages to :meth:`RequestTable.receive`, sends
-the frames this module builds, and waits (in its own way) until
-:meth:`Request.take` has text or :attr:`Request.ended` is true. A subclass of
-:class:`Request` can override :meth:`Request.changed` to be woken.
+the frames this module builds, and iterates :meth:`Request.pieces`, waiting
+(in its own way) whenever it has no text yet. A subclass of
+:class:`Request` can override :meth:`Request.changed` to be woken. The table
+reads the time from the clock it is given (``time.monotonic``), only to
+measure how long ago a connection was lost; the I/O layer does the waiting.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
+import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -42,6 +51,15 @@ from wsserver.protocol import (
     ServerFrame,
     Started,
     parse_server_frame,
+)
+
+from .reconnect import (
+    RECONNECT_GAVE_UP,
+    RESUME_GAVE_UP,
+    ReconnectPolicy,
+    keeps_on_loss,
+    resume_frame,
+    retries_refusal,
 )
 
 __all__ = ["GenerationError", "Request", "RequestResult", "RequestTable"]
@@ -92,6 +110,9 @@ class Request:
         self.resume_token: str | None = None
         #: True from a lost connection to the server's ``resumed``.
         self.suspended = False
+        #: When (the table's clock) the connection this request is suspended
+        #: from was lost: the reconnect policy's budget runs from there.
+        self.lost_at = 0.0
         #: True between a reconnect's ``resume`` and the server's answer.
         self.resuming = False
         #: ``resume`` frames sent for this request (the retries back off).
@@ -145,6 +166,15 @@ class Request:
         """The next piece of text for the caller, or ``None`` if there is none yet."""
         return self._unread.popleft() if self._unread else None
 
+    def pieces(self) -> Iterator[str | None]:
+        """Iteration without the waiting: each piece of text in turn, or
+        ``None`` when there is none yet (the I/O layer waits until
+        :attr:`ready`, then asks for the next). Ends with the request, raising
+        its :class:`GenerationError` if it failed."""
+        while not self.ended:
+            yield self.take()
+        self.raise_for_error()
+
     def raise_for_error(self) -> None:
         """Raise the request's :class:`GenerationError`, if it failed and the
         caller still wanted it (an abandoned request ends quietly)."""
@@ -192,7 +222,7 @@ class Request:
         elif isinstance(frame, Error):
             if self._abandoned and self._acknowledged and frame.code == "rate_limited":
                 return  # our cancel was refused; the request runs on and its done comes
-            if self.resuming and frame.code == "already_attached":
+            if retries_refusal(frame.code, resuming=self.resuming):
                 # The server has not yet seen the old connection go.
                 self.resuming = False
                 self.retry_resume = True
@@ -217,9 +247,24 @@ R = TypeVar("R", bound=Request)
 
 
 class RequestTable(Generic[R]):
-    """One connection's live requests, by ID, and the frames that drive them."""
+    """One connection's live requests, by ID, and the frames that drive them.
 
-    def __init__(self) -> None:
+    ``policy`` is the reconnect/resume policy (the clients pass their
+    ``reconnect_timeout`` as its ``timeout_s``); ``clock`` and ``draw`` are
+    where the table reads the time and the jitter's draws, in [0, 1) (tests
+    pass their own).
+    """
+
+    def __init__(
+        self,
+        policy: ReconnectPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
+        self.policy = policy or ReconnectPolicy()
+        self._clock = clock
+        self._draw = draw
         self.live: dict[str, R] = {}
         self.hello: Hello | None = None
         #: ``error`` frames about no live request (for debugging and tests).
@@ -300,14 +345,20 @@ class RequestTable(Generic[R]):
             del self.live[request.id]
         return request
 
+    # The way back after a lost connection (wsserver_client.reconnect).
+
     def lost(self, reason: str, *, keep_resumable: bool = False) -> list[R]:
         """The connection closed: every live request fails with
-        ``connection_lost`` — but with ``keep_resumable``, resumable ones stay
-        live (returned) for :meth:`resume_frames` after a reconnect."""
+        ``connection_lost`` — but with ``keep_resumable`` (the client will
+        reconnect), resumable ones stay live (returned) for :meth:`resume_frames`
+        after a reconnect."""
+        now = self._clock()
         kept = []
         for request in list(self.live.values()):
             request.resuming = False
-            if keep_resumable and request.resumable:
+            if keeps_on_loss(request.resumable, reconnecting=keep_resumable):
+                if not request.suspended:  # still away since an earlier loss: that one counts
+                    request.lost_at = now
                 request.suspended = True
                 kept.append(request)
                 continue
@@ -315,23 +366,50 @@ class RequestTable(Generic[R]):
             del self.live[request.id]
         return kept
 
+    def reconnect_waits(self) -> Iterator[float]:
+        """The wait before each try to reconnect, for as long as a request is
+        kept. Before each wait, a kept request that the try would reach later
+        than the policy allows fails with ``connection_lost`` and leaves the
+        table; the waits end when none is left."""
+        for attempt in itertools.count(1):
+            draw, now = self._draw(), self._clock()
+            for request in self._suspended():
+                if self.policy.wait(attempt, now - request.lost_at, draw) is None:
+                    self._give_up(request, RECONNECT_GAVE_UP, "could not reconnect in time")
+            if not self._suspended():
+                return
+            yield self.policy.delay(attempt, draw)
+
     def resume_frames(self) -> list[dict[str, Any]]:
         """After a reconnect: a frame for each request kept by :meth:`lost`."""
-        return [self.resume_frame(r) for r in self.live.values() if r.suspended]
+        return [self.resume_frame(r) for r in self._suspended()]
 
     def resume_frame(self, request: Request) -> dict[str, Any]:
-        """``resume`` a kept request — or, if the caller abandoned it meanwhile,
-        ``cancel`` it with its token (else the server would hold it detached
-        until its grace runs out)."""
+        """``resume`` a kept request — or ``cancel`` it with its token if the
+        caller abandoned it meanwhile (:func:`~wsserver_client.reconnect.resume_frame`)."""
         assert request.resume_token is not None
         request.retry_resume = False
-        if request.abandoned:
-            return {"type": "cancel", "id": request.id, "resume_token": request.resume_token}
-        request.resuming = True
-        request.resume_attempts += 1
-        return {
-            "type": "resume",
-            "id": request.id,
-            "resume_token": request.resume_token,
-            "after_seq": request.last_seq,
-        }
+        if not request.abandoned:
+            request.resuming = True
+            request.resume_attempts += 1
+        return resume_frame(
+            request.id, request.resume_token, request.last_seq, abandoned=request.abandoned
+        )
+
+    def retry_wait(self, request: R) -> float | None:
+        """The server refused ``request``'s resume as ``already_attached``
+        (:attr:`Request.retry_resume`): the wait before asking again — or
+        ``None`` when the policy's time is up: the request then failed with
+        ``already_attached`` and left the table."""
+        elapsed = self._clock() - request.lost_at
+        wait = self.policy.wait(request.resume_attempts, elapsed, self._draw())
+        if wait is None:
+            self._give_up(request, RESUME_GAVE_UP, "resume kept being refused")
+        return wait
+
+    def _suspended(self) -> list[R]:
+        return [r for r in self.live.values() if r.suspended]
+
+    def _give_up(self, request: R, code: str, message: str) -> None:
+        request.fail(GenerationError(code, message, request.id))
+        self.live.pop(request.id, None)

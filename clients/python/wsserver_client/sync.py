@@ -28,10 +28,11 @@ whatever still runs before the connection closes. (A caller who catches
 ``KeyboardInterrupt`` to carry on can call ``stream.cancel()``: it does nothing
 more if the request is already cancelled.)
 
-**Reconnecting**, as in the async client: with ``resumable=True`` a lost
-connection is reconnected (backing off, for up to ``reconnect_timeout``
-seconds) while the caller waits, the live requests are resumed, and the
-iterator goes on; ``on_reconnect`` and :attr:`Client.reconnects` tell.
+**Reconnecting**, as in the async client and by the same policy
+(:mod:`wsserver_client.reconnect`): with ``resumable=True`` a lost connection
+is reconnected (backing off, for up to ``reconnect_timeout`` seconds) while
+the caller waits, the live requests are resumed, and the iterator goes on;
+``on_reconnect`` and :attr:`Client.reconnects` tell.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ import orjson
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from wsserver.protocol import Done, Error, Hello
+from wsserver.protocol import Done
 
-from .core import GenerationError, Request, RequestResult, RequestTable
+from .base import ClientBase
+from .core import GenerationError, Request, RequestResult
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
 
@@ -74,15 +76,11 @@ class Stream(Request):
     def __iter__(self) -> Iterator[str]:
         try:
             self.send()
-            while True:
-                text = self.take()
-                if text is not None:
-                    yield text
-                elif self.ended:
-                    self.raise_for_error()
-                    return
-                else:
+            for text in self.pieces():
+                if text is None:
                     self.client._wait(lambda: self.ready)
+                else:
+                    yield text
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -116,55 +114,24 @@ class Stream(Request):
             self.cancel(timeout=self.client.cancel_timeout)
 
 
-class Client:
+class Client(ClientBase[Stream]):
     """A connection to wsserver. Use as a context manager.
 
     ``cancel_timeout`` bounds how long Ctrl-C and :meth:`close` wait for the
-    ``done`` of a request they cancel. Other keyword arguments go to
-    :func:`websockets.sync.client.connect` (``open_timeout``, ``max_size``, …).
+    ``done`` of a request they cancel. The other options are the async
+    client's (:class:`~wsserver_client.base.ClientBase`); keyword arguments
+    other than those go to :func:`websockets.sync.client.connect`
+    (``open_timeout``, ``max_size``, …).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        origin: str | None = None,
-        cancel_timeout: float = 10.0,
-        resumable: bool = False,
-        reconnect_timeout: float = 30.0,
-        on_reconnect: Callable[[Client], None] | None = None,
-        **connect_kwargs: Any,
-    ) -> None:
-        self.url = url
-        self.token = token
+    def __init__(self, url: str, *, cancel_timeout: float = 10.0, **options: Any) -> None:
         self.cancel_timeout = cancel_timeout
-        self.resumable = resumable
-        self.reconnect_timeout = reconnect_timeout
-        self.on_reconnect = on_reconnect
-        #: Times the connection was lost and the live requests resumed.
-        self.reconnects = 0
-        self._closing = False
-        self._connect_kwargs = connect_kwargs
-        if origin is not None:
-            self._connect_kwargs["origin"] = origin
-        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        super().__init__(url, **options)
+
+    def _init_io(self) -> None:
         self.ws: ClientConnection | None = None
-        self.requests: RequestTable[Stream] = RequestTable()
         self._lost: str | None = None
         self._exit = contextlib.ExitStack()
-
-    @property
-    def hello(self) -> Hello | None:
-        """The server's ``hello`` (model, limits), once connected."""
-        return self.requests.hello
-
-    @property
-    def errors(self) -> list[Error]:
-        """``error`` frames about no live request."""
-        return self.requests.errors
 
     def __enter__(self) -> Client:
         self.connect()
@@ -203,31 +170,6 @@ class Client:
         finally:
             self._exit.close()
 
-    def new_id(self) -> str:
-        return self.requests.new_id()
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, str]] | None = None,
-        id: str | None = None,
-        **params: Any,
-    ) -> Stream:
-        """A request; iterate the returned stream for its text."""
-        if self.resumable:
-            params.setdefault("resumable", True)
-        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
-        return self.requests.add(Stream(self, request_id, frame))
-
-    def restart(self, old: str | Stream, *, new_id: str | None = None, **overrides: Any) -> Stream:
-        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
-        its input again with ``overrides``."""
-        if self.resumable:
-            overrides.setdefault("resumable", True)
-        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
-        return self.requests.add(Stream(self, request_id, frame))
-
     def cancel(self, request_id: str, *, timeout: float | None = None) -> Done | None:
         """Cancel in-band; returns the request's ``done`` (``None`` if it had none)."""
         stream, frame = self.requests.cancel_frame(request_id)
@@ -242,6 +184,9 @@ class Client:
         self.ws.send(data)
 
     # ------------------------------------------------------------ internals
+
+    def _stream(self, request_id: str, frame: dict[str, Any]) -> Stream:
+        return Stream(self, request_id, frame)
 
     def _send(self, frame: dict[str, Any]) -> None:
         assert self.ws is not None, "call connect() first"
@@ -289,10 +234,9 @@ class Client:
         self.requests.lost(reason)
 
     def _reconnect(self) -> bool:
-        """Connect again (backing off) and resume the kept requests."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
-        while True:
+        """Connect again, after the policy's waits, and resume the kept requests."""
+        for wait in self.requests.reconnect_waits():
+            time.sleep(wait)  # sleep-ok: reconnect backoff
             self._exit.close()
             try:
                 self.connect()
@@ -300,21 +244,15 @@ class Client:
                 for frame in self.requests.resume_frames():
                     self.ws.send(orjson.dumps(frame), text=True)
             except (OSError, ConnectionClosed, TimeoutError, GenerationError):
-                if time.monotonic() + delay > deadline:
-                    return False
-                time.sleep(delay)  # sleep-ok: reconnect backoff
-                delay = min(delay * 2, 2.0)
                 continue
-            self.reconnects += 1
-            if self.on_reconnect is not None:
-                self.on_reconnect(self)
+            self._reconnected()
             return True
+        return False
 
     def _retry_resume(self, request: Stream) -> None:
         """The server still holds the request for the old connection; ask again."""
-        if request.resume_attempts * 0.25 > self.reconnect_timeout:
-            request.fail(GenerationError("already_attached", "resume kept being refused"))
-            self.requests.live.pop(request.id, None)
+        wait = self.requests.retry_wait(request)
+        if wait is None:
             return
-        time.sleep(min(0.02 * 2**request.resume_attempts, 0.25))  # sleep-ok: backoff
+        time.sleep(wait)  # sleep-ok: resume backoff
         self._send(self.requests.resume_frame(request))

@@ -1,0 +1,125 @@
+"""What the asyncio and the sync client are, apart from moving bytes.
+
+Both clients are a :class:`ClientBase`: the options (URL, token, origin,
+resumability, the reconnect budget, ``on_reconnect``), the connection's
+:class:`~wsserver_client.core.RequestTable` with the reconnect policy
+(:mod:`wsserver_client.reconnect`), and the calls that only build requests
+(:meth:`ClientBase.generate`, :meth:`ClientBase.restart`). Connecting,
+sending, receiving and waiting are each client's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Generic, Self, TypeVar
+
+from wsserver.protocol import Error, Hello
+
+from .core import Request, RequestTable
+from .reconnect import ReconnectPolicy
+
+__all__ = ["ClientBase"]
+
+S = TypeVar("S", bound=Request)
+
+
+class ClientBase(Generic[S]):
+    """The options and the requests of one client; ``S`` is its stream class.
+
+    ``token`` is sent as a bearer token, ``origin`` as the Origin header.
+    ``resumable=True`` makes every request resumable (a request's own
+    ``resumable=`` wins): a lost connection is then reconnected and the
+    request resumed, within ``reconnect_timeout`` seconds of the loss (the
+    policy of :mod:`wsserver_client.reconnect`); ``on_reconnect(client)`` is
+    called after each such reconnect. Other keyword arguments go to websockets'
+    ``connect`` (``open_timeout``, ``max_size``, …).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        origin: str | None = None,
+        resumable: bool = False,
+        reconnect_timeout: float = 30.0,
+        on_reconnect: Callable[[Self], None] | None = None,
+        **connect_kwargs: Any,
+    ) -> None:
+        self.url = url
+        self.token = token
+        #: Ask for every request to be resumable (a request's own
+        #: ``resumable=`` wins).
+        self.resumable = resumable
+        self.on_reconnect = on_reconnect
+        #: Times the connection was lost and the live requests resumed.
+        self.reconnects = 0
+        self._closing = False
+        self._connect_kwargs = connect_kwargs
+        if origin is not None:
+            self._connect_kwargs["origin"] = origin
+        self._headers = dict(self._connect_kwargs.pop("additional_headers", {}) or {})
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self.requests: RequestTable[S] = RequestTable(ReconnectPolicy(timeout_s=reconnect_timeout))
+        self._init_io()
+
+    def _init_io(self) -> None:
+        """Set up the client's own I/O state (the last step of ``__init__``)."""
+
+    @property
+    def reconnect_timeout(self) -> float:
+        """How long after a lost connection a resumable request may take to
+        be resumed (reconnecting, and asking again when the server refuses);
+        then it fails."""
+        return self.requests.policy.timeout_s
+
+    @reconnect_timeout.setter
+    def reconnect_timeout(self, seconds: float) -> None:
+        self.requests.policy = replace(self.requests.policy, timeout_s=seconds)
+
+    @property
+    def hello(self) -> Hello | None:
+        """The server's ``hello`` (model, limits), once connected."""
+        return self.requests.hello
+
+    @property
+    def errors(self) -> list[Error]:
+        """``error`` frames about no live request."""
+        return self.requests.errors
+
+    def new_id(self) -> str:
+        return self.requests.new_id()
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        id: str | None = None,
+        **params: Any,
+    ) -> S:
+        """A request; iterate the returned stream for its text."""
+        if self.resumable:
+            params.setdefault("resumable", True)
+        request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
+        return self.requests.add(self._stream(request_id, frame))
+
+    def restart(self, old: str | S, *, new_id: str | None = None, **overrides: Any) -> S:
+        """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
+        its input again with ``overrides``."""
+        if self.resumable:
+            overrides.setdefault("resumable", True)
+        request_id, frame = self.requests.restart_frame(old, new_id, overrides)
+        return self.requests.add(self._stream(request_id, frame))
+
+    def _stream(self, request_id: str, frame: dict[str, Any]) -> S:
+        """The client's stream for a request frame (not yet sent)."""
+        raise NotImplementedError
+
+    def _reconnected(self: Self) -> None:
+        """A reconnect succeeded and the kept requests were resumed."""
+        self.reconnects += 1
+        if self.on_reconnect is not None:
+            self.on_reconnect(self)
