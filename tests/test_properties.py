@@ -46,6 +46,7 @@ from wsserver.protocol import (
     serialize,
 )
 from wsserver.session import Send, Session, StartGeneration, StopGeneration
+from wsserver.transitions import TRANSITIONS
 
 LIMITS = Limits(max_frame_bytes=4096, max_prompt_chars=200, max_messages=4, max_tokens=64)
 IDS = st.sampled_from(["a", "b", "c", "d", "e"])
@@ -141,11 +142,27 @@ ACTIONS = st.one_of(
 )
 
 
+class TableCheckedSession(Session):
+    """A session whose every transition is checked against the table it reads:
+    after an event its request is in the row's ``next`` state, or unchanged
+    (a guard refused or dropped it)."""
+
+    def handle(self, event: Any, now: float) -> list[Any]:
+        before = self.state_of(event.id)
+        row = TRANSITIONS.get((before, type(event)))
+        effects = super().handle(event, now)
+        after = self.state_of(event.id)
+        assert after is before or (row is not None and after is row.next), (
+            f"{type(event).__name__} took {event.id!r} from {before} to {after}"
+        )
+        return effects
+
+
 @dataclass
 class Simulation:
     """The I/O layer's bookkeeping, reduced to what the invariants need."""
 
-    session: Session = field(default_factory=Session)
+    session: Session = field(default_factory=lambda: TableCheckedSession())
     now: float = 0.0
     #: The request whose producer is alive (between StartGeneration and producer_stopped).
     producer: str | None = None

@@ -77,21 +77,21 @@ class Parked:
     def cancelled_done(self, now: float) -> Done:
         """End it as ``cancelled`` (a ``cancel`` with its token): the one ``done``."""
         entry = self.record
-        if entry.done is not None:
-            return entry.done
-        return make_done(entry, Outcome(reason="cancelled"), now)
+        if entry.done is None:
+            # Out of any session, the parked request is its record's only owner.
+            entry.state = RequestState.DONE
+            entry.done = make_done(entry, Outcome(reason="cancelled"), now)
+        return entry.done
 
 
 def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
-    """The request's one ``done`` frame, from its times and counts."""
-    entry.state = RequestState.DONE
+    """The request's one ``done`` frame, from its times and counts (the
+    record's owner, a session or a parked request, marks it done)."""
     started = entry.started if entry.started is not None else now
     generating = max(now - started, 1e-9)
-    # The engine's own count when it gives one (an upstream's usage), else
-    # what was delivered: the one count of completion tokens is the record's.
-    if outcome.completion_tokens:
-        entry.completion_tokens = outcome.completion_tokens
-    completion = entry.completion_tokens
+    # One rule for the count: the engine's own when it reports one (an
+    # upstream's usage), else the record's count of what was delivered.
+    completion = outcome.completion_tokens or entry.completion_tokens
     prompt = outcome.prompt_tokens or entry.prompt_tokens
     return Done(
         id=entry.request.id,
