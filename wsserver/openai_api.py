@@ -9,10 +9,10 @@ parser (:func:`~wsserver.protocol.parse_client_frame`), so an HTTP request
 meets the same limits, with the same messages, as a WebSocket one. What the
 protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
-``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``.
-Fields OpenAI has and we do not use (``logprobs``, ``presence_penalty``,
-``user``, …) are ignored, as the issue asks and as most local servers do;
-``null`` means "not given", as in OpenAI's own API.
+``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``. The
+sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+and llama-server's ``min_p``, ``repeat_penalty``, DRY, XTC, …) go to the frame
+under the same names. ``null`` means "not given", as in OpenAI's own API.
 
 Every refusal is an :class:`ApiError` with its HTTP status and OpenAI's error
 object (``{"error": {"message", "type", "param", "code"}}``); ``code`` is the
@@ -30,6 +30,7 @@ import orjson
 from .backends.openai_wire import DONE
 from .errors import ProtocolError, WireCode
 from .protocol import Done, Generate, Limits, parse_client_frame
+from .sampling import SAMPLING_FIELDS
 
 __all__ = [
     "DONE_EVENT",
@@ -186,7 +187,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         if name in given:
             frame["max_tokens"] = given[name]
             break
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for name in ("temperature", "top_p", "top_k", "seed", "stop", *SAMPLING_FIELDS):
         if name in given:
             frame[name] = given[name]
     try:

@@ -62,13 +62,14 @@ import abc
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import BackendError, GenerationCancelled
 from ..events import Outcome
 from ..logs import context
 from ..protocol import Generate, Message
+from ..sampling import SAMPLING_FIELDS, Sampling
 
 __all__ = [
     "Backend",
@@ -115,6 +116,13 @@ class GenerationRequest:
     stop: tuple[str, ...]
     #: The connection it came from: for log lines and thread names only.
     conn_id: str = ""
+    #: The rest of the sampler chain, llama-server's defaults filled in.
+    sampling: Sampling = field(default_factory=Sampling)
+    #: A GBNF grammar, or a JSON Schema as JSON text, the output must match.
+    grammar: str | None = None
+    json_schema: str | None = None
+    #: Log-probabilities of each token with this many alternatives (None: off).
+    top_logprobs: int | None = None
 
     @classmethod
     def from_frame(
@@ -131,6 +139,10 @@ class GenerationRequest:
             seed=frame.seed,
             stop=frame.stop,
             conn_id=conn_id,
+            sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
+            grammar=frame.grammar,
+            json_schema=frame.json_schema,
+            top_logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
         )
 
 

@@ -185,6 +185,7 @@ class LlamaBackend(Backend):
             prefill_chunk=self.prefill_chunk,
             prepare=self._prompt,
             piece=self._piece,
+            tokenize_text=self._tokenize_text,
             native_abort=native,
         )
         self.engine.on_prefill = self._on_prefill
@@ -252,6 +253,10 @@ class LlamaBackend(Backend):
 
     def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self._model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+
+    def _tokenize_text(self, text: str) -> list[int]:
+        """Plain text's tokens (no BOS, special tokens not parsed): a logit bias's text."""
+        return list(self._model.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens and the stop strings, as llama-cpp-python would make them."""

@@ -76,7 +76,7 @@ from ..logs import context
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_context import AbortFlag, Batch, new_sampler, quiet_errors
+from .llama_context import AbortFlag, Batch, has_history, new_sampler, penalty_window, quiet_errors
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
@@ -86,9 +86,6 @@ log = logging.getLogger("wsserver.llama")
 #: llama-server's ``--slot-prompt-similarity`` default: below this share of
 #: the prompt in common, a cached sequence is not worth routing to.
 PREFIX_SIMILARITY = 0.1
-#: Sampling settings the protocol does not expose, at ``create_completion``'s defaults.
-MIN_P = 0.05
-TYPICAL_P = 1.0
 #: Per-request counters kept for tests and the bench, newest last.
 _STATS_KEPT = 256
 
@@ -109,6 +106,7 @@ class BatchEngine:
         prefill_chunk: int,
         prepare: Prepare,
         piece: Callable[[int], bytes],
+        tokenize_text: Callable[[str], list[int]] | None = None,
         native_abort: bool = True,
     ) -> None:
         self.ctx = ctx
@@ -120,6 +118,8 @@ class BatchEngine:
         self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
         self._prepare = prepare
         self._piece = piece
+        self._tokenize_text = tokenize_text
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.sequences = [SequenceState(i) for i in range(parallel)]
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
@@ -245,6 +245,11 @@ class BatchEngine:
         if not prompt:
             self._fail(job, "the prompt is empty")
             return
+        try:
+            bias = self.logit_bias(request)
+        except BackendError as exc:
+            self._fail(job, str(exc), code=exc.code)
+            return
         if len(prompt) >= self.n_ctx:
             self._fail(
                 job,
@@ -269,14 +274,27 @@ class BatchEngine:
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
         seed = request.seed if request.seed is not None else random.getrandbits(32)
+        sampling = request.sampling
         job.sampler = new_sampler(
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
-            min_p=MIN_P,
-            typical_p=TYPICAL_P,
             seed=seed,
+            sampling=sampling,
+            vocab=self._vocab,
+            n_vocab=self.n_vocab,
+            n_ctx=self.n_ctx,
+            bias=bias,
         )
+        if has_history(sampling):
+            # As llama-server: the penalties and DRY see the prompt too, so a
+            # model that repeats its question is held back from the start.
+            window = max(
+                penalty_window(sampling.repeat_last_n, self.n_ctx) if sampling.penalties else 0,
+                penalty_window(sampling.dry_penalty_last_n, self.n_ctx) if sampling.dry else 0,
+            )
+            for token in prompt[max(0, len(prompt) - window) :]:
+                llama_cpp.llama_sampler_accept(job.sampler, token)
         job.assembler = TextAssembler(stops)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
@@ -292,6 +310,24 @@ class BatchEngine:
             keep,
             extra=context(request.conn_id, request.id),
         )
+
+    def logit_bias(self, request: GenerationRequest) -> list[tuple[int, float]]:
+        """The request's ``logit_bias`` as token ids: a text's tokens each get
+        its bias (llama-server's extension). Raises ``BackendError``
+        (``bad_request``) for an id outside the vocabulary."""
+        out: list[tuple[int, float]] = []
+        for key, value in request.sampling.logit_bias:
+            if isinstance(key, int):
+                if key >= self.n_vocab:
+                    raise BackendError(
+                        f"logit_bias: token {key} is not in the model's vocabulary "
+                        f"(ids 0 to {self.n_vocab - 1})",
+                        code="bad_request",
+                    )
+                out.append((key, value))
+            elif self._tokenize_text is not None:
+                out.extend((token, value) for token in self._tokenize_text(key))
+        return out
 
     def _choose(self, prompt: list[int]) -> SequenceState | None:
         free = [s for s in self.sequences if s.job is None]
