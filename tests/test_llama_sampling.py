@@ -217,10 +217,12 @@ async def test_websocket_generate_takes_the_chain_and_refuses_bad_values(tiny_gg
         await ws.send({**base, "id": "bad", "min_p": 2})
         error = await ws.until(lambda f: f["type"] == "error")
         assert error[-1]["code"] == "bad_request" and "min_p" in error[-1]["message"]
+        # Checked against the vocabulary before the request starts.
         await ws.send({**base, "id": "oov", "logit_bias": [[10**8, False]]})
-        _, frames = await ws.done("oov", units=30)
-        assert frames[-1]["reason"] == "error"
-        assert frames[-1]["error"]["code"] == "bad_request"
+        error = await ws.until(lambda f: f["type"] == "error")
+        assert error[-1]["id"] == "oov" and error[-1]["code"] == "bad_request"
+        assert "vocabulary" in error[-1]["message"]
+        assert not [f for f in ws.frames if f.get("id") == "oov" and f["type"] != "error"]
 
 
 async def test_openai_sdk_sends_penalties_and_logit_bias(tiny_gguf: Path) -> None:

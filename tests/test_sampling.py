@@ -1,4 +1,4 @@
-"""The sampler chain's options on the wire (wsserver/sampling.py): sans-I/O."""
+"""The sampler chain's options on the wire (wsserver/sampling.py), and what engines refuse."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import math
 from typing import Any
 
+import openai
 import pytest
-from conftest import CLIENT_FRAME
+from conftest import CLIENT_FRAME, running_server, timeout, wire
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.errors import ProtocolError
@@ -168,3 +169,45 @@ def test_openai_refuses_a_bad_penalty_with_a_400() -> None:
     with pytest.raises(ApiError) as caught:
         parse_request("completion", json.dumps(body).encode(), "x", LIMITS)
     assert caught.value.status == 400 and "frequency_penalty" in caught.value.message
+
+
+# ---------------------------------------------------------------- never silently ignored
+
+
+async def test_the_fake_engine_refuses_what_it_cannot_honour_naming_the_field() -> None:
+    async with running_server() as server:
+        async with wire(server) as ws:
+            base = {"type": "generate", "prompt": "p", "max_tokens": 3}
+            for field, value in (
+                ("presence_penalty", 0.5),
+                ("logit_bias", {"1": 5}),
+                ("json_schema", {"type": "object"}),
+                ("grammar", 'root ::= "a"'),
+            ):
+                await ws.send({**base, "id": field, field: value})
+                (error,) = await ws.until(lambda f: f["type"] == "error")
+                assert error["id"] == field and error["code"] == "unsupported_option"
+                assert f"'{field}'" in error["message"]
+            # Neutral values and a stage's parameters alone ask for nothing.
+            await ws.send({**base, "id": "ok", "presence_penalty": 0, "repeat_last_n": 8})
+            _, frames = await ws.done("ok")
+            assert frames[-1]["reason"] == "length"
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(10),
+        )
+        try:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(
+                    model="fake",
+                    messages=[{"role": "user", "content": "hi"}],
+                    response_format={"type": "json_object"},
+                )
+            assert caught.value.status_code == 400
+            assert "'json_schema'" in caught.value.message
+            body = caught.value.body
+            assert isinstance(body, dict) and body.get("code") == "unsupported_option"
+        finally:
+            await client.close()

@@ -111,9 +111,6 @@ class Generate:
     #: it must validate against; at most one of them.
     grammar: str | None = None
     json_schema: str | None = None
-    #: Per-token log-probabilities on each ``delta``, with this many alternatives.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,8 +108,8 @@ class Sampling:
 
 #: The sampler options on the wire, in the chain's order.
 SAMPLING_FIELDS: Final = tuple(f.name for f in fields(Sampling))
-#: Structured output and log-probabilities on the wire.
-STRUCTURE_FIELDS: Final = ("grammar", "json_schema", "logprobs", "top_logprobs")
+#: Structured output on the wire.
+STRUCTURE_FIELDS: Final = ("grammar", "json_schema")
 
 #: The value at which each option that *is* a stage changes nothing. A stage's
 #: parameters (``repeat_last_n``, ``dry_base``, ``xtc_threshold``, …) are not
@@ -125,7 +125,6 @@ NEUTRAL: Final[dict[str, Any]] = {
     "xtc_probability": 0.0,
     "grammar": None,
     "json_schema": None,
-    "logprobs": False,
 }
 
 
@@ -143,7 +142,7 @@ Fail = Callable[[str], ProtocolError]
 
 
 def parse_sampling_fields(obj: dict[str, Any], fail: Fail, max_chars: int) -> dict[str, Any]:
-    """Validate the sampler, structured-output and logprobs fields present in ``obj``."""
+    """Validate the sampler and structured-output fields present in ``obj``."""
     out: dict[str, Any] = {}
     for name, low, high in (
         ("min_p", 0.0, 1.0),
@@ -188,14 +187,6 @@ def parse_sampling_fields(obj: dict[str, Any], fail: Fail, max_chars: int) -> di
         out["json_schema"] = text
     if "grammar" in out and "json_schema" in out:
         raise fail("give at most one of 'grammar' and 'json_schema'")
-    if "logprobs" in obj:
-        if not isinstance(obj["logprobs"], bool):
-            raise fail("'logprobs' must be true or false")
-        out["logprobs"] = obj["logprobs"]
-    if "top_logprobs" in obj:
-        out["top_logprobs"] = _integer(
-            obj["top_logprobs"], "top_logprobs", 0, MAX_TOP_LOGPROBS, fail, ""
-        )
     return out
 
 

@@ -61,6 +61,10 @@ export interface GenerateParams {
   xtc_probability?: number;
   /** In [0, 1]; default 0.1. */
   xtc_threshold?: number;
+  /** A GBNF grammar (with a `root` rule) the output must match. */
+  grammar?: string;
+  /** A JSON Schema the output must validate against (not with `grammar`). */
+  json_schema?: Record<string, unknown> | true;
 }
 
 export interface Limits {
@@ -167,7 +171,8 @@ export type ErrorCode =
   | "upstream_truncated"
   | "invalid_token"
   | "already_attached"
-  | "seq_out_of_range";
+  | "seq_out_of_range"
+  | "unsupported_option";
 
 export interface ErrorFrame {
   type: "error";

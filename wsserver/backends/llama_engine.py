@@ -34,7 +34,8 @@ One step:
    text, until ``when_room`` fires — its memory stays bounded by its channel,
    the others keep their pace.
 4. **Decode**, then sample every sequence that asked for logits with its own
-   native sampler chain, and run the text through its
+   native sampler chain (and its grammar, checked against the sampled token
+   first: :mod:`.llama_grammar`), and run the text through its
    :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
    a stop string, ``max_tokens`` or the sequence's full context end it.
 
@@ -77,6 +78,7 @@ from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import AbortFlag, Batch, has_history, new_sampler, penalty_window, quiet_errors
+from .llama_grammar import Candidates, GrammarCache, utf8_needed
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
@@ -120,6 +122,9 @@ class BatchEngine:
         self._piece = piece
         self._tokenize_text = tokenize_text
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.grammars = GrammarCache(vocab)
+        #: The full candidate list, built only for constrained sequences.
+        self._candidates: Candidates | None = None
         self.sequences = [SequenceState(i) for i in range(parallel)]
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
@@ -180,6 +185,7 @@ class BatchEngine:
         for job in self._jobs:
             self._free_sampler(job)
         self._batch.free()
+        self.grammars.close()
 
     # ------------------------------------------------------------ the loop
 
@@ -247,6 +253,9 @@ class BatchEngine:
             return
         try:
             bias = self.logit_bias(request)
+            job.grammar = self.grammars.instance(
+                grammar=request.grammar, json_schema=request.json_schema
+            )
         except BackendError as exc:
             self._fail(job, str(exc), code=exc.code)
             return
@@ -428,7 +437,14 @@ class BatchEngine:
     def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler
         assert assembler is not None
-        token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+        if job.grammar is None:
+            token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+        else:
+            constrained = self._sample_constrained(job, index)
+            if constrained is None:
+                self._fail(job, "the grammar allows no token here", code="internal")
+                return
+            token = constrained
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._ending(job, "stop")
         else:
@@ -441,6 +457,30 @@ class BatchEngine:
             else:
                 job.next_token = token
         self._deliver(job)
+
+    def _sample_constrained(self, job: Job, index: int) -> int | None:
+        """Sample, then let the grammar check the token; filter the whole list
+        only when it rejects it (see :mod:`.llama_grammar`)."""
+        if self._candidates is None:
+            self._candidates = Candidates(self._vocab, self.n_vocab, self._piece)
+        candidates = self._candidates
+        inside = job.utf8_needed > 0
+        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        candidates.load(logits, inside=inside)
+        llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
+        token = candidates.selected()
+        if not candidates.accepts(job.grammar, token, inside=inside):
+            candidates.load(logits, inside=inside)
+            llama_cpp.llama_sampler_apply(job.grammar, candidates.pointer)
+            llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
+            token = candidates.selected()
+            if not candidates.accepts(job.grammar, token, inside=inside):
+                return None  # a grammar no token of this vocabulary can continue
+        if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            llama_cpp.llama_sampler_accept(job.grammar, token)
+            job.utf8_needed = utf8_needed(job.utf8_needed, self._piece(token))
+        llama_cpp.llama_sampler_accept(job.sampler, token)
+        return token
 
     def _ending(self, job: Job, reason: DoneReason) -> None:
         assert job.assembler is not None
@@ -491,3 +531,6 @@ class BatchEngine:
         if job.sampler is not None:
             llama_cpp.llama_sampler_free(job.sampler)
             job.sampler = None
+        if job.grammar is not None:
+            llama_cpp.llama_sampler_free(job.grammar)
+            job.grammar = None

@@ -77,9 +77,18 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
     body.update(sampler_options(request.sampling))
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.grammar is not None:
+        body["grammar"] = request.grammar  # llama-server's extension
     if request.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        if request.json_schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": orjson.loads(request.json_schema)},
+            }
         return "/chat/completions", orjson.dumps(body)
+    if request.json_schema is not None:
+        body["json_schema"] = orjson.loads(request.json_schema)  # llama-server's extension
     body["prompt"] = request.prompt or ""
     return "/completions", orjson.dumps(body)
 
