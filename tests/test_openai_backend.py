@@ -101,6 +101,28 @@ async def test_the_sampler_options_given_are_forwarded_by_their_llama_server_nam
     assert sent == options
 
 
+async def test_a_grammar_and_a_schema_are_forwarded() -> None:
+    schema = {"type": "object"}
+    async with FakeUpstream() as up, relay(up.url) as server:
+        async with wire(server) as client:
+            await client.send(gen("g", grammar='root ::= "a"'))
+            await client.done("g")
+            await client.send(gen("s", json_schema=schema))
+            await client.done("s")
+            messages = [{"role": "user", "content": "u"}]
+            await client.send(
+                {"type": "generate", "id": "c", "messages": messages, "json_schema": schema}
+            )
+            await client.done("c")
+    grammar, completion, chat = up.streams
+    assert grammar.body["grammar"] == 'root ::= "a"'
+    assert completion.body["json_schema"] == schema
+    assert chat.body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+
+
 async def test_a_chat_goes_to_chat_completions() -> None:
     async with FakeUpstream() as up, relay(up.url, model="m1") as server:
         async with wire(server) as client:
