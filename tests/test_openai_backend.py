@@ -77,6 +77,52 @@ async def test_a_completion_streams_the_upstreams_text_and_usage() -> None:
     assert stream.headers["Authorization"] == "Bearer sk-test"
 
 
+async def test_the_sampler_options_given_are_forwarded_by_their_llama_server_names() -> None:
+    options = {
+        "min_p": 0.1,
+        "typical_p": 0.9,
+        "repeat_penalty": 1.2,
+        "repeat_last_n": 128,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"15": 2, "Hello": False},
+        "dry_multiplier": 0.8,
+        "dry_sequence_breakers": ["\n"],
+        "xtc_probability": 0.5,
+        "xtc_threshold": 0.2,
+    }
+    async with FakeUpstream() as up, relay(up.url) as server:
+        async with wire(server) as client:
+            # Defaults given explicitly are not sent: the upstream keeps its own.
+            await client.send(gen("a", **options, dry_base=1.75))
+            await client.done("a")
+    (stream,) = up.streams
+    sent = {k: v for k, v in stream.body.items() if k in options or k.startswith("dry_")}
+    assert sent == options
+
+
+async def test_a_grammar_and_a_schema_are_forwarded() -> None:
+    schema = {"type": "object"}
+    async with FakeUpstream() as up, relay(up.url) as server:
+        async with wire(server) as client:
+            await client.send(gen("g", grammar='root ::= "a"'))
+            await client.done("g")
+            await client.send(gen("s", json_schema=schema))
+            await client.done("s")
+            messages = [{"role": "user", "content": "u"}]
+            await client.send(
+                {"type": "generate", "id": "c", "messages": messages, "json_schema": schema}
+            )
+            await client.done("c")
+    grammar, completion, chat = up.streams
+    assert grammar.body["grammar"] == 'root ::= "a"'
+    assert completion.body["json_schema"] == schema
+    assert chat.body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
+
+
 async def test_a_chat_goes_to_chat_completions() -> None:
     async with FakeUpstream() as up, relay(up.url, model="m1") as server:
         async with wire(server) as client:

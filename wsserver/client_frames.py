@@ -21,6 +21,7 @@ from typing import Any, Final
 import orjson
 
 from .errors import ProtocolError
+from .sampling import SAMPLING_FIELDS, STRUCTURE_FIELDS, LogitBias, parse_sampling_fields
 
 __all__ = [
     "ID_PATTERN",
@@ -91,6 +92,25 @@ class Generate:
     #: Keep the request through a lost connection (``None``: the server's
     #: ``stream.resumable`` default decides).
     resumable: bool | None = None
+    # The rest of the sampler chain (wsserver.sampling); None = not given.
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: LogitBias | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    #: A GBNF grammar the output must match, or a JSON Schema (as JSON text)
+    #: it must validate against; at most one of them.
+    grammar: str | None = None
+    json_schema: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +146,11 @@ class Restart:
     def apply(self, old: Generate) -> Generate:
         """The request ``new_id`` runs: ``old``'s input with the overrides."""
         changes = dict(self.overrides)
+        # A new constraint replaces the old one, whichever kind it was.
+        if "grammar" in changes:
+            changes.setdefault("json_schema", None)
+        elif "json_schema" in changes:
+            changes.setdefault("grammar", None)
         if "prompt" in changes:
             changes["messages"] = None
         elif "messages" in changes:
@@ -191,6 +216,8 @@ _GENERATE_FIELDS: Final = frozenset(
         "seed",
         "stop",
         "resumable",
+        *SAMPLING_FIELDS,
+        *STRUCTURE_FIELDS,
     }
 )
 
@@ -263,6 +290,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not isinstance(obj["resumable"], bool):
             raise fail("'resumable' must be true or false")
         out["resumable"] = obj["resumable"]
+    out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 
 

@@ -61,6 +61,9 @@ WireCode = Literal[
     "invalid_token",
     "already_attached",
     "seq_out_of_range",
+    # A generate option the serving engine cannot honour (it is refused, never
+    # ignored); see docs/protocol.md, "Which engine honours what".
+    "unsupported_option",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 

@@ -9,10 +9,10 @@ parser (:func:`~wsserver.protocol.parse_client_frame`), so an HTTP request
 meets the same limits, with the same messages, as a WebSocket one. What the
 protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
-``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``.
-Fields OpenAI has and we do not use (``logprobs``, ``presence_penalty``,
-``user``, …) are ignored, as the issue asks and as most local servers do;
-``null`` means "not given", as in OpenAI's own API.
+``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``. The
+sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+and llama-server's ``min_p``, ``repeat_penalty``, DRY, XTC, …) go to the frame
+under the same names. ``null`` means "not given", as in OpenAI's own API.
 
 Every refusal is an :class:`ApiError` with its HTTP status and OpenAI's error
 object (``{"error": {"message", "type", "param", "code"}}``); ``code`` is the
@@ -30,6 +30,7 @@ import orjson
 from .backends.openai_wire import DONE
 from .errors import ProtocolError, WireCode
 from .protocol import Done, Generate, Limits, parse_client_frame
+from .sampling import SAMPLING_FIELDS
 
 __all__ = [
     "DONE_EVENT",
@@ -56,6 +57,7 @@ DONE_EVENT: Final = b"data: " + DONE.encode() + b"\n\n"
 _STATUS: Final[dict[str, HTTPStatus]] = {
     "bad_json": HTTPStatus.BAD_REQUEST,
     "bad_request": HTTPStatus.BAD_REQUEST,
+    "unsupported_option": HTTPStatus.BAD_REQUEST,
     "too_large": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
     "rate_limited": HTTPStatus.TOO_MANY_REQUESTS,
     "overloaded": HTTPStatus.SERVICE_UNAVAILABLE,
@@ -186,15 +188,54 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         if name in given:
             frame["max_tokens"] = given[name]
             break
-    for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+    for name in ("temperature", "top_p", "top_k", "seed", "stop", *SAMPLING_FIELDS):
         if name in given:
             frame[name] = given[name]
+    # llama-server's extensions, then OpenAI's way to ask for JSON.
+    for name in ("grammar", "json_schema"):
+        if name in given:
+            frame[name] = given[name]
+    if "response_format" in given:
+        schema = _response_format(given["response_format"])
+        if schema is not None:
+            if "grammar" in frame or "json_schema" in frame:
+                raise _bad(
+                    "give one of 'response_format', 'json_schema' and 'grammar'", "response_format"
+                )
+            frame["json_schema"] = schema
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:
         raise ApiError.from_protocol(exc) from None
     assert isinstance(generate, Generate)
     return ApiRequest(kind, generate, stream, include_usage)
+
+
+def _response_format(value: Any) -> Any:
+    """The JSON Schema ``response_format`` asks for (None: plain text).
+
+    ``json_object`` is any JSON object; ``json_schema`` takes
+    ``json_schema.schema`` (``strict`` changes nothing: the grammar is always
+    strict). As llama-server, ``json_object`` may carry a ``schema`` too.
+    """
+    if not isinstance(value, dict):
+        raise _bad("'response_format' must be an object", "response_format")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return value.get("schema", {"type": "object"})
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("'response_format.json_schema' must be an object", "response_format")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _bad("'response_format.json_schema.schema' must be an object", "response_format")
+        return schema
+    raise _bad(
+        "'response_format.type' must be one of text, json_object, json_schema", "response_format"
+    )
 
 
 def _prompt(value: Any) -> Any:

@@ -32,6 +32,39 @@ export interface GenerateParams {
   stop?: string | string[];
   /** Keep the request through a lost connection (docs/protocol.md, "Resuming a stream"). */
   resumable?: boolean;
+  // The rest of llama-server's sampler chain (docs/protocol.md, "The sampler chain").
+  /** In [0, 1]; default 0.05. */
+  min_p?: number;
+  /** In [0, 1]; default 1 (off). */
+  typical_p?: number;
+  /** In (0, 10]; default 1 (off). */
+  repeat_penalty?: number;
+  /** Integer in [-1, 2**20]; default 64 (-1 = the context, 0 = off). */
+  repeat_last_n?: number;
+  /** In [-2, 2]; default 0. */
+  presence_penalty?: number;
+  /** In [-2, 2]; default 0. */
+  frequency_penalty?: number;
+  /** Token id (or text) → bias in [-100, 100], or `false` to ban; at most 1024. */
+  logit_bias?: Record<string, number | false> | Array<[number | string, number | false]>;
+  /** In [0, 100]; default 0 (DRY off). */
+  dry_multiplier?: number;
+  /** In [1, 100]; default 1.75. */
+  dry_base?: number;
+  /** Integer ≥ 0; default 2. */
+  dry_allowed_length?: number;
+  /** Integer in [-1, 2**20]; default -1 (the context). */
+  dry_penalty_last_n?: number;
+  /** Up to 16 strings of 1-64 characters. */
+  dry_sequence_breakers?: string[];
+  /** In [0, 1]; default 0 (XTC off). */
+  xtc_probability?: number;
+  /** In [0, 1]; default 0.1. */
+  xtc_threshold?: number;
+  /** A GBNF grammar (with a `root` rule) the output must match. */
+  grammar?: string;
+  /** A JSON Schema the output must validate against (not with `grammar`). */
+  json_schema?: Record<string, unknown> | true;
 }
 
 export interface Limits {
@@ -138,7 +171,8 @@ export type ErrorCode =
   | "upstream_truncated"
   | "invalid_token"
   | "already_attached"
-  | "seq_out_of_range";
+  | "seq_out_of_range"
+  | "unsupported_option";
 
 export interface ErrorFrame {
   type: "error";

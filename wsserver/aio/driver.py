@@ -47,7 +47,17 @@ from ..events import (
     TextProduced,
 )
 from ..logs import ConnectionLog
-from ..protocol import Cancel, ClientFrame, Delta, Done, Error, Resume, ServerFrame
+from ..protocol import (
+    Cancel,
+    ClientFrame,
+    Delta,
+    Done,
+    Error,
+    Generate,
+    Restart,
+    Resume,
+    ServerFrame,
+)
 from ..session import Effect, RequestState, Send, Session, StartGeneration, StopGeneration
 from .pipeline import Generation
 from .resume import Resumes
@@ -106,6 +116,18 @@ class RequestDriver:
     async def receive(self, frame: ClientFrame) -> None:
         """A client frame, parsed by the dialect."""
         now = self._loop.time()
+        if isinstance(frame, Generate | Restart):
+            # The engine refuses what it cannot serve as asked (a grammar that
+            # does not compile) before anything starts.
+            try:
+                self.services.backend.check(
+                    frame
+                    if isinstance(frame, Generate)
+                    else Generate(frame.new_id, **frame.overrides)
+                )
+            except ProtocolError as exc:
+                await self.refuse(exc)
+                return
         if isinstance(frame, Resume):
             await self._resume(frame, now)
         elif (

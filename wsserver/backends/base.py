@@ -62,13 +62,14 @@ import abc
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..errors import BackendError, GenerationCancelled
+from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..events import Outcome
 from ..logs import context
 from ..protocol import Generate, Message
+from ..sampling import SAMPLING_FIELDS, Sampling, options_asked
 
 __all__ = [
     "Backend",
@@ -115,6 +116,11 @@ class GenerationRequest:
     stop: tuple[str, ...]
     #: The connection it came from: for log lines and thread names only.
     conn_id: str = ""
+    #: The rest of the sampler chain, llama-server's defaults filled in.
+    sampling: Sampling = field(default_factory=Sampling)
+    #: A GBNF grammar, or a JSON Schema as JSON text, the output must match.
+    grammar: str | None = None
+    json_schema: str | None = None
 
     @classmethod
     def from_frame(
@@ -131,6 +137,9 @@ class GenerationRequest:
             seed=frame.seed,
             stop=frame.stop,
             conn_id=conn_id,
+            sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
+            grammar=frame.grammar,
+            json_schema=frame.json_schema,
         )
 
 
@@ -254,6 +263,9 @@ class Backend(abc.ABC):
     slots: int = 0
     #: How many requests may wait for a slot before ``overloaded``.
     max_waiting: int = 64
+    #: The stage options (:data:`wsserver.sampling.NEUTRAL`'s names) this
+    #: engine honours; any other given a value that matters is refused.
+    honours: frozenset[str] = frozenset()
 
     def load(self) -> None:
         """Load the model. Blocking; called once on a worker thread."""
@@ -262,6 +274,25 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release the model. Called once at shutdown, after every request completed."""
         return None
+
+    def check(self, frame: Generate) -> None:
+        """Refuse, before it starts, a request this engine cannot serve as asked.
+
+        Called on the event loop for every ``generate`` (and a ``restart``'s
+        overrides) before the request is accepted; raises
+        :class:`~wsserver.errors.ProtocolError`: ``unsupported_option`` for a
+        stage option (:data:`wsserver.sampling.NEUTRAL`) given a value that
+        matters and not in :attr:`honours`; an engine's override adds its own
+        checks (``bad_request``: a grammar that does not compile, a token
+        outside the vocabulary). Must be quick or cached.
+        """
+        for name in sorted(options_asked(frame) - self.honours):
+            raise ProtocolError(
+                "unsupported_option",
+                f"'{name}' is not supported by this server's engine ({self.model_name}); "
+                "leave it out or give its neutral value",
+                frame.id,
+            )
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""

@@ -41,8 +41,9 @@ import llama_cpp
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
-from ..errors import BackendError, ModelLoadError
-from ..protocol import Message
+from ..errors import BackendError, ModelLoadError, ProtocolError
+from ..protocol import Generate, Message
+from ..sampling import NEUTRAL
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import install_log_bridge, new_context
 from .llama_engine import BatchEngine, RequestStats
@@ -86,6 +87,8 @@ def _default_model_path() -> Path:
 
 class LlamaBackend(Backend):
     """Serves a GGUF model through llama.cpp: one context, ``parallel`` sequences."""
+
+    honours = frozenset(NEUTRAL)
 
     def __init__(
         self,
@@ -185,6 +188,7 @@ class LlamaBackend(Backend):
             prefill_chunk=self.prefill_chunk,
             prepare=self._prompt,
             piece=self._piece,
+            tokenize_text=self._tokenize_text,
             native_abort=native,
         )
         self.engine.on_prefill = self._on_prefill
@@ -253,6 +257,10 @@ class LlamaBackend(Backend):
     def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self._model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
 
+    def _tokenize_text(self, text: str) -> list[int]:
+        """Plain text's tokens (no BOS, special tokens not parsed): a logit bias's text."""
+        return list(self._model.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's tokens and the stop strings, as llama-cpp-python would make them."""
         stops = tuple(request.stop)
@@ -299,6 +307,26 @@ class LlamaBackend(Backend):
         return piece
 
     # ------------------------------------------------------------ requests
+
+    def check(self, frame: Generate) -> None:
+        """Compile the request's grammar (cached) and check its logit bias's
+        token ids, so that neither fails after the request started. Before
+        the model is loaded the engine's admission checks the same."""
+        super().check(frame)
+        engine = self.engine
+        if engine is None:
+            return
+        try:
+            engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
+            for key, _ in frame.logit_bias or ():
+                if isinstance(key, int) and key >= engine.n_vocab:
+                    raise BackendError(
+                        f"logit_bias: token {key} is not in the model's vocabulary "
+                        f"(ids 0 to {engine.n_vocab - 1})",
+                        code="bad_request",
+                    )
+        except BackendError as exc:
+            raise ProtocolError(exc.code, str(exc), frame.id) from None
 
     def submit(
         self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent

@@ -11,8 +11,9 @@
   ``b"\\0\\0"`` → 0 (false), ``b"\\1\\0"`` → 1 (true) — so no Python runs in
   the compute thread and the GIL is never taken. Where libc is not found a
   ctypes callback reads the same byte (it takes the GIL on every call).
-* **Sampler chains**, one per request, exactly as llama-cpp-python's
-  ``create_completion`` builds them.
+* **Sampler chains**, one per request, in llama-server's default order
+  (:mod:`wsserver.sampling`); at the default options exactly the chain
+  llama-cpp-python's ``create_completion`` builds.
 * **The batch**: one ``llama_batch`` reused every step.
 * **The log bridge**: llama.cpp's log lines into Python logging.
 """
@@ -22,17 +23,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import llama_cpp
 
+from ..sampling import Sampling
+
 __all__ = [
     "AbortFlag",
     "Batch",
+    "has_history",
     "install_log_bridge",
     "native_flag_reader",
     "new_context",
     "new_sampler",
+    "penalty_window",
     "quiet_errors",
 ]
 
@@ -165,27 +171,97 @@ def new_context(
 
 
 def new_sampler(
-    *, temperature: float, top_k: int, top_p: float, min_p: float, typical_p: float, seed: int
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    sampling: Sampling,
+    vocab: Any,
+    n_vocab: int,
+    n_ctx: int,
+    bias: Sequence[tuple[int, float]] = (),
 ) -> Any:
-    """A native sampler chain, as ``Llama._init_sampler`` builds it.
+    """A request's native sampler chain, in llama-server's default order.
 
-    (Its repeat-penalty stage is left out: at the fixed neutral penalties it
-    returns without touching the candidates.) Free it with ``llama_sampler_free``.
+    ``logit_bias → penalties → DRY → top_k → typical_p → top_p → min_p → XTC →
+    temperature → dist``; at temperature 0 the filters go (they never change
+    the most likely token) and ``greedy`` draws. A stage whose options are
+    neutral is left out, so the default chain is exactly the one
+    ``Llama._init_sampler`` builds (whose penalties stage, at its neutral
+    defaults, returns without touching the candidates). ``bias`` holds token
+    ids already checked against the vocabulary. Free it with
+    ``llama_sampler_free``.
     """
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    stages: list[Any] = []
+    if bias:
+        array = (llama_cpp.llama_logit_bias * len(bias))()
+        for i, (token, value) in enumerate(bias):
+            array[i] = llama_cpp.llama_logit_bias(token, value)
+        stages.append(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), array))
+    if sampling.penalties:
+        stages.append(
+            llama_cpp.llama_sampler_init_penalties(
+                n_vocab,
+                penalty_window(sampling.repeat_last_n, n_ctx),
+                sampling.repeat_penalty,
+                sampling.frequency_penalty,
+                sampling.presence_penalty,
+            )
+        )
+    if sampling.dry:
+        breakers = [b.encode("utf-8") for b in sampling.dry_sequence_breakers]
+        pointers = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+        stages.append(
+            llama_cpp.llama_sampler_init_dry(
+                vocab,
+                sampling.dry_multiplier,
+                sampling.dry_base,
+                sampling.dry_allowed_length,
+                penalty_window(sampling.dry_penalty_last_n, n_ctx),
+                pointers,
+                len(breakers),
+            )
+        )
     if temperature == 0.0:
-        llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-        return chain
-    for stage in (
-        llama_cpp.llama_sampler_init_top_k(top_k),
-        llama_cpp.llama_sampler_init_typical(typical_p, 1),
-        llama_cpp.llama_sampler_init_top_p(top_p, 1),
-        llama_cpp.llama_sampler_init_min_p(min_p, 1),
-        llama_cpp.llama_sampler_init_temp(temperature),
-        llama_cpp.llama_sampler_init_dist(seed),
-    ):
+        if sampling.xtc:
+            stages.append(
+                llama_cpp.llama_sampler_init_xtc(
+                    sampling.xtc_probability, sampling.xtc_threshold, 1, seed
+                )
+            )
+        stages.append(llama_cpp.llama_sampler_init_greedy())
+    else:
+        stages += [
+            llama_cpp.llama_sampler_init_top_k(top_k),
+            llama_cpp.llama_sampler_init_typical(sampling.typical_p, 1),
+            llama_cpp.llama_sampler_init_top_p(top_p, 1),
+            llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1),
+        ]
+        if sampling.xtc:
+            stages.append(
+                llama_cpp.llama_sampler_init_xtc(
+                    sampling.xtc_probability, sampling.xtc_threshold, 1, seed
+                )
+            )
+        stages += [
+            llama_cpp.llama_sampler_init_temp(temperature),
+            llama_cpp.llama_sampler_init_dist(seed),
+        ]
+    for stage in stages:
         llama_cpp.llama_sampler_chain_add(chain, stage)
     return chain
+
+
+def penalty_window(last_n: int, n_ctx: int) -> int:
+    """A look-back window as llama-server reads it: -1 = the whole context."""
+    return n_ctx if last_n < 0 else last_n
+
+
+def has_history(sampling: Sampling) -> bool:
+    """Whether the chain has a stage that remembers tokens (penalties, DRY)."""
+    return sampling.penalties or sampling.dry
 
 
 # ---------------------------------------------------------------- batch

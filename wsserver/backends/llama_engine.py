@@ -34,7 +34,8 @@ One step:
    text, until ``when_room`` fires — its memory stays bounded by its channel,
    the others keep their pace.
 4. **Decode**, then sample every sequence that asked for logits with its own
-   native sampler chain, and run the text through its
+   native sampler chain (and its grammar, checked against the sampled token
+   first: :mod:`.llama_grammar`), and run the text through its
    :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
    a stop string, ``max_tokens`` or the sequence's full context end it.
 
@@ -76,7 +77,8 @@ from ..logs import context
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_context import AbortFlag, Batch, new_sampler, quiet_errors
+from .llama_context import AbortFlag, Batch, has_history, new_sampler, penalty_window, quiet_errors
+from .llama_grammar import Candidates, GrammarCache, utf8_needed
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
@@ -86,9 +88,6 @@ log = logging.getLogger("wsserver.llama")
 #: llama-server's ``--slot-prompt-similarity`` default: below this share of
 #: the prompt in common, a cached sequence is not worth routing to.
 PREFIX_SIMILARITY = 0.1
-#: Sampling settings the protocol does not expose, at ``create_completion``'s defaults.
-MIN_P = 0.05
-TYPICAL_P = 1.0
 #: Per-request counters kept for tests and the bench, newest last.
 _STATS_KEPT = 256
 
@@ -109,6 +108,7 @@ class BatchEngine:
         prefill_chunk: int,
         prepare: Prepare,
         piece: Callable[[int], bytes],
+        tokenize_text: Callable[[str], list[int]] | None = None,
         native_abort: bool = True,
     ) -> None:
         self.ctx = ctx
@@ -120,6 +120,11 @@ class BatchEngine:
         self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
         self._prepare = prepare
         self._piece = piece
+        self._tokenize_text = tokenize_text
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.grammars = GrammarCache(vocab)
+        #: The full candidate list, built only for constrained sequences.
+        self._candidates: Candidates | None = None
         self.sequences = [SequenceState(i) for i in range(parallel)]
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
@@ -180,6 +185,7 @@ class BatchEngine:
         for job in self._jobs:
             self._free_sampler(job)
         self._batch.free()
+        self.grammars.close()
 
     # ------------------------------------------------------------ the loop
 
@@ -245,6 +251,14 @@ class BatchEngine:
         if not prompt:
             self._fail(job, "the prompt is empty")
             return
+        try:
+            bias = self.logit_bias(request)
+            job.grammar = self.grammars.instance(
+                grammar=request.grammar, json_schema=request.json_schema
+            )
+        except BackendError as exc:
+            self._fail(job, str(exc), code=exc.code)
+            return
         if len(prompt) >= self.n_ctx:
             self._fail(
                 job,
@@ -269,14 +283,27 @@ class BatchEngine:
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
         seed = request.seed if request.seed is not None else random.getrandbits(32)
+        sampling = request.sampling
         job.sampler = new_sampler(
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
-            min_p=MIN_P,
-            typical_p=TYPICAL_P,
             seed=seed,
+            sampling=sampling,
+            vocab=self._vocab,
+            n_vocab=self.n_vocab,
+            n_ctx=self.n_ctx,
+            bias=bias,
         )
+        if has_history(sampling):
+            # As llama-server: the penalties and DRY see the prompt too, so a
+            # model that repeats its question is held back from the start.
+            window = max(
+                penalty_window(sampling.repeat_last_n, self.n_ctx) if sampling.penalties else 0,
+                penalty_window(sampling.dry_penalty_last_n, self.n_ctx) if sampling.dry else 0,
+            )
+            for token in prompt[max(0, len(prompt) - window) :]:
+                llama_cpp.llama_sampler_accept(job.sampler, token)
         job.assembler = TextAssembler(stops)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
@@ -292,6 +319,24 @@ class BatchEngine:
             keep,
             extra=context(request.conn_id, request.id),
         )
+
+    def logit_bias(self, request: GenerationRequest) -> list[tuple[int, float]]:
+        """The request's ``logit_bias`` as token ids: a text's tokens each get
+        its bias (llama-server's extension). Raises ``BackendError``
+        (``bad_request``) for an id outside the vocabulary."""
+        out: list[tuple[int, float]] = []
+        for key, value in request.sampling.logit_bias:
+            if isinstance(key, int):
+                if key >= self.n_vocab:
+                    raise BackendError(
+                        f"logit_bias: token {key} is not in the model's vocabulary "
+                        f"(ids 0 to {self.n_vocab - 1})",
+                        code="bad_request",
+                    )
+                out.append((key, value))
+            elif self._tokenize_text is not None:
+                out.extend((token, value) for token in self._tokenize_text(key))
+        return out
 
     def _choose(self, prompt: list[int]) -> SequenceState | None:
         free = [s for s in self.sequences if s.job is None]
@@ -392,7 +437,14 @@ class BatchEngine:
     def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler
         assert assembler is not None
-        token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+        if job.grammar is None:
+            token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+        else:
+            constrained = self._sample_constrained(job, index)
+            if constrained is None:
+                self._fail(job, "the grammar allows no token here", code="internal")
+                return
+            token = constrained
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
             self._ending(job, "stop")
         else:
@@ -405,6 +457,30 @@ class BatchEngine:
             else:
                 job.next_token = token
         self._deliver(job)
+
+    def _sample_constrained(self, job: Job, index: int) -> int | None:
+        """Sample, then let the grammar check the token; filter the whole list
+        only when it rejects it (see :mod:`.llama_grammar`)."""
+        if self._candidates is None:
+            self._candidates = Candidates(self._vocab, self.n_vocab, self._piece)
+        candidates = self._candidates
+        inside = job.utf8_needed > 0
+        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+        candidates.load(logits, inside=inside)
+        llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
+        token = candidates.selected()
+        if not candidates.accepts(job.grammar, token, inside=inside):
+            candidates.load(logits, inside=inside)
+            llama_cpp.llama_sampler_apply(job.grammar, candidates.pointer)
+            llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
+            token = candidates.selected()
+            if not candidates.accepts(job.grammar, token, inside=inside):
+                return None  # a grammar no token of this vocabulary can continue
+        if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            llama_cpp.llama_sampler_accept(job.grammar, token)
+            job.utf8_needed = utf8_needed(job.utf8_needed, self._piece(token))
+        llama_cpp.llama_sampler_accept(job.sampler, token)
+        return token
 
     def _ending(self, job: Job, reason: DoneReason) -> None:
         assert job.assembler is not None
@@ -455,3 +531,6 @@ class BatchEngine:
         if job.sampler is not None:
             llama_cpp.llama_sampler_free(job.sampler)
             job.sampler = None
+        if job.grammar is not None:
+            llama_cpp.llama_sampler_free(job.grammar)
+            job.grammar = None

@@ -49,6 +49,10 @@ class Job:
     #: Sampled, its text delivered or held, not yet decoded.
     next_token: int | None = None
     sampler: Any = None
+    #: The request's grammar sampler (None: unconstrained), and how many
+    #: UTF-8 continuation bytes its output still owes.
+    grammar: Any = None
+    utf8_needed: int = 0
     assembler: TextAssembler | None = None
     produced: int = 0
     #: Text the channel has not taken yet (a token's, then perhaps the tail).

@@ -49,6 +49,7 @@ import aiohttp
 from ..config import OpenAIConfig
 from ..errors import ModelLoadError
 from ..logs import context
+from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
 from .base import (
     Backend,
@@ -99,6 +100,9 @@ class Upstream:
 
 class OpenAIBackend(Backend):
     """Relays each request to one of ``urls`` (see the module docstring)."""
+
+    #: Every option is forwarded to the upstream, which honours or refuses it.
+    honours = frozenset(NEUTRAL)
 
     def __init__(
         self,

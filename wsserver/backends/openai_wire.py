@@ -25,6 +25,7 @@ import orjson
 
 from ..errors import BackendError, WireCode
 from ..protocol import DoneReason
+from ..sampling import SAMPLING_FIELDS, Sampling
 from .base import GenerationRequest
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "error_message",
     "parse_chunk",
     "request_body",
+    "sampler_options",
 ]
 
 #: The data of the event that ends an OpenAI stream.
@@ -72,13 +74,47 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
     }
     if request.seed is not None:
         body["seed"] = request.seed
+    body.update(sampler_options(request.sampling))
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.grammar is not None:
+        body["grammar"] = request.grammar  # llama-server's extension
     if request.messages is not None:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        if request.json_schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": orjson.loads(request.json_schema)},
+            }
         return "/chat/completions", orjson.dumps(body)
+    if request.json_schema is not None:
+        body["json_schema"] = orjson.loads(request.json_schema)  # llama-server's extension
     body["prompt"] = request.prompt or ""
     return "/completions", orjson.dumps(body)
+
+
+_DEFAULTS = Sampling()
+
+
+def sampler_options(sampling: Sampling) -> dict[str, Any]:
+    """The sampler options a request gave other than the defaults, by their
+    llama-server names (OpenAI's own for the penalties and ``logit_bias``).
+
+    Defaults are left out: an upstream that is not llama-server keeps its own
+    and is not sent names it may refuse. ``logit_bias`` goes as OpenAI's
+    object (llama-server also takes text keys there, and ``false``: a ban).
+    """
+    out: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        value = getattr(sampling, name)
+        if value == getattr(_DEFAULTS, name):
+            continue
+        if name == "logit_bias":
+            value = {str(token): False if bias == -math.inf else bias for token, bias in value}
+        elif name == "dry_sequence_breakers":
+            value = list(value)
+        out[name] = value
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,224 @@
+"""Grammar-constrained sampling for the batched engine (see :mod:`.llama_engine`).
+
+* **Compiling.** A ``json_schema`` becomes GBNF through llama.cpp's own
+  JSON-schema-to-grammar conversion, as shipped with llama-cpp-python
+  (``llama_cpp.llama_grammar.json_schema_to_gbnf``); GBNF becomes a native
+  grammar sampler (``llama_sampler_init_grammar``), which returns NULL for a
+  grammar it cannot parse. Either failure is a ``bad_request`` — checked
+  before the request starts (:meth:`GrammarCache.compile`), never answered
+  with unconstrained text.
+* **The cache.** Compiled grammars are kept by their text, bounded by bytes
+  (the text and its GBNF), least recently used first out. A request gets a
+  clone of the cached prototype (a grammar sampler has the parse state of
+  one output).
+* **Sampling: the grammar checks the sampled token first** (as llama.cpp's
+  common sampler does). The chain runs on the full candidate list; if the
+  grammar accepts the token drawn, that is the token. Only when it rejects it
+  are the candidates rebuilt, the grammar applied to the whole list (costly:
+  every token's text against the grammar's state), then the chain again. So
+  a constrained sequence costs the batch a grammar check per token, plus a
+  full filter only now and then; unconstrained sequences keep the native
+  ``llama_sampler_sample`` path and pay nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from ..errors import BackendError
+
+__all__ = ["DEFAULT_CACHE_BYTES", "Candidates", "GrammarCache", "schema_to_gbnf", "utf8_needed"]
+
+#: What the compiled-grammar cache may hold, in bytes of grammar text.
+DEFAULT_CACHE_BYTES = 4 << 20
+
+_LOOSE_CHAR = 'char ::= [^"\\\\] |'
+_STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def schema_to_gbnf(schema: str) -> str:
+    """A JSON Schema (JSON text) as GBNF; ``bad_request`` if it cannot be converted."""
+    text = "{}" if schema == "true" else schema
+    try:
+        gbnf = str(json_schema_to_gbnf(text))
+    except Exception as exc:  # the converter raises whatever it meets
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise BackendError(
+            f"'json_schema' could not be compiled to a grammar: {detail}", code="bad_request"
+        ) from None
+    # The converter llama-cpp-python ships lets a JSON string hold raw control
+    # characters, which no JSON parser accepts; llama.cpp's own excludes them.
+    return gbnf.replace(_LOOSE_CHAR, _STRICT_CHAR)
+
+
+class GrammarCache:
+    """Native grammar prototypes by their text, bounded by bytes. Thread-safe."""
+
+    def __init__(self, vocab: Any, *, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self._vocab = vocab
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._lock = threading.Lock()
+        #: (kind, text) → (prototype, its size in bytes)
+        self._entries: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self.compiled = 0
+
+    def compile(self, *, grammar: str | None, json_schema: str | None) -> Any:
+        """The prototype for a request's constraint (None: none); raises ``bad_request``."""
+        if grammar is not None:
+            key = ("gbnf", grammar)
+        elif json_schema is not None:
+            key = ("schema", json_schema)
+        else:
+            return None
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry[0]
+        gbnf = grammar if grammar is not None else schema_to_gbnf(key[1])
+        prototype = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"), b"root")
+        if not prototype:
+            field = "grammar" if grammar is not None else "json_schema"
+            raise BackendError(
+                f"'{field}' could not be parsed as a GBNF grammar with a 'root' rule",
+                code="bad_request",
+            )
+        size = len(key[1]) + (0 if grammar is not None else len(gbnf))
+        with self._lock:
+            self.compiled += 1
+            old = self._entries.pop(key, None)
+            if old is not None:  # compiled twice at once: keep one
+                self.bytes -= old[1]
+                llama_cpp.llama_sampler_free(old[0])
+            self._entries[key] = (prototype, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes and len(self._entries) > 1:
+                _, (evicted, evicted_size) = self._entries.popitem(last=False)
+                self.bytes -= evicted_size
+                llama_cpp.llama_sampler_free(evicted)
+        return prototype
+
+    def instance(self, *, grammar: str | None, json_schema: str | None) -> Any:
+        """A fresh grammar sampler for one request (None: unconstrained)."""
+        if grammar is None and json_schema is None:
+            return None
+        while True:
+            prototype = self.compile(grammar=grammar, json_schema=json_schema)
+            with self._lock:
+                # Evicted meanwhile by another compile? Then compile it again.
+                if any(entry[0] is prototype for entry in self._entries.values()):
+                    return llama_cpp.llama_sampler_clone(prototype)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        with self._lock:
+            for prototype, _ in self._entries.values():
+                llama_cpp.llama_sampler_free(prototype)
+            self._entries.clear()
+            self.bytes = 0
+
+
+class Candidates:
+    """One full candidate list (``llama_token_data_array``), reused every step.
+
+    Two kinds of token are never candidates of a constrained sequence, so
+    that the grammar's view of the output and the text sent stay the same:
+
+    * control and unknown tokens other than end-of-generation: llama.cpp's
+      grammar matches them by their text (``<s>``, ``<unk>``,
+      ``<start_of_turn>``), which the engine never emits;
+    * a token that would make the bytes invalid UTF-8 (a continuation byte
+      where a character should start, anything else where one should go
+      on): llama.cpp's grammar decodes such bytes leniently, the engine's
+      text drops them, and the two would part.
+    """
+
+    def __init__(self, vocab: Any, n_vocab: int, piece: Callable[[int], bytes]) -> None:
+        self.n_vocab = n_vocab
+        self._ids = np.arange(n_vocab, dtype=np.int32)
+        textless = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        first = np.full(n_vocab, -1, dtype=np.int16)
+        control = np.zeros(n_vocab, dtype=bool)
+        for t in range(n_vocab):
+            eog = llama_cpp.llama_vocab_is_eog(vocab, t)
+            control[t] = bool(llama_cpp.llama_vocab_get_attr(vocab, t) & textless) and not eog
+            data = piece(t) if not eog else b""
+            if data:
+                first[t] = data[0]
+        continuation = (first >= 0x80) & (first <= 0xBF)
+        #: Banned where a character starts, and where one goes on.
+        self._banned_at_start = (
+            control | continuation | (first == 0xC0) | (first == 0xC1) | (first >= 0xF5)
+        )
+        self._banned_inside = ~continuation
+        self.data = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        self.native = llama_cpp.llama_token_data_array(
+            data=self.data.ctypes.data_as(llama_cpp.llama_token_data_p),
+            size=n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        self.pointer = ctypes.pointer(self.native)
+        # One token, for the grammar's check of the sampled one.
+        self._one = llama_cpp.llama_token_data(0, 1.0, 0.0)
+        self._one_array = llama_cpp.llama_token_data_array(
+            data=ctypes.pointer(self._one), size=1, selected=-1, sorted=False
+        )
+        self._one_pointer = ctypes.pointer(self._one_array)
+
+    def _banned(self, inside: bool) -> Any:
+        return self._banned_inside if inside else self._banned_at_start
+
+    def load(self, logits: Any, *, inside: bool = False) -> None:
+        """Every token with its logit (``llama_get_logits_ith``'s pointer);
+        ``inside``: the bytes so far end inside a character."""
+        self.data["id"] = self._ids
+        self.data["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        self.data["logit"][self._banned(inside)] = -np.inf
+        self.data["p"] = 0.0
+        self.native.size = self.n_vocab
+        self.native.selected = -1
+        self.native.sorted = False
+
+    def selected(self) -> int:
+        # Through the struct's pointer: a stage may have pointed it elsewhere.
+        return int(self.native.data[self.native.selected].id)
+
+    def accepts(self, grammar: Any, token: int, *, inside: bool = False) -> bool:
+        """Whether ``grammar`` in its current state allows ``token`` next."""
+        if self._banned(inside)[token]:
+            return False
+        self._one_array.data[0] = llama_cpp.llama_token_data(token, 1.0, 0.0)
+        self._one_array.size = 1
+        self._one_array.selected = -1
+        self._one_array.sorted = False
+        llama_cpp.llama_sampler_apply(grammar, self._one_pointer)
+        return bool(np.isfinite(self._one_array.data[0].logit))
+
+
+def utf8_needed(needed: int, data: bytes) -> int:
+    """How many continuation bytes are still due after ``data``, ``needed`` before it."""
+    for byte in data:
+        if needed > 0 and 0x80 <= byte <= 0xBF:
+            needed -= 1
+        elif byte >= 0xF0:
+            needed = 3
+        elif byte >= 0xE0:
+            needed = 2
+        elif byte >= 0xC0:
+            needed = 1
+        else:
+            needed = 0
+    return needed
