@@ -31,6 +31,7 @@ from ..backends import Backend, create_backend
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
+from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
 from .connection import Connection
 from .front import front_factory
@@ -40,6 +41,8 @@ from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
+from .responses_http import PREFIX as RESPONSES_PREFIX
+from .responses_http import ResponsesRoute
 from .resume import Resumes
 from .scheduler import Scheduler
 from .services import Services
@@ -155,6 +158,13 @@ class Server:
             engine_unready=self.backend.unready_reason,
             routes=web_routes(),
         )
+        #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
+        self.responses = ResponsesRoute(
+            self._services,
+            ResponseStore(
+                max_bytes=limits.responses_store_bytes, ttl_s=limits.responses_store_ttl_s
+            ),
+        )
         #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
         self.api = HttpApi(
             services=self._services,
@@ -165,6 +175,7 @@ class Server:
                 metrics=self.metrics,
             ),
             next_id=lambda: f"c{next(self._ids)}",
+            routes={RESPONSES_PREFIX: self.responses},
         )
 
     @property
