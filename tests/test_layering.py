@@ -58,6 +58,7 @@ DIALECTS = {
     "responses": {
         "wsserver.aio.responses_run",
         "wsserver.aio.responses_http",
+        "wsserver.aio.responses_socket",
         "wsserver.responses_api",
         "wsserver.responses_render",
         "wsserver.responses_store",

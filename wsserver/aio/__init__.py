@@ -17,6 +17,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     │   ├── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
     │   ├── openai_stream  one completion: rendered as SSE or a JSON body
     │   └── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
+    ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
     ├── responses_run  one response on the driver, rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize

@@ -99,11 +99,15 @@ class ResponseRun:
             events = render.end(frame)
             if self._keep is not None and render.status in ("completed", "incomplete"):
                 self._keep(render.response(), render.conversation(self._history))
-            self._finish()
-            await self.emit(events, last=True)
+            try:
+                await self.emit(events, last=True)
+            finally:
+                self._finish()
         elif isinstance(frame, Error):
-            self._finish()
-            await self.refused(status_of(frame.code), frame.code, frame.message)
+            try:
+                await self.refused(status_of(frame.code), frame.code, frame.message)
+            finally:
+                self._finish()
 
     def _finish(self) -> None:
         if not self.finished.done():
