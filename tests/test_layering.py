@@ -8,8 +8,9 @@
 * The sans-I/O core (protocol, client frames, session, events, request
   records, replay tails) loads neither the engines' package
   (``wsserver.backends``) nor the configuration: the core depends on no engine.
-* Each wire dialect — the WebSocket protocol, the OpenAI HTTP API — imports
-  no other dialect's modules: what they share is the request driver's.
+* Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
+  Responses API — imports no other dialect's modules: what they share is the
+  request driver's (and the HTTP seam's, ``aio/http_route.py``).
 * No import cycle in wsserver, in bench or in the Python client
   (``wsserver_client``): the graph of imports between each package's own
   modules, read from the source with :mod:`ast` (imports inside functions
@@ -54,6 +55,14 @@ DIALECTS = {
         "wsserver.aio.openai_gate",
         "wsserver.openai_api",
     },
+    "responses": {
+        "wsserver.aio.responses_run",
+        "wsserver.aio.responses_http",
+        "wsserver.aio.responses_socket",
+        "wsserver.responses_api",
+        "wsserver.responses_render",
+        "wsserver.responses_store",
+    },
 }
 
 SANS_IO = [
@@ -68,6 +77,10 @@ SANS_IO = [
     "wsserver.backends.base",
     "wsserver.backends.openai_wire",
     "wsserver.openai_api",
+    "wsserver.api_errors",
+    "wsserver.responses_api",
+    "wsserver.responses_render",
+    "wsserver.responses_store",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

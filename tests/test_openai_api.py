@@ -169,6 +169,13 @@ def test_a_whole_body_has_the_text_and_usage() -> None:
         (b"GET /v10/models HTTP/1.1", False),
         (b"GET /healthz HTTP/1.1", False),
         (b"garbage", False),
+        # The Responses API: POST and /{id} are HTTP, GET on the path itself is
+        # the WebSocket mode's upgrade.
+        (b"POST /v1/responses HTTP/1.1", True),
+        (b"GET /v1/responses/resp_1 HTTP/1.1", True),
+        (b"DELETE /v1/responses/resp_1 HTTP/1.1", True),
+        (b"GET /v1/responses HTTP/1.1", False),
+        (b"GET /v1/responses?x=1 HTTP/1.1", False),
     ],
 )
 def test_the_front_routes_by_the_request_target(line: bytes, expected: bool) -> None:

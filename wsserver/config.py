@@ -113,6 +113,14 @@ class LimitsConfig:
     #: Memory for the inputs a connection keeps for ``restart`` (the newest is
     #: always kept, whatever its size), bytes.
     restart_memory_bytes: int = _key(1 << 19, low=0, high=1 << 30)
+    #: Responses API: bytes of responses kept server-wide for ``previous_response_id``
+    #: and ``GET /v1/responses/{id}`` over HTTP (oldest forgotten first; 0 = none kept).
+    responses_store_bytes: int = _key(16 << 20, low=0, high=1 << 34)
+    #: Responses API: how long a stored HTTP response is kept, seconds.
+    responses_store_ttl_s: float = _key(3600.0, low=1.0, high=30 * 86400.0)
+    #: Responses API, WebSocket mode: bytes of responses one connection keeps
+    #: for ``previous_response_id`` (gone with the connection).
+    responses_memory_bytes: int = _key(1 << 20, low=0, high=1 << 30)
     #: Open WebSocket connections in total; more are refused with 503 (0 = no limit).
     max_connections: int = _key(256, low=0, high=1 << 20)
     #: Open WebSocket connections per client IP; more are refused with 429 (0 = no limit).

@@ -14,7 +14,8 @@ sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
 and llama-server's ``min_p``, ``repeat_penalty``, DRY, XTC, …) go to the frame
 under the same names. ``null`` means "not given", as in OpenAI's own API.
 
-Every refusal is an :class:`ApiError` with its HTTP status and OpenAI's error
+Every refusal is an :class:`ApiError` (:mod:`wsserver.api_errors`, shared
+with the Responses API) with its HTTP status and OpenAI's error
 object (``{"error": {"message", "type", "param", "code"}}``); ``code`` is the
 wire code a WebSocket client would get for the same fault.
 """
@@ -27,8 +28,9 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from .api_errors import ApiError, error_body, error_object, status_of
 from .backends.openai_wire import DONE
-from .errors import ProtocolError, WireCode
+from .errors import ProtocolError
 from .protocol import Done, Generate, Limits, parse_client_frame
 from .sampling import SAMPLING_FIELDS
 
@@ -53,25 +55,6 @@ Kind = Literal["chat", "completion"]
 KEEPALIVE: Final = b": keep-alive\n\n"
 DONE_EVENT: Final = b"data: " + DONE.encode() + b"\n\n"
 
-#: The HTTP status of each wire code a request can be refused or fail with.
-_STATUS: Final[dict[str, HTTPStatus]] = {
-    "bad_json": HTTPStatus.BAD_REQUEST,
-    "bad_request": HTTPStatus.BAD_REQUEST,
-    "unsupported_option": HTTPStatus.BAD_REQUEST,
-    "too_large": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-    "rate_limited": HTTPStatus.TOO_MANY_REQUESTS,
-    "overloaded": HTTPStatus.SERVICE_UNAVAILABLE,
-    "stalled": HTTPStatus.SERVICE_UNAVAILABLE,
-}
-_TYPES: Final[dict[int, str]] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
 _ROLES: Final = {
     "system": "system",
     "developer": "system",
@@ -80,51 +63,12 @@ _ROLES: Final = {
 }
 
 
-def status_of(code: WireCode) -> HTTPStatus:
-    """The HTTP status for a wire code (502 for an upstream's failure, else 500)."""
-    status = _STATUS.get(code)
-    if status is not None:
-        return status
-    return (
-        HTTPStatus.BAD_GATEWAY if code.startswith("upstream_") else HTTPStatus.INTERNAL_SERVER_ERROR
-    )
-
-
-class ApiError(Exception):
-    """A request refused or failed, as OpenAI reports it."""
-
-    def __init__(
-        self, status: HTTPStatus, message: str, code: str, param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-    @classmethod
-    def from_protocol(cls, exc: ProtocolError) -> ApiError:
-        return cls(status_of(exc.code), exc.message, exc.code)
-
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, self.code, self.param)
-
-
-def _error_object(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
-    kind = _TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
-    """OpenAI's error object as a JSON body."""
-    return orjson.dumps(_error_object(status, message, code, param))
-
-
 def error_event(status: int, message: str, code: str) -> bytes:
     """The error object as an SSE event: a stream that already began cannot
     change its status, so a failure after the headers is reported in-band
     (the ``openai`` SDKs raise ``APIError`` on it)."""
-    return b"data: " + orjson.dumps(_error_object(status, message, code, None)) + b"\n\n"
+    obj = {"error": error_object(status, message, code, None)}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def models_body(model: str, *, single: bool = False) -> bytes:

@@ -6,14 +6,19 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
     server        listening socket, lifecycle, shutdown; builds the rest
-    ├── front          the first request line: /v1 → the OpenAI dialect, the rest → websockets
+    ├── front          the first request line: /v1 → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
     │   ├── sender         frames to the socket (serialized as they are)
     │   └── peer           the websockets connection class, memory bound
-    ├── openai_http    the OpenAI dialect's HTTP/1.1 transport (h11)
+    ├── openai_http    the HTTP/1.1 transport (h11) of the OpenAI-shaped dialects
     │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
-    │   └── openai_stream  one completion: rendered as SSE or a JSON body
+    │   ├── http_route     the seam to the routes: Responder, Exchange, RouteRequest
+    │   ├── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
+    │   ├── openai_stream  one completion: rendered as SSE or a JSON body
+    │   └── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
+    ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
+    ├── responses_run  one response on the driver, rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)

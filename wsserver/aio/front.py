@@ -8,7 +8,8 @@ asyncio protocol that ``serve()`` builds for each accepted connection is this
 connection over for good:
 
 * a target under ``/v1`` goes to the OpenAI HTTP handler
-  (:mod:`wsserver.aio.openai_http`);
+  (:mod:`wsserver.aio.openai_http`) — but ``GET /v1/responses``, the
+  Responses API's WebSocket mode, is an upgrade and goes to websockets;
 * anything else — every WebSocket handshake, ``/``, ``/healthz``,
   ``/metrics`` — goes to websockets' own connection, exactly as if the
   front were not there: it is built as ``serve()`` would have built it,
@@ -35,6 +36,9 @@ __all__ = ["MAX_REQUEST_LINE", "OPEN_TIMEOUT_S", "Front", "front_factory", "is_o
 
 #: A request line longer than this goes to websockets, which refuses it properly.
 MAX_REQUEST_LINE: Final = 8192
+#: ``GET`` on this target is the Responses API's WebSocket mode, an upgrade:
+#: it goes to websockets (``POST`` and ``/v1/responses/{id}`` are HTTP).
+RESPONSES_SOCKET: Final = b"/v1/responses"
 #: websockets' default ``open_timeout``: how long a silent new connection may stay.
 OPEN_TIMEOUT_S: Final = 10.0
 
@@ -44,11 +48,14 @@ WsFactory = Callable[..., asyncio.Protocol]
 
 
 def is_openai_target(request_line: bytes) -> bool:
-    """Whether ``METHOD TARGET VERSION`` asks for the OpenAI API (``/v1``, ``/v1/…``)."""
+    """Whether ``METHOD TARGET VERSION`` asks for the OpenAI HTTP API (``/v1``,
+    ``/v1/…``, but not ``GET /v1/responses``: a WebSocket upgrade)."""
     parts = request_line.split(b" ")
     if len(parts) < 2:
         return False
     target = parts[1].split(b"?", 1)[0]
+    if parts[0] == b"GET" and target == RESPONSES_SOCKET:
+        return False  # the Responses API's WebSocket mode: websockets does the upgrade
     return target == b"/v1" or target.startswith(b"/v1/")
 
 

@@ -8,7 +8,9 @@ only moves bytes, vets each request and routes it:
 * ``OPTIONS /v1/…`` — a CORS preflight, answered for the allowed origins;
 * ``GET /v1/models`` (and ``/v1/models/{id}``);
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` — a
-  :class:`~wsserver.aio.openai_stream.Completion`.
+  :class:`~wsserver.aio.openai_stream.Completion`;
+* other dialects' routes given in :attr:`HttpApi.routes` (the Responses
+  API's ``/v1/responses``), through the seam of :mod:`wsserver.aio.http_route`.
 
 Every request first passes :class:`~wsserver.aio.openai_gate.Gate` (the
 WebSocket handshake's checks, CORS, a request rate). Each response carries
@@ -42,12 +44,14 @@ from typing import Final
 
 import h11
 
+from ..api_errors import ApiError, error_body
 from ..errors import refusal_headers
 from ..logs import ConnectionLog
-from ..openai_api import ApiError, error_body, models_body, parse_request
+from ..openai_api import models_body, parse_request
 from .drain import DrainWatch, write_buffered
+from .http_route import Exchange, Headers, Route, RouteRequest
 from .openai_gate import Gate, RequestHeaders, request_id_of
-from .openai_stream import Completion, Headers
+from .openai_stream import Completion
 from .pipeline import Generation
 from .services import Services
 
@@ -69,6 +73,9 @@ class HttpApi:
     #: The server's live HTTP connections, by connection ID.
     live: dict[str, HttpConnection] = field(default_factory=dict)
     next_id: Callable[[], str] = lambda: "h?"
+    #: Other dialects' routes on this transport, by path prefix (``/v1/responses``):
+    #: the prefix itself and everything under it (wsserver.aio.http_route).
+    routes: dict[str, Route] = field(default_factory=dict)
 
 
 class HttpConnection(asyncio.Protocol):
@@ -86,7 +93,7 @@ class HttpConnection(asyncio.Protocol):
         self._request: h11.Request | None = None
         self._body = bytearray()
         self._handler: asyncio.Task[None] | None = None
-        self.completion: Completion | None = None
+        self.completion: Exchange | None = None
         #: Generations started here whose engine is not gone yet (/readyz, /metrics, shutdown).
         self.generations: dict[str, Generation] = {}
         self._admitted = False
@@ -275,6 +282,25 @@ class HttpConnection(asyncio.Protocol):
             now=self._loop.time(),
         )
         self._admitted = True
+        route = self._route_of(path)
+        if route is not None:
+            if self._lost:
+                return
+            await route(
+                RouteRequest(
+                    method=method,
+                    path=path,
+                    body=body,
+                    request_id=request_id,
+                    out=self,
+                    headers=extra,
+                    log=self.log,
+                    generations=self.generations,
+                    on_gone=self._generation_gone,
+                    begin=self._begin,
+                )
+            )
+            return
         model = self._services.backend.model_name
         kind = _COMPLETIONS.get(path)
         if kind is not None:
@@ -310,6 +336,15 @@ class HttpConnection(asyncio.Protocol):
             )
         else:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path[:100]}", "not_found")
+
+    def _route_of(self, path: str) -> Route | None:
+        for prefix, route in self._http_api.routes.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return route
+        return None
+
+    def _begin(self, exchange: Exchange) -> None:
+        self.completion = exchange
 
     def _generation_gone(self, generation: Generation) -> None:
         if self._lost and not self.generations:

@@ -7,7 +7,8 @@ FIFO, the engine, the bounded channel, the pacing and the cancel bookkeeping —
 and only renders the frames the driver gives back (:meth:`Completion.write`):
 
 * ``queued`` → the response's headers and a ``: keep-alive`` comment (also
-  every :data:`KEEPALIVE_S` while nothing else is sent);
+  every :data:`~wsserver.aio.http_answer.KEEPALIVE_S` while nothing else is
+  sent; the writing is :class:`~wsserver.aio.http_answer.HttpAnswer`'s);
 * ``started`` → the headers, so that a client's ``create(stream=True)``
   returns while the prompt is processed and it can abandon it;
 * ``delta`` → one SSE chunk, written, then the write waits while the
@@ -25,48 +26,21 @@ within one step, mid-prefill too, through the cancel event.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Protocol
 
-from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
 from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
 from ..session import Session
 from .driver import RequestDriver
+from .http_answer import HttpAnswer
+from .http_route import Headers, Responder
 from .pipeline import Generation
 from .services import Services
 
-__all__ = ["KEEPALIVE_S", "Completion", "Responder"]
-
-#: While a streamed request waits (for the model, or its prompt), a comment
-#: this often keeps proxies and clients from timing it out.
-KEEPALIVE_S = 10.0
-
-Headers = list[tuple[str, str]]
-
-
-class Responder(Protocol):
-    """What a completion writes its response with (the HTTP connection)."""
-
-    @property
-    def lost(self) -> bool: ...
-
-    @property
-    def paused(self) -> bool: ...
-
-    def start(self, status: int, headers: Headers) -> None: ...
-
-    def send(self, data: bytes) -> None:
-        """Write body bytes now (nothing is written once the client is gone)."""
-
-    async def drain(self) -> None:
-        """Wait while the transport is above its high-water mark."""
-
-    def end(self) -> None: ...
+__all__ = ["Completion"]
 
 
 class Completion:
@@ -87,8 +61,7 @@ class Completion:
         self.request_id = api.generate.id
         self.log = log.request(self.request_id)
         self._out = out
-        self._headers = headers
-        self._loop = asyncio.get_running_loop()
+        self._answer = HttpAnswer(out, headers)
         self.reply = Reply(
             api.kind,
             self.request_id,
@@ -97,10 +70,6 @@ class Completion:
             include_usage=api.include_usage,
         )
         self._text: list[str] = []
-        self._head_sent = False
-        self._finished: asyncio.Future[None] = self._loop.create_future()
-        self._keepalive: asyncio.TimerHandle | None = None
-        self._wrote = False
         self.driver = RequestDriver(
             services,
             dialect=self,
@@ -116,9 +85,9 @@ class Completion:
             await self.driver.receive(self.api.generate)
             if self._out.lost:
                 self.client_gone()  # went while the request was being set up
-            await self._finished
+            await self._answer.finished
         finally:
-            self._stop_keepalive()
+            self._answer.stop_keepalive()
 
     def client_gone(self) -> None:
         """The client disconnected: that is a cancel."""
@@ -138,16 +107,15 @@ class Completion:
         stream = self.api.stream
         if isinstance(frame, Delta):
             if stream:
-                self._head()
-                self._wrote = True
-                await self._write(self.reply.text_chunk(frame.text))
+                self._answer.head()
+                await self._answer.write(self.reply.text_chunk(frame.text))
             else:
                 self._text.append(frame.text)
         elif isinstance(frame, Queued | Started):
             if stream:
-                self._head()
+                self._answer.head()
                 if isinstance(frame, Queued):
-                    await self._write(KEEPALIVE)
+                    await self._answer.write(KEEPALIVE, progress=False)
         elif isinstance(frame, Done):
             await self._end(frame)
         elif isinstance(frame, Error):
@@ -163,78 +131,13 @@ class Completion:
             code = done.error_code or "internal"
             await self._fail(status_of(code), done.error_message or "generation failed", code)
         elif self.api.stream:
-            self._head()
-            await self._write_last(self.reply.final_chunks(done))
+            self._answer.head()
+            self._answer.write_last(self.reply.final_chunks(done))
         else:
-            body = self.reply.body("".join(self._text), done)
-            self._respond(HTTPStatus.OK, body, "application/json")
+            self._answer.respond(HTTPStatus.OK, self.reply.body("".join(self._text), done))
 
     async def _fail(self, status: HTTPStatus, message: str, code: str) -> None:
-        if self._head_sent:
-            await self._write_last(error_event(status, message, code))
+        if self._answer.head_sent:
+            self._answer.write_last(error_event(status, message, code))
         else:
-            self._respond(status, error_body(status, message, code), "application/json")
-
-    # ------------------------------------------------------------ writing
-
-    def _head(self) -> None:
-        if self._head_sent or self._out.lost:
-            return
-        self._head_sent = True
-        headers = [
-            ("Content-Type", "text/event-stream; charset=utf-8"),
-            ("Cache-Control", "no-cache"),
-            # nginx buffers a proxied body unless told otherwise.
-            ("X-Accel-Buffering", "no"),
-            *self._headers,
-        ]
-        self._out.start(HTTPStatus.OK, headers)
-        self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)
-
-    def _keep_alive(self) -> None:
-        self._keepalive = None
-        if self._finished.done() or self._out.lost:
-            return
-        if not self._wrote and not self._out.paused:
-            self._out.send(KEEPALIVE)
-        self._wrote = False
-        self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)
-
-    def _stop_keepalive(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
-
-    async def _write(self, data: bytes) -> None:
-        self._out.send(data)
-        await self._out.drain()
-
-    async def _write_last(self, data: bytes) -> None:
-        if self._finished.done():
-            return
-        self._finish()
-        if not self._out.lost:
-            self._out.send(data)
-            self._out.end()
-
-    def _respond(self, status: int, body: bytes, content_type: str) -> None:
-        if self._finished.done():
-            return
-        self._finish()
-        if self._out.lost:
-            return
-        self._head_sent = True
-        headers = [
-            ("Content-Type", content_type),
-            ("Content-Length", str(len(body))),
-            *self._headers,
-            *refusal_headers(status),
-        ]
-        self._out.start(status, headers)
-        self._out.send(body)
-        self._out.end()
-
-    def _finish(self) -> None:
-        self._stop_keepalive()
-        if not self._finished.done():
-            self._finished.set_result(None)
+            self._answer.respond(status, error_body(status, message, code))

@@ -31,6 +31,7 @@ from ..backends import Backend, create_backend
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
+from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
 from .connection import Connection
 from .front import front_factory
@@ -40,6 +41,10 @@ from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
+from .responses_http import PREFIX as RESPONSES_PREFIX
+from .responses_http import ResponsesRoute
+from .responses_socket import PATH as RESPONSES_SOCKET
+from .responses_socket import ResponsesSocket
 from .resume import Resumes
 from .scheduler import Scheduler
 from .services import Services
@@ -112,6 +117,8 @@ class Server:
         )
         self.scheduler = Scheduler(self.backend.slots, self.backend.max_waiting, ready=False)
         self.connections: dict[str, Connection] = {}
+        #: WebSocket-mode connections of the Responses API (aio/responses_socket.py).
+        self.responses_sockets: dict[str, ResponsesSocket] = {}
         self.background: set[asyncio.Task[Any]] = set()
         self.ready = asyncio.Event()
         self._ids = itertools.count(1)
@@ -155,6 +162,13 @@ class Server:
             engine_unready=self.backend.unready_reason,
             routes=web_routes(),
         )
+        #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
+        self.responses = ResponsesRoute(
+            self._services,
+            ResponseStore(
+                max_bytes=limits.responses_store_bytes, ttl_s=limits.responses_store_ttl_s
+            ),
+        )
         #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
         self.api = HttpApi(
             services=self._services,
@@ -165,6 +179,7 @@ class Server:
                 metrics=self.metrics,
             ),
             next_id=lambda: f"c{next(self._ids)}",
+            routes={RESPONSES_PREFIX: self.responses},
         )
 
     @property
@@ -249,6 +264,11 @@ class Server:
         await asyncio.shield(self._load_task)
 
     async def _handle(self, websocket: ServerConnection) -> None:
+        if websocket.request is not None and (
+            websocket.request.path.split("?", 1)[0] == RESPONSES_SOCKET
+        ):
+            await self._handle_responses(websocket)
+            return
         conn_id = f"c{next(self._ids)}"
         connection = Connection(self._services, websocket, conn_id, resumes=self.resumes)
         self.connections[conn_id] = connection
@@ -260,6 +280,23 @@ class Server:
             await connection.run()
         finally:
             del self.connections[conn_id]
+            self.connection_limiter.release(websocket)
+            self.metrics.connection_closed(websocket.protocol)
+            conn_log.info("closed (code %s)", websocket.close_code)
+
+    async def _handle_responses(self, websocket: ServerConnection) -> None:
+        """The Responses API's WebSocket mode (the upgrade asked for /v1/responses)."""
+        conn_id = f"c{next(self._ids)}"
+        socket = ResponsesSocket(self._services, websocket, conn_id)
+        self.responses_sockets[conn_id] = socket
+        self.metrics.connections_total.inc()
+        peer = websocket.remote_address
+        conn_log = ConnectionLog(log, conn_id)
+        conn_log.info("open from %s (Responses WebSocket mode)", peer[0] if peer else "?")
+        try:
+            await socket.run()
+        finally:
+            del self.responses_sockets[conn_id]
             self.connection_limiter.release(websocket)
             self.metrics.connection_closed(websocket.protocol)
             conn_log.info("closed (code %s)", websocket.close_code)
@@ -292,6 +329,7 @@ class Server:
         the detached ones (resumable requests whose connection was lost)."""
         tables = [c.generations for c in list(self.connections.values())]
         tables += [h.generations for h in list(self.api.live.values())]
+        tables += [r.generations for r in list(self.responses_sockets.values())]
         return [g for table in tables for g in list(table.values())] + self.resumes.detached()
 
     def producer_threads(self) -> int:
@@ -312,9 +350,12 @@ class Server:
             if since is not None:
                 blocked_seconds += max(0.0, now - since)
         http = list(self.api.live.values())
+        sockets = list(self.responses_sockets.values())
         return Snapshot(
-            connections=len(connections),
-            buffered=[c.buffered_bytes() for c in connections] + [h.buffered_bytes() for h in http],
+            connections=len(connections) + len(sockets),
+            buffered=[c.buffered_bytes() for c in connections]
+            + [h.buffered_bytes() for h in http]
+            + [r.buffered_bytes() for r in sockets],
             producers_alive=sum(1 for g in generations if g.alive()),
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
@@ -345,6 +386,7 @@ class Server:
             http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
+            *(r.shutdown(timeout=_FAREWELL_S) for r in list(self.responses_sockets.values())),
             return_exceptions=True,
         )
         with contextlib.suppress(TimeoutError):

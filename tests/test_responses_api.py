@@ -1,0 +1,251 @@
+"""The Responses API without I/O: bodies in (responses_api), events and objects
+out (responses_render), and the bounded store (responses_store)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from wsserver.api_errors import ApiError
+from wsserver.protocol import Done, Limits, Timings, Usage
+from wsserver.responses_api import ResponsesRequest, parse_body, parse_json, to_generate
+from wsserver.responses_render import ResponseRender, sse
+from wsserver.responses_store import ResponseStore, StoredResponse
+
+LIMITS = Limits(
+    max_frame_bytes=1 << 20,
+    max_prompt_chars=1000,
+    max_messages=8,
+    max_tokens=100,
+    default_max_tokens=10,
+)
+
+
+def refused(body: dict[str, Any], **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_body(body, **kwargs)
+    return info.value
+
+
+def done(reason: str = "stop", **kwargs: Any) -> Done:
+    return Done(
+        id="r",
+        reason=reason,  # type: ignore[arg-type]
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+        timings=Timings(queued_ms=0.0, ttft_ms=1.0, total_ms=2.0, tokens_per_s=1.0),
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def test_a_string_input_is_one_user_message_with_the_instructions_first() -> None:
+    request = parse_body(
+        {"model": "m", "input": "hi", "instructions": "be kind", "max_output_tokens": 7}
+    )
+    generate = to_generate(request, (), "resp_1", LIMITS)
+    assert [(m.role, m.content) for m in generate.messages or ()] == [
+        ("system", "be kind"),
+        ("user", "hi"),
+    ]
+    assert generate.max_tokens == 7
+
+
+def test_message_items_with_text_parts_and_history() -> None:
+    request = parse_body(
+        {
+            "input": [
+                {"role": "developer", "content": "rules"},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "input_text", "text": "b"},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "c"}],
+                    "id": "msg_1",
+                    "status": "completed",
+                },
+            ],
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "metadata": {"k": "v"},
+            "store": False,
+            "tools": [],
+            "user": "u",
+        }
+    )
+    assert request.store is False and request.metadata == {"k": "v"}
+    history = ({"role": "user", "content": "earlier"},)
+    generate = to_generate(request, history, "resp_1", LIMITS)
+    assert [(m.role, m.content) for m in generate.messages or ()] == [
+        ("user", "earlier"),
+        ("system", "rules"),
+        ("user", "ab"),
+        ("assistant", "c"),
+    ]
+    assert (generate.temperature, generate.top_p) == (0.5, 0.9)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f"}]},
+            "tools",
+            "unsupported_parameter",
+        ),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
+        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_object"}}},
+            "text",
+            "unsupported_parameter",
+        ),
+        ({"input": "x", "background": True}, "background", "unsupported_parameter"),
+        ({"input": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        ({"input": "x", "stream": "yes"}, "stream", "bad_request"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata", "bad_request"),
+        ({}, "input", "bad_request"),
+    ],
+)
+def test_fields_not_honoured_are_refused_by_name(
+    body: dict[str, Any], param: str, code: str
+) -> None:
+    error = refused(body)
+    assert (error.status, error.param, error.code) == (400, param, code)
+    assert param in error.message
+
+
+@pytest.mark.parametrize(
+    ("item", "named"),
+    [
+        ({"type": "function_call_output", "call_id": "c", "output": "x"}, "function_call_output"),
+        ({"type": "reasoning", "summary": []}, "reasoning"),
+        ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
+        ({"role": "tool", "content": "x"}, "role"),
+    ],
+)
+def test_unsupported_items_and_parts_are_refused_naming_them(
+    item: dict[str, Any], named: str
+) -> None:
+    error = refused({"input": [item]})
+    assert error.status == 400 and named in error.message
+
+
+def test_the_protocols_limits_apply() -> None:
+    request = parse_body({"input": "x" * 2000})
+    with pytest.raises(ApiError) as info:
+        to_generate(request, (), "resp_1", LIMITS)
+    assert info.value.code == "too_large"
+    with pytest.raises(ApiError) as info:
+        to_generate(parse_body({"input": "x", "max_output_tokens": 10**6}), (), "r", LIMITS)
+    assert info.value.status == 400
+
+
+def test_websocket_mode_takes_stream_id_and_implies_stream() -> None:
+    request = parse_body(
+        {"type": "response.create", "input": "x", "stream_id": "a"}, websocket=True
+    )
+    assert request.stream and request.stream_id == "a"
+    assert refused({"input": "x", "stream_id": "a"}).param == "stream_id"
+    assert (
+        refused({"type": "response.create", "input": "x", "stream": False}, websocket=True).param
+        == "stream"
+    )
+
+
+def test_bad_json_is_refused() -> None:
+    with pytest.raises(ApiError) as info:
+        parse_json(b"{nope")
+    assert info.value.code == "bad_json"
+    with pytest.raises(ApiError):
+        parse_json(b"[]")
+
+
+# ---------------------------------------------------------------- events
+
+
+def test_a_streamed_response_has_its_events_in_order_numbered_from_zero() -> None:
+    render = ResponseRender(
+        ResponsesRequest(input=()), response_id="resp_x", model="m", created_at=1
+    )
+    events = render.begin() + render.delta("he") + render.delta("llo") + render.end(done())
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["output"][0]["content"][0]["text"] == "hello"
+    assert final["usage"]["total_tokens"] == 5
+    assert sse(events[0]).startswith(b"event: response.created\ndata: {")
+
+
+def test_max_tokens_and_cancel_are_incomplete_errors_failed() -> None:
+    request = ResponsesRequest(input=({"role": "user", "content": "q"},), stream_id="lane")
+    render = ResponseRender(request, response_id="resp_x", model="m")
+    events = render.delta("a") + render.end(done("length"))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert all(e["stream_id"] == "lane" for e in events)
+    assert render.conversation(()) == (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    )
+    cancelled = ResponseRender(request, response_id="resp_y", model="m")
+    events = cancelled.begin() + cancelled.end(done("cancelled"))
+    assert [e["type"] for e in events][-1] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "cancelled"}
+    assert events[-1]["response"]["output"] == []
+    failed = ResponseRender(request, response_id="resp_z", model="m")
+    events = failed.end(done("error", error_code="internal", error_message="boom"))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.failed",
+    ]
+    assert events[-1]["response"]["error"] == {"code": "internal", "message": "boom"}
+
+
+# ---------------------------------------------------------------- the store
+
+
+def entry(response_id: str, text: str, expires: float | None = None) -> StoredResponse:
+    conversation = ({"role": "assistant", "content": text},)
+    return StoredResponse.of({"id": response_id}, conversation, expires=expires)
+
+
+def test_the_store_is_bounded_by_bytes_oldest_forgotten_first() -> None:
+    one = entry("a", "x" * 100)
+    store = ResponseStore(max_bytes=one.size * 2 + 10)
+    assert store.put(one, 0.0) and store.put(entry("b", "y" * 100), 0.0)
+    assert store.put(entry("c", "z" * 100), 0.0)
+    assert store.get("a", 0.0) is None and store.get("c", 0.0) is not None
+    assert store.bytes <= store.max_bytes and len(store) == 2
+    assert not store.put(entry("huge", "h" * 1000), 0.0)
+    assert store.delete("b") and not store.delete("b")
+    assert store.bytes == store.get("c", 0.0).size  # type: ignore[union-attr]
+
+
+def test_the_store_forgets_after_its_ttl() -> None:
+    store = ResponseStore(max_bytes=1 << 20, ttl_s=10.0)
+    store.put(entry("a", "x", expires=store.expiry(0.0)), 0.0)
+    assert store.get("a", 9.9) is not None
+    assert store.get("a", 10.0) is None and store.bytes == 0
+    assert orjson.loads(entry("a", "x").body) == {"id": "a"}

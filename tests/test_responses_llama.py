@@ -1,0 +1,75 @@
+"""The Responses API's WebSocket mode on the real llama.cpp engine (the tiny
+GGUF): ``response.cancel`` mid-prefill frees the model at once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+import openai
+from conftest import make_config, running_server, timeout
+
+from wsserver.backends.llama import LlamaBackend
+
+pytestmark = pytest.mark.llama
+
+#: ~7,000 prompt tokens: about a second of prefill for the tiny model.
+LONG_PROMPT = "hello world " * 3500
+
+
+async def test_response_cancel_mid_prefill_frees_the_model(tiny_gguf: Path) -> None:
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__n_ctx=8192,
+        backend__llama__parallel=1,
+        limits__max_tokens=8000,
+    )
+    async with running_server(config) as server:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        loop = asyncio.get_running_loop()
+        prefills: asyncio.Queue[str] = asyncio.Queue()
+        backend.on_prefill = lambda request_id, n: loop.call_soon_threadsafe(
+            prefills.put_nowait, request_id
+        )
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(60),
+        )
+        try:
+            async with client.responses.connect(max_retries=0) as socket:
+                await socket.send(
+                    {"type": "response.create", "input": LONG_PROMPT, "max_output_tokens": 50}
+                )
+                async with asyncio.timeout(timeout(10)):
+                    created = await socket.recv()
+                    assert created.type == "response.created"
+                    long_id = created.response.id
+                    assert await prefills.get() == long_id
+                await socket.send({"type": "response.cancel", "response_id": long_id})
+                async with asyncio.timeout(timeout(10)):
+                    async for event in socket:
+                        if event.type == "response.incomplete":
+                            break
+                # The next response gets the model as soon as the abort lands.
+                await socket.send(
+                    {"type": "response.create", "input": "Hello", "max_output_tokens": 3}
+                )
+                async with asyncio.timeout(timeout(30)):
+                    async for event in socket:
+                        if event.type in ("response.completed", "response.incomplete"):
+                            break
+                assert event.response.usage is not None
+        finally:
+            await client.close()
+            backend.on_prefill = None
+        stats = backend.request_stats(long_id)
+        assert stats is not None and stats.decoded < stats.prompt_tokens, stats

@@ -1,0 +1,245 @@
+"""The Responses API's WebSocket mode end to end: ``client.responses.connect()``
+of the official ``openai`` SDK against a real server on ``/v1/responses``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+from conftest import running_server, timeout, wire
+
+from wsserver.aio import Server
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+@contextlib.asynccontextmanager
+async def connected(server: Server, api_key: str = "unused") -> AsyncIterator[Any]:
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1",
+        api_key=api_key,
+        max_retries=0,
+        timeout=timeout(30),
+    )
+    try:
+        async with client.responses.connect(max_retries=0) as connection:
+            yield connection
+    finally:
+        await client.close()
+
+
+async def until_terminal(connection: Any) -> list[Any]:
+    events = []
+    async with asyncio.timeout(timeout(30)):
+        async for event in connection:
+            events.append(event)
+            if event.type in (*TERMINAL, "error"):
+                return events
+    raise AssertionError("the socket closed before the response ended")
+
+
+async def next_event(connection: Any, kind: str) -> Any:
+    async with asyncio.timeout(timeout(30)):
+        async for event in connection:
+            if event.type == kind:
+                return event
+    raise AssertionError(f"no {kind}")
+
+
+def requests_ended(server: Server, reason: str) -> float:
+    value = server.metrics.registry.get_sample_value("wsserver_requests_total", {"reason": reason})
+    return value or 0.0
+
+
+async def ws_text(server: Server, **fields: Any) -> str:
+    async with wire(server) as client:
+        await client.send({"type": "generate", "id": "w", **fields})
+        text, _ = await client.done("w")
+        return text
+
+
+async def test_three_chained_creates_on_one_socket() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        async with connected(server) as connection:
+            previous: str | None = None
+            texts: list[str] = []
+            for turn in ("one", "two", "three"):
+                body: dict[str, Any] = {
+                    "type": "response.create",
+                    "model": "m",
+                    "input": turn,
+                    "max_output_tokens": 4,
+                }
+                if previous is not None:
+                    body["previous_response_id"] = previous
+                await connection.send(body)
+                events = await until_terminal(connection)
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                assert events[0].type == "response.created"
+                final = events[-1].response
+                assert final.previous_response_id == previous
+                previous = final.id
+                texts.append(final.output_text)
+            (socket,) = server.responses_sockets.values()
+            assert len(socket.store) == 3
+            assert socket.store.bytes <= server.config.limits.responses_memory_bytes
+        # The third turn saw the whole conversation.
+        expected = await ws_text(
+            server,
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": texts[0]},
+                {"role": "user", "content": "two"},
+                {"role": "assistant", "content": texts[1]},
+                {"role": "user", "content": "three"},
+            ],
+        )
+        assert texts[2] == expected
+
+
+# The SDK's sync client opens websockets' sync connection without a context
+# manager, which websockets >= 17.1 warns about: the SDK's, not ours.
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
+async def test_the_sync_client_connects_too() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+
+        def converse() -> list[str]:
+            with client.responses.connect(max_retries=0) as connection:
+                connection.send({"type": "response.create", "input": "hi", "max_output_tokens": 3})
+                kinds = []
+                for event in connection:
+                    kinds.append(event.type)
+                    if event.type in TERMINAL:
+                        return kinds
+            return kinds
+
+        try:
+            kinds = await asyncio.wait_for(asyncio.to_thread(converse), timeout(30))
+        finally:
+            client.close()
+        assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+
+
+async def test_two_lanes_run_at_once_each_event_names_its_lane() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=0.0, backend__fake__parallel=2) as server,
+        connected(server) as connection,
+    ):
+        for lane in ("a", "b"):
+            await connection.send(
+                {
+                    "type": "response.create",
+                    "input": lane,
+                    "max_output_tokens": 5,
+                    "stream_id": lane,
+                }
+            )
+        ended: dict[str, str] = {}
+        async with asyncio.timeout(timeout(30)):
+            async for event in connection:
+                assert event.stream_id in ("a", "b")
+                if event.type in TERMINAL:
+                    ended[event.stream_id] = event.response.status
+                    if len(ended) == 2:
+                        break
+        assert ended == {"a": "incomplete", "b": "incomplete"}
+
+
+async def test_response_cancel_ends_it_at_once_and_frees_the_engine() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=20.0, backend__fake__parallel=1) as server,
+        connected(server) as connection,
+    ):
+        await connection.send(
+            {"type": "response.create", "input": "long", "max_output_tokens": 100_000}
+        )
+        created = await next_event(connection, "response.created")
+        await next_event(connection, "response.output_text.delta")
+        await connection.send({"type": "response.cancel", "response_id": created.response.id})
+        final = (await until_terminal(connection))[-1]
+        assert final.type == "response.incomplete"
+        assert final.response.incomplete_details.reason == "cancelled"
+        assert requests_ended(server, "cancelled") == 1
+        # The one slot is free: the next response gets it and runs to its end.
+        await connection.send({"type": "response.create", "input": "next", "max_output_tokens": 2})
+        assert (await until_terminal(connection))[-1].response.status == "incomplete"
+        assert requests_ended(server, "length") == 1
+
+
+async def test_closing_the_socket_mid_stream_frees_the_engine() -> None:
+    async with running_server(
+        backend__fake__tokens_per_s=20.0, backend__fake__parallel=1
+    ) as server:
+        async with connected(server) as connection:
+            await connection.send(
+                {"type": "response.create", "input": "long", "max_output_tokens": 100_000}
+            )
+            await next_event(connection, "response.output_text.delta")
+        # Gone: the next request (over HTTP) gets the only slot.
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+        try:
+            reply = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+        finally:
+            await client.close()
+        assert reply.status == "incomplete"
+        assert not server.responses_sockets
+        assert server.producer_threads() == 0
+
+
+async def test_bad_events_are_errors_and_the_socket_stays_usable() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        async with connected(server) as connection:
+            bad: list[tuple[dict[str, Any], str]] = [
+                (
+                    {"type": "response.create", "input": "x", "tools": [{"type": "file_search"}]},
+                    "tools",
+                ),
+                (
+                    {"type": "response.create", "input": [{"type": "item_reference", "id": "x"}]},
+                    "item_reference",
+                ),
+                (
+                    {"type": "response.create", "input": "x", "previous_response_id": "resp_no"},
+                    "resp_no",
+                ),
+                ({"type": "response.cancel", "response_id": "resp_gone"}, "resp_gone"),
+                ({"type": "session.update"}, "session.update"),
+                ({"type": "response.create", "input": "x" * 200_000}, "'input'"),
+            ]
+            for event, named in bad:
+                await connection.send(event)
+                error = await next_event(connection, "error")
+                assert named in error.error.message, error.error.message
+                assert error.status in (400, 404, 413)
+            await connection.send(
+                {"type": "response.create", "input": "ok", "max_output_tokens": 2}
+            )
+            assert (await until_terminal(connection))[-1].type == "response.incomplete"
+
+
+async def test_the_token_is_checked_at_the_upgrade() -> None:
+    async with running_server(security__auth_token="s3cret-token-1234") as server:
+        async with connected(server, api_key="s3cret-token-1234") as connection:
+            await connection.send(
+                {"type": "response.create", "input": "hi", "max_output_tokens": 2}
+            )
+            assert (await until_terminal(connection))[-1].type == "response.incomplete"
+        with pytest.raises(Exception, match="401"):
+            async with connected(server, api_key="wrong"):
+                pass
