@@ -218,7 +218,7 @@ class FakeBackend(ThreadedBackend):
             text = assembler.feed(token)
             if assembler.stopped:
                 sink.emit(text, 1)
-                return Outcome("stop", prompt_tokens, produced)
+                return Outcome("stop", prompt_tokens, produced, stop_sequence=assembler.stop_string)
             sink.emit(text, 1)
         tail = assembler.flush()
         if tail:
