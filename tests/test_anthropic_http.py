@@ -288,3 +288,25 @@ async def test_disconnect_mid_prompt_frees_the_model() -> None:
         assert reply.stop_reason == "max_tokens"
         assert requests_ended(server, "cancelled") == 1
         assert server.producer_threads() == 0
+
+
+async def test_a_queued_stream_gets_pings_then_its_message() -> None:
+    async with (
+        running_server(backend__fake__tokens_per_s=20.0, backend__fake__parallel=1) as server,
+        sdk(server) as client,
+    ):
+        async with client.messages.stream(model="m", messages=USER, max_tokens=100_000) as first:  # type: ignore[arg-type]
+            async for event in first:
+                if event.type == "content_block_delta":
+                    break
+            url = f"http://127.0.0.1:{server.port}/v1/messages"
+            body = {"model": "m", "messages": USER, "max_tokens": 3, "stream": True}
+            async with aiohttp.ClientSession() as session, session.post(url, json=body) as second:
+                assert second.status == 200
+                assert await second.content.readline() == b"event: ping\n"
+                assert await second.content.readline() == b'data: {"type":"ping"}\n'
+                assert server.scheduler.waiting == 1
+                await first.close()  # frees the model: the queued one starts
+                rest = (await second.content.read()).decode().splitlines()
+        names = [line[len("event: ") :] for line in rest if line.startswith("event: ")]
+        assert names[0] == "message_start" and names[-1] == "message_stop"
