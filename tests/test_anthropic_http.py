@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -310,3 +311,46 @@ async def test_a_queued_stream_gets_pings_then_its_message() -> None:
                 rest = (await second.content.read()).decode().splitlines()
         names = [line[len("event: ") :] for line in rest if line.startswith("event: ")]
         assert names[0] == "message_start" and names[-1] == "message_stop"
+
+
+async def test_a_client_that_never_reads_holds_bounded_memory_and_its_close_is_a_cancel() -> None:
+    """The channel (queue_tokens pieces) + the write buffer (write_limit) + one
+    merged event, under 64 KiB; the engine waits on the full channel."""
+    max_tokens = 60000
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        backend__fake__parallel=1,
+        stream__queue_tokens=64,
+        server__sndbuf=16384,
+        server__write_limit=16384,
+        stream__stall_timeout_s=60.0,
+    ) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        body = json.dumps(
+            {"model": "m", "messages": USER, "max_tokens": max_tokens, "stream": True}
+        ).encode()
+        writer.write(
+            b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout(20))
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        (connection,) = server.api.live.values()
+        ((generation,),) = [c.generations.values() for c in server.api.live.values()]
+        await asyncio.wait_for(connection.writing_paused.wait(), timeout(20))
+        assert await asyncio.to_thread(generation.channel.blocked.wait, timeout(20))
+        held = connection.buffered_bytes()
+        assert held < 64 * 1024, f"{held} bytes held for one slow client"
+        assert generation.channel.tokens < max_tokens
+        writer.close()  # gone without reading: the request is cancelled, the engine freed
+        assert generation.task is not None
+        await asyncio.wait_for(generation.task, timeout(10))
+        assert requests_ended(server, "cancelled") == 1
+        async with sdk(server) as client:
+            reply = await client.messages.create(model="m", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+        assert reply.stop_reason == "max_tokens"
