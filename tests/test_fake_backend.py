@@ -43,6 +43,11 @@ async def test_echo_streams_the_prompt_or_the_last_user_message() -> None:
         text, frames = await client.done("m")
         assert text == "second *"
         assert frames[-1]["reason"] == "length"
+        assert "stop_sequence" not in frames[-1]
+        await client.send({"type": "generate", "id": "s", "prompt": MARKDOWN, "stop": ["zz", "*"]})
+        text, frames = await client.done("s")
+        assert text == MARKDOWN[: MARKDOWN.index("*")]
+        assert frames[-1]["reason"] == "stop" and frames[-1]["stop_sequence"] == "*"
 
 
 async def test_text_file_is_streamed_to_every_request(tmp_path: Path) -> None:

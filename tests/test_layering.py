@@ -55,6 +55,11 @@ DIALECTS = {
         "wsserver.aio.openai_gate",
         "wsserver.openai_api",
     },
+    "anthropic": {
+        "wsserver.aio.anthropic_http",
+        "wsserver.anthropic_api",
+        "wsserver.anthropic_render",
+    },
     "responses": {
         "wsserver.aio.responses_run",
         "wsserver.aio.responses_http",
@@ -81,6 +86,8 @@ SANS_IO = [
     "wsserver.responses_api",
     "wsserver.responses_render",
     "wsserver.responses_store",
+    "wsserver.anthropic_api",
+    "wsserver.anthropic_render",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from test_metrics import scrape
 
 from wsserver.aio import Server
 from wsserver.backends.openai import OpenAIBackend
+from wsserver.backends.openai_wire import parse_chunk
 
 TEXT = "".join(PIECES)
 
@@ -153,7 +155,7 @@ async def test_a_stop_string_the_upstream_ignored_ends_the_request() -> None:
             await client.send(gen("a", stop=["ld —"]))
             text, frames = await client.done("a")
         assert text == "Hello, wor"
-        assert frames[-1]["reason"] == "stop"
+        assert frames[-1]["reason"] == "stop" and frames[-1]["stop_sequence"] == "ld —"
         async with asyncio.timeout(timeout()):
             await up.streams[0].disconnected.wait()  # and its stream was closed
 
@@ -388,3 +390,11 @@ async def test_readyz_is_ready_while_an_upstream_is_in_rotation() -> None:
             assert text == TEXT
     finally:
         await up.stop()
+
+
+def test_the_stop_string_an_upstream_names_is_read() -> None:
+    # vLLM says which stop string it stopped at (its choice's ``stop_reason``).
+    vllm = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "##"}]}
+    assert parse_chunk(json.dumps(vllm)).stop_string == "##"
+    eos = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": None}]}
+    assert parse_chunk(json.dumps(eos)).stop_string is None

@@ -42,6 +42,16 @@ def test_false_start_of_a_stop_string_is_released() -> None:
 def test_earliest_of_several_stop_strings_wins() -> None:
     assembler = TextAssembler(["zz", "b"])
     assert "".join(feed_all(assembler, [b"aazz b"])) == "aa"
+    assert assembler.stop_string == "zz"
+
+
+def test_the_stop_string_that_ended_the_text_is_named() -> None:
+    assembler = TextAssembler(["abc", "ab", "x"])
+    assert "".join(feed_all(assembler, [b"1a", b"bc"])) == "1"
+    assert assembler.stop_string == "ab"  # complete first, at the same place
+    plain = TextAssembler(["zz"])
+    assert "".join(feed_all(plain, [b"no stop"])) + plain.flush() == "no stop"
+    assert plain.stop_string is None
 
 
 def test_text_input_and_invalid_bytes() -> None:

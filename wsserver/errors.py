@@ -117,9 +117,9 @@ AUTH_CHALLENGE: Final = 'Bearer, Basic realm="wsserver", charset="UTF-8"'
 
 def refusal_headers(status: int, *, challenge: str = "Bearer") -> list[tuple[str, str]]:
     """The headers an HTTP refusal carries with its status: when to try again
-    (503, 429), how to authenticate (401). Every HTTP answer takes them here."""
+    (503, 429, and Anthropic's 529), how to authenticate (401). Every HTTP answer takes them here."""
     if status == 401:
         return [("WWW-Authenticate", challenge)]
-    if status in (429, 503):
+    if status in (429, 503, 529):
         return [("Retry-After", "1")]
     return []

@@ -48,6 +48,8 @@ class Outcome:
     error_message: str | None = None
     #: The upstream engine's own figures (llama-server's ``timings``), passed on as is.
     upstream_timings: dict[str, float] | None = None
+    #: The request's stop string that ended it (reason ``stop``), if one did.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

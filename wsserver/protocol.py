@@ -147,6 +147,8 @@ class Done:
     error_message: str | None = None
     #: Figures the upstream engine reported (llama-server's ``timings``), if any.
     upstream_timings: dict[str, float] | None = None
+    #: The request's stop string that ended it (reason ``stop``), if one did.
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +291,7 @@ _WIRE: Final = (
         _Object("timings", Timings, digits=3),
         _Group("error", code="error_code", message="error_message"),
         _Optional("upstream_timings"),
+        _Optional("stop_sequence"),
     ),
     _Frame("error", Error, "id", "code", "message"),
 )

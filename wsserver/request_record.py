@@ -108,4 +108,5 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
         error_code=outcome.error_code,
         error_message=outcome.error_message,
         upstream_timings=outcome.upstream_timings,
+        stop_sequence=outcome.stop_sequence,
     )

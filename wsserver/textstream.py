@@ -19,7 +19,7 @@ __all__ = ["TextAssembler"]
 class TextAssembler:
     """Incremental UTF-8 decoder with stop-string detection."""
 
-    __slots__ = ("_decoder", "_held", "_max_stop", "_stops", "stopped")
+    __slots__ = ("_decoder", "_held", "_max_stop", "_stops", "stop_string", "stopped")
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
@@ -28,6 +28,14 @@ class TextAssembler:
         self._held = ""
         #: Set once a stop string was seen; nothing more is released after it.
         self.stopped = False
+        #: The stop string that ended the text (the earliest in the text; of
+        #: two starting at the same place, the shorter, which was complete first).
+        self.stop_string: str | None = None
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The stop strings watched for."""
+        return self._stops
 
     def feed(self, data: bytes) -> str:
         """Add a token's bytes; return the text that is now final (maybe "")."""
@@ -78,8 +86,9 @@ class TextAssembler:
     def _cut_at_stop(self, text: str) -> tuple[str, bool]:
         if not self._stops:
             return text, False
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut < 0:
+        found = [(i, len(s), s) for s in self._stops if (i := text.find(s)) >= 0]
+        if not found:
             return text, False
+        cut, _, self.stop_string = min(found)
         self.stopped = True
         return text[:cut], True

@@ -142,6 +142,8 @@ export interface DoneFrame {
     draft_n?: number;
     draft_n_accepted?: number;
   };
+  /** The request's stop string that ended it (reason `stop`), when one did. */
+  stop_sequence?: string;
   /**
    * Set by the client (never by the server) on the `done` of a request
    * cancelled before it was sent.

@@ -11,12 +11,13 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
     │   ├── sender         frames to the socket (serialized as they are)
     │   └── peer           the websockets connection class, memory bound
-    ├── openai_http    the HTTP/1.1 transport (h11) of the OpenAI-shaped dialects
+    ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects
     │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
     │   ├── http_route     the seam to the routes: Responder, Exchange, RouteRequest
     │   ├── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
     │   ├── openai_stream  one completion: rendered as SSE or a JSON body
-    │   └── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
+    │   ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
+    │   └── anthropic_http Anthropic's Messages API: /v1/messages (SSE or a body), count_tokens
     ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
     ├── responses_run  one response on the driver, rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect

@@ -5,8 +5,9 @@ Both HTTP dialects answer the same two ways, and this is written once:
 * **streamed** — the head (``text/event-stream``, no buffering by proxies)
   goes out when the request starts or waits, then body bytes, each write
   waiting while the transport is above its high-water mark (the pump stops,
-  the channel fills, the engine pauses), a ``: keep-alive`` comment every
-  :data:`KEEPALIVE_S` while nothing else is sent, and a last write that ends
+  the channel fills, the engine pauses), a ``: keep-alive`` comment (or the
+  dialect's own keep-alive event) every :data:`KEEPALIVE_S` while nothing
+  else is sent, and a last write that ends
   the body;
 * **whole** — one response with its status, ``Content-Length`` and body
   (an error's status while the head is unsent).
@@ -35,9 +36,12 @@ KEEPALIVE: Final = b": keep-alive\n\n"
 class HttpAnswer:
     """The answer to one HTTP request, written through the connection's :class:`Responder`."""
 
-    def __init__(self, out: Responder, headers: Headers) -> None:
+    def __init__(self, out: Responder, headers: Headers, *, keepalive: bytes = KEEPALIVE) -> None:
         self._out = out
         self._headers = headers
+        #: What keeps a waiting stream alive: a comment, or a dialect's own
+        #: event that its clients skip (the Messages API's ``ping``).
+        self._keepalive_bytes = keepalive
         self._loop = asyncio.get_running_loop()
         self.finished: asyncio.Future[None] = self._loop.create_future()
         self.head_sent = False
@@ -68,7 +72,7 @@ class HttpAnswer:
         if self.finished.done() or self._out.lost:
             return
         if not self._wrote and not self._out.paused:
-            self._out.send(KEEPALIVE)
+            self._out.send(self._keepalive_bytes)
         self._wrote = False
         self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)
 

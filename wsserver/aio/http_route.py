@@ -4,8 +4,10 @@ The transport (:mod:`wsserver.aio.openai_http`) reads a request, runs the
 gate's checks and hands the request to a route; a route runs an
 :class:`Exchange` (one request driven by the request driver) and writes its
 answer through the connection's :class:`Responder`. The OpenAI
-chat/completions dialect and the Responses API dialect both stand on this
-seam, so neither imports the other's modules.
+chat/completions dialect, the Responses API and Anthropic's Messages API
+stand on this seam, so none imports another's modules. A dialect whose
+errors are not OpenAI's object gives the transport an :data:`ErrorBody` for
+its paths: every refusal there, the gate's included, is written its way.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..api_errors import ApiError
 from ..logs import ConnectionLog
 from .driver import RequestDriver
 from .pipeline import Generation
 
-__all__ = ["Exchange", "Headers", "Responder", "Route", "RouteRequest"]
+__all__ = ["ErrorBody", "Exchange", "Headers", "Responder", "Route", "RouteRequest"]
 
 Headers = list[tuple[str, str]]
 
@@ -78,3 +81,6 @@ class RouteRequest:
 
 #: Serves the requests under one path prefix; raises ``ApiError`` to refuse.
 Route = Callable[[RouteRequest], Awaitable[None]]
+
+#: A refusal as one dialect writes it: the status and the body (JSON).
+ErrorBody = Callable[[ApiError], tuple[int, bytes]]

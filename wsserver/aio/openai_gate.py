@@ -31,7 +31,9 @@ Headers = list[tuple[str, str]]
 _ID_RE: Final = re.compile(ID_PATTERN)
 #: What a preflight may ask to send: header names (RFC 7230 tokens) and commas.
 _HEADER_TOKENS: Final = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~, ]{1,512}")
-_ALLOW_HEADERS: Final = "Authorization, Content-Type, X-Request-ID"
+_ALLOW_HEADERS: Final = (
+    "Authorization, Content-Type, X-Request-ID, X-Api-Key, Anthropic-Version, Anthropic-Beta"
+)
 
 
 class RequestHeaders:
@@ -128,8 +130,17 @@ class Gate:
         admitted: bool,
         now: float,
     ) -> None:
-        """The token, the connection limits (unless ``admitted``), the request rate."""
-        self._check(self.gatekeeper.check_auth(headers.all("authorization"), (), upgrade=False))
+        """The token, the connection limits (unless ``admitted``), the request rate.
+
+        The token may come as ``Authorization: Bearer`` or, as Anthropic's
+        clients send it, as one ``x-api-key`` header."""
+        gatekeeper = self.gatekeeper
+        refusal = gatekeeper.check_auth(headers.all("authorization"), (), upgrade=False)
+        api_keys = headers.all("x-api-key")
+        if refusal is not None and len(api_keys) == 1:
+            bearer = "Bearer " + api_keys[0].strip()
+            refusal = gatekeeper.check_auth([bearer], (), upgrade=False)
+        self._check(refusal)
         if not admitted:
             self._check(self.connection_limiter.admit(connection, peer, alive))
         if not self.rate_limiter.allow(peer, now):

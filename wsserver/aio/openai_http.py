@@ -49,7 +49,7 @@ from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import models_body, parse_request
 from .drain import DrainWatch, write_buffered
-from .http_route import Exchange, Headers, Route, RouteRequest
+from .http_route import ErrorBody, Exchange, Headers, Route, RouteRequest
 from .openai_gate import Gate, RequestHeaders, request_id_of
 from .openai_stream import Completion
 from .pipeline import Generation
@@ -76,6 +76,9 @@ class HttpApi:
     #: Other dialects' routes on this transport, by path prefix (``/v1/responses``):
     #: the prefix itself and everything under it (wsserver.aio.http_route).
     routes: dict[str, Route] = field(default_factory=dict)
+    #: How the routes whose errors are not OpenAI's object write a refusal,
+    #: by the same prefixes (Anthropic's Messages API).
+    error_bodies: dict[str, ErrorBody] = field(default_factory=dict)
 
 
 class HttpConnection(asyncio.Protocol):
@@ -223,8 +226,18 @@ class HttpConnection(asyncio.Protocol):
     def _too_large(self) -> None:
         limit = self._max_body
         message = f"the request body exceeds {limit} bytes"
-        self._simple(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, error_body(413, message, "too_large"))
+        error = ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, "too_large")
+        self._simple(*self._error_answer(self._request, error))
         self._close()
+
+    def _error_answer(self, request: h11.Request | None, error: ApiError) -> tuple[int, bytes]:
+        """A refusal's status and body, in the shape of the route asked for."""
+        if request is not None:
+            path = _path_of(request)
+            for prefix, error_body_of in self._http_api.error_bodies.items():
+                if path == prefix or path.startswith(prefix + "/"):
+                    return error_body_of(error)
+        return error.status, error.body()
 
     def _refuse_bad_http(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint
@@ -246,12 +259,14 @@ class HttpConnection(asyncio.Protocol):
             )
             if exc.code in _METRIC_CODES:  # refusals by the gate are counted as such
                 self._services.metrics.errors.labels(exc.code).inc()
-            extra.extend(refusal_headers(exc.status))
-            self._simple(exc.status, exc.body(), extra)
+            status, answer = self._error_answer(request, exc)
+            extra.extend(refusal_headers(status))
+            self._simple(status, answer, extra)
         except Exception:
             self.log.exception("HTTP request failed")
             if not self._lost and self._h11.our_state is h11.SEND_RESPONSE:
-                self._simple(500, error_body(500, "internal error", "internal"), extra)
+                failed = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", "internal")
+                self._simple(*self._error_answer(request, failed), extra)
         finally:
             self.completion = None
             self._handler = None
@@ -266,7 +281,7 @@ class HttpConnection(asyncio.Protocol):
         extra: Headers,
     ) -> None:
         method = request.method.decode("ascii", "replace")
-        path = request.target.decode("ascii", "replace").split("?", 1)[0]
+        path = _path_of(request)
         gate = self._http_api.gate
         gate.check_browser(headers, extra)
         if method == "OPTIONS":
@@ -361,7 +376,7 @@ class HttpConnection(asyncio.Protocol):
         return self.writing_paused.is_set()
 
     def start(self, status: int, headers: Headers) -> None:
-        reason = HTTPStatus(status).phrase.encode("ascii")
+        reason = _PHRASES.get(status) or HTTPStatus(status).phrase.encode("ascii")
         self._write(h11.Response(status_code=status, headers=_encode(headers), reason=reason))
 
     def send(self, data: bytes) -> None:
@@ -465,6 +480,15 @@ class HttpConnection(asyncio.Protocol):
 _METRIC_CODES: Final = frozenset(
     {"bad_json", "bad_request", "too_large", "rate_limited", "overloaded", "internal"}
 )
+
+
+#: Statuses outside the HTTP standard that a dialect answers with.
+_PHRASES: Final = {529: b"Overloaded"}
+
+
+def _path_of(request: h11.Request) -> str:
+    """The request's path without its query."""
+    return request.target.decode("ascii", "replace").split("?", 1)[0]
 
 
 def _not_allowed(method: str, allowed: str) -> ApiError:

@@ -27,12 +27,15 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
 from .. import __version__
+from ..anthropic_api import error_body as anthropic_error_body
 from ..backends import Backend, create_backend
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
 from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
+from .anthropic_http import PREFIX as MESSAGES_PREFIX
+from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, process_request
@@ -179,7 +182,11 @@ class Server:
                 metrics=self.metrics,
             ),
             next_id=lambda: f"c{next(self._ids)}",
-            routes={RESPONSES_PREFIX: self.responses},
+            routes={
+                RESPONSES_PREFIX: self.responses,
+                MESSAGES_PREFIX: MessagesRoute(self._services),
+            },
+            error_bodies={MESSAGES_PREFIX: anthropic_error_body},
         )
 
     @property

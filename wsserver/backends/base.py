@@ -294,6 +294,17 @@ class Backend(abc.ABC):
                 frame.id,
             )
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
+        """The prompt's token count as this engine would feed it (its chat
+        template and tokenizer), or ``None`` if the engine cannot count.
+
+        Called on a worker thread (``count_tokens`` of the Messages API), never
+        inside a request; raises :class:`~wsserver.errors.ProtocolError` when
+        the engine could count but not now (``overloaded``: not loaded yet) or
+        not this prompt (``bad_request``: its template refused the messages).
+        """
+        return None
+
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""
         return []

@@ -171,6 +171,10 @@ class FakeBackend(ThreadedBackend):
         self.echo = echo
         self._text_tokens = text_tokens(text) if text is not None else None
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
+        """The simulated count: what the request's ``usage.prompt_tokens`` will say."""
+        return self.prompt_tokens(request)
+
     def prompt_tokens(self, request: GenerationRequest) -> int:
         """The simulated prompt's token count (what ``usage.prompt_tokens`` reports)."""
         if request.prompt is not None:
@@ -218,7 +222,7 @@ class FakeBackend(ThreadedBackend):
             text = assembler.feed(token)
             if assembler.stopped:
                 sink.emit(text, 1)
-                return Outcome("stop", prompt_tokens, produced)
+                return Outcome("stop", prompt_tokens, produced, stop_sequence=assembler.stop_string)
             sink.emit(text, 1)
         tail = assembler.flush()
         if tail:

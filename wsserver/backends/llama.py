@@ -291,6 +291,16 @@ class LlamaBackend(Backend):
         except Exception:
             return None
 
+    def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
+        """The prompt's tokens through the model's chat template and tokenizer:
+        exactly what the request's ``usage.prompt_tokens`` will say."""
+        if self._model is None:
+            raise ProtocolError("overloaded", "the model is not loaded yet", request.id)
+        try:
+            return len(self._prompt(request)[0])
+        except BackendError as exc:
+            raise ProtocolError("bad_request", str(exc), request.id) from None
+
     def _piece(self, token: int) -> bytes:
         """A token's raw bytes (a byte token is one byte, maybe half a character)."""
         piece = self._pieces.get(token)

@@ -451,7 +451,9 @@ class BatchEngine:
             job.produced += 1
             job.outbox.append((assembler.feed(self._piece(token)), 1))
             if assembler.stopped:
-                job.ending = Outcome("stop", len(job.prompt), job.produced)
+                job.ending = Outcome(
+                    "stop", len(job.prompt), job.produced, stop_sequence=assembler.stop_string
+                )
             elif job.produced >= job.max_tokens:
                 self._ending(job, "length")
             else:

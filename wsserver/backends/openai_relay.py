@@ -43,6 +43,8 @@ class Relay:
         self.completion_tokens: int | None = None
         #: llama-server's figures, from the last chunk that had them.
         self.timings: dict[str, float] | None = None
+        #: The request's stop string the upstream said it stopped at.
+        self.upstream_stop: str | None = None
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
@@ -70,6 +72,8 @@ class Relay:
                 self.completion_tokens = chunk.completion_tokens
             if chunk.finish is not None:
                 self.finish = chunk.finish
+            if chunk.stop_string in self.assembler.stops:
+                self.upstream_stop = chunk.stop_string
             if chunk.text:
                 self.pieces += 1
                 await self.offer(self.assembler.feed_text(chunk.text), 1)
@@ -84,11 +88,17 @@ class Relay:
         if tail:
             await self.offer(tail, 0)
         completion = self.completion_tokens if self.completion_tokens is not None else self.pieces
+        finish = self.finish or "stop"
+        # The stop string: ours if we cut the text, else the one the upstream
+        # says it stopped at (vLLM does; llama-server does not, and then a
+        # stop the upstream made itself is not told from the model's own end).
+        stop = self.assembler.stop_string or (self.upstream_stop if finish == "stop" else None)
         return Outcome(
-            self.finish or "stop",
+            finish,
             self.prompt_tokens or 0,
             completion,
             upstream_timings=self.timings,
+            stop_sequence=stop,
         )
 
     def _prompt(self, tokens: int) -> None:

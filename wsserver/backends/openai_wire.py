@@ -128,6 +128,8 @@ class Chunk:
     completion_tokens: int | None = None
     #: llama-server's own ``timings`` object (its last chunk has one), known keys only.
     timings: dict[str, float] | None = None
+    #: The stop string the upstream stopped at, when it says (vLLM's ``stop_reason``).
+    stop_string: str | None = None
 
 
 #: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
@@ -174,6 +176,7 @@ def parse_chunk(data: str) -> Chunk:
         raise _bad("the upstream sent an event whose choices are not a list")
     text = ""
     finish: DoneReason | None = None
+    stop_string: str | None = None
     for choice in choices:
         if not isinstance(choice, dict):
             raise _bad("the upstream sent a choice that is not an object")
@@ -192,12 +195,22 @@ def parse_chunk(data: str) -> Chunk:
         reason = choice.get("finish_reason")
         if reason is not None:
             finish = "length" if reason == "length" else "stop"
+        said = choice.get("stop_reason")
+        if isinstance(said, str):
+            stop_string = said
     usage = obj.get("usage")
     prompt_tokens = completion_tokens = None
     if isinstance(usage, dict):
         prompt_tokens = _count(usage.get("prompt_tokens"))
         completion_tokens = _count(usage.get("completion_tokens"))
-    return Chunk(text, finish, prompt_tokens, completion_tokens, _timings(obj.get("timings")))
+    return Chunk(
+        text,
+        finish,
+        prompt_tokens,
+        completion_tokens,
+        _timings(obj.get("timings")),
+        stop_string,
+    )
 
 
 def _timings(value: object) -> dict[str, float] | None:

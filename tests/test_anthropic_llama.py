@@ -1,0 +1,86 @@
+"""Anthropic's Messages API on the real llama.cpp engine (the tiny GGUF):
+``count_tokens`` is the model's template and tokenizer (what ``usage`` then
+reports), and a streamed message agrees with the whole one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from conftest import make_config, running_server
+from test_anthropic_http import sdk
+
+from wsserver.backends.base import GenerationRequest
+from wsserver.backends.llama import LlamaBackend
+from wsserver.protocol import Message
+
+pytestmark = pytest.mark.llama
+
+
+async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> None:
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    async with running_server(config) as server, sdk(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        counted = await client.messages.count_tokens(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+        )
+        request = GenerationRequest(
+            id="oracle",
+            prompt=None,
+            messages=(Message("system", "be brief"), Message("user", messages[0]["content"])),
+            max_tokens=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=1,
+            seed=None,
+            stop=(),
+        )
+        tokens = backend.tokenize_prompt(request)
+        assert tokens is not None and counted.input_tokens == len(tokens)
+        extra = {"temperature": 0.0, "top_k": 1}
+        whole = await client.messages.create(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            extra_body=extra,
+        )
+        assert whole.usage.input_tokens == counted.input_tokens
+        assert whole.stop_reason in ("max_tokens", "end_turn")
+        async with client.messages.stream(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            extra_body=extra,
+        ) as stream:
+            final = await stream.get_final_message()
+        assert [b.text for b in final.content] == [b.text for b in whole.content]  # type: ignore[union-attr]
+        assert final.stop_reason == whole.stop_reason
+        assert final.usage.input_tokens == whole.usage.input_tokens
+        # Greedy, so the same text again: a piece of it as a stop sequence cuts it there.
+        text = whole.content[0].text  # type: ignore[union-attr]
+        assert len(text) >= 3, text
+        stop = text[1:3]
+        cut = await client.messages.create(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            stop_sequences=[stop],
+            extra_body=extra,
+        )
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+        assert cut.content == [] or cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]

@@ -1,0 +1,61 @@
+"""Anthropic's Messages API through the openai relay: a ``/v1/messages`` request
+reaches an OpenAI-compatible upstream as a chat completion (text), so the
+dialect works on every engine; ``count_tokens`` is refused there by name."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+from fake_upstream import PIECES, FakeUpstream
+from test_anthropic_http import sdk
+from test_openai_backend import relay
+
+TEXT = "".join(PIECES)
+
+
+async def test_a_message_goes_upstream_as_a_chat_and_comes_back_whole_and_streamed() -> None:
+    async with FakeUpstream() as up, relay(up.url, model="m1") as server, sdk(server) as client:
+        whole = await client.messages.create(
+            model="any",
+            system="be kind",
+            messages=[{"role": "user", "content": "u"}],
+            max_tokens=50,
+            stop_sequences=["zz"],
+        )
+        assert whole.content[0].text == TEXT  # type: ignore[union-attr]
+        assert whole.stop_reason == "end_turn" and whole.model == server.backend.model_name
+        stream_request = up.streams[0]
+        assert stream_request.path == "/v1/chat/completions"
+        assert stream_request.body["messages"] == [
+            {"role": "system", "content": "be kind"},
+            {"role": "user", "content": "u"},
+        ]
+        assert stream_request.body["max_tokens"] == 50 and stream_request.body["stop"] == ["zz"]
+        async with client.messages.stream(
+            model="any", messages=[{"role": "user", "content": "u"}], max_tokens=50
+        ) as stream:
+            deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+            final = await stream.get_final_message()
+        assert "".join(deltas) == TEXT == final.content[0].text  # type: ignore[union-attr]
+
+
+async def test_a_stop_sequence_the_relay_cut_is_named() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        up.mode = "endless"
+        whole = await client.messages.create(
+            model="m",
+            messages=[{"role": "user", "content": "u"}],
+            max_tokens=50,
+            stop_sequences=["ld —"],
+        )
+        assert whole.content[0].text == "Hello, wor"  # type: ignore[union-attr]
+        assert whole.stop_reason == "stop_sequence" and whole.stop_sequence == "ld —"
+
+
+async def test_count_tokens_is_refused_by_name_on_the_relay() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        with pytest.raises(anthropic.BadRequestError, match="count_tokens is not available"):
+            await client.messages.count_tokens(
+                model="m", messages=[{"role": "user", "content": "u"}]
+            )
+        assert not up.streams

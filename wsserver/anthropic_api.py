@@ -1,0 +1,356 @@
+"""Anthropic's Messages API: request bodies and error objects, without the I/O (sans-I/O).
+
+A ``POST /v1/messages`` body becomes a :class:`MessagesRequest`
+(:func:`parse_body`) and then one :class:`~wsserver.protocol.Generate`
+(:func:`to_generate`), validated by the WebSocket protocol's own parser: a
+Messages request meets the same limits as every other, its fields named the
+Messages API's way in the errors. ``POST /v1/messages/count_tokens`` takes
+the same body, ``max_tokens`` optional (:func:`parse_body` with ``counting``).
+
+**Honour or refuse, never ignore.** Every top-level field is honoured
+(:data:`HONOURED`), accepted only with a value that changes nothing we produce
+(:data:`HARMLESS`: no tools, ``tool_choice`` ``none``, ``thinking``
+``disabled``, …), or refused naming it (:data:`REFUSED`); any other is refused
+as unknown. Content blocks are ``text`` (with an optional ``cache_control``,
+which changes nothing: the engines reuse cached prefixes by themselves); every
+other block type — images, documents, tool use and results, thinking — is
+refused naming where it was. A conversation that ends with an assistant turn
+(a "prefill" the answer would continue) is refused too: the engines would
+start a new turn instead of continuing it.
+
+**Errors.** The dialect raises :class:`~wsserver.api_errors.ApiError` like
+the other HTTP dialects; :func:`error_body` writes it in Anthropic's shape,
+``{"type": "error", "error": {"type", "message"}}``, with Anthropic's status
+(``overloaded`` is 529 ``overloaded_error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final
+
+import orjson
+
+from .api_errors import ApiError
+from .errors import ProtocolError
+from .protocol import Generate, Limits, Message, parse_client_frame
+
+__all__ = [
+    "HARMLESS",
+    "HONOURED",
+    "OVERLOADED",
+    "REFUSED",
+    "MessagesRequest",
+    "anthropic_status",
+    "bad_request",
+    "error_body",
+    "error_object",
+    "parse_body",
+    "parse_json",
+    "to_generate",
+]
+
+#: Anthropic's status for an overloaded API (not an HTTP standard one).
+OVERLOADED: Final = 529
+
+#: Fields that shape the answer, and are honoured.
+HONOURED: Final = frozenset(
+    {
+        "model",
+        "system",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "metadata",
+        "stream",
+    }
+)
+
+#: Fields accepted only with values that change nothing we produce.
+HARMLESS: Final[dict[str, Any]] = {
+    "tools": lambda v: isinstance(v, list) and not v,
+    "tool_choice": lambda v: isinstance(v, dict) and v.get("type") == "none",
+    "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
+    "service_tier": lambda v: v in ("auto", "standard_only"),
+    "speed": lambda v: v == "standard",
+    # Prompt caching: the engines reuse cached prefixes by themselves.
+    "cache_control": lambda v: isinstance(v, dict) and v.get("type") == "ephemeral",
+    # Prompt-cache divergence reports: we have none to give (``diagnostics`` null).
+    "diagnostics": lambda v: isinstance(v, dict),
+    # Where and for whom it runs: here, for whoever holds the token.
+    "inference_geo": lambda v: isinstance(v, str),
+    "user_profile_id": lambda v: isinstance(v, str),
+    "workspace_id": lambda v: isinstance(v, str),
+}
+
+#: Fields refused with a reason (when not harmless as given).
+REFUSED: Final[dict[str, str]] = {
+    "tools": "tool use is not supported yet",
+    "tool_choice": "tool use is not supported yet; only {'type': 'none'} is accepted",
+    "thinking": "extended thinking is not supported yet; only {'type': 'disabled'} is accepted",
+    "service_tier": "only 'auto' or 'standard_only' is accepted",
+    "speed": "only 'standard' is accepted",
+    "cache_control": "only {'type': 'ephemeral'} is accepted",
+    "container": "server tools (containers) are not supported",
+    "mcp_servers": "MCP servers (server tools) are not supported",
+    "context_management": "context management is not supported",
+    "output_config": "output configuration (effort, structured output) is not supported yet",
+    "output_format": "structured output is not supported yet",
+}
+
+_ROLES: Final = frozenset({"user", "assistant"})
+_TEXT_BLOCK_KEYS: Final = frozenset({"type", "text", "cache_control", "citations"})
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """A validated Messages request."""
+
+    messages: tuple[Message, ...]
+    #: Required by a message (``None`` only when counting tokens).
+    max_tokens: int | None
+    model: str | None = None
+    system: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: tuple[str, ...] = ()
+    user_id: str | None = None
+    stream: bool = False
+
+
+# ---------------------------------------------------------------- errors
+
+#: Anthropic's error type of each status it answers with.
+_TYPES: Final[dict[int, str]] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    OVERLOADED: "overloaded_error",
+}
+
+
+def anthropic_status(status: int, code: str) -> int:
+    """Anthropic's status for one of ours: an overloaded server is 529."""
+    return OVERLOADED if code == "overloaded" else status
+
+
+def error_object(status: int, message: str) -> dict[str, Any]:
+    """The whole error object: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_body(error: ApiError) -> tuple[int, bytes]:
+    """An :class:`ApiError` as Anthropic answers it: its status and body."""
+    status = anthropic_status(error.status, error.code)
+    return status, orjson.dumps(error_object(status, error.message))
+
+
+def bad_request(message: str, param: str | None = None, code: str = "bad_request") -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, code, param)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """A JSON object, or a 400."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
+    return obj
+
+
+def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesRequest:
+    """Validate a body (of ``count_tokens``: ``counting``, ``max_tokens`` optional)."""
+    given = {key: value for key, value in obj.items() if value is not None}
+    for name, value in given.items():
+        _check_field(name, value)
+    if "messages" not in given:
+        raise bad_request("messages: field required", "messages")
+    max_tokens = given.get("max_tokens")
+    if max_tokens is None and not counting:
+        raise bad_request("max_tokens: field required", "max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise bad_request("max_tokens: must be an integer >= 1", "max_tokens")
+    stream = given.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("stream: must be a boolean", "stream")
+    top_k = given.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise bad_request("top_k: must be an integer >= 0", "top_k")
+    return MessagesRequest(
+        messages=_messages(given["messages"]),
+        max_tokens=max_tokens,
+        model=_string(given, "model"),
+        system=_system(given.get("system")),
+        temperature=_unit_number(given, "temperature"),
+        top_p=_unit_number(given, "top_p"),
+        top_k=top_k,
+        stop_sequences=_stop_sequences(given.get("stop_sequences", [])),
+        user_id=_metadata(given.get("metadata", {})),
+        stream=stream,
+    )
+
+
+def _check_field(name: str, value: Any) -> None:
+    if name in HONOURED:
+        return
+    harmless = HARMLESS.get(name)
+    if harmless is not None and harmless(value):
+        return
+    reason = REFUSED.get(name)
+    if reason is not None:
+        raise bad_request(f"{name}: not supported: {reason}", name, "unsupported_parameter")
+    raise bad_request(f"{name}: unknown field (extra inputs are not permitted)", name)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _string(given: Mapping[str, Any], name: str) -> str | None:
+    value = given.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"{name}: must be a string", name)
+    return value
+
+
+def _unit_number(given: Mapping[str, Any], name: str) -> float | None:
+    value = given.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise bad_request(f"{name}: must be a number between 0 and 1", name)
+    return float(value)
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise bad_request("stop_sequences: must be a list of non-empty strings", "stop_sequences")
+    return tuple(value)
+
+
+def _metadata(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        raise bad_request("metadata: must be an object", "metadata")
+    for key in value:
+        if key != "user_id":
+            raise bad_request(f"metadata.{key}: unknown field (only user_id)", "metadata")
+    user_id = value.get("user_id")
+    if user_id is not None and (not isinstance(user_id, str) or len(user_id) > 256):
+        raise bad_request(
+            "metadata.user_id: must be a string of at most 256 characters", "metadata"
+        )
+    return user_id
+
+
+def _system(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    if not isinstance(value, list):
+        raise bad_request("system: must be a string or a list of text blocks", "system")
+    return _text_of(value, "system") or None
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages: must be a non-empty list", "messages")
+    turns: list[Message] = []
+    for index, item in enumerate(value):
+        where = f"messages.{index}"
+        if not isinstance(item, dict) or not {"role", "content"} <= set(item) or len(item) > 2:
+            raise bad_request(f"{where}: must be an object with 'role' and 'content'", "messages")
+        role = item["role"]
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad_request(f"{where}.role: must be 'user' or 'assistant'", "messages")
+        content = item["content"]
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = _text_of(content, f"{where}.content")
+        else:
+            raise bad_request(f"{where}.content: must be a string or a list of blocks", "messages")
+        if turns and turns[-1].role == role:
+            # Anthropic combines consecutive turns of one role into one.
+            turns[-1] = Message(role=role, content=turns[-1].content + "\n\n" + text)
+        else:
+            turns.append(Message(role=role, content=text))
+    if turns[-1].role == "assistant":
+        raise bad_request(
+            f"messages.{len(value) - 1}: a last assistant turn (prefill, continued by the"
+            " answer) is not supported yet; end with a user turn",
+            "messages",
+        )
+    return tuple(turns)
+
+
+def _text_of(blocks: list[Any], where: str) -> str:
+    texts = []
+    for index, block in enumerate(blocks):
+        at = f"{where}.{index}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            what = "images" if kind == "image" else f"blocks of type {kind!r}"
+            raise bad_request(
+                f"{at}.type: {what} are not supported (only 'text': this server is text-only,"
+                " and tool use and thinking come later)",
+                where.split(".")[0],
+            )
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{at}.text: must be a string", where.split(".")[0])
+        for key, item in block.items():
+            if key not in _TEXT_BLOCK_KEYS or (key == "citations" and item):
+                raise bad_request(f"{at}.{key}: not supported", where.split(".")[0])
+        texts.append(text)
+    return "".join(texts)
+
+
+def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Generate:
+    """The engine's request: the system prompt, then the conversation."""
+    messages: list[dict[str, str]] = []
+    if request.system:
+        messages.append({"role": "system", "content": request.system})
+    messages.extend({"role": m.role, "content": m.content} for m in request.messages)
+    frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
+    if request.max_tokens is not None:
+        frame["max_tokens"] = request.max_tokens
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(request, name)
+        if value is not None:
+            frame[name] = value
+    if request.stop_sequences:
+        frame["stop"] = list(request.stop_sequences)
+    try:
+        generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+    except ProtocolError as exc:
+        raise _renamed(ApiError.from_protocol(exc)) from None
+    assert isinstance(generate, Generate)
+    return generate
+
+
+#: The protocol's field names in its messages → the Messages API's names.
+_PARAMS: Final = {"stop": "stop_sequences", "max_tokens": "max_tokens", "messages": "messages"}
+
+
+def _renamed(error: ApiError) -> ApiError:
+    for ours, theirs in _PARAMS.items():
+        if f"'{ours}'" in error.message or f"{ours} " in error.message:
+            message = error.message.replace(f"'{ours}'", f"'{theirs}'")
+            error.message = f"{theirs}: " + message.replace("stop string", "stop sequence")
+            error.param = theirs
+            break
+    return error
