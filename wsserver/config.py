@@ -167,6 +167,8 @@ class LlamaConfig:
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)
     max_waiting: int = _key(64, low=0, high=100000)
+    #: A Jinja chat template file that replaces the model's own ("" = the model's).
+    chat_template_file: str = _key("")
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ _ROLES: Final = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 
@@ -135,8 +136,11 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     for name in ("temperature", "top_p", "top_k", "seed", "stop", *SAMPLING_FIELDS):
         if name in given:
             frame[name] = given[name]
+    if "tools" in given:
+        frame["tools"] = given["tools"]
+    _refuse_tool_choice(given)
     # llama-server's extensions, then OpenAI's way to ask for JSON.
-    for name in ("grammar", "json_schema"):
+    for name in ("grammar", "json_schema", "chat_template_kwargs"):
         if name in given:
             frame[name] = given[name]
     if "response_format" in given:
@@ -153,6 +157,26 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         raise ApiError.from_protocol(exc) from None
     assert isinstance(generate, Generate)
     return ApiRequest(kind, generate, stream, include_usage)
+
+
+def _refuse_tool_choice(given: dict[str, Any]) -> None:
+    """``tool_choice`` other than ``auto`` and ``parallel_tool_calls: false``
+    cannot be honoured yet (no tool-call grammar): refused by name."""
+    choice = given.get("tool_choice", "auto")
+    if choice != "auto":
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'tool_choice' other than \"auto\" is not supported yet",
+            "unsupported_option",
+            "tool_choice",
+        )
+    if given.get("parallel_tool_calls", True) is not True:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'parallel_tool_calls: false' is not supported yet",
+            "unsupported_option",
+            "parallel_tool_calls",
+        )
 
 
 def _response_format(value: Any) -> Any:
@@ -202,10 +226,19 @@ def _messages(value: Any) -> Any:
         mapped = _ROLES.get(role) if isinstance(role, str) else None
         if mapped is None:
             raise _bad(
-                f"messages[{index}].role must be one of system, developer, user, assistant",
+                f"messages[{index}].role must be one of system, developer, user, assistant, tool",
                 "messages",
             )
-        out.append({"role": mapped, "content": _content(message.get("content"), index)})
+        entry: dict[str, Any] = {"role": mapped}
+        # An assistant's tool calls, a tool result's call id, a name: as given
+        # (null is "not given"), for the protocol's parser to check.
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if message.get(name) is not None:
+                entry[name] = message[name]
+        content = message.get("content")
+        if content is not None or "tool_calls" not in entry:
+            entry["content"] = _content(content, index)
+        out.append(entry)
     return out
 
 

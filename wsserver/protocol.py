@@ -40,6 +40,7 @@ from .client_frames import (
     Message,
     Restart,
     Resume,
+    ToolCall,
     parse_client_frame,
 )
 from .errors import WireCode
@@ -67,6 +68,7 @@ __all__ = [
     "ServerFrame",
     "Started",
     "Timings",
+    "ToolCall",
     "Usage",
     "parse_client_frame",
     "parse_server_frame",

@@ -125,7 +125,11 @@ def input_size(request: Generate) -> int:
     """The memory a request's input holds: its strings as Python stores them."""
     if request.prompt is not None:
         return sys.getsizeof(request.prompt)
-    return sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in request.messages or ())
+    messages = request.messages or ()
+    chat = sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in messages)
+    # Tool calls and tools: their text, counted at the widest (two bytes a character).
+    calls = sum(m.size() - len(m.content) for m in messages)
+    return chat + 2 * (calls + len(request.tools or "") + len(request.chat_template_kwargs or ""))
 
 
 class Session:

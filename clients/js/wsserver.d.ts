@@ -9,9 +9,33 @@ export declare const SUBPROTOCOL: "wsserver.v1";
 
 // ------------------------------------------------------------------ frames
 
+/** A call an assistant message made (OpenAI's shape); `arguments` is JSON text. */
+export interface ToolCallInput {
+  id: string;
+  type?: "function";
+  function: { name: string; arguments?: string };
+}
+
 export interface ChatMessage {
-  role: "system" | "user" | "assistant";
-  content: string;
+  role: "system" | "developer" | "user" | "assistant" | "tool";
+  /** `null` only on an assistant message that carries `tool_calls`. */
+  content: string | null;
+  tool_calls?: ToolCallInput[];
+  /** Required on a `tool` message: the call it answers. */
+  tool_call_id?: string;
+  name?: string;
+}
+
+/** OpenAI's function tool: `parameters` is a JSON Schema of an object. */
+export interface Tool {
+  type: "function";
+  function: {
+    /** 1-64 characters of A-Z a-z 0-9 _ . : - */
+    name: string;
+    description?: string;
+    parameters?: Record<string, unknown>;
+    strict?: boolean;
+  };
 }
 
 /** The input and sampling options of a request. Give `prompt` or `messages`. */
@@ -65,6 +89,10 @@ export interface GenerateParams {
   grammar?: string;
   /** A JSON Schema the output must validate against (not with `grammar`). */
   json_schema?: Record<string, unknown> | true;
+  /** Function tools the chat template shows the model (with `messages` only). */
+  tools?: Tool[];
+  /** Extra chat-template variables, e.g. `{enable_thinking: false}` (with `messages` only). */
+  chat_template_kwargs?: Record<string, unknown>;
 }
 
 export interface Limits {
