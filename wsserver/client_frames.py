@@ -110,6 +110,8 @@ class Generate:
     #: text (wsserver.chat_input); only with ``messages``.
     tools: str | None = None
     chat_template_kwargs: str | None = None
+    #: ``none`` | ``auto`` (wsserver.reasoning); None: the server's default.
+    reasoning_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +219,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "resumable",
         "tools",
         "chat_template_kwargs",
+        "reasoning_format",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -273,6 +276,10 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         )
     if "tools" in obj:
         out["tools"] = parse_tools(obj["tools"], fail)
+    if "reasoning_format" in obj:
+        if obj["reasoning_format"] not in ("none", "auto"):
+            raise fail('\'reasoning_format\' must be "none" or "auto"')
+        out["reasoning_format"] = obj["reasoning_format"]
     if "chat_template_kwargs" in obj:
         out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
     chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))

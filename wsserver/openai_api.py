@@ -140,7 +140,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         frame["tools"] = given["tools"]
     _refuse_tool_choice(given)
     # llama-server's extensions, then OpenAI's way to ask for JSON.
-    for name in ("grammar", "json_schema", "chat_template_kwargs"):
+    for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
         if name in given:
             frame[name] = given[name]
     if "response_format" in given:
@@ -281,12 +281,17 @@ class Reply:
             obj["usage"] = None  # as OpenAI: null on every chunk but the usage one
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    def text_chunk(self, text: str) -> bytes:
-        """One SSE event with this text (the first one also names the role)."""
+    def text_chunk(self, text: str, reasoning: str | None = None) -> bytes:
+        """One SSE event with this text (the first one also names the role);
+        reasoning goes first, as ``reasoning_content`` (llama-server's name)."""
         if self.kind == "chat":
-            delta: dict[str, str] = {"content": text}
+            delta: dict[str, str] = {}
             if self._first:
-                delta = {"role": "assistant", "content": text}
+                delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or not reasoning:
+                delta["content"] = text
             self._first = False
             return self._chunk(
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -312,13 +317,16 @@ class Reply:
             out += b"data: " + orjson.dumps(obj) + b"\n\n"
         return out + DONE_EVENT
 
-    def body(self, text: str, done: Done) -> bytes:
+    def body(self, text: str, done: Done, reasoning: str = "") -> bytes:
         """The whole answer of a request without ``stream``."""
         reason = "length" if done.reason == "length" else "stop"
         if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": reason,
             }
@@ -331,10 +339,13 @@ class Reply:
         )
 
 
-def _usage(done: Done) -> dict[str, int]:
+def _usage(done: Done) -> dict[str, Any]:
     prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    if done.usage.reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": done.usage.reasoning_tokens}
+    return usage

@@ -313,11 +313,14 @@ class Session:
         entry = self._active
         assert entry is not None
         entry.completion_tokens += event.tokens
-        if not event.text:
+        entry.reasoning_tokens += event.reasoning_tokens
+        if not event.text and not event.reasoning:
             return []
         if entry.first_delta is None:
             entry.first_delta = now
-        frame = Delta(id=event.id, seq=entry.seq, text=event.text)
+        frame = Delta(
+            id=event.id, seq=entry.seq, text=event.text, reasoning=event.reasoning or None
+        )
         entry.seq += 1
         if entry.tail is not None:
             entry.tail.add(frame)

@@ -93,6 +93,8 @@ export interface GenerateParams {
   tools?: Tool[];
   /** Extra chat-template variables, e.g. `{enable_thinking: false}` (with `messages` only). */
   chat_template_kwargs?: Record<string, unknown>;
+  /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */
+  reasoning_format?: "none" | "auto";
 }
 
 export interface Limits {
@@ -134,7 +136,10 @@ export interface DeltaFrame {
   type: "delta";
   id: string;
   seq: number;
+  /** The answer's text; may be "" when the frame carries only reasoning. */
   text: string;
+  /** The model's reasoning (a think block), before `text`; absent when none. */
+  reasoning?: string;
 }
 
 export type DoneReason = "stop" | "length" | "cancelled" | "error";
@@ -143,7 +148,8 @@ export interface DoneFrame {
   type: "done";
   id: string;
   reason: DoneReason;
-  usage: { prompt_tokens: number; completion_tokens: number };
+  /** `reasoning_tokens`: of the completion tokens, the reasoning's (absent when 0). */
+  usage: { prompt_tokens: number; completion_tokens: number; reasoning_tokens?: number };
   timings: {
     queued_ms: number;
     /** `null` when no text was sent. */

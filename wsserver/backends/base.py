@@ -299,6 +299,11 @@ class Backend(abc.ABC):
                 frame.id,
             )
 
+    def opens_reasoning(self, request: GenerationRequest) -> bool:
+        """Whether ``request``'s prompt ends inside an open think block (a chat
+        template that opens it): its output then starts as reasoning."""
+        return False
+
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""
         return []

@@ -44,6 +44,7 @@ from llama_cpp._internals import LlamaModel
 from ..config import LlamaConfig
 from ..errors import BackendError, ModelLoadError, ProtocolError
 from ..protocol import Generate, Message
+from ..reasoning import opens_reasoning
 from ..sampling import NEUTRAL
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import install_log_bridge, new_context
@@ -312,6 +313,15 @@ class LlamaBackend(Backend):
         eos = self.chat_template.eos_token
         return tokens, stops + ((eos,) if eos else ())
 
+    def opens_reasoning(self, request: GenerationRequest) -> bool:
+        if self.chat_template is None or request.messages is None:
+            return False
+        try:
+            prompt = self.render_chat(request.messages, request.tools, request.chat_template_kwargs)
+        except BackendError:
+            return False  # the engine reports it
+        return opens_reasoning(prompt)
+
     def render_chat(
         self, messages: Sequence[Message], tools: str | None, template_kwargs: str | None
     ) -> str:
@@ -388,6 +398,14 @@ class LlamaBackend(Backend):
                 )
             return
         rendered = self.render_chat(frame.messages, frame.tools, frame.chat_template_kwargs)
+        constrained = frame.grammar is not None or frame.json_schema is not None
+        if constrained and opens_reasoning(rendered):
+            # The grammar would constrain the reasoning too: refused, not misapplied.
+            raise BackendError(
+                "a grammar or JSON schema after a think block that the chat template opens "
+                "is not supported yet (give chat_template_kwargs that turn thinking off)",
+                code="unsupported_option",
+            )
         if frame.tools is not None and rendered == self.render_chat(
             frame.messages, None, frame.chat_template_kwargs
         ):
