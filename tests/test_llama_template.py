@@ -334,3 +334,23 @@ async def test_template_refusals_reach_both_wires_as_bad_request(tmp_path: Path)
             assert "Only user and assistant roles" in str(refused.value)
         finally:
             await api.close()
+
+
+async def test_a_template_that_opens_the_think_block_starts_in_reasoning(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=THINKING)
+    async with running_server(llama_config(path)) as server, wire(server) as client:
+        chat = [{"role": "user", "content": "Hi"}]
+        await client.send(
+            {"type": "generate", "id": "a", "messages": chat, "max_tokens": 8, "temperature": 0}
+        )
+        text, frames = await client.done("a")
+        # The tiny model never writes "</think>": all of it is reasoning.
+        assert text == ""
+        assert "".join(f.get("reasoning", "") for f in frames if f["type"] == "delta")
+        usage = frames[-1]["usage"]
+        assert usage["reasoning_tokens"] == usage["completion_tokens"] == 8
+        await client.send(
+            {"type": "generate", "id": "b", "messages": chat, "json_schema": {"type": "object"}}
+        )
+        error = await client.recv()
+        assert (error["type"], error["code"]) == ("error", "unsupported_option")
