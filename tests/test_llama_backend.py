@@ -133,7 +133,7 @@ def prompt_tokens(backend: LlamaBackend, req: GenerationRequest) -> int | None:
 
 def has_chat_template(backend: LlamaBackend) -> bool:
     """Whether messages go through the model's own chat template (else the plain-text fallback)."""
-    return backend._chat_formatter is not None
+    return backend.chat_template is not None
 
 
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:

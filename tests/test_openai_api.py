@@ -37,7 +37,7 @@ def test_a_chat_body_becomes_the_same_generate_a_websocket_client_sends() -> Non
                 "role": "user",
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             },
-            {"role": "assistant", "content": None, "name": "ignored"},
+            {"role": "assistant", "content": None, "name": "kept"},
         ],
         max_completion_tokens=7,
         temperature=0.5,
@@ -54,7 +54,7 @@ def test_a_chat_body_becomes_the_same_generate_a_websocket_client_sends() -> Non
     assert g.messages == (
         Message("system", "be brief"),
         Message("user", "ab"),
-        Message("assistant", ""),
+        Message("assistant", "", name="kept"),
     )
     assert (g.id, g.max_tokens, g.temperature, g.top_p, g.top_k, g.seed, g.stop) == (
         "r1",
@@ -94,7 +94,14 @@ def test_a_completion_body_with_stream_options() -> None:
             "'temperature' must be between 0 and 100",
         ),
         ("chat", chat(max_tokens=51), 400, "bad_request", "'max_tokens' exceeds the limit of 50"),
-        ("chat", chat(messages=[{"role": "tool", "content": "x"}]), 400, "bad_request", "role"),
+        (
+            "chat",
+            chat(messages=[{"role": "tool", "content": "x"}]),
+            400,
+            "bad_request",
+            "tool_call_id",
+        ),
+        ("chat", chat(messages=[{"role": "robot", "content": "x"}]), 400, "bad_request", "role"),
         ("chat", chat(stream_options={"include_usage": True}), 400, "bad_request", "stream: true"),
         ("chat", chat(stream="yes"), 400, "bad_request", "'stream' must be a boolean"),
         ("chat", b"{", 400, "bad_json", "invalid JSON"),

@@ -175,7 +175,7 @@ def test_id_length_bounds() -> None:
         ),
         ('{"type": "generate", "id": "a", "messages": [{"role": "user"}]}', "bad_request"),
         (
-            '{"type": "generate", "id": "a", "messages": [{"role": "user", "content": "x", "name": "n"}]}',
+            '{"type": "generate", "id": "a", "messages": [{"role": "user", "content": "x", "extra": "n"}]}',
             "bad_request",
         ),
         ('{"type": "generate", "id": "a", "messages": [1]}', "bad_request"),

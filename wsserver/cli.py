@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--port", type=int, help="port to bind, 0 = any free port (server.port)")
         p.add_argument("--backend", choices=("fake", "llama", "openai"), help="backend.kind")
         p.add_argument("--model", metavar="PATH", help="GGUF file for the llama backend")
+        p.add_argument(
+            "--chat-template-file",
+            metavar="PATH",
+            help="a Jinja chat template replacing the model's own (backend.llama.chat_template_file)",
+        )
         p.add_argument("--log-format", choices=("text", "json"), help="server.log_format")
         p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
         p.add_argument(
@@ -62,6 +67,7 @@ def _load(args: argparse.Namespace) -> LoadedConfig:
         "server.port": args.port,
         "backend.kind": args.backend,
         "backend.llama.model": args.model,
+        "backend.llama.chat_template_file": args.chat_template_file,
         "server.log_format": args.log_format,
         "server.log_level": args.log_level,
     }

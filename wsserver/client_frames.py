@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import orjson
 
+from .chat_input import Message, ToolCall, parse_messages, parse_template_kwargs, parse_tools
 from .errors import ProtocolError
 from .sampling import SAMPLING_FIELDS, STRUCTURE_FIELDS, LogitBias, parse_sampling_fields
 
@@ -35,6 +36,7 @@ __all__ = [
     "Message",
     "Restart",
     "Resume",
+    "ToolCall",
     "parse_client_frame",
 ]
 
@@ -42,7 +44,6 @@ __all__ = [
 #: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
 ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
 _ID_RE: Final = re.compile(ID_PATTERN)
-_ROLES: Final = frozenset({"system", "user", "assistant"})
 #: Stop strings a request may give, and their length (copied like the ID rule).
 MAX_STOP_STRINGS: Final = 4
 MAX_STOP_CHARS: Final = 128
@@ -68,12 +69,6 @@ class Limits:
 
 
 # ---------------------------------------------------------------- frames
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    role: str
-    content: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +106,12 @@ class Generate:
     #: it must validate against; at most one of them.
     grammar: str | None = None
     json_schema: str | None = None
+    #: OpenAI's function tools and extra chat-template variables, as JSON
+    #: text (wsserver.chat_input); only with ``messages``.
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    #: ``none`` | ``auto`` (wsserver.reasoning); None: the server's default.
+    reasoning_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +217,9 @@ _GENERATE_FIELDS: Final = frozenset(
         "seed",
         "stop",
         "resumable",
+        "tools",
+        "chat_template_kwargs",
+        "reasoning_format",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -232,6 +236,11 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
         raise ProtocolError(
             "bad_request", "give exactly one of 'prompt' and 'messages'", request_id
         )
+    for name in ("tools", "chat_template_kwargs"):
+        if has_prompt and name in options:
+            raise ProtocolError(
+                "bad_request", f"'{name}' needs 'messages', not 'prompt'", request_id
+            )
     return Generate(id=request_id, **options)
 
 
@@ -262,7 +271,24 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
             )
         out["prompt"] = prompt
     if "messages" in obj:
-        out["messages"] = _parse_messages(obj["messages"], limits, fail, request_id)
+        out["messages"] = parse_messages(
+            obj["messages"], max_messages=limits.max_messages, fail=fail
+        )
+    if "tools" in obj:
+        out["tools"] = parse_tools(obj["tools"], fail)
+    if "reasoning_format" in obj:
+        if obj["reasoning_format"] not in ("none", "auto"):
+            raise fail('\'reasoning_format\' must be "none" or "auto"')
+        out["reasoning_format"] = obj["reasoning_format"]
+    if "chat_template_kwargs" in obj:
+        out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
+    chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))
+    if chat_chars > limits.max_prompt_chars:
+        raise ProtocolError(
+            "too_large",
+            f"'messages' and 'tools' exceed {limits.max_prompt_chars} characters",
+            request_id,
+        )
     if "max_tokens" in obj:
         value = obj["max_tokens"]
         if not _is_int(value) or value < 1:
@@ -313,31 +339,6 @@ def _parse_token(obj: dict[str, Any]) -> str:
             "bad_request", f"'resume_token' must be a string of 1 to {MAX_TOKEN_CHARS} characters"
         )
     return value
-
-
-def _parse_messages(value: Any, limits: Limits, fail: Any, request_id: str) -> tuple[Message, ...]:
-    if not isinstance(value, list) or not value:
-        raise fail("'messages' must be a non-empty list")
-    if len(value) > limits.max_messages:
-        raise fail(f"'messages' has more than {limits.max_messages} entries")
-    messages = []
-    total = 0
-    for index, item in enumerate(value):
-        if not isinstance(item, dict) or set(item) != {"role", "content"}:
-            raise fail(f"messages[{index}] must be an object with exactly 'role' and 'content'")
-        role, content = item["role"], item["content"]
-        # isinstance first: ``in`` on a frozenset hashes, and a list is unhashable.
-        if not isinstance(role, str) or role not in _ROLES:
-            raise fail(f"messages[{index}].role must be one of system, user, assistant")
-        if not isinstance(content, str):
-            raise fail(f"messages[{index}].content must be a string")
-        total += len(content)
-        messages.append(Message(role=role, content=content))
-    if total > limits.max_prompt_chars:
-        raise ProtocolError(
-            "too_large", f"'messages' exceed {limits.max_prompt_chars} characters", request_id
-        )
-    return tuple(messages)
 
 
 def _parse_stop(value: Any, fail: Any) -> tuple[str, ...]:

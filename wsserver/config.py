@@ -102,6 +102,9 @@ class StreamConfig:
     #: Bytes of sent deltas kept for a replay (0 = derived from the send-side
     #: bounds: max(max_output_bytes, write_limit) + 2 x sndbuf).
     resume_tail_bytes: int = _key(0, low=0, high=1 << 30)
+    #: A request's default ``reasoning_format``: ``auto`` sends a think block
+    #: as reasoning, apart from the answer; ``none`` leaves it in the text.
+    reasoning_format: str = _key("auto", choices=("none", "auto"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,8 @@ class LlamaConfig:
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)
     max_waiting: int = _key(64, low=0, high=100000)
+    #: A Jinja chat template file that replaces the model's own ("" = the model's).
+    chat_template_file: str = _key("")
 
 
 @dataclass(frozen=True, slots=True)

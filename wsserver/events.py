@@ -92,6 +92,10 @@ class TextProduced:
     id: str
     text: str
     tokens: int
+    #: Reasoning that comes before ``text`` (wsserver.reasoning), and how
+    #: many of ``tokens`` it took.
+    reasoning: str = ""
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ _ROLES: Final = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 
@@ -135,8 +136,11 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     for name in ("temperature", "top_p", "top_k", "seed", "stop", *SAMPLING_FIELDS):
         if name in given:
             frame[name] = given[name]
+    if "tools" in given:
+        frame["tools"] = given["tools"]
+    _refuse_tool_choice(given)
     # llama-server's extensions, then OpenAI's way to ask for JSON.
-    for name in ("grammar", "json_schema"):
+    for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
         if name in given:
             frame[name] = given[name]
     if "response_format" in given:
@@ -153,6 +157,26 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         raise ApiError.from_protocol(exc) from None
     assert isinstance(generate, Generate)
     return ApiRequest(kind, generate, stream, include_usage)
+
+
+def _refuse_tool_choice(given: dict[str, Any]) -> None:
+    """``tool_choice`` other than ``auto`` and ``parallel_tool_calls: false``
+    cannot be honoured yet (no tool-call grammar): refused by name."""
+    choice = given.get("tool_choice", "auto")
+    if choice != "auto":
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'tool_choice' other than \"auto\" is not supported yet",
+            "unsupported_option",
+            "tool_choice",
+        )
+    if given.get("parallel_tool_calls", True) is not True:
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            "'parallel_tool_calls: false' is not supported yet",
+            "unsupported_option",
+            "parallel_tool_calls",
+        )
 
 
 def _response_format(value: Any) -> Any:
@@ -202,10 +226,19 @@ def _messages(value: Any) -> Any:
         mapped = _ROLES.get(role) if isinstance(role, str) else None
         if mapped is None:
             raise _bad(
-                f"messages[{index}].role must be one of system, developer, user, assistant",
+                f"messages[{index}].role must be one of system, developer, user, assistant, tool",
                 "messages",
             )
-        out.append({"role": mapped, "content": _content(message.get("content"), index)})
+        entry: dict[str, Any] = {"role": mapped}
+        # An assistant's tool calls, a tool result's call id, a name: as given
+        # (null is "not given"), for the protocol's parser to check.
+        for name in ("tool_calls", "tool_call_id", "name"):
+            if message.get(name) is not None:
+                entry[name] = message[name]
+        content = message.get("content")
+        if content is not None or "tool_calls" not in entry:
+            entry["content"] = _content(content, index)
+        out.append(entry)
     return out
 
 
@@ -248,12 +281,17 @@ class Reply:
             obj["usage"] = None  # as OpenAI: null on every chunk but the usage one
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    def text_chunk(self, text: str) -> bytes:
-        """One SSE event with this text (the first one also names the role)."""
+    def text_chunk(self, text: str, reasoning: str | None = None) -> bytes:
+        """One SSE event with this text (the first one also names the role);
+        reasoning goes first, as ``reasoning_content`` (llama-server's name)."""
         if self.kind == "chat":
-            delta: dict[str, str] = {"content": text}
+            delta: dict[str, str] = {}
             if self._first:
-                delta = {"role": "assistant", "content": text}
+                delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or not reasoning:
+                delta["content"] = text
             self._first = False
             return self._chunk(
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -279,13 +317,16 @@ class Reply:
             out += b"data: " + orjson.dumps(obj) + b"\n\n"
         return out + DONE_EVENT
 
-    def body(self, text: str, done: Done) -> bytes:
+    def body(self, text: str, done: Done, reasoning: str = "") -> bytes:
         """The whole answer of a request without ``stream``."""
         reason = "length" if done.reason == "length" else "stop"
         if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": reason,
             }
@@ -298,10 +339,13 @@ class Reply:
         )
 
 
-def _usage(done: Done) -> dict[str, int]:
+def _usage(done: Done) -> dict[str, Any]:
     prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    if done.usage.reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": done.usage.reasoning_tokens}
+    return usage

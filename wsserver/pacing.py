@@ -50,6 +50,9 @@ class Coalescer:
         "_flushed_once",
         "_last_flush",
         "_parts",
+        "_reasoning",
+        "_reasoning_taken",
+        "_reasoning_tokens",
         "_seen_at",
         "_tokens",
         "flush_tokens",
@@ -68,6 +71,11 @@ class Coalescer:
         self._chars = 0
         self._parts: list[str] = []
         self._tokens = 0
+        # Reasoning (wsserver.reasoning) pending beside the text: it goes
+        # first in the same frame, and is paced and bounded with it.
+        self._reasoning: list[str] = []
+        self._reasoning_tokens = 0
+        self._reasoning_taken = False
         self._last_flush = 0.0
         self._flushed_once = False
         # When due() first saw the pending text; None until then.
@@ -76,12 +84,12 @@ class Coalescer:
     @property
     def pending(self) -> bool:
         """Whether tokens are waiting (text, or tokens whose text is held back)."""
-        return self._tokens > 0 or bool(self._parts)
+        return self._tokens > 0 or bool(self._parts) or bool(self._reasoning)
 
     @property
     def has_text(self) -> bool:
         """Whether text is waiting; only then can a flush become due."""
-        return bool(self._parts)
+        return bool(self._parts) or bool(self._reasoning)
 
     @property
     def full(self) -> bool:
@@ -94,13 +102,30 @@ class Coalescer:
             self._chars += len(text)
         self._tokens += tokens
 
+    def add_reasoning(self, text: str, tokens: int) -> None:
+        """Reasoning for the next frame (its tokens count as every token does)."""
+        if text:
+            self._reasoning.append(text)
+            self._chars += len(text)
+        self._tokens += tokens
+        self._reasoning_tokens += tokens
+
+    def take_reasoning(self) -> tuple[str, int]:
+        """The pending reasoning and its tokens; call just before :meth:`take`."""
+        text = "".join(self._reasoning)
+        tokens = self._reasoning_tokens
+        self._reasoning.clear()
+        self._reasoning_tokens = 0
+        self._reasoning_taken = bool(text)
+        return text, tokens
+
     def due(self, now: float) -> bool:
         """Whether the pending text should be flushed now.
 
         The sender calls this after adding what it took from the channel; the
         first call that sees pending text starts that text's window.
         """
-        if not self._parts:
+        if not self._parts and not self._reasoning:
             return False
         if not self._flushed_once:
             return True
@@ -122,7 +147,8 @@ class Coalescer:
         self._parts.clear()
         self._tokens = 0
         self._chars = 0
-        if text:
+        reasoning, self._reasoning_taken = self._reasoning_taken, False
+        if text or reasoning:
             self._last_flush = now
             self._flushed_once = True
             self._seen_at = None

@@ -40,6 +40,7 @@ from .client_frames import (
     Message,
     Restart,
     Resume,
+    ToolCall,
     parse_client_frame,
 )
 from .errors import WireCode
@@ -67,6 +68,7 @@ __all__ = [
     "ServerFrame",
     "Started",
     "Timings",
+    "ToolCall",
     "Usage",
     "parse_client_frame",
     "parse_server_frame",
@@ -115,12 +117,16 @@ class Delta:
     id: str
     seq: int
     text: str
+    #: The model's reasoning, before ``text`` (which may then be "").
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: Of the completion tokens, those of the reasoning (written when not 0).
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,12 +209,20 @@ class _Object(_Member):
     reader keeps the ones it knows and drops the rest.
     """
 
-    __slots__ = ("cls", "digits", "extensible", "names")
+    __slots__ = ("cls", "digits", "extensible", "names", "omit_zero")
 
     def __init__(
-        self, key: str, cls: type[Any], *, digits: int | None = None, extensible: bool = False
+        self,
+        key: str,
+        cls: type[Any],
+        *,
+        digits: int | None = None,
+        extensible: bool = False,
+        omit_zero: tuple[str, ...] = (),
     ) -> None:
         super().__init__(key)
+        #: Members left out when 0 (added within v1; absent reads back as 0).
+        self.omit_zero = omit_zero
         self.cls = cls
         self.names: tuple[str, ...] = tuple(f.name for f in fields(cls))
         self.digits = digits
@@ -218,7 +232,11 @@ class _Object(_Member):
         value = getattr(frame, self.key)
         digits = self.digits
         if digits is None:
-            out[self.key] = {name: getattr(value, name) for name in self.names}
+            out[self.key] = {
+                name: getattr(value, name)
+                for name in self.names
+                if name not in self.omit_zero or getattr(value, name)
+            }
             return
         rounded: dict[str, Any] = {}
         for name in self.names:
@@ -281,13 +299,13 @@ _WIRE: Final = (
     _Frame("queued", Queued, "id", "position"),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
-    _Frame("delta", Delta, "id", "seq", "text"),
+    _Frame("delta", Delta, "id", "seq", "text", _Optional("reasoning")),
     _Frame(
         "done",
         Done,
         "id",
         "reason",
-        _Object("usage", Usage),
+        _Object("usage", Usage, omit_zero=("reasoning_tokens",)),
         _Object("timings", Timings, digits=3),
         _Group("error", code="error_code", message="error_message"),
         _Optional("upstream_timings"),
@@ -307,7 +325,7 @@ def serialize(frame: ServerFrame) -> bytes:
     # Delta skips the walk over its description: it is by far the most
     # frequent frame (one per flush window of every request) and this is its
     # whole cost on the way out. test_protocol holds it to the description.
-    if type(frame) is Delta:
+    if type(frame) is Delta and frame.reasoning is None:
         return orjson.dumps({"type": "delta", "id": frame.id, "seq": frame.seq, "text": frame.text})
     return orjson.dumps(_to_wire(frame))
 

@@ -36,6 +36,8 @@ class RequestRecord:
     seq: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: Of those, the tokens of the model's reasoning.
+    reasoning_tokens: int = 0
     position: int | None = None
     #: Only for a resumable request: its token (the one copy: the registry of
     #: resumable requests reads it here) and the deltas kept for a replay.
@@ -96,7 +98,11 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
     return Done(
         id=entry.request.id,
         reason=outcome.reason,
-        usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+        usage=Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            reasoning_tokens=min(entry.reasoning_tokens, completion),
+        ),
         timings=Timings(
             queued_ms=(started - entry.received) * 1000.0,
             ttft_ms=None

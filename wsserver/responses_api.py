@@ -285,7 +285,14 @@ def to_generate(
         messages.append({"role": "system", "content": request.instructions})
     messages.extend(history)
     messages.extend(request.input)
-    frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
+    # The Responses API's reasoning items are not rendered yet ("reasoning" is
+    # refused): a think block stays in the text rather than being dropped.
+    frame: dict[str, Any] = {
+        "type": "generate",
+        "id": request_id,
+        "messages": messages,
+        "reasoning_format": "none",
+    }
     if request.max_output_tokens is not None:
         frame["max_tokens"] = request.max_output_tokens
     if request.temperature is not None:

@@ -125,6 +125,10 @@ NEUTRAL: Final[dict[str, Any]] = {
     "xtc_probability": 0.0,
     "grammar": None,
     "json_schema": None,
+    # Chat-template inputs (wsserver.chat_input): an engine that renders no
+    # template and relays none refuses them.
+    "tools": None,
+    "chat_template_kwargs": None,
 }
 
 

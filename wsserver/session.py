@@ -125,7 +125,11 @@ def input_size(request: Generate) -> int:
     """The memory a request's input holds: its strings as Python stores them."""
     if request.prompt is not None:
         return sys.getsizeof(request.prompt)
-    return sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in request.messages or ())
+    messages = request.messages or ()
+    chat = sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in messages)
+    # Tool calls and tools: their text, counted at the widest (two bytes a character).
+    calls = sum(m.size() - len(m.content) for m in messages)
+    return chat + 2 * (calls + len(request.tools or "") + len(request.chat_template_kwargs or ""))
 
 
 class Session:
@@ -309,11 +313,14 @@ class Session:
         entry = self._active
         assert entry is not None
         entry.completion_tokens += event.tokens
-        if not event.text:
+        entry.reasoning_tokens += event.reasoning_tokens
+        if not event.text and not event.reasoning:
             return []
         if entry.first_delta is None:
             entry.first_delta = now
-        frame = Delta(id=event.id, seq=entry.seq, text=event.text)
+        frame = Delta(
+            id=event.id, seq=entry.seq, text=event.text, reasoning=event.reasoning or None
+        )
         entry.seq += 1
         if entry.tail is not None:
             entry.tail.add(frame)

@@ -9,9 +9,33 @@ export declare const SUBPROTOCOL: "wsserver.v1";
 
 // ------------------------------------------------------------------ frames
 
+/** A call an assistant message made (OpenAI's shape); `arguments` is JSON text. */
+export interface ToolCallInput {
+  id: string;
+  type?: "function";
+  function: { name: string; arguments?: string };
+}
+
 export interface ChatMessage {
-  role: "system" | "user" | "assistant";
-  content: string;
+  role: "system" | "developer" | "user" | "assistant" | "tool";
+  /** `null` only on an assistant message that carries `tool_calls`. */
+  content: string | null;
+  tool_calls?: ToolCallInput[];
+  /** Required on a `tool` message: the call it answers. */
+  tool_call_id?: string;
+  name?: string;
+}
+
+/** OpenAI's function tool: `parameters` is a JSON Schema of an object. */
+export interface Tool {
+  type: "function";
+  function: {
+    /** 1-64 characters of A-Z a-z 0-9 _ . : - */
+    name: string;
+    description?: string;
+    parameters?: Record<string, unknown>;
+    strict?: boolean;
+  };
 }
 
 /** The input and sampling options of a request. Give `prompt` or `messages`. */
@@ -65,6 +89,12 @@ export interface GenerateParams {
   grammar?: string;
   /** A JSON Schema the output must validate against (not with `grammar`). */
   json_schema?: Record<string, unknown> | true;
+  /** Function tools the chat template shows the model (with `messages` only). */
+  tools?: Tool[];
+  /** Extra chat-template variables, e.g. `{enable_thinking: false}` (with `messages` only). */
+  chat_template_kwargs?: Record<string, unknown>;
+  /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */
+  reasoning_format?: "none" | "auto";
 }
 
 export interface Limits {
@@ -106,7 +136,10 @@ export interface DeltaFrame {
   type: "delta";
   id: string;
   seq: number;
+  /** The answer's text; may be "" when the frame carries only reasoning. */
   text: string;
+  /** The model's reasoning (a think block), before `text`; absent when none. */
+  reasoning?: string;
 }
 
 export type DoneReason = "stop" | "length" | "cancelled" | "error";
@@ -115,7 +148,8 @@ export interface DoneFrame {
   type: "done";
   id: string;
   reason: DoneReason;
-  usage: { prompt_tokens: number; completion_tokens: number };
+  /** `reasoning_tokens`: of the completion tokens, the reasoning's (absent when 0). */
+  usage: { prompt_tokens: number; completion_tokens: number; reasoning_tokens?: number };
   timings: {
     queued_ms: number;
     /** `null` when no text was sent. */

@@ -70,6 +70,7 @@ class Completion:
             include_usage=api.include_usage,
         )
         self._text: list[str] = []
+        self._reasoning: list[str] = []
         self.driver = RequestDriver(
             services,
             dialect=self,
@@ -108,9 +109,11 @@ class Completion:
         if isinstance(frame, Delta):
             if stream:
                 self._answer.head()
-                await self._answer.write(self.reply.text_chunk(frame.text))
+                await self._answer.write(self.reply.text_chunk(frame.text, frame.reasoning))
             else:
                 self._text.append(frame.text)
+                if frame.reasoning:
+                    self._reasoning.append(frame.reasoning)
         elif isinstance(frame, Queued | Started):
             if stream:
                 self._answer.head()
@@ -134,7 +137,9 @@ class Completion:
             self._answer.head()
             self._answer.write_last(self.reply.final_chunks(done))
         else:
-            self._answer.respond(HTTPStatus.OK, self.reply.body("".join(self._text), done))
+            self._answer.respond(
+                HTTPStatus.OK, self.reply.body("".join(self._text), done, "".join(self._reasoning))
+            )
 
     async def _fail(self, status: HTTPStatus, message: str, code: str) -> None:
         if self._answer.head_sent:

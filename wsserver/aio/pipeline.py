@@ -46,6 +46,7 @@ from ..events import Finished, ModelGranted, PromptCounted, Rejected, Report, Te
 from ..logs import ConnectionLog
 from ..pacing import Coalescer
 from ..protocol import Generate
+from ..reasoning import ReasoningSplitter, Split
 from ..request_record import RequestRecord
 from .channel import Channel, End, Item, Piece, PromptDone
 from .services import Services
@@ -101,6 +102,8 @@ class Generation:
         self.cancel_requested: float | None = None
         #: Loop time at which the engine of a cancelled request completed.
         self.exited_at: float | None = None
+        #: Splits the think block from the answer (reasoning_format "auto").
+        self.reasoning: ReasoningSplitter | None = None
 
     @property
     def resume_token(self) -> str | None:
@@ -210,6 +213,10 @@ class Generation:
             conn_id=self.owner.log.conn_id,
         )
         channel = self.channel
+        reasoning_format = self.request.reasoning_format or services.config.stream.reasoning_format
+        if reasoning_format == "auto" and self.request.messages is not None:
+            opened = services.backend.opens_reasoning(request)
+            self.reasoning = ReasoningSplitter(opened=opened)
         self.submission = services.backend.submit(
             request, slot=slot, sink=channel, cancel=channel.cancel
         )
@@ -279,17 +286,25 @@ class Generation:
 
     async def _flush(self, coalescer: Coalescer) -> bool:
         """Report everything pending as one text. False if the request has ended."""
+        reasoning, reasoning_tokens = coalescer.take_reasoning()
         text, tokens = coalescer.take(asyncio.get_running_loop().time())
         self.owner.services.metrics.tokens.inc(tokens)
-        return await self._report(TextProduced(self.request.id, text, tokens))
+        return await self._report(
+            TextProduced(self.request.id, text, tokens, reasoning, reasoning_tokens)
+        )
 
     def _take(self, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
-            coalescer.add(item.text, item.tokens)
+            if self.reasoning is None:
+                coalescer.add(item.text, item.tokens)
+            else:
+                _add_split(coalescer, self.reasoning.feed(item.text, item.tokens), item.tokens)
             return None
         if isinstance(item, PromptDone):
             self.owner.note(PromptCounted(self.request.id, item.prompt_tokens))
             return None
+        if self.reasoning is not None:
+            _add_split(coalescer, self.reasoning.flush(), 0)
         return item
 
     async def _finalize(self) -> None:
@@ -318,6 +333,11 @@ class Generation:
                 extra={"cancel_latency_ms": round(latency * 1000.0, 3)},
             )
         await self.owner.generation_gone(self)
+
+
+def _add_split(coalescer: Coalescer, split: Split, tokens: int) -> None:
+    coalescer.add_reasoning(split.reasoning, split.reasoning_tokens)
+    coalescer.add(split.answer, max(0, tokens - split.reasoning_tokens))
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

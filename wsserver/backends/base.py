@@ -121,6 +121,9 @@ class GenerationRequest:
     #: A GBNF grammar, or a JSON Schema as JSON text, the output must match.
     grammar: str | None = None
     json_schema: str | None = None
+    #: OpenAI's function tools and extra chat-template variables, as JSON text.
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
 
     @classmethod
     def from_frame(
@@ -140,6 +143,8 @@ class GenerationRequest:
             sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
             grammar=frame.grammar,
             json_schema=frame.json_schema,
+            tools=frame.tools,
+            chat_template_kwargs=frame.chat_template_kwargs,
         )
 
 
@@ -304,6 +309,11 @@ class Backend(abc.ABC):
         not this prompt (``bad_request``: its template refused the messages).
         """
         return None
+
+    def opens_reasoning(self, request: GenerationRequest) -> bool:
+        """Whether ``request``'s prompt ends inside an open think block (a chat
+        template that opens it): its output then starts as reasoning."""
+        return False
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""

@@ -38,35 +38,52 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import orjson
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
 from ..errors import BackendError, ModelLoadError, ProtocolError
 from ..protocol import Generate, Message
+from ..reasoning import opens_reasoning
 from ..sampling import NEUTRAL
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import install_log_bridge, new_context
 from .llama_engine import BatchEngine, RequestStats
+from .llama_template import ChatTemplate, TemplateLoadError
 
 __all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "plain_chat_prompt"]
 
 log = logging.getLogger("wsserver.llama")
 
-_ROLE_LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
+_ROLE_LABELS = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}
 
 #: Stop strings added to every chat request rendered by the plain-text
-#: fallback, so that a base model does not go on to write the user's next turn.
-CHAT_FALLBACK_STOPS = ("\nUser:", "\nSystem:")
+#: fallback: generation ends at the next role prefix, so that a base model
+#: does not go on to write the other side's turn.
+CHAT_FALLBACK_STOPS = ("\nUser:", "\nSystem:", "\nAssistant:", "\nTool:")
 
 
 def plain_chat_prompt(messages: Sequence[Message]) -> str:
     """The chat fallback for models without a chat template.
 
-    One line per message, ``System: …``, ``User: …``, ``Assistant: …``, then
-    ``Assistant:`` for the model to continue. Generation also stops at
-    :data:`CHAT_FALLBACK_STOPS`.
+    One line per message, ``System: …``, ``User: …``, ``Assistant: …``,
+    ``Tool: …`` (``developer`` is ``System``; an assistant's tool calls follow
+    its text as JSON), then ``Assistant:`` for the model to continue.
+    Generation also stops at :data:`CHAT_FALLBACK_STOPS`.
     """
-    lines = [f"{_ROLE_LABELS[m.role]}: {m.content}" for m in messages]
+    lines = []
+    for m in messages:
+        text = m.content
+        if m.tool_calls:
+            calls = [{"name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+            text = " ".join(filter(None, (text, orjson.dumps(calls).decode())))
+        lines.append(f"{_ROLE_LABELS[m.role]}: {text}")
     lines.append("Assistant:")
     return "\n".join(lines)
 
@@ -101,6 +118,7 @@ class LlamaBackend(Backend):
         parallel: int = 4,
         max_waiting: int = 64,
         abort_check: str = "native",
+        chat_template_file: str = "",
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -115,6 +133,8 @@ class LlamaBackend(Backend):
         self.slots = parallel
         self.max_waiting = max_waiting
         self.abort_check = abort_check
+        #: A Jinja file that replaces the model's own chat template ("": the model's).
+        self.chat_template_file = chat_template_file
         if model:
             self.model_name = Path(model).stem
         else:
@@ -122,7 +142,7 @@ class LlamaBackend(Backend):
         self._model: Any = None
         self._ctx: Any = None
         self.engine: BatchEngine | None = None
-        self._chat_formatter: Any = None
+        self.chat_template: ChatTemplate | None = None
         self._pieces: dict[int, bytes] = {}
         self._bos: list[int] = []
         self._on_prefill: Callable[[str, int], None] | None = None
@@ -137,6 +157,7 @@ class LlamaBackend(Backend):
             prefill_chunk=config.prefill_chunk,
             parallel=config.parallel,
             max_waiting=config.max_waiting,
+            chat_template_file=config.chat_template_file,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -203,20 +224,34 @@ class LlamaBackend(Backend):
         cls_token = model.token_cls()
         first = cls_token if cls_token != -1 else bos
         self._bos = [first] if model.add_bos_token() and first != -1 else []
-        template = model.metadata().get("tokenizer.chat_template")
+        template, origin = self._template_source()
         if template:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
             eos = model.token_eos()
-            self._chat_formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=model.token_get_text(eos) if eos != -1 else "",
-                bos_token=model.token_get_text(bos) if bos != -1 else "",
-                stop_token_ids=[eos],
-            )
-            log.info("chat: using the model's chat template")
+            try:
+                self.chat_template = ChatTemplate(
+                    template,
+                    eos_token=model.token_get_text(eos) if eos != -1 else "",
+                    bos_token=model.token_get_text(bos) if bos != -1 else "",
+                )
+            except TemplateLoadError as exc:
+                self.close()
+                hint = "" if self.chat_template_file else " (set backend.llama.chat_template_file)"
+                raise ModelLoadError(f"{origin}: {exc}{hint}") from None
+            log.info("chat: using %s", origin)
         else:
             log.info("chat: the model has no chat template; using the plain-text fallback")
+
+    def _template_source(self) -> tuple[str, str]:
+        """The chat template's Jinja source ("" for none) and where it came from."""
+        if self.chat_template_file:
+            path = Path(self.chat_template_file)
+            try:
+                return path.read_text(encoding="utf-8"), f"the chat template in {path}"
+            except (OSError, UnicodeDecodeError) as exc:
+                self.close()
+                raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from None
+        source = self._model.metadata().get("tokenizer.chat_template", "")
+        return source, "the model's chat template"
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
@@ -267,20 +302,36 @@ class LlamaBackend(Backend):
         if request.prompt is not None:
             return self._bos + self._tokenize(request.prompt, add_bos=False), stops
         messages = request.messages or ()
-        if self._chat_formatter is None:
+        if self.chat_template is None:
             text = plain_chat_prompt(messages)
             return self._bos + self._tokenize(text, add_bos=False), stops + CHAT_FALLBACK_STOPS
+        rendered = self.render_chat(
+            request.messages or (), request.tools, request.chat_template_kwargs
+        )
+        # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
+        tokens = self._tokenize(rendered, add_bos=False)
+        eos = self.chat_template.eos_token
+        return tokens, stops + ((eos,) if eos else ())
+
+    def opens_reasoning(self, request: GenerationRequest) -> bool:
+        if self.chat_template is None or request.messages is None:
+            return False
         try:
-            rendered = self._chat_formatter(
-                messages=[{"role": m.role, "content": m.content} for m in messages]
-            )
-        except Exception as exc:  # jinja2 errors, raise_exception() in templates
-            raise BackendError(f"the model's chat template rejected the messages: {exc}") from None
-        tokens = self._tokenize(rendered.prompt, add_bos=not rendered.added_special)
-        extra = rendered.stop
-        if isinstance(extra, str):
-            extra = [extra]
-        return tokens, stops + tuple(s for s in extra or () if s)
+            prompt = self.render_chat(request.messages, request.tools, request.chat_template_kwargs)
+        except BackendError:
+            return False  # the engine reports it
+        return opens_reasoning(prompt)
+
+    def render_chat(
+        self, messages: Sequence[Message], tools: str | None, template_kwargs: str | None
+    ) -> str:
+        """The prompt the chat template makes of a request; ``bad_request`` if it fails."""
+        assert self.chat_template is not None
+        return self.chat_template.render(
+            messages,
+            tools=orjson.loads(tools) if tools is not None else None,
+            extra=orjson.loads(template_kwargs) if template_kwargs is not None else None,
+        )
 
     def tokenize_prompt(self, request: GenerationRequest) -> list[int] | None:
         """The prompt's tokens as the engine feeds them (tests, bench)."""
@@ -335,8 +386,43 @@ class LlamaBackend(Backend):
                         f"(ids 0 to {engine.n_vocab - 1})",
                         code="bad_request",
                     )
+            self._check_chat(frame)
         except BackendError as exc:
             raise ProtocolError(exc.code, str(exc), frame.id) from None
+
+    def _check_chat(self, frame: Generate) -> None:
+        """Render the chat template now, so that its refusal comes before the start."""
+        chat_fields = [
+            n for n in ("tools", "chat_template_kwargs") if getattr(frame, n) is not None
+        ]
+        if frame.messages is None:
+            if chat_fields:
+                raise BackendError(f"'{chat_fields[0]}' needs 'messages'", code="bad_request")
+            return
+        if self.chat_template is None:
+            if chat_fields:
+                raise BackendError(
+                    f"'{chat_fields[0]}' needs a chat template, and the model has none "
+                    "(set backend.llama.chat_template_file)",
+                    code="unsupported_option",
+                )
+            return
+        rendered = self.render_chat(frame.messages, frame.tools, frame.chat_template_kwargs)
+        constrained = frame.grammar is not None or frame.json_schema is not None
+        if constrained and opens_reasoning(rendered):
+            # The grammar would constrain the reasoning too: refused, not misapplied.
+            raise BackendError(
+                "a grammar or JSON schema after a think block that the chat template opens "
+                "is not supported yet (give chat_template_kwargs that turn thinking off)",
+                code="unsupported_option",
+            )
+        if frame.tools is not None and rendered == self.render_chat(
+            frame.messages, None, frame.chat_template_kwargs
+        ):
+            raise BackendError(
+                "'tools': the model's chat template does not show tools to the model",
+                code="unsupported_option",
+            )
 
     def submit(
         self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent

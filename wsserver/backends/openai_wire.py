@@ -80,7 +80,12 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
     if request.grammar is not None:
         body["grammar"] = request.grammar  # llama-server's extension
     if request.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        body["messages"] = [m.to_openai() for m in request.messages]
+        if request.tools is not None:
+            body["tools"] = orjson.loads(request.tools)
+        if request.chat_template_kwargs is not None:
+            # llama-server's extension (vLLM and SGLang take it too).
+            body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)
         if request.json_schema is not None:
             body["response_format"] = {
                 "type": "json_schema",
