@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..config import OpenAIConfig
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, ProtocolError
 from ..logs import context
+from ..protocol import Generate
 from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
 from .base import (
@@ -103,6 +104,17 @@ class OpenAIBackend(Backend):
 
     #: Every option is forwarded to the upstream, which honours or refuses it.
     honours = frozenset(NEUTRAL)
+
+    def check(self, frame: Generate) -> None:
+        super().check(frame)
+        if frame.tools is not None:
+            # The upstream would answer with tool calls, which the relay does
+            # not pass on yet: refused rather than lost.
+            raise ProtocolError(
+                "unsupported_option",
+                "'tools': an upstream's tool calls are not relayed yet; leave 'tools' out",
+                frame.id,
+            )
 
     def __init__(
         self,
