@@ -8,6 +8,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import resource
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -145,7 +146,8 @@ def llama_missing_message() -> str:
     """
     pins = _llama_extra()
     llama = next((p for p in pins if p.startswith("llama-cpp-python")), "llama-cpp-python")
-    others = " ".join(p for p in pins if not p.startswith("llama-cpp-python"))
+    # Quoted: a pin like ``jinja2>=3.1`` would be a shell redirection.
+    others = " ".join(shlex.quote(p) for p in pins if not p.startswith("llama-cpp-python"))
     python = sys.executable or "python3"
     lines = [
         "wsserver: the llama backend needs llama-cpp-python, which is not installed",
