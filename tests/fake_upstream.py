@@ -167,7 +167,10 @@ class FakeUpstream:
             piece = self.pieces[index % len(self.pieces)]
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)  # sleep-ok: the upstream's pace
-            await self._event(response, stream, _chat({"content": piece}) if chat else _text(piece))
+            event = _chat({"content": piece}) if chat else _text(piece)
+            if stream.body.get("logprobs"):
+                event["choices"][0]["logprobs"] = _logprobs(piece, chat, index)
+            await self._event(response, stream, event)
             index += 1
         if mode == "no_final":
             await response.write_eof()
@@ -235,4 +238,19 @@ def _chat(delta: dict[str, Any]) -> dict[str, Any]:
     return {
         "object": "chat.completion.chunk",
         "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+    }
+
+
+def _logprobs(piece: str, chat: bool, index: int) -> dict[str, Any]:
+    """A piece's made-up log-probabilities, in the chat or the legacy shape."""
+    value = -0.25 * (index + 1)
+    if chat:
+        entry = {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+        other = {"token": "x", "logprob": value - 1, "bytes": [120]}
+        return {"content": [{**entry, "top_logprobs": [entry, other]}], "refusal": None}
+    return {
+        "tokens": [piece],
+        "token_logprobs": [value],
+        "top_logprobs": [{"x": value - 1, piece: value}],
+        "text_offset": [0],
     }

@@ -21,7 +21,13 @@ from typing import Any, Final
 import orjson
 
 from .errors import ProtocolError
-from .sampling import SAMPLING_FIELDS, STRUCTURE_FIELDS, LogitBias, parse_sampling_fields
+from .sampling import (
+    MAX_TOP_LOGPROBS,
+    SAMPLING_FIELDS,
+    STRUCTURE_FIELDS,
+    LogitBias,
+    parse_sampling_fields,
+)
 
 __all__ = [
     "ID_PATTERN",
@@ -111,6 +117,10 @@ class Generate:
     #: it must validate against; at most one of them.
     grammar: str | None = None
     json_schema: str | None = None
+    #: Report each generated token's log-probability (``delta.logprobs``),
+    #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +226,8 @@ _GENERATE_FIELDS: Final = frozenset(
         "seed",
         "stop",
         "resumable",
+        "logprobs",
+        "top_logprobs",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -232,6 +244,8 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
         raise ProtocolError(
             "bad_request", "give exactly one of 'prompt' and 'messages'", request_id
         )
+    if "top_logprobs" in options and options.get("logprobs") is not True:
+        raise ProtocolError("bad_request", "'top_logprobs' needs 'logprobs': true", request_id)
     return Generate(id=request_id, **options)
 
 
@@ -290,6 +304,15 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not isinstance(obj["resumable"], bool):
             raise fail("'resumable' must be true or false")
         out["resumable"] = obj["resumable"]
+    if "logprobs" in obj:
+        if not isinstance(obj["logprobs"], bool):
+            raise fail("'logprobs' must be true or false")
+        out["logprobs"] = obj["logprobs"]
+    if "top_logprobs" in obj:
+        value = obj["top_logprobs"]
+        if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        out["top_logprobs"] = value
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ProtocolError, WireCode
+from .logprobs import TokenLogprob
 from .protocol import DoneReason
 
 __all__ = [
@@ -90,6 +91,8 @@ class TextProduced:
     id: str
     text: str
     tokens: int
+    #: The tokens' log-probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from .client_frames import (
     parse_client_frame,
 )
 from .errors import WireCode
+from .logprobs import TokenLogprob, parse_entries
 
 __all__ = [
     "ID_PATTERN",
@@ -115,6 +116,9 @@ class Delta:
     id: str
     seq: int
     text: str
+    #: The log-probabilities of the tokens this delta merged, when the request
+    #: asked for them (a token's text may come in a later delta: held back).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +260,21 @@ class _Group(_Member):
             into[attr] = group.get(name)
 
 
+class _Logprobs(_Optional):
+    """A ``delta``'s token entries (:mod:`wsserver.logprobs`), left out when ``None``."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = [entry.to_wire() for entry in value]
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else parse_entries(value)
+
+
 class _Frame:
     """One server frame on the wire: ``type`` first, then its members in order."""
 
@@ -279,7 +298,7 @@ _WIRE: Final = (
     _Frame("queued", Queued, "id", "position"),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
-    _Frame("delta", Delta, "id", "seq", "text"),
+    _Frame("delta", Delta, "id", "seq", "text", _Logprobs("logprobs")),
     _Frame(
         "done",
         Done,
@@ -304,7 +323,7 @@ def serialize(frame: ServerFrame) -> bytes:
     # Delta skips the walk over its description: it is by far the most
     # frequent frame (one per flush window of every request) and this is its
     # whole cost on the way out. test_protocol holds it to the description.
-    if type(frame) is Delta:
+    if type(frame) is Delta and frame.logprobs is None:
         return orjson.dumps({"type": "delta", "id": frame.id, "seq": frame.seq, "text": frame.text})
     return orjson.dumps(_to_wire(frame))
 

@@ -125,6 +125,8 @@ NEUTRAL: Final[dict[str, Any]] = {
     "xtc_probability": 0.0,
     "grammar": None,
     "json_schema": None,
+    # Not a stage, but an engine must compute it (docs/protocol.md, "Log-probabilities").
+    "logprobs": False,
 }
 
 

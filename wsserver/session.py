@@ -309,11 +309,11 @@ class Session:
         entry = self._active
         assert entry is not None
         entry.completion_tokens += event.tokens
-        if not event.text:
+        if not event.text and not event.logprobs:
             return []
-        if entry.first_delta is None:
+        if entry.first_delta is None and event.text:
             entry.first_delta = now
-        frame = Delta(id=event.id, seq=entry.seq, text=event.text)
+        frame = Delta(id=event.id, seq=entry.seq, text=event.text, logprobs=event.logprobs or None)
         entry.seq += 1
         if entry.tail is not None:
             entry.tail.add(frame)

@@ -65,6 +65,10 @@ export interface GenerateParams {
   grammar?: string;
   /** A JSON Schema the output must validate against (not with `grammar`). */
   json_schema?: Record<string, unknown> | true;
+  /** Each `delta` carries its tokens' log-probabilities (`DeltaFrame.logprobs`). */
+  logprobs?: boolean;
+  /** Integer in [0, 20]: alternatives per token; only with `logprobs: true`. Default 0. */
+  top_logprobs?: number;
 }
 
 export interface Limits {
@@ -102,11 +106,29 @@ export interface ResumedFrame {
   after_seq: number;
 }
 
+/** One alternative at a position (OpenAI's chat shape). */
+export interface TopLogprob {
+  token: string;
+  /** Natural log of the probability, <= 0 (-9999: never). */
+  logprob: number;
+  /** The token's raw bytes (a byte token may be part of a character). */
+  bytes: number[];
+}
+
+/** One generated token: the model's own distribution, before the sampler chain. */
+export interface TokenLogprob extends TopLogprob {
+  /** The most likely tokens at this position, most likely first. */
+  top_logprobs: TopLogprob[];
+}
+
 export interface DeltaFrame {
   type: "delta";
   id: string;
   seq: number;
+  /** Never empty, except in a delta that carries `logprobs`. */
   text: string;
+  /** Only for a request with `logprobs: true`: one entry per token merged into this delta. */
+  logprobs?: TokenLogprob[];
 }
 
 export type DoneReason = "stop" | "length" | "cancelled" | "error";

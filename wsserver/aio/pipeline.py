@@ -280,12 +280,13 @@ class Generation:
     async def _flush(self, coalescer: Coalescer) -> bool:
         """Report everything pending as one text. False if the request has ended."""
         text, tokens = coalescer.take(asyncio.get_running_loop().time())
+        logprobs = coalescer.take_logprobs()
         self.owner.services.metrics.tokens.inc(tokens)
-        return await self._report(TextProduced(self.request.id, text, tokens))
+        return await self._report(TextProduced(self.request.id, text, tokens, logprobs))
 
     def _take(self, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
-            coalescer.add(item.text, item.tokens)
+            coalescer.add(item.text, item.tokens, item.logprobs)
             return None
         if isinstance(item, PromptDone):
             self.owner.note(PromptCounted(self.request.id, item.prompt_tokens))

@@ -15,6 +15,13 @@ tokens the way a BPE tokenizer roughly cuts English. The request then ends
 with reason ``stop`` when the text runs out, or ``length`` at ``max_tokens``
 before that. Tests and benchmarks use this to stream known markdown at any rate.
 
+**Log-probabilities.** The fake is a deterministic model: the token it
+emits had probability 1 (log-probability 0) and every other none, so asked
+for ``top_logprobs`` it lists the emitted token first, at 0, then other
+words of its vocabulary at :data:`~wsserver.logprobs.LOGPROB_FLOOR`
+(OpenAI's "never"). The shapes, counts and pacing are real; the numbers
+are the honest ones for a model that cannot choose.
+
 Timing is simulated with waits on the request's cancel event, so a cancel
 interrupts both the simulated prefill and the pause between tokens at once.
 """
@@ -31,6 +38,7 @@ from collections.abc import Iterable
 import orjson
 
 from ..errors import GenerationCancelled
+from ..logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
@@ -147,8 +155,22 @@ class FakeTokenStream:
         return pieces
 
 
+def fake_logprob(token: bytes, top: int) -> TokenLogprob:
+    """The fake's entry for a token it emitted (see the module docstring)."""
+    alternatives = [TopLogprob(token_text(token), 0.0, token)]
+    for word in _WORDS:
+        if len(alternatives) > top - 1:
+            break
+        raw = (" " + word).encode()
+        if raw != token:
+            alternatives.append(TopLogprob(token_text(raw), LOGPROB_FLOOR, raw))
+    return TokenLogprob(token_text(token), 0.0, token, tuple(alternatives[:top]))
+
+
 class FakeBackend(ThreadedBackend):
     """Deterministic fake model with a configurable speed."""
+
+    honours = frozenset({"logprobs"})
 
     def __init__(
         self,
@@ -216,10 +238,12 @@ class FakeBackend(ThreadedBackend):
                 raise GenerationCancelled(request.id)
             produced += 1
             text = assembler.feed(token)
-            if assembler.stopped:
+            if request.logprobs is not None:
+                sink.emit(text, 1, (fake_logprob(token, request.logprobs),))
+            else:
                 sink.emit(text, 1)
+            if assembler.stopped:
                 return Outcome("stop", prompt_tokens, produced)
-            sink.emit(text, 1)
         tail = assembler.flush()
         if tail:
             sink.emit(tail, 0)

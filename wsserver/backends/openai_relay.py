@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from ..logprobs import TokenLogprob
 from ..protocol import DoneReason
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
@@ -70,9 +71,16 @@ class Relay:
                 self.completion_tokens = chunk.completion_tokens
             if chunk.finish is not None:
                 self.finish = chunk.finish
-            if chunk.text:
-                self.pieces += 1
-                await self.offer(self.assembler.feed_text(chunk.text), 1)
+            if chunk.text or chunk.logprobs:
+                text = ""
+                if chunk.text:
+                    self.pieces += 1
+                    text = self.assembler.feed_text(chunk.text)
+                # One entry a piece, so the channel's bound per piece holds.
+                entries = chunk.logprobs
+                await self.offer(text, 1 if chunk.text else 0, entries[:1])
+                for entry in entries[1:]:
+                    await self.offer("", 0, (entry,))
                 if self.assembler.stopped:
                     # A stop string the upstream let through: end here.
                     self.finish = "stop"
@@ -98,10 +106,12 @@ class Relay:
             self.prompt_tokens = tokens
             self.sink.prompt_processed(tokens)
 
-    async def offer(self, text: str, tokens: int) -> None:
+    async def offer(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """Into the sink, waiting (on the loop) while it is full."""
         loop = asyncio.get_running_loop()
-        while not self.sink.offer(text, tokens):
+        while not (
+            self.sink.offer(text, tokens, logprobs) if logprobs else self.sink.offer(text, tokens)
+        ):
             if self.cancel.is_set():
                 raise asyncio.CancelledError  # the task's own cancel is on its way
             room: asyncio.Future[None] = loop.create_future()

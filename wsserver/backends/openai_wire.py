@@ -18,14 +18,15 @@ rotation until a probe answers).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from ..errors import BackendError, WireCode
+from ..logprobs import LOGPROB_FLOOR, MAX_ENTRY_BYTES, TokenLogprob, parse_entries
 from ..protocol import DoneReason
-from ..sampling import SAMPLING_FIELDS, Sampling
+from ..sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, Sampling
 from .base import GenerationRequest
 
 __all__ = [
@@ -75,6 +76,12 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
     if request.seed is not None:
         body["seed"] = request.seed
     body.update(sampler_options(request.sampling))
+    if request.logprobs is not None:
+        if request.messages is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = request.logprobs
+        else:
+            body["logprobs"] = request.logprobs  # the legacy count
     if request.stop:
         body["stop"] = list(request.stop)
     if request.grammar is not None:
@@ -128,6 +135,8 @@ class Chunk:
     completion_tokens: int | None = None
     #: llama-server's own ``timings`` object (its last chunk has one), known keys only.
     timings: dict[str, float] | None = None
+    #: The tokens' log-probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 #: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
@@ -174,6 +183,7 @@ def parse_chunk(data: str) -> Chunk:
         raise _bad("the upstream sent an event whose choices are not a list")
     text = ""
     finish: DoneReason | None = None
+    entries: list[TokenLogprob] = []
     for choice in choices:
         if not isinstance(choice, dict):
             raise _bad("the upstream sent a choice that is not an object")
@@ -192,12 +202,64 @@ def parse_chunk(data: str) -> Chunk:
         reason = choice.get("finish_reason")
         if reason is not None:
             finish = "length" if reason == "length" else "stop"
+        if choice.get("logprobs") is not None:
+            entries.extend(_logprobs(choice["logprobs"]))
     usage = obj.get("usage")
     prompt_tokens = completion_tokens = None
     if isinstance(usage, dict):
         prompt_tokens = _count(usage.get("prompt_tokens"))
         completion_tokens = _count(usage.get("completion_tokens"))
-    return Chunk(text, finish, prompt_tokens, completion_tokens, _timings(obj.get("timings")))
+    return Chunk(
+        text,
+        finish,
+        prompt_tokens,
+        completion_tokens,
+        _timings(obj.get("timings")),
+        tuple(entries),
+    )
+
+
+def _logprobs(value: Any) -> tuple[TokenLogprob, ...]:
+    """A choice's ``logprobs``: the chat shape (``content``) or the legacy one
+    (``tokens``, ``token_logprobs``, ``top_logprobs``), as entries."""
+    try:
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        content = value.get("content")
+        entries = parse_entries(content or []) if "content" in value else _legacy(value)
+    except ValueError as exc:
+        raise _bad(f"the upstream sent malformed logprobs: {exc}") from None
+    for entry in entries:
+        if len(entry.top) > MAX_TOP_LOGPROBS or entry.size() > MAX_ENTRY_BYTES:
+            raise _bad("the upstream sent a logprob entry beyond the limits (20 alternatives)")
+    return entries
+
+
+def _legacy(value: dict[str, Any]) -> tuple[TokenLogprob, ...]:
+    tokens, values = value.get("tokens") or [], value.get("token_logprobs") or []
+    tops = value.get("top_logprobs") or [None] * len(tokens)
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(tops, list)):
+        raise ValueError("tokens, token_logprobs and top_logprobs must be lists")
+    if not len(tokens) == len(values) == len(tops):
+        raise ValueError("tokens, token_logprobs and top_logprobs differ in length")
+    chat: list[dict[str, Any]] = []
+    for token, logprob, top in zip(tokens, values, tops, strict=True):
+        if top is not None and not isinstance(top, dict):
+            raise ValueError("each top_logprobs entry must be an object")
+        alternatives = [{"token": t, "logprob": v} for t, v in (top or {}).items()]
+        chat.append(
+            {
+                "token": token,
+                # The first token of an echoed prompt has none.
+                "logprob": LOGPROB_FLOOR if logprob is None else logprob,
+                "top_logprobs": alternatives,
+            }
+        )
+    entries = parse_entries(chat)
+    # Most likely first, as the chat shape lists them (a dict has no order to trust).
+    return tuple(
+        replace(entry, top=tuple(sorted(entry.top, key=lambda t: -t.logprob))) for entry in entries
+    )
 
 
 def _timings(value: object) -> dict[str, float] | None:
