@@ -61,6 +61,8 @@ class FakeUpstream:
         self.timings: dict[str, Any] | None = None
         #: A usage chunk before the first piece (as vLLM's continuous usage stats).
         self.usage_first = False
+        #: ``usage.prompt_tokens_details.cached_tokens`` in the usage chunk (None = none).
+        self.cached_tokens: int | None = None
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
@@ -184,7 +186,13 @@ class FakeUpstream:
             finish["timings"] = self.timings  # where llama-server puts them
         await self._event(response, stream, finish)
         if self.send_usage:
-            usage = {"prompt_tokens": 7, "completion_tokens": index, "total_tokens": 7 + index}
+            usage: dict[str, Any] = {
+                "prompt_tokens": 7,
+                "completion_tokens": index,
+                "total_tokens": 7 + index,
+            }
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
             await self._event(response, stream, {"choices": [], "usage": usage})
         await self._raw(response, stream, b"data: [DONE]\n\n")
         await response.write_eof()

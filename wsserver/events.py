@@ -49,6 +49,8 @@ class Outcome:
     error_message: str | None = None
     #: The upstream engine's own figures (llama-server's ``timings``), passed on as is.
     upstream_timings: dict[str, float] | None = None
+    #: Prompt tokens the engine took from its prefix cache instead of computing them.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -359,10 +359,12 @@ class Reply:
         )
 
 
-def _usage(done: Done) -> dict[str, int]:
+def _usage(done: Done) -> dict[str, Any]:
     prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # What the engine's prefix cache saved (as OpenAI's prompt caching reports it).
+        "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens},
     }

@@ -125,6 +125,8 @@ class Delta:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: Of the prompt tokens, those the engine reused from its prefix cache.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +306,7 @@ _WIRE: Final = (
         Done,
         "id",
         "reason",
-        _Object("usage", Usage),
+        _Object("usage", Usage, extensible=True),
         _Object("timings", Timings, digits=3),
         _Group("error", code="error_code", message="error_message"),
         _Optional("upstream_timings"),

@@ -96,7 +96,11 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
     return Done(
         id=entry.request.id,
         reason=outcome.reason,
-        usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+        usage=Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_tokens=min(outcome.cached_tokens, prompt),
+        ),
         timings=Timings(
             queued_ms=(started - entry.received) * 1000.0,
             ttft_ms=None

@@ -137,7 +137,12 @@ export interface DoneFrame {
   type: "done";
   id: string;
   reason: DoneReason;
-  usage: { prompt_tokens: number; completion_tokens: number };
+  usage: {
+    prompt_tokens: number;
+    completion_tokens: number;
+    /** Of the prompt tokens, those reused from the engine's prefix cache (absent from older servers). */
+    cached_tokens?: number;
+  };
   timings: {
     queued_ms: number;
     /** `null` when no text was sent. */

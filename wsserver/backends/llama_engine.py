@@ -460,7 +460,9 @@ class BatchEngine:
                 entries = (self.logprobs.entry(logits, token, job.request.logprobs),)
             job.outbox.append((assembler.feed(self._piece(token)), 1, entries))
             if assembler.stopped:
-                job.ending = Outcome("stop", len(job.prompt), job.produced)
+                job.ending = Outcome(
+                    "stop", len(job.prompt), job.produced, cached_tokens=job.stats.reused
+                )
             elif job.produced >= job.max_tokens:
                 self._ending(job, "length")
             else:
@@ -497,7 +499,7 @@ class BatchEngine:
         tail = job.assembler.flush()
         if tail:
             job.outbox.append((tail, 0, ()))
-        job.ending = Outcome(reason, len(job.prompt), job.produced)
+        job.ending = Outcome(reason, len(job.prompt), job.produced, cached_tokens=job.stats.reused)
 
     # ------------------------------------------------------------ delivery and ends
 

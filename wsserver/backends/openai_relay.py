@@ -44,6 +44,7 @@ class Relay:
         self.completion_tokens: int | None = None
         #: llama-server's figures, from the last chunk that had them.
         self.timings: dict[str, float] | None = None
+        self.cached_tokens: int | None = None
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
@@ -69,6 +70,8 @@ class Relay:
                 self._prompt(chunk.prompt_tokens)
             if chunk.completion_tokens is not None:
                 self.completion_tokens = chunk.completion_tokens
+            if chunk.cached_tokens is not None:
+                self.cached_tokens = chunk.cached_tokens
             if chunk.finish is not None:
                 self.finish = chunk.finish
             if chunk.text or chunk.logprobs:
@@ -97,7 +100,15 @@ class Relay:
             self.prompt_tokens or 0,
             completion,
             upstream_timings=self.timings,
+            cached_tokens=self._cached(),
         )
+
+    def _cached(self) -> int:
+        """The upstream's cached prompt tokens: its usage's, else llama-server's ``cache_n``."""
+        if self.cached_tokens is not None:
+            return self.cached_tokens
+        cache_n = (self.timings or {}).get("cache_n")
+        return int(cache_n) if cache_n is not None else 0
 
     def _prompt(self, tokens: int) -> None:
         """The upstream counted the prompt: tell the sink at once, so that a

@@ -137,6 +137,8 @@ class Chunk:
     timings: dict[str, float] | None = None
     #: The tokens' log-probabilities, when the request asked for them.
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: ``usage.prompt_tokens_details.cached_tokens``: the upstream's prefix cache.
+    cached_tokens: int | None = None
 
 
 #: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
@@ -205,10 +207,13 @@ def parse_chunk(data: str) -> Chunk:
         if choice.get("logprobs") is not None:
             entries.extend(_logprobs(choice["logprobs"]))
     usage = obj.get("usage")
-    prompt_tokens = completion_tokens = None
+    prompt_tokens = completion_tokens = cached_tokens = None
     if isinstance(usage, dict):
         prompt_tokens = _count(usage.get("prompt_tokens"))
         completion_tokens = _count(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached_tokens = _count(details.get("cached_tokens"))
     return Chunk(
         text,
         finish,
@@ -216,6 +221,7 @@ def parse_chunk(data: str) -> Chunk:
         completion_tokens,
         _timings(obj.get("timings")),
         tuple(entries),
+        cached_tokens,
     )
 
 
