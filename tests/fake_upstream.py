@@ -61,6 +61,8 @@ class FakeUpstream:
         self.timings: dict[str, Any] | None = None
         #: A usage chunk before the first piece (as vLLM's continuous usage stats).
         self.usage_first = False
+        #: ``usage.prompt_tokens_details.cached_tokens`` in the usage chunk (None = none).
+        self.cached_tokens: int | None = None
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
@@ -167,7 +169,10 @@ class FakeUpstream:
             piece = self.pieces[index % len(self.pieces)]
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)  # sleep-ok: the upstream's pace
-            await self._event(response, stream, _chat({"content": piece}) if chat else _text(piece))
+            event = _chat({"content": piece}) if chat else _text(piece)
+            if stream.body.get("logprobs"):
+                event["choices"][0]["logprobs"] = _logprobs(piece, chat, index)
+            await self._event(response, stream, event)
             index += 1
         if mode == "no_final":
             await response.write_eof()
@@ -181,7 +186,13 @@ class FakeUpstream:
             finish["timings"] = self.timings  # where llama-server puts them
         await self._event(response, stream, finish)
         if self.send_usage:
-            usage = {"prompt_tokens": 7, "completion_tokens": index, "total_tokens": 7 + index}
+            usage: dict[str, Any] = {
+                "prompt_tokens": 7,
+                "completion_tokens": index,
+                "total_tokens": 7 + index,
+            }
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
             await self._event(response, stream, {"choices": [], "usage": usage})
         await self._raw(response, stream, b"data: [DONE]\n\n")
         await response.write_eof()
@@ -235,4 +246,19 @@ def _chat(delta: dict[str, Any]) -> dict[str, Any]:
     return {
         "object": "chat.completion.chunk",
         "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+    }
+
+
+def _logprobs(piece: str, chat: bool, index: int) -> dict[str, Any]:
+    """A piece's made-up log-probabilities, in the chat or the legacy shape."""
+    value = -0.25 * (index + 1)
+    if chat:
+        entry = {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+        other = {"token": "x", "logprob": value - 1, "bytes": [120]}
+        return {"content": [{**entry, "top_logprobs": [entry, other]}], "refusal": None}
+    return {
+        "tokens": [piece],
+        "token_logprobs": [value],
+        "top_logprobs": [{"x": value - 1, piece: value}],
+        "text_offset": [0],
     }

@@ -94,7 +94,7 @@ async def test_an_async_engine_streams_behind_the_seam() -> None:
         assert text == expected(300)
         done = frames[-1]
         assert done["reason"] == "length"
-        assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 300}
+        assert done["usage"] == {"prompt_tokens": 3, "completion_tokens": 300, "cached_tokens": 0}
         assert client.hello is not None and client.hello["model"] == "async-engine"
     finally:
         await server.stop(grace=0)

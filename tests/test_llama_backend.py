@@ -58,6 +58,8 @@ class RecordingSink:
     ) -> None:
         self.pieces: list[str] = []
         self.tokens = 0
+        #: The log-probabilities offered with the pieces (requests that asked).
+        self.logprobs: list[Any] = []
         self.prompt_tokens: int | None = None
         self.outcome: Any = None
         self.capacity = capacity
@@ -71,10 +73,10 @@ class RecordingSink:
     def prompt_processed(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
 
-    def emit(self, text: str, tokens: int = 1) -> None:
+    def emit(self, text: str, tokens: int = 1, logprobs: tuple[Any, ...] = ()) -> None:
         raise AssertionError("a batched engine never blocks in emit")
 
-    def offer(self, text: str, tokens: int = 1) -> bool:
+    def offer(self, text: str, tokens: int = 1, logprobs: tuple[Any, ...] = ()) -> bool:
         with self._lock:
             if self.capacity is not None and len(self.pieces) >= self.capacity:
                 self.refused += 1
@@ -82,6 +84,7 @@ class RecordingSink:
                 return False
             self.pieces.append(text)
             self.tokens += tokens
+            self.logprobs.extend(logprobs)
         if self._on_offer is not None:
             self._on_offer(self)
         return True

@@ -81,7 +81,7 @@ async def test_the_capital_of_france_streams_sensible_text(model_path: Path) -> 
     # What this base model says, greedy: " the capital of the country of France. It is ..."
     assert "France" in text
     assert frames[-1]["reason"] == "length"
-    assert frames[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 24}
+    assert frames[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 24, "cached_tokens": 0}
     assert "Paris" in qa_text
     reference = open_reference(model_path)
     try:

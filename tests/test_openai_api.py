@@ -163,7 +163,12 @@ def test_a_whole_body_has_the_text_and_usage() -> None:
     body = orjson.loads(Reply("chat", "r1", "m", 1, include_usage=False).body("hi", done()))
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"] == "hi"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 @pytest.mark.parametrize(

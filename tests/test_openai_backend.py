@@ -61,7 +61,11 @@ async def test_a_completion_streams_the_upstreams_text_and_usage() -> None:
             text, frames = await client.done("a")
     assert text == TEXT
     assert frames[-1]["reason"] == "stop"
-    assert frames[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": len(PIECES)}
+    assert frames[-1]["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": len(PIECES),
+        "cached_tokens": 0,
+    }
     (stream,) = up.streams
     assert stream.path == "/v1/completions"
     assert stream.body == {
@@ -145,7 +149,11 @@ async def test_without_usage_the_chunks_are_counted() -> None:
             await client.send(gen("a"))
             text, frames = await client.done("a")
     assert text == TEXT
-    assert frames[-1]["usage"] == {"prompt_tokens": 0, "completion_tokens": len(PIECES)}
+    assert frames[-1]["usage"] == {
+        "prompt_tokens": 0,
+        "completion_tokens": len(PIECES),
+        "cached_tokens": 0,
+    }
 
 
 async def test_a_stop_string_the_upstream_ignored_ends_the_request() -> None:

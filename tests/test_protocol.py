@@ -291,11 +291,11 @@ WIRE_BYTES = [
         Done(
             id="a", reason="stop", usage=Usage(3, 4), timings=Timings(0.12345, 2.5004, 10.0, 400.0)
         ),
-        '{"type":"done","id":"a","reason":"stop","usage":{"prompt_tokens":3,"completion_tokens":4},"timings":{"queued_ms":0.123,"ttft_ms":2.5,"total_ms":10.0,"tokens_per_s":400.0}}',
+        '{"type":"done","id":"a","reason":"stop","usage":{"prompt_tokens":3,"completion_tokens":4,"cached_tokens":0},"timings":{"queued_ms":0.123,"ttft_ms":2.5,"total_ms":10.0,"tokens_per_s":400.0}}',
     ),
     (
         Done(id="a", reason="cancelled", usage=Usage(3, 0), timings=Timings(0.1, None, 1.0, 0.0)),
-        '{"type":"done","id":"a","reason":"cancelled","usage":{"prompt_tokens":3,"completion_tokens":0},"timings":{"queued_ms":0.1,"ttft_ms":null,"total_ms":1.0,"tokens_per_s":0.0}}',
+        '{"type":"done","id":"a","reason":"cancelled","usage":{"prompt_tokens":3,"completion_tokens":0,"cached_tokens":0},"timings":{"queued_ms":0.1,"ttft_ms":null,"total_ms":1.0,"tokens_per_s":0.0}}',
     ),
     (
         Done(
@@ -306,7 +306,7 @@ WIRE_BYTES = [
             error_code="stalled",
             error_message="client did not read",
         ),
-        '{"type":"done","id":"a","reason":"error","usage":{"prompt_tokens":3,"completion_tokens":1},"timings":{"queued_ms":0.1,"ttft_ms":1.0,"total_ms":5.0,"tokens_per_s":1.0},"error":{"code":"stalled","message":"client did not read"}}',
+        '{"type":"done","id":"a","reason":"error","usage":{"prompt_tokens":3,"completion_tokens":1,"cached_tokens":0},"timings":{"queued_ms":0.1,"ttft_ms":1.0,"total_ms":5.0,"tokens_per_s":1.0},"error":{"code":"stalled","message":"client did not read"}}',
     ),
     (
         Done(
@@ -316,7 +316,7 @@ WIRE_BYTES = [
             timings=Timings(0, 0, 0, 0),
             error_code="internal",
         ),
-        '{"type":"done","id":"a","reason":"error","usage":{"prompt_tokens":0,"completion_tokens":0},"timings":{"queued_ms":0,"ttft_ms":0,"total_ms":0,"tokens_per_s":0},"error":{"code":"internal","message":""}}',
+        '{"type":"done","id":"a","reason":"error","usage":{"prompt_tokens":0,"completion_tokens":0,"cached_tokens":0},"timings":{"queued_ms":0,"ttft_ms":0,"total_ms":0,"tokens_per_s":0},"error":{"code":"internal","message":""}}',
     ),
     (
         Done(
@@ -326,7 +326,7 @@ WIRE_BYTES = [
             timings=Timings(1.0, 2.0, 3.0, 4.0),
             upstream_timings={"prompt_ms": 1.5, "predicted_per_second": 30.25},
         ),
-        '{"type":"done","id":"a","reason":"length","usage":{"prompt_tokens":1,"completion_tokens":2},"timings":{"queued_ms":1.0,"ttft_ms":2.0,"total_ms":3.0,"tokens_per_s":4.0},"upstream_timings":{"prompt_ms":1.5,"predicted_per_second":30.25}}',
+        '{"type":"done","id":"a","reason":"length","usage":{"prompt_tokens":1,"completion_tokens":2,"cached_tokens":0},"timings":{"queued_ms":1.0,"ttft_ms":2.0,"total_ms":3.0,"tokens_per_s":4.0},"upstream_timings":{"prompt_ms":1.5,"predicted_per_second":30.25}}',
     ),
     (
         Error(id=None, code="bad_json", message="invalid JSON"),

@@ -82,6 +82,7 @@ def test_a_delta_carries_reasoning_before_its_text() -> None:
         "prompt_tokens": 3,
         "completion_tokens": 5,
         "reasoning_tokens": 4,
+        "cached_tokens": 0,
     }
     assert (
         "reasoning_tokens"

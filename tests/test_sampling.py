@@ -175,13 +175,14 @@ def test_openai_refuses_a_bad_penalty_with_a_400() -> None:
 
 
 async def test_the_fake_engine_refuses_what_it_cannot_honour_naming_the_field() -> None:
+    # (It honours logit_bias, json_schema and logprobs: test_fake_sampling.py.)
     async with running_server() as server:
         async with wire(server) as ws:
             base = {"type": "generate", "prompt": "p", "max_tokens": 3}
             for field, value in (
                 ("presence_penalty", 0.5),
-                ("logit_bias", {"1": 5}),
-                ("json_schema", {"type": "object"}),
+                ("min_p", 0.2),
+                ("dry_multiplier", 0.5),
                 ("grammar", 'root ::= "a"'),
             ):
                 await ws.send({**base, "id": field, field: value})
@@ -203,10 +204,10 @@ async def test_the_fake_engine_refuses_what_it_cannot_honour_naming_the_field() 
                 await client.chat.completions.create(
                     model="fake",
                     messages=[{"role": "user", "content": "hi"}],
-                    response_format={"type": "json_object"},
+                    extra_body={"grammar": 'root ::= "a"'},
                 )
             assert caught.value.status_code == 400
-            assert "'json_schema'" in caught.value.message
+            assert "'grammar'" in caught.value.message
             body = caught.value.body
             assert isinstance(body, dict) and body.get("code") == "unsupported_option"
         finally:

@@ -22,7 +22,13 @@ import orjson
 
 from .chat_input import Message, ToolCall, parse_messages, parse_template_kwargs, parse_tools
 from .errors import ProtocolError
-from .sampling import SAMPLING_FIELDS, STRUCTURE_FIELDS, LogitBias, parse_sampling_fields
+from .sampling import (
+    MAX_TOP_LOGPROBS,
+    SAMPLING_FIELDS,
+    STRUCTURE_FIELDS,
+    LogitBias,
+    parse_sampling_fields,
+)
 
 __all__ = [
     "ID_PATTERN",
@@ -112,6 +118,10 @@ class Generate:
     chat_template_kwargs: str | None = None
     #: ``none`` | ``auto`` (wsserver.reasoning); None: the server's default.
     reasoning_format: str | None = None
+    #: Report each generated token's log-probability (``delta.logprobs``),
+    #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +230,8 @@ _GENERATE_FIELDS: Final = frozenset(
         "tools",
         "chat_template_kwargs",
         "reasoning_format",
+        "logprobs",
+        "top_logprobs",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -241,6 +253,8 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
             raise ProtocolError(
                 "bad_request", f"'{name}' needs 'messages', not 'prompt'", request_id
             )
+    if "top_logprobs" in options and options.get("logprobs") is not True:
+        raise ProtocolError("bad_request", "'top_logprobs' needs 'logprobs': true", request_id)
     return Generate(id=request_id, **options)
 
 
@@ -316,6 +330,15 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not isinstance(obj["resumable"], bool):
             raise fail("'resumable' must be true or false")
         out["resumable"] = obj["resumable"]
+    if "logprobs" in obj:
+        if not isinstance(obj["logprobs"], bool):
+            raise fail("'logprobs' must be true or false")
+        out["logprobs"] = obj["logprobs"]
+    if "top_logprobs" in obj:
+        value = obj["top_logprobs"]
+        if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        out["top_logprobs"] = value
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

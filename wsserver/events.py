@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ProtocolError, WireCode
+from .logprobs import TokenLogprob
 from .protocol import DoneReason
 
 __all__ = [
@@ -50,6 +51,8 @@ class Outcome:
     upstream_timings: dict[str, float] | None = None
     #: The request's stop string that ended it (reason ``stop``), if one did.
     stop_sequence: str | None = None
+    #: Prompt tokens the engine took from its prefix cache instead of computing them.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class TextProduced:
     #: many of ``tokens`` it took.
     reasoning: str = ""
     reasoning_tokens: int = 0
+    #: The tokens' log-probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,9 @@ parser (:func:`~wsserver.protocol.parse_client_frame`), so an HTTP request
 meets the same limits, with the same messages, as a WebSocket one. What the
 protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
-``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``. The
+``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``,
+completions' legacy ``logprobs`` (a count; chat's ``logprobs`` and
+``top_logprobs`` are the frame's own). The
 sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
 and llama-server's ``min_p``, ``repeat_penalty``, DRY, XTC, …) go to the frame
 under the same names. ``null`` means "not given", as in OpenAI's own API.
@@ -22,6 +24,7 @@ wire code a WebSocket client would get for the same fault.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final, Literal
@@ -31,8 +34,9 @@ import orjson
 from .api_errors import ApiError, error_body, error_object, status_of
 from .backends.openai_wire import DONE
 from .errors import ProtocolError
+from .logprobs import TokenLogprob, legacy_logprobs
 from .protocol import Done, Generate, Limits, parse_client_frame
-from .sampling import SAMPLING_FIELDS
+from .sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
 
 __all__ = [
     "DONE_EVENT",
@@ -139,6 +143,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     if "tools" in given:
         frame["tools"] = given["tools"]
     _refuse_tool_choice(given)
+    frame.update(_logprobs(kind, given))
     # llama-server's extensions, then OpenAI's way to ask for JSON.
     for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
         if name in given:
@@ -177,6 +182,23 @@ def _refuse_tool_choice(given: dict[str, Any]) -> None:
             "unsupported_option",
             "parallel_tool_calls",
         )
+
+
+def _logprobs(kind: Kind, given: dict[str, Any]) -> dict[str, Any]:
+    """The frame's ``logprobs``/``top_logprobs``: chat takes them as they are
+    (the frame's parser checks them); completions' legacy ``logprobs`` is the
+    number of alternatives (0-20)."""
+    if kind == "chat":
+        return {name: given[name] for name in ("logprobs", "top_logprobs") if name in given}
+    if "logprobs" not in given:
+        return {}
+    count = given["logprobs"]
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise _bad(
+            f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS} (alternatives per token)",
+            "logprobs",
+        )
+    return {"logprobs": True, "top_logprobs": count}
 
 
 def _response_format(value: Any) -> Any:
@@ -263,13 +285,24 @@ class Reply:
     """The chunks and bodies of one completion: the same ``id``, ``created``
     and ``model`` on every one, in the shape of its kind."""
 
-    __slots__ = ("_chunk_object", "_first", "_head", "include_usage", "kind")
+    __slots__ = ("_chunk_object", "_first", "_head", "_offset", "include_usage", "kind", "logprobs")
 
     def __init__(
-        self, kind: Kind, request_id: str, model: str, created: int, *, include_usage: bool
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        include_usage: bool,
+        logprobs: bool = False,
     ) -> None:
         self.kind = kind
         self.include_usage = include_usage
+        #: The request asked for log-probabilities: every choice carries its tokens'.
+        self.logprobs = logprobs
+        #: Completions' ``text_offset``: the length of the tokens' text so far.
+        self._offset = 0
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self._head = {"id": prefix + request_id, "created": created, "model": model}
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -281,9 +314,15 @@ class Reply:
             obj["usage"] = None  # as OpenAI: null on every chunk but the usage one
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    def text_chunk(self, text: str, reasoning: str | None = None) -> bytes:
+    def text_chunk(
+        self,
+        text: str,
+        reasoning: str | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
         """One SSE event with this text (the first one also names the role);
-        reasoning goes first, as ``reasoning_content`` (llama-server's name)."""
+        reasoning goes first, as ``reasoning_content`` (llama-server's name);
+        and, if asked for, its tokens' log-probabilities."""
         if self.kind == "chat":
             delta: dict[str, str] = {}
             if self._first:
@@ -294,9 +333,31 @@ class Reply:
                 delta["content"] = text
             self._first = False
             return self._chunk(
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": self._logprobs(logprobs or ()),
+                    "finish_reason": None,
+                }
             )
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+        return self._chunk(
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": self._logprobs(logprobs or ()),
+                "finish_reason": None,
+            }
+        )
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """A choice's ``logprobs``: OpenAI's chat object, or the legacy one."""
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [entry.to_wire() for entry in entries], "refusal": None}
+        legacy = legacy_logprobs(entries, self._offset)
+        self._offset += sum(len(entry.token) for entry in entries)
+        return legacy
 
     def final_chunks(self, done: Done) -> bytes:
         """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
@@ -317,7 +378,13 @@ class Reply:
             out += b"data: " + orjson.dumps(obj) + b"\n\n"
         return out + DONE_EVENT
 
-    def body(self, text: str, done: Done, reasoning: str = "") -> bytes:
+    def body(
+        self,
+        text: str,
+        done: Done,
+        reasoning: str = "",
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
         """The whole answer of a request without ``stream``."""
         reason = "length" if done.reason == "length" else "stop"
         if self.kind == "chat":
@@ -327,12 +394,17 @@ class Reply:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": self._logprobs(logprobs or ()),
                 "finish_reason": reason,
             }
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": self._logprobs(logprobs or ()),
+                "finish_reason": reason,
+            }
             kind = "text_completion"
         return orjson.dumps(
             {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
@@ -345,6 +417,8 @@ def _usage(done: Done) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # What the engine's prefix cache saved (as OpenAI's prompt caching reports it).
+        "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens},
     }
     if done.usage.reasoning_tokens:
         usage["completion_tokens_details"] = {"reasoning_tokens": done.usage.reasoning_tokens}

@@ -27,6 +27,15 @@ after it, so its own window ends no sooner than the previous delta's.
   few tokens); it bounds what an unlimited token rate with a long window would
   otherwise gather into one frame.
 
+* **Log-probabilities** (a request that asked for them): each token's entry
+  rides with it and a frame carries the entries of the tokens it merged, at
+  most ``max_logprob_tokens`` (:data:`FRAME_LOGPROB_TOKENS`) of them; past
+  that the frame is full, as for the size. A token whose text is held back
+  (half a character, a possible stop string) has its entry in the frame
+  whose window it arrived in, its text in a later one; entries whose text
+  never comes (a stop string's tokens) may go in a frame of their own with
+  no text.
+
 At a flush *everything* pending goes into one frame. While the socket is slow
 the sender is parked in ``send()``; tokens pile up in the channel meanwhile and
 come out merged at the next flush: fewer, larger frames. Only the last delta
@@ -36,10 +45,14 @@ flushes what is left at the end instead of holding the ``done`` back.
 
 from __future__ import annotations
 
+from .logprobs import TokenLogprob
+
 __all__ = ["FRAME_TEXT_CHARS", "Coalescer"]
 
 #: The most text one ``delta`` frame carries (characters; ≤ 4 bytes each in UTF-8).
 FRAME_TEXT_CHARS = 16 * 1024
+#: The most tokens' log-probabilities one ``delta`` frame carries.
+FRAME_LOGPROB_TOKENS = 16
 
 
 class Coalescer:
@@ -49,6 +62,7 @@ class Coalescer:
         "_chars",
         "_flushed_once",
         "_last_flush",
+        "_logprobs",
         "_parts",
         "_reasoning",
         "_reasoning_taken",
@@ -58,16 +72,24 @@ class Coalescer:
         "flush_tokens",
         "flush_window",
         "max_chars",
+        "max_logprob_tokens",
     )
 
     def __init__(
-        self, *, flush_window: float, flush_tokens: int, max_chars: int = FRAME_TEXT_CHARS
+        self,
+        *,
+        flush_window: float,
+        flush_tokens: int,
+        max_chars: int = FRAME_TEXT_CHARS,
+        max_logprob_tokens: int = FRAME_LOGPROB_TOKENS,
     ) -> None:
         if flush_window < 0 or flush_tokens < 1 or max_chars < 1:
             raise ValueError("flush_window must be >= 0, flush_tokens and max_chars >= 1")
         self.flush_window = flush_window
         self.flush_tokens = flush_tokens
         self.max_chars = max_chars
+        self.max_logprob_tokens = max(1, max_logprob_tokens)
+        self._logprobs: list[TokenLogprob] = []
         self._chars = 0
         self._parts: list[str] = []
         self._tokens = 0
@@ -84,7 +106,9 @@ class Coalescer:
     @property
     def pending(self) -> bool:
         """Whether tokens are waiting (text, or tokens whose text is held back)."""
-        return self._tokens > 0 or bool(self._parts) or bool(self._reasoning)
+        return (
+            self._tokens > 0 or bool(self._parts) or bool(self._reasoning) or bool(self._logprobs)
+        )
 
     @property
     def has_text(self) -> bool:
@@ -93,14 +117,17 @@ class Coalescer:
 
     @property
     def full(self) -> bool:
-        """Whether a frame's worth of text is pending: take no more until it is sent."""
-        return self._chars >= self.max_chars
+        """Whether a frame's worth of text (or of log-probabilities) is
+        pending: take no more until it is sent."""
+        return self._chars >= self.max_chars or len(self._logprobs) >= self.max_logprob_tokens
 
-    def add(self, text: str, tokens: int) -> None:
+    def add(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text:
             self._parts.append(text)
             self._chars += len(text)
         self._tokens += tokens
+        if logprobs:
+            self._logprobs.extend(logprobs)
 
     def add_reasoning(self, text: str, tokens: int) -> None:
         """Reasoning for the next frame (its tokens count as every token does)."""
@@ -125,7 +152,11 @@ class Coalescer:
         The sender calls this after adding what it took from the channel; the
         first call that sees pending text starts that text's window.
         """
-        if not self._parts and not self._reasoning:
+        if (
+            not self._parts
+            and not self._reasoning
+            and len(self._logprobs) < self.max_logprob_tokens
+        ):
             return False
         if not self._flushed_once:
             return True
@@ -148,8 +179,14 @@ class Coalescer:
         self._tokens = 0
         self._chars = 0
         reasoning, self._reasoning_taken = self._reasoning_taken, False
-        if text or reasoning:
+        if text or reasoning or self._logprobs:
             self._last_flush = now
             self._flushed_once = True
             self._seen_at = None
         return text, tokens
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The pending tokens' log-probabilities (call with :meth:`take`)."""
+        entries = tuple(self._logprobs)
+        self._logprobs.clear()
+        return entries

@@ -44,6 +44,7 @@ from .client_frames import (
     parse_client_frame,
 )
 from .errors import WireCode
+from .logprobs import TokenLogprob, parse_entries
 
 __all__ = [
     "ID_PATTERN",
@@ -119,6 +120,9 @@ class Delta:
     text: str
     #: The model's reasoning, before ``text`` (which may then be "").
     reasoning: str | None = None
+    #: The log-probabilities of the tokens this delta merged, when the request
+    #: asked for them (a token's text may come in a later delta: held back).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class Usage:
     completion_tokens: int = 0
     #: Of the completion tokens, those of the reasoning (written when not 0).
     reasoning_tokens: int = 0
+    #: Of the prompt tokens, those the engine reused from its prefix cache.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +282,21 @@ class _Group(_Member):
             into[attr] = group.get(name)
 
 
+class _Logprobs(_Optional):
+    """A ``delta``'s token entries (:mod:`wsserver.logprobs`), left out when ``None``."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = [entry.to_wire() for entry in value]
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else parse_entries(value)
+
+
 class _Frame:
     """One server frame on the wire: ``type`` first, then its members in order."""
 
@@ -299,13 +320,13 @@ _WIRE: Final = (
     _Frame("queued", Queued, "id", "position"),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
-    _Frame("delta", Delta, "id", "seq", "text", _Optional("reasoning")),
+    _Frame("delta", Delta, "id", "seq", "text", _Optional("reasoning"), _Logprobs("logprobs")),
     _Frame(
         "done",
         Done,
         "id",
         "reason",
-        _Object("usage", Usage, omit_zero=("reasoning_tokens",)),
+        _Object("usage", Usage, omit_zero=("reasoning_tokens",), extensible=True),
         _Object("timings", Timings, digits=3),
         _Group("error", code="error_code", message="error_message"),
         _Optional("upstream_timings"),
@@ -325,7 +346,7 @@ def serialize(frame: ServerFrame) -> bytes:
     # Delta skips the walk over its description: it is by far the most
     # frequent frame (one per flush window of every request) and this is its
     # whole cost on the way out. test_protocol holds it to the description.
-    if type(frame) is Delta and frame.reasoning is None:
+    if type(frame) is Delta and frame.reasoning is None and frame.logprobs is None:
         return orjson.dumps({"type": "delta", "id": frame.id, "seq": frame.seq, "text": frame.text})
     return orjson.dumps(_to_wire(frame))
 

@@ -102,6 +102,7 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
             prompt_tokens=prompt,
             completion_tokens=completion,
             reasoning_tokens=min(entry.reasoning_tokens, completion),
+            cached_tokens=min(outcome.cached_tokens, prompt),
         ),
         timings=Timings(
             queued_ms=(started - entry.received) * 1000.0,

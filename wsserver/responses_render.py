@@ -51,7 +51,7 @@ def usage_of(done: Done) -> dict[str, Any]:
     prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": done.usage.cached_tokens},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

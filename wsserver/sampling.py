@@ -129,6 +129,8 @@ NEUTRAL: Final[dict[str, Any]] = {
     # template and relays none refuses them.
     "tools": None,
     "chat_template_kwargs": None,
+    # Not a stage, but an engine must compute it (docs/protocol.md, "Log-probabilities").
+    "logprobs": False,
 }
 
 

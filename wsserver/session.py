@@ -314,12 +314,18 @@ class Session:
         assert entry is not None
         entry.completion_tokens += event.tokens
         entry.reasoning_tokens += event.reasoning_tokens
-        if not event.text and not event.reasoning:
+        if not event.text and not event.reasoning and not event.logprobs:
             return []
-        if entry.first_delta is None:
+        if entry.first_delta is None and (event.text or event.reasoning):
+            # The first thing the client reads: answer or reasoning (a delta
+            # that carries only log-probabilities of held-back bytes is not).
             entry.first_delta = now
         frame = Delta(
-            id=event.id, seq=entry.seq, text=event.text, reasoning=event.reasoning or None
+            id=event.id,
+            seq=entry.seq,
+            text=event.text,
+            reasoning=event.reasoning or None,
+            logprobs=event.logprobs or None,
         )
         entry.seq += 1
         if entry.tail is not None:

@@ -95,6 +95,10 @@ export interface GenerateParams {
   chat_template_kwargs?: Record<string, unknown>;
   /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */
   reasoning_format?: "none" | "auto";
+  /** Each `delta` carries its tokens' log-probabilities (`DeltaFrame.logprobs`). */
+  logprobs?: boolean;
+  /** Integer in [0, 20]: alternatives per token; only with `logprobs: true`. Default 0. */
+  top_logprobs?: number;
 }
 
 export interface Limits {
@@ -132,14 +136,31 @@ export interface ResumedFrame {
   after_seq: number;
 }
 
+/** One alternative at a position (OpenAI's chat shape). */
+export interface TopLogprob {
+  token: string;
+  /** Natural log of the probability, <= 0 (-9999: never). */
+  logprob: number;
+  /** The token's raw bytes (a byte token may be part of a character). */
+  bytes: number[];
+}
+
+/** One generated token: the model's own distribution, before the sampler chain. */
+export interface TokenLogprob extends TopLogprob {
+  /** The most likely tokens at this position, most likely first. */
+  top_logprobs: TopLogprob[];
+}
+
 export interface DeltaFrame {
   type: "delta";
   id: string;
   seq: number;
-  /** The answer's text; may be "" when the frame carries only reasoning. */
+  /** The answer's text; may be "" when the frame carries only reasoning or `logprobs`. */
   text: string;
   /** The model's reasoning (a think block), before `text`; absent when none. */
   reasoning?: string;
+  /** Only for a request with `logprobs: true`: one entry per token merged into this delta. */
+  logprobs?: TokenLogprob[];
 }
 
 export type DoneReason = "stop" | "length" | "cancelled" | "error";
@@ -148,8 +169,14 @@ export interface DoneFrame {
   type: "done";
   id: string;
   reason: DoneReason;
-  /** `reasoning_tokens`: of the completion tokens, the reasoning's (absent when 0). */
-  usage: { prompt_tokens: number; completion_tokens: number; reasoning_tokens?: number };
+  usage: {
+    prompt_tokens: number;
+    completion_tokens: number;
+    /** Of the completion tokens, the reasoning's (absent when 0). */
+    reasoning_tokens?: number;
+    /** Of the prompt tokens, those reused from the engine's prefix cache (absent from older servers). */
+    cached_tokens?: number;
+  };
   timings: {
     queued_ms: number;
     /** `null` when no text was sent. */

@@ -3,7 +3,9 @@
 One channel per running request, built on :mod:`janus` (a queue with a sync
 side for engine threads and an awaitable async side for the loop). Its bound
 is counted here, in text pieces — at most ``capacity`` of them, each one
-token's text — which bounds a connection's memory. The prompt count and the
+token's text (and, if the request asked for them, that token's
+log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) —
+which bounds a connection's memory. The prompt count and the
 end are not counted: they always fit, so an engine can end a request whose
 channel is full without waiting (a batched engine must never wait).
 
@@ -28,6 +30,7 @@ import janus
 
 from ..backends.base import CancelEvent, Outcome
 from ..errors import GenerationCancelled
+from ..logprobs import TokenLogprob, entries_size
 
 __all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
 
@@ -36,6 +39,8 @@ __all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
 class Piece:
     text: str
     tokens: int
+    #: The tokens' log-probabilities, if the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +92,16 @@ class Channel:
             self._ended = True
         self._put_control(End(outcome))
 
-    def offer(self, text: str, tokens: int = 1) -> bool:
+    def offer(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
         with self._room:
             if self.cancel.is_set():
                 return False
             if self._pieces >= self.capacity:
                 self._pause()
                 return False
-            return self._put_piece(text, tokens)
+            return self._put_piece(text, tokens, logprobs)
 
-    def emit(self, text: str, tokens: int = 1) -> None:
+    def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         with self._room:
             if self._pieces >= self.capacity and not self.cancel.is_set():
                 # Full: the client reads slower than the model writes. Wait here.
@@ -105,7 +110,7 @@ class Channel:
                 while self._pieces >= self.capacity and not self.cancel.is_set():
                     self._room.wait()
                 self.blocked_cpu_seconds += time.thread_time() - cpu
-            if self.cancel.is_set() or not self._put_piece(text, tokens):
+            if self.cancel.is_set() or not self._put_piece(text, tokens, logprobs):
                 raise GenerationCancelled()
 
     def when_room(self, callback: Callable[[], None]) -> None:
@@ -115,10 +120,10 @@ class Channel:
                 return
         callback()
 
-    def _put_piece(self, text: str, tokens: int) -> bool:
+    def _put_piece(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> bool:
         """Queue a piece (``_room`` held). False if the queue was shut down."""
         try:
-            self.queue.sync_q.put_nowait(Piece(text, tokens))
+            self.queue.sync_q.put_nowait(Piece(text, tokens, logprobs))
         except janus.SyncQueueShutDown:
             return False
         self._pieces += 1
@@ -186,7 +191,10 @@ class Channel:
             callback()
 
     def buffered_bytes(self) -> int:
-        """UTF-8 bytes of text waiting in the queue (a snapshot)."""
+        """UTF-8 bytes of text waiting in the queue, and what its
+        log-probabilities hold (a snapshot)."""
         with self.queue._sync_mutex:  # janus has no public snapshot API
             items = list(self.queue._queue)
-        return sum(len(i.text.encode()) for i in items if isinstance(i, Piece))
+        return sum(
+            len(i.text.encode()) + entries_size(i.logprobs) for i in items if isinstance(i, Piece)
+        )

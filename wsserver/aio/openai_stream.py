@@ -14,7 +14,8 @@ and only renders the frames the driver gives back (:meth:`Completion.write`):
 * ``delta`` → one SSE chunk, written, then the write waits while the
   transport is above its high-water mark: the pump stops, the channel fills,
   the engine pauses, as over a WebSocket (without ``stream``, the text is
-  gathered: at most ``max_tokens`` tokens);
+  gathered — at most ``max_tokens`` tokens —, with the tokens'
+  log-probabilities if asked for);
 * ``done`` → the finish chunk, the usage chunk and ``[DONE]`` (or the whole
   JSON body); an ``error`` → OpenAI's error object, with its status while
   the headers are still unsent, as an in-band event after.
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 
+from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
 from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
@@ -68,9 +70,11 @@ class Completion:
             services.backend.model_name,
             int(time.time()),
             include_usage=api.include_usage,
+            logprobs=bool(api.generate.logprobs),
         )
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self.driver = RequestDriver(
             services,
             dialect=self,
@@ -109,11 +113,14 @@ class Completion:
         if isinstance(frame, Delta):
             if stream:
                 self._answer.head()
-                await self._answer.write(self.reply.text_chunk(frame.text, frame.reasoning))
+                chunk = self.reply.text_chunk(frame.text, frame.reasoning, frame.logprobs)
+                await self._answer.write(chunk)
             else:
                 self._text.append(frame.text)
                 if frame.reasoning:
                     self._reasoning.append(frame.reasoning)
+                if frame.logprobs:
+                    self._logprobs.extend(frame.logprobs)
         elif isinstance(frame, Queued | Started):
             if stream:
                 self._answer.head()
@@ -137,9 +144,9 @@ class Completion:
             self._answer.head()
             self._answer.write_last(self.reply.final_chunks(done))
         else:
-            self._answer.respond(
-                HTTPStatus.OK, self.reply.body("".join(self._text), done, "".join(self._reasoning))
-            )
+            text, reasoning = "".join(self._text), "".join(self._reasoning)
+            body = self.reply.body(text, done, reasoning, self._logprobs)
+            self._answer.respond(HTTPStatus.OK, body)
 
     async def _fail(self, status: HTTPStatus, message: str, code: str) -> None:
         if self._answer.head_sent:

@@ -16,9 +16,11 @@ from typing import Final
 from websockets.asyncio.server import ServerConnection
 
 from ..config import Config
-from ..pacing import FRAME_TEXT_CHARS
+from ..logprobs import MAX_ENTRY_BYTES
+from ..pacing import FRAME_LOGPROB_TOKENS, FRAME_TEXT_CHARS
 
 __all__ = [
+    "CHANNEL_TOKEN_BYTES",
     "MAX_TOKEN_BYTES",
     "READ_CHUNK_BYTES",
     "PeerAwareConnection",
@@ -145,15 +147,20 @@ READ_CHUNK_BYTES: Final = 256 * 1024
 #: The longest text one token may carry, for the channel's bound in bytes
 #: (llama.cpp vocabularies stay far below it).
 MAX_TOKEN_BYTES: Final = 256
+#: What one token in a channel may hold: its text, and its log-probabilities
+#: with 20 alternatives (:data:`wsserver.logprobs.MAX_ENTRY_BYTES`) for a
+#: request that asked for them.
+CHANNEL_TOKEN_BYTES: Final = MAX_TOKEN_BYTES + MAX_ENTRY_BYTES
 
 
 def memory_bound(config: Config) -> dict[str, int]:
     """The most one connection holds in process memory, by part (bytes).
 
     * send: the output ceiling, one read's worth of pongs on top, the
-      channel (``queue_tokens`` tokens) and the text merged for the next
-      frame (one frame's size at most); the kernel's ``sndbuf`` comes on top
-      of that in kernel memory;
+      channel (``queue_tokens`` tokens, each with its log-probabilities if
+      the request asked for them) and what is merged for the next frame (one
+      frame's text and log-probabilities at most); the kernel's ``sndbuf``
+      comes on top of that in kernel memory;
     * receive: websockets' queue (``max_queue`` + 1 frames before it pauses
       reading), the frame being parsed, the message our receive loop is
       handling, and one read;
@@ -167,8 +174,9 @@ def memory_bound(config: Config) -> dict[str, int]:
     return {
         "send": ceiling
         + READ_CHUNK_BYTES
-        + stream.queue_tokens * MAX_TOKEN_BYTES
-        + 4 * FRAME_TEXT_CHARS,
+        + stream.queue_tokens * CHANNEL_TOKEN_BYTES
+        + 4 * FRAME_TEXT_CHARS
+        + FRAME_LOGPROB_TOKENS * MAX_ENTRY_BYTES,
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
         "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
         "resume": resume_tail_bytes(config),
@@ -202,7 +210,7 @@ def detached_bound(config: Config) -> int:
     """The most a detached request holds while it waits for its resume: its
     replay tail and its full channel (wire/UTF-8 bytes, as measured by
     :meth:`wsserver.aio.resume.Resumes.held_bytes`)."""
-    return resume_tail_bytes(config) + config.stream.queue_tokens * MAX_TOKEN_BYTES
+    return resume_tail_bytes(config) + config.stream.queue_tokens * CHANNEL_TOKEN_BYTES
 
 
 def peer_aware_connection(

@@ -43,6 +43,7 @@ from .. import pacing
 from ..backends.base import GenerationRequest, Submission
 from ..errors import ProtocolError
 from ..events import Finished, ModelGranted, PromptCounted, Rejected, Report, TextProduced
+from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..pacing import Coalescer
 from ..protocol import Generate
@@ -288,17 +289,26 @@ class Generation:
         """Report everything pending as one text. False if the request has ended."""
         reasoning, reasoning_tokens = coalescer.take_reasoning()
         text, tokens = coalescer.take(asyncio.get_running_loop().time())
+        logprobs = coalescer.take_logprobs()
         self.owner.services.metrics.tokens.inc(tokens)
         return await self._report(
-            TextProduced(self.request.id, text, tokens, reasoning, reasoning_tokens)
+            TextProduced(
+                self.request.id,
+                text,
+                tokens,
+                reasoning=reasoning,
+                reasoning_tokens=reasoning_tokens,
+                logprobs=logprobs,
+            )
         )
 
     def _take(self, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
             if self.reasoning is None:
-                coalescer.add(item.text, item.tokens)
+                coalescer.add(item.text, item.tokens, item.logprobs)
             else:
-                _add_split(coalescer, self.reasoning.feed(item.text, item.tokens), item.tokens)
+                split = self.reasoning.feed(item.text, item.tokens)
+                _add_split(coalescer, split, item.tokens, item.logprobs)
             return None
         if isinstance(item, PromptDone):
             self.owner.note(PromptCounted(self.request.id, item.prompt_tokens))
@@ -335,9 +345,11 @@ class Generation:
         await self.owner.generation_gone(self)
 
 
-def _add_split(coalescer: Coalescer, split: Split, tokens: int) -> None:
+def _add_split(
+    coalescer: Coalescer, split: Split, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()
+) -> None:
     coalescer.add_reasoning(split.reasoning, split.reasoning_tokens)
-    coalescer.add(split.answer, max(0, tokens - split.reasoning_tokens))
+    coalescer.add(split.answer, max(0, tokens - split.reasoning_tokens), logprobs)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -67,6 +67,7 @@ from typing import Protocol
 
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..events import Outcome
+from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import Generate, Message
 from ..sampling import SAMPLING_FIELDS, Sampling, options_asked
@@ -124,6 +125,9 @@ class GenerationRequest:
     #: OpenAI's function tools and extra chat-template variables, as JSON text.
     tools: str | None = None
     chat_template_kwargs: str | None = None
+    #: Log-probabilities asked for: how many alternatives per token (0-20);
+    #: ``None``: none (the engine computes nothing for them).
+    logprobs: int | None = None
 
     @classmethod
     def from_frame(
@@ -145,6 +149,7 @@ class GenerationRequest:
             json_schema=frame.json_schema,
             tools=frame.tools,
             chat_template_kwargs=frame.chat_template_kwargs,
+            logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
         )
 
 
@@ -190,11 +195,13 @@ class TokenSink(Protocol):
     def prompt_processed(self, prompt_tokens: int) -> None:
         """Report the prompt's token count once it is known. Never blocks."""
 
-    def emit(self, text: str, tokens: int = 1) -> None:
+    def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """Hand over final text for ``tokens`` generated tokens; block while full.
 
         ``text`` may be empty when a token's bytes are held back (a partial
-        character or a possible stop string); the token still counts. Raises
+        character or a possible stop string); the token still counts.
+        ``logprobs``: one entry per token, when the request asked for them
+        (:attr:`GenerationRequest.logprobs`); an engine passes them only then. Raises
         :class:`~wsserver.errors.GenerationCancelled` on cancel. Never call
         it on the event loop.
         """
@@ -203,7 +210,7 @@ class TokenSink(Protocol):
 class Sink(TokenSink, Protocol):
     """One request's bounded channel, as an engine sees it. Thread-safe."""
 
-    def offer(self, text: str, tokens: int = 1) -> bool:
+    def offer(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
         """Hand over text without blocking. ``False``: the channel is full (or
         the request was cancelled) and nothing was taken; try again after
         :meth:`when_room`."""

@@ -15,6 +15,24 @@ tokens the way a BPE tokenizer roughly cuts English. The request then ends
 with reason ``stop`` when the text runs out, or ``length`` at ``max_tokens``
 before that. Tests and benchmarks use this to stream known markdown at any rate.
 
+**Sampling options it honours** (``honours``; the rest are refused with
+``unsupported_option``): ``logit_bias`` over its vocabulary — token id *i*
+is the *i*-th word of ``_WORDS`` (:func:`fake_vocabulary`), a text key the
+word equal to it; each word is drawn with weight ``exp(bias)`` (so +100
+forces a word, -100 or ``false`` bans it), from the same seeded generator —
+and ``json_schema`` (``response_format`` on the OpenAI API): a seeded JSON
+document that validates against the schema (:mod:`.fake_json`; a schema
+keyword it cannot honour is refused). Neither applies to ``echo`` or a fixed
+``text``, which are not sampled: a bias is refused there, a schema replaces
+them.
+
+**Log-probabilities.** The fake is a deterministic model: the token it
+emits had probability 1 (log-probability 0) and every other none, so asked
+for ``top_logprobs`` it lists the emitted token first, at 0, then other
+words of its vocabulary at :data:`~wsserver.logprobs.LOGPROB_FLOOR`
+(OpenAI's "never"). The shapes, counts and pacing are real; the numbers
+are the honest ones for a model that cannot choose.
+
 Timing is simulated with waits on the request's cancel event, so a cancel
 interrupts both the simulated prefill and the pause between tokens at once.
 """
@@ -22,6 +40,7 @@ interrupts both the simulated prefill and the pause between tokens at once.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 import threading
@@ -30,12 +49,23 @@ from collections.abc import Iterable
 
 import orjson
 
-from ..errors import GenerationCancelled
-from ..protocol import DoneReason
+from ..errors import BackendError, GenerationCancelled, ProtocolError
+from ..logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
+from ..protocol import DoneReason, Generate
+from ..sampling import LogitBias
 from ..textstream import TextAssembler
 from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
+from .fake_json import Unsupported, fake_document
 
-__all__ = ["FakeBackend", "fake_tokens", "text_tokens"]
+__all__ = [
+    "FakeBackend",
+    "fake_logprob",
+    "fake_tokens",
+    "fake_vocabulary",
+    "json_document",
+    "text_tokens",
+    "word_weights",
+]
 
 # A word with its leading space, a run of digits, punctuation, or whitespace:
 # roughly the pre-tokenizer of GPT-2-style BPE, so markdown syntax arrives in
@@ -89,7 +119,44 @@ def _rng(request: GenerationRequest) -> random.Random:
 
 def fake_tokens(request: GenerationRequest) -> FakeTokenStream:
     """The (infinite) token stream of a request, as raw bytes per token."""
-    return FakeTokenStream(_rng(request))
+    return FakeTokenStream(_rng(request), word_weights(request.sampling.logit_bias))
+
+
+def fake_vocabulary() -> tuple[str, ...]:
+    """The fake's words: ``logit_bias`` token id *i* is the *i*-th."""
+    return _WORDS
+
+
+def word_weights(bias: LogitBias) -> list[float] | None:
+    """Each word's weight under ``bias`` (``None``: no bias, a uniform draw).
+
+    Raises :class:`~wsserver.errors.BackendError` (``bad_request``) for a key
+    outside the vocabulary, or a bias that bans every word.
+    """
+    if not bias:
+        return None
+    logits = [0.0] * len(_WORDS)
+    for key, value in bias:
+        if isinstance(key, int):
+            if key >= len(_WORDS):
+                raise BackendError(
+                    f"logit_bias: token {key} is not in the fake engine's vocabulary "
+                    f"(ids 0 to {len(_WORDS) - 1})",
+                    code="bad_request",
+                )
+            logits[key] += value
+        else:
+            word = key.strip()
+            if word not in _WORDS:
+                raise BackendError(
+                    f"logit_bias: {key[:40]!r} is not a word of the fake engine's vocabulary",
+                    code="bad_request",
+                )
+            logits[_WORDS.index(word)] += value
+    peak = max(logits)
+    if peak == -math.inf:
+        raise BackendError("logit_bias bans every word of the fake engine", code="bad_request")
+    return [0.0 if v == -math.inf else math.exp(v - peak) for v in logits]
 
 
 def text_tokens(text: str) -> list[bytes]:
@@ -118,8 +185,9 @@ def _echoed(request: GenerationRequest) -> str:
 class FakeTokenStream:
     """Yields the byte tokens of an endless deterministic text."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, weights: list[float] | None = None) -> None:
         self._rng = rng
+        self._weights = weights
         self._pending: list[bytes] = []
         self._first = True
 
@@ -132,7 +200,10 @@ class FakeTokenStream:
         return self._pending.pop(0)
 
     def _next_word(self) -> list[bytes]:
-        word = self._rng.choice(_WORDS)
+        if self._weights is None:
+            word = self._rng.choice(_WORDS)
+        else:
+            word = self._rng.choices(_WORDS, self._weights)[0]
         text = word if self._first else " " + word
         self._first = False
         data = text.encode()
@@ -147,8 +218,37 @@ class FakeTokenStream:
         return pieces
 
 
+def fake_logprob(token: bytes, top: int) -> TokenLogprob:
+    """The fake's entry for a token it emitted (see the module docstring)."""
+    alternatives = [TopLogprob(token_text(token), 0.0, token)]
+    for word in _WORDS:
+        if len(alternatives) > top - 1:
+            break
+        raw = (" " + word).encode()
+        if raw != token:
+            alternatives.append(TopLogprob(token_text(raw), LOGPROB_FLOOR, raw))
+    return TokenLogprob(token_text(token), 0.0, token, tuple(alternatives[:top]))
+
+
+def json_document(schema: str, rng: random.Random) -> str:
+    """The JSON-shaped mode's text for ``schema`` (JSON text). Raises
+    :class:`~wsserver.errors.BackendError` (``unsupported_option``) for a
+    schema the fake cannot honour."""
+    words = [w for w in _WORDS if w.isascii()]
+    try:
+        document = fake_document(orjson.loads(schema), rng, words)
+    except Unsupported as exc:
+        raise BackendError(
+            f"'json_schema' is not supported by the fake engine as given: {exc}",
+            code="unsupported_option",
+        ) from None
+    return orjson.dumps(document).decode()
+
+
 class FakeBackend(ThreadedBackend):
     """Deterministic fake model with a configurable speed."""
+
+    honours = frozenset({"logprobs", "logit_bias", "json_schema"})
 
     def __init__(
         self,
@@ -174,6 +274,24 @@ class FakeBackend(ThreadedBackend):
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The simulated count: what the request's ``usage.prompt_tokens`` will say."""
         return self.prompt_tokens(request)
+
+    def check(self, frame: Generate) -> None:
+        """Refuse what the fake cannot honour as asked (see the module docstring)."""
+        super().check(frame)
+        try:
+            if frame.logit_bias:
+                if self.echo or self.text is not None:
+                    raise ProtocolError(
+                        "unsupported_option",
+                        "'logit_bias' is not supported by this fake engine: it streams "
+                        "a fixed text (echo or text), which is not sampled",
+                        frame.id,
+                    )
+                word_weights(frame.logit_bias)
+            if frame.json_schema is not None:
+                json_document(frame.json_schema, random.Random(0))
+        except BackendError as exc:
+            raise ProtocolError(exc.code, str(exc), frame.id) from None
 
     def prompt_tokens(self, request: GenerationRequest) -> int:
         """The simulated prompt's token count (what ``usage.prompt_tokens`` reports)."""
@@ -201,13 +319,16 @@ class FakeBackend(ThreadedBackend):
         interval = 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
         start = time.monotonic()
         produced = 0
-        if self.echo:
-            tokens: Iterable[bytes] = text_tokens(_echoed(request))
+        if request.json_schema is not None:
+            tokens: Iterable[bytes] = text_tokens(json_document(request.json_schema, _rng(request)))
+        elif self.echo:
+            tokens = text_tokens(_echoed(request))
         elif self._text_tokens is not None:
             tokens = self._text_tokens
         else:
             tokens = fake_tokens(request)
-        ended: DoneReason = "stop" if self.echo or self._text_tokens is not None else "length"
+        fixed = self.echo or self._text_tokens is not None or request.json_schema is not None
+        ended: DoneReason = "stop" if fixed else "length"
         for token in tokens:
             if produced >= request.max_tokens:
                 break
@@ -220,10 +341,12 @@ class FakeBackend(ThreadedBackend):
                 raise GenerationCancelled(request.id)
             produced += 1
             text = assembler.feed(token)
-            if assembler.stopped:
+            if request.logprobs is not None:
+                sink.emit(text, 1, (fake_logprob(token, request.logprobs),))
+            else:
                 sink.emit(text, 1)
+            if assembler.stopped:
                 return Outcome("stop", prompt_tokens, produced, stop_sequence=assembler.stop_string)
-            sink.emit(text, 1)
         tail = assembler.flush()
         if tail:
             sink.emit(tail, 0)

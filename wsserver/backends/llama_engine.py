@@ -73,12 +73,14 @@ from typing import Any
 import llama_cpp
 
 from ..errors import BackendError
+from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import AbortFlag, Batch, has_history, new_sampler, penalty_window, quiet_errors
 from .llama_grammar import Candidates, GrammarCache, utf8_needed
+from .llama_logprobs import LogprobReader
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
@@ -123,6 +125,7 @@ class BatchEngine:
         self._tokenize_text = tokenize_text
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.grammars = GrammarCache(vocab)
+        self.logprobs = LogprobReader(self.n_vocab, piece)
         #: The full candidate list, built only for constrained sequences.
         self._candidates: Candidates | None = None
         self.sequences = [SequenceState(i) for i in range(parallel)]
@@ -449,10 +452,20 @@ class BatchEngine:
             self._ending(job, "stop")
         else:
             job.produced += 1
-            job.outbox.append((assembler.feed(self._piece(token)), 1))
+            entries: tuple[TokenLogprob, ...] = ()
+            if job.request.logprobs is not None:
+                # Only for the sequences that asked, from the raw logits
+                # (which sampling read but did not change).
+                logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+                entries = (self.logprobs.entry(logits, token, job.request.logprobs),)
+            job.outbox.append((assembler.feed(self._piece(token)), 1, entries))
             if assembler.stopped:
                 job.ending = Outcome(
-                    "stop", len(job.prompt), job.produced, stop_sequence=assembler.stop_string
+                    "stop",
+                    len(job.prompt),
+                    job.produced,
+                    cached_tokens=job.stats.reused,
+                    stop_sequence=assembler.stop_string,
                 )
             elif job.produced >= job.max_tokens:
                 self._ending(job, "length")
@@ -489,16 +502,19 @@ class BatchEngine:
         # A character cut off by max_tokens is dropped, as create_completion drops it.
         tail = job.assembler.flush()
         if tail:
-            job.outbox.append((tail, 0))
-        job.ending = Outcome(reason, len(job.prompt), job.produced)
+            job.outbox.append((tail, 0, ()))
+        job.ending = Outcome(reason, len(job.prompt), job.produced, cached_tokens=job.stats.reused)
 
     # ------------------------------------------------------------ delivery and ends
 
     def _deliver(self, job: Job) -> None:
         """Hand the job's held text to its channel; pause it on a full one."""
         while job.outbox:
-            text, tokens = job.outbox[0]
-            if not job.sink.offer(text, tokens):
+            text, tokens, entries = job.outbox[0]
+            taken = (
+                job.sink.offer(text, tokens, entries) if entries else job.sink.offer(text, tokens)
+            )
+            if not taken:
                 if job.cancelled or job.cancel.is_set():
                     return
                 with self._cond:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..logprobs import TokenLogprob
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 
@@ -55,8 +56,9 @@ class Job:
     utf8_needed: int = 0
     assembler: TextAssembler | None = None
     produced: int = 0
-    #: Text the channel has not taken yet (a token's, then perhaps the tail).
-    outbox: deque[tuple[str, int]] = field(default_factory=deque)
+    #: Text the channel has not taken yet (a token's, then perhaps the tail),
+    #: with its tokens' count and log-probabilities (if asked for).
+    outbox: deque[tuple[str, int, tuple[TokenLogprob, ...]]] = field(default_factory=deque)
     ending: Outcome | None = None
     #: Paused on a full channel; ``when_room`` clears it.
     waiting_room: bool = False

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from ..logprobs import TokenLogprob
 from ..protocol import DoneReason
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
@@ -45,6 +46,8 @@ class Relay:
         self.timings: dict[str, float] | None = None
         #: The request's stop string the upstream said it stopped at.
         self.upstream_stop: str | None = None
+        #: The upstream's count of cached prompt tokens, when its usage says.
+        self.cached_tokens: int | None = None
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
@@ -70,13 +73,22 @@ class Relay:
                 self._prompt(chunk.prompt_tokens)
             if chunk.completion_tokens is not None:
                 self.completion_tokens = chunk.completion_tokens
+            if chunk.cached_tokens is not None:
+                self.cached_tokens = chunk.cached_tokens
             if chunk.finish is not None:
                 self.finish = chunk.finish
             if chunk.stop_string in self.assembler.stops:
                 self.upstream_stop = chunk.stop_string
-            if chunk.text:
-                self.pieces += 1
-                await self.offer(self.assembler.feed_text(chunk.text), 1)
+            if chunk.text or chunk.logprobs:
+                text = ""
+                if chunk.text:
+                    self.pieces += 1
+                    text = self.assembler.feed_text(chunk.text)
+                # One entry a piece, so the channel's bound per piece holds.
+                entries = chunk.logprobs
+                await self.offer(text, 1 if chunk.text else 0, entries[:1])
+                for entry in entries[1:]:
+                    await self.offer("", 0, (entry,))
                 if self.assembler.stopped:
                     # A stop string the upstream let through: end here.
                     self.finish = "stop"
@@ -99,7 +111,15 @@ class Relay:
             completion,
             upstream_timings=self.timings,
             stop_sequence=stop,
+            cached_tokens=self._cached(),
         )
+
+    def _cached(self) -> int:
+        """The upstream's cached prompt tokens: its usage's, else llama-server's ``cache_n``."""
+        if self.cached_tokens is not None:
+            return self.cached_tokens
+        cache_n = (self.timings or {}).get("cache_n")
+        return int(cache_n) if cache_n is not None else 0
 
     def _prompt(self, tokens: int) -> None:
         """The upstream counted the prompt: tell the sink at once, so that a
@@ -108,10 +128,12 @@ class Relay:
             self.prompt_tokens = tokens
             self.sink.prompt_processed(tokens)
 
-    async def offer(self, text: str, tokens: int) -> None:
+    async def offer(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """Into the sink, waiting (on the loop) while it is full."""
         loop = asyncio.get_running_loop()
-        while not self.sink.offer(text, tokens):
+        while not (
+            self.sink.offer(text, tokens, logprobs) if logprobs else self.sink.offer(text, tokens)
+        ):
             if self.cancel.is_set():
                 raise asyncio.CancelledError  # the task's own cancel is on its way
             room: asyncio.Future[None] = loop.create_future()

@@ -18,14 +18,15 @@ rotation until a probe answers).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from ..errors import BackendError, WireCode
+from ..logprobs import LOGPROB_FLOOR, MAX_ENTRY_BYTES, TokenLogprob, parse_entries
 from ..protocol import DoneReason
-from ..sampling import SAMPLING_FIELDS, Sampling
+from ..sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, Sampling
 from .base import GenerationRequest
 
 __all__ = [
@@ -75,6 +76,12 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
     if request.seed is not None:
         body["seed"] = request.seed
     body.update(sampler_options(request.sampling))
+    if request.logprobs is not None:
+        if request.messages is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = request.logprobs
+        else:
+            body["logprobs"] = request.logprobs  # the legacy count
     if request.stop:
         body["stop"] = list(request.stop)
     if request.grammar is not None:
@@ -135,6 +142,10 @@ class Chunk:
     timings: dict[str, float] | None = None
     #: The stop string the upstream stopped at, when it says (vLLM's ``stop_reason``).
     stop_string: str | None = None
+    #: The tokens' log-probabilities, when the request asked for them.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    #: ``usage.prompt_tokens_details.cached_tokens``: the upstream's prefix cache.
+    cached_tokens: int | None = None
 
 
 #: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
@@ -182,6 +193,7 @@ def parse_chunk(data: str) -> Chunk:
     text = ""
     finish: DoneReason | None = None
     stop_string: str | None = None
+    entries: list[TokenLogprob] = []
     for choice in choices:
         if not isinstance(choice, dict):
             raise _bad("the upstream sent a choice that is not an object")
@@ -203,11 +215,16 @@ def parse_chunk(data: str) -> Chunk:
         said = choice.get("stop_reason")
         if isinstance(said, str):
             stop_string = said
+        if choice.get("logprobs") is not None:
+            entries.extend(_logprobs(choice["logprobs"]))
     usage = obj.get("usage")
-    prompt_tokens = completion_tokens = None
+    prompt_tokens = completion_tokens = cached_tokens = None
     if isinstance(usage, dict):
         prompt_tokens = _count(usage.get("prompt_tokens"))
         completion_tokens = _count(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached_tokens = _count(details.get("cached_tokens"))
     return Chunk(
         text,
         finish,
@@ -215,6 +232,51 @@ def parse_chunk(data: str) -> Chunk:
         completion_tokens,
         _timings(obj.get("timings")),
         stop_string,
+        tuple(entries),
+        cached_tokens,
+    )
+
+
+def _logprobs(value: Any) -> tuple[TokenLogprob, ...]:
+    """A choice's ``logprobs``: the chat shape (``content``) or the legacy one
+    (``tokens``, ``token_logprobs``, ``top_logprobs``), as entries."""
+    try:
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        content = value.get("content")
+        entries = parse_entries(content or []) if "content" in value else _legacy(value)
+    except ValueError as exc:
+        raise _bad(f"the upstream sent malformed logprobs: {exc}") from None
+    for entry in entries:
+        if len(entry.top) > MAX_TOP_LOGPROBS or entry.size() > MAX_ENTRY_BYTES:
+            raise _bad("the upstream sent a logprob entry beyond the limits (20 alternatives)")
+    return entries
+
+
+def _legacy(value: dict[str, Any]) -> tuple[TokenLogprob, ...]:
+    tokens, values = value.get("tokens") or [], value.get("token_logprobs") or []
+    tops = value.get("top_logprobs") or [None] * len(tokens)
+    if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(tops, list)):
+        raise ValueError("tokens, token_logprobs and top_logprobs must be lists")
+    if not len(tokens) == len(values) == len(tops):
+        raise ValueError("tokens, token_logprobs and top_logprobs differ in length")
+    chat: list[dict[str, Any]] = []
+    for token, logprob, top in zip(tokens, values, tops, strict=True):
+        if top is not None and not isinstance(top, dict):
+            raise ValueError("each top_logprobs entry must be an object")
+        alternatives = [{"token": t, "logprob": v} for t, v in (top or {}).items()]
+        chat.append(
+            {
+                "token": token,
+                # The first token of an echoed prompt has none.
+                "logprob": LOGPROB_FLOOR if logprob is None else logprob,
+                "top_logprobs": alternatives,
+            }
+        )
+    entries = parse_entries(chat)
+    # Most likely first, as the chat shape lists them (a dict has no order to trust).
+    return tuple(
+        replace(entry, top=tuple(sorted(entry.top, key=lambda t: -t.logprob))) for entry in entries
     )
 
 
