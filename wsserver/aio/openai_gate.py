@@ -1,9 +1,11 @@
 """Who may use the OpenAI API: the WebSocket handshake's checks, per HTTP request.
 
-:class:`Gate` runs, in order, what :mod:`wsserver.security` decides for a
-WebSocket handshake — Host; Origin, when a browser sends one (then the CORS
-headers for that origin); the token; the connection limits, once per
-connection — and then a request rate per client (:class:`RateLimiter`).
+:class:`Gate` runs what :mod:`wsserver.security` decides for a WebSocket
+handshake: the connection limits once, when the connection is handed over
+(:meth:`Gate.admit`, before any request is read); then per request Host;
+Origin, when a browser sends one (then the CORS headers for that origin); a
+request rate per client (:class:`RateLimiter`) and only then the token, so
+that a client guessing tokens is slowed down like any other.
 A refusal is an :class:`~wsserver.openai_api.ApiError` with OpenAI's error
 object, counted in ``wsserver_handshakes_refused_total`` like a refused
 handshake.
@@ -118,24 +120,23 @@ class Gate:
             ]
         )
 
-    def check_client(
-        self,
-        headers: RequestHeaders,
-        *,
-        connection: Hashable,
-        peer: str,
-        alive: Callable[[], bool],
-        admitted: bool,
-        now: float,
-    ) -> None:
-        """The token, the connection limits (unless ``admitted``), the request rate."""
-        self._check(self.gatekeeper.check_auth(headers.all("authorization"), (), upgrade=False))
-        if not admitted:
+    def admit(self, connection: Hashable, peer: str, alive: Callable[[], bool]) -> ApiError | None:
+        """The connection limits, when the connection is handed over (before
+        any of its request is read); the refusal, counted, or ``None``."""
+        try:
             self._check(self.connection_limiter.admit(connection, peer, alive))
+        except ApiError as exc:
+            return exc
+        return None
+
+    def check_client(self, headers: RequestHeaders, *, peer: str, now: float) -> None:
+        """The request rate, then the token: a client guessing tokens is slowed
+        down (and logged at the rate) like any other."""
         if not self.rate_limiter.allow(peer, now):
             raise ApiError(
                 HTTPStatus.TOO_MANY_REQUESTS, "too many requests; slow down", "rate_limited"
             )
+        self._check(self.gatekeeper.check_auth(headers.all("authorization"), (), upgrade=False))
 
     def _check(self, refusal: Refusal | None) -> None:
         if refusal is None:

@@ -341,10 +341,12 @@ class Server:
             await asyncio.gather(*detached, return_exceptions=True)
         # The farewell (done cancelled, close 1001) is bounded: a client that
         # does not read is aborted rather than allowed to hold up the exit.
-        for http in list(self.api.live.values()):
+        https = list(self.api.live.values())
+        for http in https:
             http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
+            self._http_gone(https),
             return_exceptions=True,
         )
         with contextlib.suppress(TimeoutError):
@@ -355,6 +357,20 @@ class Server:
             self._load_task.cancel()
         await asyncio.to_thread(self.backend.close)
         log.info("stopped")
+
+    @staticmethod
+    async def _http_gone(https: list[HttpConnection]) -> None:
+        """Wait until the HTTP connections' engines are gone (their requests
+        were cancelled by ``shutdown``; a request a client left just before
+        is winding down too) and, within the farewell, the connections closed."""
+        tasks = [g.task for h in https for g in list(h.generations.values()) if g.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_FAREWELL_S):
+                await asyncio.gather(*(h.closed.wait() for h in https))
+        for http in https:
+            http.abort()
 
 
 async def run(config: Config, *, backend: Backend | None = None) -> int:
