@@ -135,7 +135,14 @@ class Server:
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
-        self.resumes = Resumes(grace_s=config.stream.resume_grace_s)
+        stream = config.stream
+        self.resumes = Resumes(
+            grace_s=stream.resume_grace_s,
+            stall_s=stream.stall_timeout_s,
+            waiting=lambda: self.scheduler.waiting,
+            max_total=stream.max_detached,
+            max_per_client=stream.max_detached_per_client,
+        )
         self._services = Services(
             config=config,
             backend=self.backend,
