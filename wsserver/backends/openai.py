@@ -127,7 +127,13 @@ class OpenAIBackend(Backend):
         self.silence_timeout_s = silence_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        # identity: a compressed body could expand a thousandfold before any
+        # bound applies (a gzip bomb); a server that compresses anyway is refused.
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "Accept-Encoding": "identity",
+        }
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -202,6 +208,7 @@ class OpenAIBackend(Backend):
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s),
                 read_bufsize=READ_BUFSIZE,
                 headers=self._headers,
+                auto_decompress=False,
             )
         return self._client
 
@@ -251,7 +258,13 @@ class OpenAIBackend(Backend):
 
     async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
         tried: frozenset[Upstream] = frozenset()
-        relay = Relay(sink, cancel, TextAssembler(request.stop))
+        relay = Relay(
+            sink,
+            cancel,
+            TextAssembler(request.stop),
+            max_tokens=request.max_tokens,
+            clock=asyncio.get_running_loop().time,
+        )
         while True:
             upstream = self.pick(tried)
             if upstream is None:
@@ -315,12 +328,21 @@ class OpenAIBackend(Backend):
                     "not an event stream",
                     code="upstream_bad_stream",
                 )
+            encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise UpstreamError(
+                    f"the upstream answered with Content-Encoding {encoding[:40]!r}, "
+                    "though asked for identity",
+                    code="upstream_bad_stream",
+                )
             relay.begin()
             first = True
             while not relay.done:
                 try:
+                    # Silence is counted from the last event, not the last
+                    # byte: comments (": keep-alive") and blank lines are no content.
                     async with asyncio.timeout_at(
-                        deadline if first else loop.time() + self.silence_timeout_s
+                        deadline if first else relay.last_event + self.silence_timeout_s
                     ):
                         data = await response.content.readany()
                 except TimeoutError:
@@ -335,6 +357,7 @@ class OpenAIBackend(Backend):
                     data = None  # the connection broke: as an end without the last chunk
                 if first:
                     first = False
+                    relay.last_event = loop.time()
                     upstream.first_byte_seconds_sum += loop.time() - sent
                     upstream.first_byte_count += 1
                 if not data:
@@ -347,8 +370,10 @@ class OpenAIBackend(Backend):
                         unhealthy=True,
                     )
                 await relay.feed(data)
+                # One read's work at a time: let the other connections run.
+                await asyncio.sleep(0)  # sleep-ok: a yield, no time passes
             outcome = await relay.end()
-            clean = relay.done
+            clean = relay.done and not relay.cut
             return outcome
         finally:
             if clean:
