@@ -404,3 +404,54 @@ async def test_keep_alive_comments_are_no_content_for_the_silence_timeout() -> N
             await client.send(gen("a"))
             _, frames = await client.done("a")
         assert frames[-1]["error"]["code"] == "upstream_silent"
+
+
+async def test_an_upstreams_model_name_is_clipped_and_cleaned_where_it_is_shown() -> None:
+    """Fault 12: a 5 KB id with newlines and ESC reached hello and the chunks."""
+    raw = "evil\n\x1b[31m" + "x" * 5000
+    async with FakeUpstream(model=raw) as up, relay(up.url) as server:
+        async with wire(server) as client:
+            assert client.hello is not None
+            shown = client.hello["model"]
+            await client.send(gen("a"))
+            text, _ = await client.done("a")
+        assert text == TEXT
+        assert len(shown) <= 256 and shown.startswith("evil??[31m")
+        assert up.streams[0].body["model"] == raw  # the upstream is asked for its own id
+        samples = await scrape(server)
+        (info,) = [k for k in samples if k.startswith("wsserver_info")]
+        assert f'model="{shown}"' in info
+
+
+async def test_the_relay_starts_before_its_upstream_and_serves_once_it_answers() -> None:
+    """Also: with no model configured, wsserver exited 1 if no upstream answered."""
+    from test_security import http
+
+    up = FakeUpstream()
+    await up.start()
+    port = int(up.url.split(":")[2].split("/")[0])
+    await up.stop()
+    try:
+        async with relay(up.url) as server:
+            backend = server.backend
+            assert isinstance(backend, OpenAIBackend)
+            status, _, body = await http(server, "/readyz")
+            assert status == 503 and b"no upstream has listed a model" in body
+            async with wire(server) as client:
+                await client.send(gen("a"))
+                _, frames = await client.done("a")
+            assert frames[-1]["error"]["code"] == "upstream_unavailable"
+            await up.start(port)
+            backend.unready_reason()  # looks again (as /readyz does)
+            discovery = backend._discovery
+            if discovery is not None:
+                await asyncio.wait_for(asyncio.shield(discovery), timeout())
+            assert (await http(server, "/readyz"))[0] == 200
+            async with wire(server) as client:
+                assert client.hello is not None and client.hello["model"] == "fake-upstream"
+                await client.send(gen("b"))
+                text, _ = await client.done("b")
+            assert text == TEXT
+            assert 'model="fake-upstream"' in "".join(await scrape(server))
+    finally:
+        await up.stop()

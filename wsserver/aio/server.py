@@ -241,6 +241,8 @@ class Server:
         except Exception as exc:
             log.error("model failed to load: %s", exc)
             raise
+        self.metrics.set_model(self.backend.model_name)
+        self.backend.on_model = self.metrics.set_model
         self.scheduler.open()
         self.ready.set()
         log.info(

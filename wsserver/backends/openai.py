@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..config import OpenAIConfig
-from ..errors import ModelLoadError
 from ..logs import context
 from ..textstream import TextAssembler
 from .base import (
@@ -70,6 +70,17 @@ log = logging.getLogger("wsserver.producer")
 READ_BUFSIZE = 16384
 #: Most of an HTTP error body read to find the upstream's message.
 MAX_ERROR_BODY = 65536
+#: The longest model name shown (hello, chunks, metrics, logs) from an upstream's listing.
+MAX_MODEL_NAME = 256
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def display_name(model: str) -> str:
+    """An upstream's model id as wsserver shows it: control characters
+    replaced, at most :data:`MAX_MODEL_NAME` characters. The upstream is still
+    asked for the id it listed."""
+    name = _UNPRINTABLE.sub("?", model)
+    return name if len(name) <= MAX_MODEL_NAME else name[: MAX_MODEL_NAME - 1] + "…"
 
 
 @dataclass(eq=False)
@@ -139,6 +150,8 @@ class OpenAIBackend(Backend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Looks for a model while no upstream has listed one (started late).
+        self._discovery: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: OpenAIConfig) -> OpenAIBackend:
@@ -156,33 +169,63 @@ class OpenAIBackend(Backend):
     # ------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        """Find the model to ask for, if none is configured (on a worker thread)."""
+        """Find the model to ask for, if none is configured (on a worker thread).
+
+        If no upstream answers yet (a fleet that boots slower than wsserver),
+        the server starts anyway: ``/readyz`` is 503 and requests get
+        ``upstream_unavailable`` until an upstream lists a model
+        (:meth:`unready_reason` keeps looking)."""
         if self.model:
+            self.model_name = display_name(self.model)
             return
         reasons = []
         for upstream in self.upstreams:
             try:
-                self.model = self._first_model(upstream.url)
+                self._found(self._first_model(upstream.url))
             except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 reasons.append(f"{upstream.url}: {exc.__class__.__name__}")
                 continue
-            self.model_name = self.model
             return
-        raise ModelLoadError(
-            "backend.openai.model is empty and no upstream listed a model at /v1/models ("
-            + "; ".join(reasons)
-            + ")"
+        log.warning(
+            "no upstream listed a model at /v1/models (%s); serving once one does",
+            "; ".join(reasons),
         )
+
+    def _found(self, model: str) -> None:
+        self.model = model
+        self.model_name = display_name(model)
 
     def _first_model(self, url: str) -> str:
         request = urllib.request.Request(f"{url}/models", headers=self._headers)
         timeout = self.connect_timeout_s + self.first_byte_timeout_s
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            listing = json.load(response)
-        model = listing["data"][0]["id"]
-        if not isinstance(model, str) or not model:
-            raise ValueError("a model without an id")
-        return model
+            listing = json.loads(response.read(MAX_ERROR_BODY * 16))
+        return _model_of(listing)
+
+    async def _discover(self) -> None:
+        """Ask each upstream's ``/v1/models`` until one lists a model."""
+        delay = self.backoff_s
+        try:
+            while not self.model:
+                for upstream in self.upstreams:
+                    with contextlib.suppress(
+                        TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError
+                    ):
+                        async with asyncio.timeout(self.connect_timeout_s + self.silence_timeout_s):
+                            async with self._session().get(upstream.url + "/models") as response:
+                                body = await response.content.read(MAX_ERROR_BODY * 16)
+                        if response.status == 200:
+                            self._found(_model_of(json.loads(body)))
+                            log.info(
+                                "upstream %s lists the model %s", upstream.url, self.model_name
+                            )
+                            if self.on_model is not None:
+                                self.on_model(self.model_name)
+                            return
+                await asyncio.sleep(delay)  # sleep-ok: the probe's backoff
+                delay = min(delay * 2, self.max_backoff_s)
+        finally:
+            self._discovery = None
 
     def close(self) -> None:
         """Close the connection pool (called on a worker thread, the loop running)."""
@@ -193,6 +236,8 @@ class OpenAIBackend(Backend):
             asyncio.run_coroutine_threadsafe(self._aclose(), loop).result(timeout=10)
 
     async def _aclose(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         for upstream in self.upstreams:
             if upstream.probe is not None:
                 upstream.probe.cancel()
@@ -257,6 +302,11 @@ class OpenAIBackend(Backend):
         return min(candidates, key=lambda u: u.in_flight, default=None)
 
     async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
+        if not self.model:
+            self._look_for_a_model()
+            raise UpstreamError(
+                "no upstream has listed a model at /v1/models yet", code="upstream_unavailable"
+            )
         tried: frozenset[Upstream] = frozenset()
         relay = Relay(
             sink,
@@ -446,10 +496,26 @@ class OpenAIBackend(Backend):
         ]
 
     def unready_reason(self) -> str | None:
-        """``/readyz`` is ready while at least one upstream is in rotation."""
+        """``/readyz`` is ready while at least one upstream is in rotation
+        (and one has listed a model, when none is configured)."""
+        if not self.model:
+            self._look_for_a_model()
+            return "no upstream has listed a model at /v1/models yet"
         if any(u.healthy for u in self.upstreams):
             return None
         return "no upstream is in rotation (each failed and is being probed)"
+
+    def _look_for_a_model(self) -> None:
+        if self._discovery is None:
+            self._discovery = asyncio.get_running_loop().create_task(self._discover())
+
+
+def _model_of(listing: object) -> str:
+    """The first model id of a ``/v1/models`` listing."""
+    model = listing["data"][0]["id"]  # type: ignore[index]
+    if not isinstance(model, str) or not model:
+        raise ValueError("a model without an id")
+    return model
 
 
 def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:
