@@ -16,6 +16,8 @@ speed, not synchronisation: tests never wait on them.
 from __future__ import annotations
 
 import asyncio
+import functools
+import gzip
 import json
 import socket
 from dataclasses import dataclass, field
@@ -49,7 +51,9 @@ class FakeUpstream:
 
     def __init__(self, *, model: str = "fake-upstream", sndbuf: int = 0) -> None:
         self.model = model
-        #: ok | endless | status | not_streamed | hang | silence | drop | malformed | bad_sse | no_final | error_event
+        #: ok | endless | status | not_streamed | hang | silence | drop | malformed | bad_sse |
+        #: no_final | error_event | comments (keep-alive comments only, after fault_after) |
+        #: gzip_bomb (20 MiB of blank lines, gzip-compressed, whatever was asked)
         self.mode = "ok"
         self.status = 500
         self.pieces = list(PIECES)
@@ -147,6 +151,9 @@ class FakeUpstream:
             return web.json_response({"choices": [{"text": "".join(self.pieces)}]})
         if mode == "hang":
             await self._park()
+        if mode == "gzip_bomb":
+            headers = {"Content-Type": "text/event-stream", "Content-Encoding": "gzip"}
+            return web.Response(body=_gzip_bomb(), headers=headers)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         chat = request.path.endswith("/chat/completions")
@@ -216,6 +223,10 @@ class FakeUpstream:
         elif mode == "error_event":
             await self._event(response, stream, {"error": {"message": "out of memory"}})
             await self._park()
+        elif mode == "comments":
+            while not self._release.is_set():
+                await self._raw(response, stream, b": keep-alive\n\n")
+                await asyncio.sleep(self.token_delay)  # sleep-ok: the upstream's pace
 
     async def _park(self) -> None:
         """Wait until the client leaves (cancelled then) or the upstream stops."""
@@ -232,7 +243,12 @@ class FakeUpstream:
         stream.bytes_sent += len(data)
 
 
-_MID_STREAM = frozenset({"silence", "drop", "malformed", "bad_sse", "error_event"})
+_MID_STREAM = frozenset({"silence", "drop", "malformed", "bad_sse", "error_event", "comments"})
+
+
+@functools.cache
+def _gzip_bomb() -> bytes:
+    return gzip.compress(b"\n" * (20 << 20), compresslevel=9)
 
 
 def _text(piece: str) -> dict[str, Any]:

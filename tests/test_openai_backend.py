@@ -320,9 +320,9 @@ async def test_requests_go_to_the_upstream_with_fewest_in_flight_and_retry_once(
         assert isinstance(backend, OpenAIBackend)
         a.mode = b.mode = "endless"
         async with wire(server) as one, wire(server) as two:
-            await one.send(gen("x"))
+            await one.send(gen("x", max_tokens=1_000_000))
             await one.until(lambda f: f["type"] == "delta")
-            await two.send(gen("y"))
+            await two.send(gen("y", max_tokens=1_000_000))
             await two.until(lambda f: f["type"] == "delta")
             assert (len(a.streams), len(b.streams)) == (1, 1)
             await one.send({"type": "cancel", "id": "x"})
@@ -352,9 +352,9 @@ async def test_an_upstream_killed_mid_run_loses_and_duplicates_nothing() -> None
         assert isinstance(backend, OpenAIBackend)
         a.mode = b.mode = "endless"
         async with wire(server) as one, wire(server) as two:
-            await one.send(gen("x"))
+            await one.send(gen("x", max_tokens=1_000_000))
             await one.until(lambda f: f["type"] == "delta")
-            await two.send(gen("y"))
+            await two.send(gen("y", max_tokens=1_000_000))
             await two.until(lambda f: f["type"] == "delta")
             await a.stop()  # x was on A: it had text, so it ends (no retry after text)
             frames = await one.until(lambda f: f["type"] == "done" and f["id"] == "x")
@@ -420,3 +420,116 @@ async def test_tools_are_refused_by_name_while_tool_calls_are_not_relayed() -> N
             await client.send({"type": "generate", "id": "u", "messages": messages})
             await client.done("u")
     assert len(up.streams) == 1
+
+
+# ---------------------------------------------------------------- hardening III (issue 26)
+
+
+async def test_a_compressed_body_is_refused_and_identity_is_asked_for() -> None:
+    """Fault 2: 20 KB of gzip that expands to 20 MiB of blank lines froze the loop."""
+    async with FakeUpstream() as up, relay(up.url, model="m") as server:
+        up.mode = "gzip_bomb"
+        async with wire(server) as client:
+            await client.send(gen("a"))
+            _, frames = await client.done("a")
+        assert frames[-1]["error"]["code"] == "upstream_bad_stream"
+        assert "Content-Encoding 'gzip'" in frames[-1]["error"]["message"]
+        assert up.streams[0].headers["Accept-Encoding"] == "identity"
+
+
+async def test_huge_upstream_events_are_bounded_by_bytes_in_the_channel() -> None:
+    """Fault 3: a channel of 64 pieces held 64 events of a megabyte each."""
+    async with FakeUpstream() as up, relay(up.url, model="m") as server:
+        up.mode = "endless"
+        up.pieces = ["x" * 200_000]
+        async with slow_wire(server) as client:
+            await client.send(gen("a", max_tokens=1_000_000))
+            await client.until(lambda f: f["type"] == "delta")
+            (connection,) = server.connections.values()
+            generation = connection.generations["a"]
+            assert await asyncio.to_thread(generation.channel.blocked.wait, timeout(20))
+            queue_tokens = server.config.stream.queue_tokens
+            assert generation.channel.buffered_bytes() <= queue_tokens * 256 + 1024
+            await client.send({"type": "cancel", "id": "a"})
+
+
+@pytest.mark.parametrize("piece", ["ab", "y" * 10_000])
+async def test_an_upstream_that_ignores_max_tokens_is_cut_at_the_limit(piece: str) -> None:
+    """Fault 7: an endless upstream gave a max_tokens 5 request 352k characters."""
+    async with FakeUpstream() as up, relay(up.url, model="m") as server:
+        up.mode = "endless"
+        up.pieces = [piece]
+        up.send_usage = False
+        async with wire(server) as client:
+            await client.send(gen("a", max_tokens=5))
+            text, frames = await client.done("a")
+        assert frames[-1]["reason"] == "length"
+        assert frames[-1]["usage"]["completion_tokens"] <= 5
+        assert len(text) <= 5 * 16
+        async with asyncio.timeout(timeout()):
+            await up.streams[0].disconnected.wait()  # and its stream was closed
+
+
+async def test_keep_alive_comments_are_no_content_for_the_silence_timeout() -> None:
+    """Fault 8: an upstream sending only ": keep-alive" held a request forever."""
+    async with (
+        FakeUpstream() as up,
+        relay(up.url, model="m", silence_timeout_s=timeout(0.5)) as server,
+    ):
+        up.mode = "comments"
+        up.token_delay = timeout(0.05)
+        async with wire(server) as client:
+            await client.send(gen("a"))
+            _, frames = await client.done("a")
+        assert frames[-1]["error"]["code"] == "upstream_silent"
+
+
+async def test_an_upstreams_model_name_is_clipped_and_cleaned_where_it_is_shown() -> None:
+    """Fault 12: a 5 KB id with newlines and ESC reached hello and the chunks."""
+    raw = "evil\n\x1b[31m" + "x" * 5000
+    async with FakeUpstream(model=raw) as up, relay(up.url) as server:
+        async with wire(server) as client:
+            assert client.hello is not None
+            shown = client.hello["model"]
+            await client.send(gen("a"))
+            text, _ = await client.done("a")
+        assert text == TEXT
+        assert len(shown) <= 256 and shown.startswith("evil??[31m")
+        assert up.streams[0].body["model"] == raw  # the upstream is asked for its own id
+        samples = await scrape(server)
+        (info,) = [k for k in samples if k.startswith("wsserver_info")]
+        assert f'model="{shown}"' in info
+
+
+async def test_the_relay_starts_before_its_upstream_and_serves_once_it_answers() -> None:
+    """Also: with no model configured, wsserver exited 1 if no upstream answered."""
+    from test_security import http
+
+    up = FakeUpstream()
+    await up.start()
+    port = int(up.url.split(":")[2].split("/")[0])
+    await up.stop()
+    try:
+        async with relay(up.url) as server:
+            backend = server.backend
+            assert isinstance(backend, OpenAIBackend)
+            status, _, body = await http(server, "/readyz")
+            assert status == 503 and b"no upstream has listed a model" in body
+            async with wire(server) as client:
+                await client.send(gen("a"))
+                _, frames = await client.done("a")
+            assert frames[-1]["error"]["code"] == "upstream_unavailable"
+            await up.start(port)
+            backend.unready_reason()  # looks again (as /readyz does)
+            discovery = backend._discovery
+            if discovery is not None:
+                await asyncio.wait_for(asyncio.shield(discovery), timeout())
+            assert (await http(server, "/readyz"))[0] == 200
+            async with wire(server) as client:
+                assert client.hello is not None and client.hello["model"] == "fake-upstream"
+                await client.send(gen("b"))
+                text, _ = await client.done("b")
+            assert text == TEXT
+            assert 'model="fake-upstream"' in "".join(await scrape(server))
+    finally:
+        await up.stop()

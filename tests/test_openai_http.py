@@ -493,3 +493,142 @@ async def test_a_slow_sse_reader_pauses_its_request_with_bounded_memory_and_gets
         chunks = [parse_chunk(e) for e in events[:-1]]
         assert "".join(c.text for c in chunks) == expected_fake_text("slow", max_tokens)
         assert chunks[-1].finish == "length"
+
+
+# ---------------------------------------------------------------- hardening III (issue 26)
+
+
+async def raw_connection(
+    server: Server, rcvbuf: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    return await asyncio.open_connection(sock=sock, limit=4096)
+
+
+def completion_request(body: dict[str, Any], *, close: bool = False) -> bytes:
+    data = json.dumps(body).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(data)
+    )
+    return head + (b"Connection: close\r\n" if close else b"") + b"\r\n" + data
+
+
+async def test_partial_requests_count_against_the_connection_limits_and_time_out() -> None:
+    """Fault 1 and 9: a head without its body, or half a head, holds a
+    connection; it counts from the start and is dropped after request_timeout_s."""
+    async with running_server(
+        limits__max_connections=2, server__request_timeout_s=timeout(1)
+    ) as server:
+        partial_body = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"
+        partial_head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        held = []
+        for data in (partial_body, partial_head):
+            server.api.opened.clear()
+            reader, writer = await raw_connection(server)
+            writer.write(data)
+            await asyncio.wait_for(server.api.opened.wait(), timeout(10))
+            held.append((reader, writer))
+        status, _, body = await fetch("GET", base_url(server) + "/models")
+        assert status == 503, body
+        assert body["error"]["code"] == "connections"
+        # Both are dropped within the request timeout (not idle_timeout_s, 600 s).
+        answers = [await asyncio.wait_for(r.read(), timeout(10)) for r, _ in held]
+        assert answers[0].startswith(b"HTTP/1.1 408 "), answers[0]
+        assert answers[1] == b""
+        for _, writer in held:
+            writer.close()
+        status, _, _ = await fetch("GET", base_url(server) + "/models")
+        assert status == 200
+
+
+async def test_a_client_that_pipelines_and_never_reads_is_not_answered_ahead() -> None:
+    """Fault 5 (and 4): the next pipelined request waits until the previous
+    response drained; a client that never reads is aborted after
+    send_timeout_s and its place in the connection limits is freed."""
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        server__sndbuf=16384,
+        server__write_limit=16384,
+        server__send_timeout_s=timeout(1),
+        limits__max_connections=1,
+    ) as server:
+        server.api.opened.clear()
+        _, writer = await raw_connection(server, rcvbuf=8192)
+        request = {"prompt": "p", "max_tokens": 4000}
+        writer.write(completion_request(request) * 40)
+        await asyncio.wait_for(server.api.opened.wait(), timeout(10))
+        (connection,) = server.api.live.values()
+        await asyncio.wait_for(connection.draining.wait(), timeout(20))
+        served = requests_ended(server, "length")
+        assert served < 10, f"{served} responses written to a client that reads nothing"
+        assert connection.peak_write_buffer < 16384 + 64 * 1024, connection.peak_write_buffer
+        await asyncio.wait_for(connection.closed.wait(), timeout(20))
+        assert requests_ended(server, "length") == served
+        writer.close()
+        status, _, _ = await fetch("GET", base_url(server) + "/models")
+        assert status == 200
+
+
+async def test_a_closed_connection_whose_client_never_reads_is_aborted() -> None:
+    """Fault 4: ``Connection: close`` after a response the client never reads."""
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        server__sndbuf=16384,
+        server__send_timeout_s=timeout(1),
+        limits__max_connections=1,
+    ) as server:
+        server.api.opened.clear()
+        _, writer = await raw_connection(server, rcvbuf=8192)
+        writer.write(completion_request({"prompt": "p", "max_tokens": 40000}, close=True))
+        await asyncio.wait_for(server.api.opened.wait(), timeout(10))
+        (connection,) = server.api.live.values()
+        await asyncio.wait_for(connection.closed.wait(), timeout(20))
+        writer.close()
+        status, _, _ = await fetch("GET", base_url(server) + "/models")
+        assert status == 200
+
+
+async def test_echoed_input_is_clipped_and_guessing_tokens_is_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fault 10."""
+    async with running_server(
+        security__auth_token="s3cret", limits__frames_per_s=0.001, limits__frames_burst=3
+    ) as server:
+        auth = {"Authorization": "Bearer s3cret"}
+        caplog.set_level(logging.INFO, logger="wsserver")
+        status, _, body = await fetch(
+            "GET", base_url(server) + "/models/" + "m" * 60000, headers=auth
+        )
+        assert status == 404
+        assert len(body["error"]["message"]) < 200
+        assert max(len(r.getMessage()) for r in caplog.records) < 1000
+        statuses = [
+            (
+                await fetch(
+                    "GET", base_url(server) + "/models", headers={"Authorization": "Bearer x"}
+                )
+            )[0]
+            for _ in range(4)
+        ]
+        assert statuses == [401, 401, 429, 429]
+
+
+async def test_head_on_a_v1_route_gets_headers_only() -> None:
+    """Fault 11: h11 refuses a body after a HEAD; the connection stays usable."""
+    async with running_server() as server:
+        reader, writer = await raw_connection(server)
+        head = b"HEAD /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        get = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        writer.write(head + get)
+        response = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        first, second = response.split(b"HTTP/1.1 200 OK")[1:]
+        assert first.endswith(b"\r\n\r\n")  # headers only
+        length = int(first.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert length == len(second.split(b"\r\n\r\n", 1)[1]) > 0

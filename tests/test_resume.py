@@ -331,3 +331,53 @@ async def test_a_request_that_is_not_resumable_gets_no_token_and_ends_with_its_c
         async with asyncio.timeout(timeout()):
             await generation.task
         assert generation.stopped and not server.resumes.detached()
+
+
+async def test_a_detached_request_stalled_on_its_full_channel_gives_its_slot_up() -> None:
+    """Issue 26, fault 6: a dropped resumable request held the only slot for
+    its whole grace; detached is judged as slow, by the stall rule."""
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        backend__fake__parallel=1,
+        stream__queue_tokens=8,
+        stream__resume_grace_s=timeout(1000),
+        stream__stall_timeout_s=0.2 * timeout(1),
+    ) as server:
+        async with wire(server) as first:
+            await first.send(generate("a", 100000))
+            token = await started_token(first, "a")
+            first.ws.transport.abort()
+            await parked(server)
+        async with wire(server) as second:
+            await second.send(generate("b", 10, resumable=False))
+            _, frames = await second.done("b")
+            assert frames[-1]["reason"] == "length"
+        assert server.resumes.stalled == 1
+        assert not server.resumes.detached()
+        async with wire(server) as late:
+            await late.send({"type": "resume", "id": "a", "resume_token": token, "after_seq": -1})
+            assert (await late.recv())["code"] == "unknown_id"
+
+
+@pytest.mark.parametrize("cap", ["stream__max_detached", "stream__max_detached_per_client"])
+async def test_detached_requests_are_capped_in_total_and_per_client(cap: str) -> None:
+    """Issue 26, fault 6: one request lost beyond the cap is cancelled at once."""
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        stream__queue_tokens=8,
+        stream__resume_grace_s=timeout(1000),
+        **{cap: 1},
+    ) as server:
+        for request_id in ("a", "b"):
+            async with wire(server) as client:
+                await client.send(generate(request_id, 100000))
+                await started_token(client, request_id)
+                (connection,) = server.connections.values()
+                generation = connection.generations[request_id]
+                client.ws.transport.abort()
+                if request_id == "a":
+                    await parked(server)
+                else:
+                    assert generation.task is not None
+                    await asyncio.wait_for(asyncio.shield(generation.task), timeout())
+        assert [g.request.id for g in server.resumes.detached()] == ["a"]

@@ -74,6 +74,9 @@ class ServerConfig:
     send_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
     #: Close connections that sent nothing and ran nothing this long (0 = never).
     idle_timeout_s: float = _key(600.0, low=0.0, high=86400.0)
+    #: An OpenAI API request's head and body must arrive within this long of
+    #: its first byte (as a WebSocket handshake must within 10 s); else 408.
+    request_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
     #: Requests still running at shutdown get this long to finish.
     shutdown_grace_s: float = _key(5.0, low=0.0, high=3600.0)
     #: websockets keepalive ping interval (0 = off).
@@ -105,6 +108,10 @@ class StreamConfig:
     #: A request's default ``reasoning_format``: ``auto`` sends a think block
     #: as reasoning, apart from the answer; ``none`` leaves it in the text.
     reasoning_format: str = _key("auto", choices=("none", "auto"))
+    #: Detached resumable requests kept at once, in total and per client
+    #: address group; a request lost beyond them is cancelled (0 = no limit).
+    max_detached: int = _key(64, low=0, high=1 << 20)
+    max_detached_per_client: int = _key(4, low=0, high=1 << 20)
 
 
 @dataclass(frozen=True, slots=True)

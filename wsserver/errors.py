@@ -56,6 +56,7 @@ WireCode = Literal[
     "upstream_silent",
     "upstream_bad_stream",
     "upstream_truncated",
+    "upstream_unavailable",
     # ``resume`` (and ``cancel`` with a ``resume_token``) refused; see
     # docs/protocol.md, "Resuming a stream".
     "invalid_token",

@@ -232,6 +232,7 @@ export type ErrorCode =
   | "upstream_silent"
   | "upstream_bad_stream"
   | "upstream_truncated"
+  | "upstream_unavailable"
   | "invalid_token"
   | "already_attached"
   | "seq_out_of_range"

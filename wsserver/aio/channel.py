@@ -4,9 +4,11 @@ One channel per running request, built on :mod:`janus` (a queue with a sync
 side for engine threads and an awaitable async side for the loop). Its bound
 is counted here, in text pieces — at most ``capacity`` of them, each one
 token's text (and, if the request asked for them, that token's
-log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) —
-which bounds a connection's memory. The prompt count and the
-end are not counted: they always fit, so an engine can end a request whose
+log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) — *and*
+in characters: at most :data:`CHARS_PER_TOKEN` per piece on average (≤ 256
+UTF-8 bytes a piece), whatever the engine puts in a piece, plus the one piece
+that found room; so a connection's memory is bounded by bytes even for an
+upstream whose chunks are megabytes. The prompt count and the end are not counted: they always fit, so an engine can end a request whose
 channel is full without waiting (a batched engine must never wait).
 
 When the sender is parked in a slow ``send()`` the channel fills. Then
@@ -32,7 +34,11 @@ from ..backends.base import CancelEvent, Outcome
 from ..errors import GenerationCancelled
 from ..logprobs import TokenLogprob, entries_size
 
-__all__ = ["Channel", "End", "Item", "Piece", "PromptDone"]
+__all__ = ["CHARS_PER_TOKEN", "Channel", "End", "Item", "Piece", "PromptDone"]
+
+#: The channel holds at most ``capacity`` x this many characters (4 bytes
+#: each at most: the 256 bytes a token may carry, ``peer.MAX_TOKEN_BYTES``).
+CHARS_PER_TOKEN = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,8 @@ class Channel:
     def __init__(self, capacity: int) -> None:
         self.queue: janus.Queue[Item] = janus.Queue()
         self.capacity = max(1, capacity)
+        self.max_chars = self.capacity * CHARS_PER_TOKEN
+        self._chars = 0
         self.cancel = CancelEvent()
         self._room = threading.Condition()
         self._pieces = 0
@@ -96,18 +104,18 @@ class Channel:
         with self._room:
             if self.cancel.is_set():
                 return False
-            if self._pieces >= self.capacity:
+            if self._full():
                 self._pause()
                 return False
             return self._put_piece(text, tokens, logprobs)
 
     def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         with self._room:
-            if self._pieces >= self.capacity and not self.cancel.is_set():
+            if self._full() and not self.cancel.is_set():
                 # Full: the client reads slower than the model writes. Wait here.
                 cpu = time.thread_time()
                 self._pause()
-                while self._pieces >= self.capacity and not self.cancel.is_set():
+                while self._full() and not self.cancel.is_set():
                     self._room.wait()
                 self.blocked_cpu_seconds += time.thread_time() - cpu
             if self.cancel.is_set() or not self._put_piece(text, tokens, logprobs):
@@ -115,7 +123,7 @@ class Channel:
 
     def when_room(self, callback: Callable[[], None]) -> None:
         with self._room:
-            if self._pieces >= self.capacity and not self.cancel.is_set():
+            if self._full() and not self.cancel.is_set():
                 self._room_callbacks.append(callback)
                 return
         callback()
@@ -127,8 +135,12 @@ class Channel:
         except janus.SyncQueueShutDown:
             return False
         self._pieces += 1
+        self._chars += len(text)
         self.tokens += tokens
         return True
+
+    def _full(self) -> bool:
+        return self._pieces >= self.capacity or self._chars >= self.max_chars
 
     def _put_control(self, item: Item) -> None:
         if self.cancel.is_set():
@@ -177,7 +189,8 @@ class Channel:
             return
         with self._room:
             self._pieces -= 1
-            callbacks = self._resume() if self._pieces < self.capacity else []
+            self._chars -= len(item.text)
+            callbacks = [] if self._full() else self._resume()
         for callback in callbacks:
             callback()
 

@@ -71,6 +71,7 @@ class Connection:
                 resume_tail_bytes=resume_tail_bytes(config),
             ),
             resumes=resumes,
+            client=websocket.remote_address[0] if websocket.remote_address else None,
         )
         self._watch = DrainWatch(
             websocket.transport,

@@ -96,8 +96,11 @@ class RequestDriver:
         resumes: Resumes | None = None,
         generations: dict[str, Generation] | None = None,
         on_gone: Callable[[Generation], None] | None = None,
+        client: str | None = None,
     ) -> None:
         self.services = services
+        #: The client's address, for the caps on detached requests.
+        self.client = client
         self.log = log
         self.session = session
         #: Generations started here whose engine is not gone yet (a table the
@@ -355,7 +358,7 @@ class RequestDriver:
         if parked is None or (parked.finished and not generation.waiting_for_resume):
             return False
         generation.detach()
-        if not resumes.park(generation, parked):
+        if not resumes.park(generation, parked, self.client):
             return False
         self.generations.pop(generation.request.id, None)
         generation.log.info(

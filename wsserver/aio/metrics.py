@@ -119,13 +119,14 @@ class Metrics:
         self._queue_log_s = queue_log_s
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        info = Gauge(
+        self._info = Gauge(
             "wsserver_info",
             "Server version, backend and model (value 1).",
             ["version", "backend", "model"],
             registry=r,
         )
-        info.labels(__version__, backend_kind, model_name).set(1)
+        self._backend_kind = backend_kind
+        self.set_model(model_name)
         self.connections_total = Counter(
             "wsserver_connections", "WebSocket connections accepted.", registry=r
         )
@@ -219,6 +220,11 @@ class Metrics:
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------ probe
+
+    def set_model(self, model_name: str) -> None:
+        """The model ``wsserver_info`` names (again, once an upstream listed it)."""
+        self._info.clear()
+        self._info.labels(__version__, self._backend_kind, model_name).set(1)
 
     def start(self) -> None:
         if self._probe is None:

@@ -1,9 +1,11 @@
 """Who may use the OpenAI API: the WebSocket handshake's checks, per HTTP request.
 
-:class:`Gate` runs, in order, what :mod:`wsserver.security` decides for a
-WebSocket handshake — Host; Origin, when a browser sends one (then the CORS
-headers for that origin); the token; the connection limits, once per
-connection — and then a request rate per client (:class:`RateLimiter`).
+:class:`Gate` runs what :mod:`wsserver.security` decides for a WebSocket
+handshake: the connection limits once, when the connection is handed over
+(:meth:`Gate.admit`, before any request is read); then per request Host;
+Origin, when a browser sends one (then the CORS headers for that origin); a
+request rate per client (:class:`RateLimiter`) and only then the token, so
+that a client guessing tokens is slowed down like any other.
 A refusal is an :class:`~wsserver.openai_api.ApiError` with OpenAI's error
 object, counted in ``wsserver_handshakes_refused_total`` like a refused
 handshake.
@@ -120,20 +122,24 @@ class Gate:
             ]
         )
 
-    def check_client(
-        self,
-        headers: RequestHeaders,
-        *,
-        connection: Hashable,
-        peer: str,
-        alive: Callable[[], bool],
-        admitted: bool,
-        now: float,
-    ) -> None:
-        """The token, the connection limits (unless ``admitted``), the request rate.
+    def admit(self, connection: Hashable, peer: str, alive: Callable[[], bool]) -> ApiError | None:
+        """The connection limits, when the connection is handed over (before
+        any of its request is read); the refusal, counted, or ``None``."""
+        try:
+            self._check(self.connection_limiter.admit(connection, peer, alive))
+        except ApiError as exc:
+            return exc
+        return None
 
-        The token may come as ``Authorization: Bearer`` or, as Anthropic's
-        clients send it, as one ``x-api-key`` header."""
+    def check_client(self, headers: RequestHeaders, *, peer: str, now: float) -> None:
+        """The request rate, then the token: a client guessing tokens is slowed
+        down (and logged at the rate) like any other."""
+        if not self.rate_limiter.allow(peer, now):
+            raise ApiError(
+                HTTPStatus.TOO_MANY_REQUESTS, "too many requests; slow down", "rate_limited"
+            )
+        # The token as ``Authorization: Bearer`` or, as Anthropic's clients
+        # send it, as one ``x-api-key`` header.
         gatekeeper = self.gatekeeper
         refusal = gatekeeper.check_auth(headers.all("authorization"), (), upgrade=False)
         api_keys = headers.all("x-api-key")
@@ -141,12 +147,6 @@ class Gate:
             bearer = "Bearer " + api_keys[0].strip()
             refusal = gatekeeper.check_auth([bearer], (), upgrade=False)
         self._check(refusal)
-        if not admitted:
-            self._check(self.connection_limiter.admit(connection, peer, alive))
-        if not self.rate_limiter.allow(peer, now):
-            raise ApiError(
-                HTTPStatus.TOO_MANY_REQUESTS, "too many requests; slow down", "rate_limited"
-            )
 
     def _check(self, refusal: Refusal | None) -> None:
         if refusal is None:

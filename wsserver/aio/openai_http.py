@@ -30,6 +30,16 @@ request waits for the model ends the request as ``stalled``; none for
 completion at once (the request ends as ``cancelled`` and its engine stops).
 Bytes a client sends while its request runs (pipelining) are held up to
 :data:`MAX_PIPELINED` and then the connection is closed.
+
+**Bounds** (docs/operations.md, "Limits"). A connection counts against
+``limits.max_connections`` and ``max_connections_per_ip`` from the moment it
+is handed over, not from its first complete request; one over a limit gets
+its 503/429 at once. A request's head and body must arrive within
+``server.request_timeout_s`` of its first byte (408, then close), the body
+is at most ``server.max_frame_bytes``, and the next pipelined request is read
+only once the previous response has drained below ``server.write_limit`` —
+so a client that does not read cannot make responses pile up. Every close
+that leaves output unsent is aborted after ``server.send_timeout_s``.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ log = logging.getLogger("wsserver.openai")
 
 #: Bytes a client may send ahead while its request runs.
 MAX_PIPELINED: Final = 65536
+#: The most of a client's input (a path, a model name) echoed in an answer or a log line.
+MAX_ECHO: Final = 100
 _COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -72,6 +84,8 @@ class HttpApi:
     gate: Gate
     #: The server's live HTTP connections, by connection ID.
     live: dict[str, HttpConnection] = field(default_factory=dict)
+    #: Set whenever a connection is handed over to the API (tests wait on it; they clear it).
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
     next_id: Callable[[], str] = lambda: "h?"
     #: Other dialects' routes on this transport, by path prefix (``/v1/responses``):
     #: the prefix itself and everything under it (wsserver.aio.http_route).
@@ -111,6 +125,14 @@ class HttpConnection(asyncio.Protocol):
         self.peak_write_buffer = 0
         self._watch: DrainWatch | None = None
         self._idle: asyncio.TimerHandle | None = None
+        #: Runs from a request's first byte until its body is complete.
+        self._receiving: asyncio.TimerHandle | None = None
+        #: Aborts a closing transport whose output the client does not take.
+        self._close_deadline: asyncio.TimerHandle | None = None
+        #: Set while a response waits to drain before the next request is read (tests).
+        self.draining = asyncio.Event()
+        #: Set when the connection is gone (tests).
+        self.closed = asyncio.Event()
 
     # ------------------------------------------------------------ asyncio protocol
 
@@ -130,11 +152,20 @@ class HttpConnection(asyncio.Protocol):
             request_id=lambda: None,
         )
         self._http_api.live[self.conn_id] = self
+        self._http_api.opened.set()
         self.log.info("open from %s (HTTP)", self._peer)
-        self._arm_idle()
+        # Counted from now, not from a complete request: a client that
+        # trickles its head or body holds a connection all the same.
+        refusal = self._http_api.gate.admit(self, self._peer, lambda: not self._lost)
+        if refusal is not None:
+            self._refuse_at_once(refusal)
+            return
+        self._admitted = True
+        # The request line has arrived (the front read it): the rest must follow.
+        self._arm_receiving()
 
     def data_received(self, data: bytes) -> None:
-        if self._lost:
+        if self._lost or not self._admitted:
             return
         self._h11.receive_data(data)
         self._next_events()
@@ -146,6 +177,10 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_idle()
+        self._disarm_receiving()
+        if self._close_deadline is not None:
+            self._close_deadline.cancel()
+            self._close_deadline = None
         self._client_gone()
         if not self.generations:
             # Else when the last engine is gone: until then its slot is this
@@ -155,6 +190,7 @@ class HttpConnection(asyncio.Protocol):
         self._http_api.gate.connection_limiter.release(self)
         if self._watch is not None:
             self._watch.detach()
+        self.closed.set()
         self.log.info("closed (HTTP)")
 
     def pause_writing(self) -> None:
@@ -183,11 +219,15 @@ class HttpConnection(asyncio.Protocol):
                 self._refuse_bad_http(exc)
                 return
             if event is h11.NEED_DATA:
+                if self._h11.their_state is not h11.IDLE or self._h11.trailing_data[0]:
+                    self._disarm_idle()
+                    self._arm_receiving()  # a request has begun: it must complete in time
                 return
             if event is h11.PAUSED:
                 break
             if isinstance(event, h11.Request):
                 self._disarm_idle()
+                self._arm_receiving()
                 if not self._start_request(event):
                     return
             elif isinstance(event, h11.Data):
@@ -196,6 +236,7 @@ class HttpConnection(asyncio.Protocol):
                     self._too_large()
                     return
             elif isinstance(event, h11.EndOfMessage):
+                self._disarm_receiving()
                 request, body = self._request, bytes(self._body)
                 assert request is not None
                 self._body = bytearray()
@@ -239,6 +280,22 @@ class HttpConnection(asyncio.Protocol):
                     return error_body_of(error)
         return error.status, error.body()
 
+    def _refuse_at_once(self, refusal: ApiError) -> None:
+        """Over a connection limit: answer before reading the request, and close."""
+        assert self._transport is not None
+        self.log.info("refused: %d %s", refusal.status, refusal.message)
+        body = refusal.body()
+        status = HTTPStatus(refusal.status)
+        head = [
+            f"HTTP/1.1 {status.value} {status.phrase}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+            *(f"{name}: {value}" for name, value in refusal_headers(status)),
+        ]
+        self._transport.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body)
+        self._close()
+
     def _refuse_bad_http(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint
         with contextlib.suppress(h11.LocalProtocolError):
@@ -269,6 +326,15 @@ class HttpConnection(asyncio.Protocol):
                 self._simple(*self._error_answer(request, failed), extra)
         finally:
             self.completion = None
+        try:
+            # The next request is read only once this response has drained:
+            # a client that pipelines and never reads cannot pile responses
+            # up (the watchdog aborts it after send_timeout_s of no progress).
+            if not self._lost and not self._writable.is_set():
+                self.draining.set()
+                await self.drain()
+        finally:
+            self.draining.clear()
             self._handler = None
         self._next_cycle()
 
@@ -288,15 +354,7 @@ class HttpConnection(asyncio.Protocol):
             gate.preflight(headers, extra)
             self._simple(HTTPStatus.NO_CONTENT, b"", extra)
             return
-        gate.check_client(
-            headers,
-            connection=self,
-            peer=self._peer,
-            alive=lambda: not self._lost,
-            admitted=self._admitted,
-            now=self._loop.time(),
-        )
-        self._admitted = True
+        gate.check_client(headers, peer=self._peer, now=self._loop.time())
         route = self._route_of(path)
         if route is not None:
             if self._lost:
@@ -341,16 +399,19 @@ class HttpConnection(asyncio.Protocol):
             self.completion = completion
             await completion.run()
         elif path == "/v1/models" or (path.startswith("/v1/models/") and path[11:] == model):
-            if method != "GET":
+            if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, "GET")
             single = path != "/v1/models"
             self._simple(HTTPStatus.OK, models_body(model, single=single), extra)
         elif path.startswith("/v1/models/"):
+            name = _clip(path[11:])
             raise ApiError(
-                HTTPStatus.NOT_FOUND, f"the model {path[11:]!r} does not exist", "model_not_found"
+                HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist", "model_not_found"
             )
         else:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no route {method} {path[:100]}", "not_found")
+            raise ApiError(
+                HTTPStatus.NOT_FOUND, f"no route {_clip(method)} {_clip(path)}", "not_found"
+            )
 
     def _route_of(self, path: str) -> Route | None:
         for prefix, route in self._http_api.routes.items():
@@ -408,7 +469,9 @@ class HttpConnection(asyncio.Protocol):
         if body:
             all_headers.insert(0, ("Content-Type", "application/json"))
         self.start(status, all_headers)
-        self.send(body)
+        request = self._request
+        if request is None or request.method != b"HEAD":
+            self.send(body)  # a HEAD gets the headers of the answer only
         self.end()
 
     def _write(self, event: h11.Event) -> None:
@@ -459,9 +522,38 @@ class HttpConnection(asyncio.Protocol):
             self.log.info("idle; closing")
             self._close()
 
+    def _arm_receiving(self) -> None:
+        if self._receiving is None:
+            timeout = self._services.config.server.request_timeout_s
+            self._receiving = self._loop.call_later(timeout, self._receive_timed_out)
+
+    def _disarm_receiving(self) -> None:
+        if self._receiving is not None:
+            self._receiving.cancel()
+            self._receiving = None
+
+    def _receive_timed_out(self) -> None:
+        self._receiving = None
+        if self._handler is not None or self._lost:
+            return
+        timeout = self._services.config.server.request_timeout_s
+        self.log.info("request not received within %.1fs; closing", timeout)
+        if self._h11.our_state is h11.SEND_RESPONSE:
+            message = f"the request was not received within {timeout:g} s"
+            self._simple(HTTPStatus.REQUEST_TIMEOUT, error_body(408, message, "timeout"))
+        self._close()
+
     def _close(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        if transport.get_write_buffer_size() and self._close_deadline is None:
+            # close() waits for the client to take what is still buffered; a
+            # client that never reads would hold the socket (and its place in
+            # the connection limits) for good.
+            timeout = self._services.config.server.send_timeout_s
+            self._close_deadline = self._loop.call_later(timeout, transport.abort)
 
     def shutdown(self) -> None:
         """Server shutdown: cancel the running request (its client is told), close."""
@@ -470,6 +562,11 @@ class HttpConnection(asyncio.Protocol):
             self.completion.cancel()
         else:
             self._close()
+
+    def abort(self) -> None:
+        """Drop the connection now (the end of a shutdown's farewell)."""
+        if self._transport is not None and not self.closed.is_set():
+            self._transport.abort()
 
     def buffered_bytes(self) -> int:
         """Bytes held for the client: channels + write buffer (/metrics, tests)."""
@@ -491,9 +588,16 @@ def _path_of(request: h11.Request) -> str:
     return request.target.decode("ascii", "replace").split("?", 1)[0]
 
 
+def _clip(text: str) -> str:
+    """A client's input as it may be echoed: at most :data:`MAX_ECHO` characters."""
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "…"
+
+
 def _not_allowed(method: str, allowed: str) -> ApiError:
     return ApiError(
-        HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed here; use {allowed}", "bad_request"
+        HTTPStatus.METHOD_NOT_ALLOWED,
+        f"{_clip(method)} is not allowed here; use {allowed}",
+        "bad_request",
     )
 
 

@@ -10,6 +10,15 @@ fills, so the engine pauses, exactly as for a slow reader — and a grace timer
 attaches it there; when the timer fires first the request is stopped and
 everything is freed, as a disconnect always did.
 
+**Detached is just slow.** A detached request holds its model slot, so it is
+judged as a client that reads nothing is: once its engine has waited on its
+full channel for ``stream.stall_timeout_s`` while another request waits for
+the model, it is cancelled (its resume then gets ``unknown_id``), whatever
+is left of its grace. And parking is capped: at most
+``stream.max_detached`` requests in total and ``max_detached_per_client``
+per client address group; a request lost beyond them is cancelled at once,
+as a request that is not resumable.
+
 Request ids are chosen by clients and are unique only per connection, so the
 registry is keyed by id *and* token: ids map to lists, and a token is compared
 with :func:`hmac.compare_digest` (no timing oracle on the token).
@@ -20,9 +29,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ProtocolError
+from ..security import client_group
 from ..session import Parked
 from .pipeline import Generation
 
@@ -41,13 +53,31 @@ class Record:
     generation: Generation
     parked: Parked | None = None
     timer: asyncio.TimerHandle | None = None
+    #: The stall check of a detached request.
+    watch: asyncio.TimerHandle | None = None
+    #: The address group of the client whose connection was lost.
+    client: str | None = None
 
 
 class Resumes:
     """Every resumable request of one server, attached or detached."""
 
-    def __init__(self, *, grace_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        grace_s: float,
+        stall_s: float = 0.0,
+        waiting: Callable[[], int] = lambda: 0,
+        max_total: int = 0,
+        max_per_client: int = 0,
+    ) -> None:
         self.grace_s = grace_s
+        self.stall_s = stall_s
+        self._waiting = waiting
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        #: Requests cancelled as stalled while detached (tests, logs).
+        self.stalled = 0
         self._records: dict[str, list[Record]] = {}
         #: Set when the server shuts down: nothing is parked any more.
         self.closing = False
@@ -76,17 +106,53 @@ class Resumes:
         if not records:
             del self._records[request_id]
 
-    def park(self, generation: Generation, parked: Parked) -> bool:
+    def park(self, generation: Generation, parked: Parked, client: str | None = None) -> bool:
         """Its connection was lost: keep it for ``grace_s``. False if the
-        server is closing or the request is unknown (then stop it)."""
+        server is closing, the request is unknown, or the caps on detached
+        requests are reached (then stop it)."""
         record = self._record(generation)
         if self.closing or record is None:
             return False
+        group = None if client is None else client_group(client)
+        detached = [r for r in self._all() if r.parked is not None]
+        if self.max_total and len(detached) >= self.max_total:
+            generation.log.info("connection lost; %d requests detached already", len(detached))
+            return False
+        if self.max_per_client and group is not None:
+            mine = sum(1 for r in detached if r.client == group)
+            if mine >= self.max_per_client:
+                generation.log.info("connection lost; %d detached for %s already", mine, group)
+                return False
         record.parked = parked
+        record.client = group
         loop = asyncio.get_running_loop()
         record.timer = loop.call_later(self.grace_s, self._expire, record)
+        if self.stall_s > 0:
+            record.watch = loop.call_later(self._watch_interval, self._watch, record)
         self.parked_event.set()
         return True
+
+    @property
+    def _watch_interval(self) -> float:
+        return max(0.01, min(0.25, self.stall_s / 4))
+
+    def _watch(self, record: Record) -> None:
+        """A detached request's stall check: the rule for a client that reads nothing."""
+        record.watch = None
+        if record.parked is None:
+            return
+        since = record.generation.channel.blocked_since
+        if since is not None and time.monotonic() - since >= self.stall_s and self._waiting():
+            record.generation.log.warning(
+                "detached and its engine waited %.1fs while others wait for the model; cancelling",
+                self.stall_s,
+            )
+            self.stalled += 1
+            self._end(record)
+            return
+        record.watch = asyncio.get_running_loop().call_later(
+            self._watch_interval, self._watch, record
+        )
 
     def claim(self, request_id: str, token: str) -> Record:
         """The detached request ``request_id`` whose token is ``token``.
@@ -162,6 +228,10 @@ class Resumes:
             "no resume within %.1fs; cancelling", self.grace_s, extra={"grace_s": self.grace_s}
         )
         self.expired += 1
+        self._end(record)
+
+    def _end(self, record: Record) -> None:
+        self._cancel_timer(record)
         record.parked = None
         record.generation.stop()
         self.discard(record.generation)
@@ -180,3 +250,6 @@ class Resumes:
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
+        if record.watch is not None:
+            record.watch.cancel()
+            record.watch = None

@@ -145,7 +145,14 @@ class Server:
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
-        self.resumes = Resumes(grace_s=config.stream.resume_grace_s)
+        stream = config.stream
+        self.resumes = Resumes(
+            grace_s=stream.resume_grace_s,
+            stall_s=stream.stall_timeout_s,
+            waiting=lambda: self.scheduler.waiting,
+            max_total=stream.max_detached,
+            max_per_client=stream.max_detached_per_client,
+        )
         self._services = Services(
             config=config,
             backend=self.backend,
@@ -256,6 +263,8 @@ class Server:
         except Exception as exc:
             log.error("model failed to load: %s", exc)
             raise
+        self.metrics.set_model(self.backend.model_name)
+        self.backend.on_model = self.metrics.set_model
         self.scheduler.open()
         self.ready.set()
         log.info(
@@ -389,11 +398,13 @@ class Server:
             await asyncio.gather(*detached, return_exceptions=True)
         # The farewell (done cancelled, close 1001) is bounded: a client that
         # does not read is aborted rather than allowed to hold up the exit.
-        for http in list(self.api.live.values()):
+        https = list(self.api.live.values())
+        for http in https:
             http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
             *(r.shutdown(timeout=_FAREWELL_S) for r in list(self.responses_sockets.values())),
+            self._http_gone(https),
             return_exceptions=True,
         )
         with contextlib.suppress(TimeoutError):
@@ -404,6 +415,20 @@ class Server:
             self._load_task.cancel()
         await asyncio.to_thread(self.backend.close)
         log.info("stopped")
+
+    @staticmethod
+    async def _http_gone(https: list[HttpConnection]) -> None:
+        """Wait until the HTTP connections' engines are gone (their requests
+        were cancelled by ``shutdown``; a request a client left just before
+        is winding down too) and, within the farewell, the connections closed."""
+        tasks = [g.task for h in https for g in list(h.generations.values()) if g.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_FAREWELL_S):
+                await asyncio.gather(*(h.closed.wait() for h in https))
+        for http in https:
+            http.abort()
 
 
 async def run(config: Config, *, backend: Backend | None = None) -> int:

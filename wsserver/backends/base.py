@@ -269,6 +269,10 @@ class Submission:
 class Backend(abc.ABC):
     """An engine that streams completions (see the module docstring)."""
 
+    #: Called with the model's name when an engine learns it after ``load``
+    #: (the openai backend, when its upstreams start later than wsserver).
+    on_model: Callable[[str], None] | None = None
+
     #: Shown to clients in ``hello``.
     model_name: str = "unknown"
     #: How many requests may run at once (contexts, sequences, streams); 0 = no limit.

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..config import OpenAIConfig
-from ..errors import ModelLoadError, ProtocolError
+from ..errors import ProtocolError
 from ..logs import context
 from ..protocol import Generate
 from ..sampling import NEUTRAL
@@ -72,6 +73,17 @@ log = logging.getLogger("wsserver.producer")
 READ_BUFSIZE = 16384
 #: Most of an HTTP error body read to find the upstream's message.
 MAX_ERROR_BODY = 65536
+#: The longest model name shown (hello, chunks, metrics, logs) from an upstream's listing.
+MAX_MODEL_NAME = 256
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def display_name(model: str) -> str:
+    """An upstream's model id as wsserver shows it: control characters
+    replaced, at most :data:`MAX_MODEL_NAME` characters. The upstream is still
+    asked for the id it listed."""
+    name = _UNPRINTABLE.sub("?", model)
+    return name if len(name) <= MAX_MODEL_NAME else name[: MAX_MODEL_NAME - 1] + "…"
 
 
 @dataclass(eq=False)
@@ -143,12 +155,20 @@ class OpenAIBackend(Backend):
         self.silence_timeout_s = silence_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        # identity: a compressed body could expand a thousandfold before any
+        # bound applies (a gzip bomb); a server that compresses anyway is refused.
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "Accept-Encoding": "identity",
+        }
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Looks for a model while no upstream has listed one (started late).
+        self._discovery: asyncio.Task[None] | None = None
 
     @classmethod
     def from_config(cls, config: OpenAIConfig) -> OpenAIBackend:
@@ -166,33 +186,63 @@ class OpenAIBackend(Backend):
     # ------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
-        """Find the model to ask for, if none is configured (on a worker thread)."""
+        """Find the model to ask for, if none is configured (on a worker thread).
+
+        If no upstream answers yet (a fleet that boots slower than wsserver),
+        the server starts anyway: ``/readyz`` is 503 and requests get
+        ``upstream_unavailable`` until an upstream lists a model
+        (:meth:`unready_reason` keeps looking)."""
         if self.model:
+            self.model_name = display_name(self.model)
             return
         reasons = []
         for upstream in self.upstreams:
             try:
-                self.model = self._first_model(upstream.url)
+                self._found(self._first_model(upstream.url))
             except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 reasons.append(f"{upstream.url}: {exc.__class__.__name__}")
                 continue
-            self.model_name = self.model
             return
-        raise ModelLoadError(
-            "backend.openai.model is empty and no upstream listed a model at /v1/models ("
-            + "; ".join(reasons)
-            + ")"
+        log.warning(
+            "no upstream listed a model at /v1/models (%s); serving once one does",
+            "; ".join(reasons),
         )
+
+    def _found(self, model: str) -> None:
+        self.model = model
+        self.model_name = display_name(model)
 
     def _first_model(self, url: str) -> str:
         request = urllib.request.Request(f"{url}/models", headers=self._headers)
         timeout = self.connect_timeout_s + self.first_byte_timeout_s
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            listing = json.load(response)
-        model = listing["data"][0]["id"]
-        if not isinstance(model, str) or not model:
-            raise ValueError("a model without an id")
-        return model
+            listing = json.loads(response.read(MAX_ERROR_BODY * 16))
+        return _model_of(listing)
+
+    async def _discover(self) -> None:
+        """Ask each upstream's ``/v1/models`` until one lists a model."""
+        delay = self.backoff_s
+        try:
+            while not self.model:
+                for upstream in self.upstreams:
+                    with contextlib.suppress(
+                        TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError
+                    ):
+                        async with asyncio.timeout(self.connect_timeout_s + self.silence_timeout_s):
+                            async with self._session().get(upstream.url + "/models") as response:
+                                body = await response.content.read(MAX_ERROR_BODY * 16)
+                        if response.status == 200:
+                            self._found(_model_of(json.loads(body)))
+                            log.info(
+                                "upstream %s lists the model %s", upstream.url, self.model_name
+                            )
+                            if self.on_model is not None:
+                                self.on_model(self.model_name)
+                            return
+                await asyncio.sleep(delay)  # sleep-ok: the probe's backoff
+                delay = min(delay * 2, self.max_backoff_s)
+        finally:
+            self._discovery = None
 
     def close(self) -> None:
         """Close the connection pool (called on a worker thread, the loop running)."""
@@ -203,6 +253,8 @@ class OpenAIBackend(Backend):
             asyncio.run_coroutine_threadsafe(self._aclose(), loop).result(timeout=10)
 
     async def _aclose(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         for upstream in self.upstreams:
             if upstream.probe is not None:
                 upstream.probe.cancel()
@@ -218,6 +270,7 @@ class OpenAIBackend(Backend):
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s),
                 read_bufsize=READ_BUFSIZE,
                 headers=self._headers,
+                auto_decompress=False,
             )
         return self._client
 
@@ -266,8 +319,19 @@ class OpenAIBackend(Backend):
         return min(candidates, key=lambda u: u.in_flight, default=None)
 
     async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
+        if not self.model:
+            self._look_for_a_model()
+            raise UpstreamError(
+                "no upstream has listed a model at /v1/models yet", code="upstream_unavailable"
+            )
         tried: frozenset[Upstream] = frozenset()
-        relay = Relay(sink, cancel, TextAssembler(request.stop))
+        relay = Relay(
+            sink,
+            cancel,
+            TextAssembler(request.stop),
+            max_tokens=request.max_tokens,
+            clock=asyncio.get_running_loop().time,
+        )
         while True:
             upstream = self.pick(tried)
             if upstream is None:
@@ -331,12 +395,21 @@ class OpenAIBackend(Backend):
                     "not an event stream",
                     code="upstream_bad_stream",
                 )
+            encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise UpstreamError(
+                    f"the upstream answered with Content-Encoding {encoding[:40]!r}, "
+                    "though asked for identity",
+                    code="upstream_bad_stream",
+                )
             relay.begin()
             first = True
             while not relay.done:
                 try:
+                    # Silence is counted from the last event, not the last
+                    # byte: comments (": keep-alive") and blank lines are no content.
                     async with asyncio.timeout_at(
-                        deadline if first else loop.time() + self.silence_timeout_s
+                        deadline if first else relay.last_event + self.silence_timeout_s
                     ):
                         data = await response.content.readany()
                 except TimeoutError:
@@ -351,6 +424,7 @@ class OpenAIBackend(Backend):
                     data = None  # the connection broke: as an end without the last chunk
                 if first:
                     first = False
+                    relay.last_event = loop.time()
                     upstream.first_byte_seconds_sum += loop.time() - sent
                     upstream.first_byte_count += 1
                 if not data:
@@ -363,8 +437,10 @@ class OpenAIBackend(Backend):
                         unhealthy=True,
                     )
                 await relay.feed(data)
+                # One read's work at a time: let the other connections run.
+                await asyncio.sleep(0)  # sleep-ok: a yield, no time passes
             outcome = await relay.end()
-            clean = relay.done
+            clean = relay.done and not relay.cut
             return outcome
         finally:
             if clean:
@@ -437,10 +513,26 @@ class OpenAIBackend(Backend):
         ]
 
     def unready_reason(self) -> str | None:
-        """``/readyz`` is ready while at least one upstream is in rotation."""
+        """``/readyz`` is ready while at least one upstream is in rotation
+        (and one has listed a model, when none is configured)."""
+        if not self.model:
+            self._look_for_a_model()
+            return "no upstream has listed a model at /v1/models yet"
         if any(u.healthy for u in self.upstreams):
             return None
         return "no upstream is in rotation (each failed and is being probed)"
+
+    def _look_for_a_model(self) -> None:
+        if self._discovery is None:
+            self._discovery = asyncio.get_running_loop().create_task(self._discover())
+
+
+def _model_of(listing: object) -> str:
+    """The first model id of a ``/v1/models`` listing."""
+    model = listing["data"][0]["id"]  # type: ignore[index]
+    if not isinstance(model, str) or not model:
+        raise ValueError("a model without an id")
+    return model
 
 
 def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:

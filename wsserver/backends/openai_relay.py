@@ -8,6 +8,16 @@ has) → :meth:`Sink.offer`. While the sink is full it waits, on the loop, for
 response only after :meth:`Relay.feed` returns, a full sink stops the reading
 of this one response. It outlives a retry (the text so far, nothing yet, and
 the assembler carry over; the parser starts afresh with :meth:`Relay.begin`).
+
+Text goes into the sink in pieces of at most :data:`MAX_PIECE_CHARS`: an
+upstream's event may be far larger than a token, and the channel's bound in
+bytes holds for pieces of that size. What an upstream sends is bounded: an
+event at most :data:`MAX_EVENT_BYTES` (larger is ``upstream_bad_stream``);
+the completion at most the request's ``max_tokens``, counted from the
+upstream's usage when it reports it as it goes, else estimated from the text
+(a chunk is at least one token, a token at most :data:`MAX_TOKEN_CHARS`
+characters: an estimate that never ends an honest upstream early) — at the
+limit the request ends with reason ``length`` and the stream is closed.
 """
 
 from __future__ import annotations
@@ -23,14 +33,37 @@ from ..textstream import TextAssembler
 from .base import CancelEvent, Outcome, Sink
 from .openai_wire import DONE, UpstreamError, parse_chunk
 
-__all__ = ["Relay", "call_soon"]
+__all__ = ["MAX_EVENT_BYTES", "MAX_PIECE_CHARS", "MAX_TOKEN_CHARS", "Relay", "call_soon"]
+
+#: The largest upstream event (one chunk's JSON) the relay parses.
+MAX_EVENT_BYTES = 256 * 1024
+#: Text goes into the sink in pieces of at most this many characters.
+MAX_PIECE_CHARS = 1024
+#: The longest text counted as one token, for the estimate of completion tokens.
+MAX_TOKEN_CHARS = 16
 
 
 class Relay:
     """One request's stream: SSE events → text in the sink, with backpressure."""
 
-    def __init__(self, sink: Sink, cancel: CancelEvent, assembler: TextAssembler) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        cancel: CancelEvent,
+        assembler: TextAssembler,
+        *,
+        max_tokens: int | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.sink = sink
+        self.max_tokens = max_tokens
+        #: Completion tokens so far: the upstream's count, or the estimate if larger.
+        self.tokens = 0
+        #: The stream was cut at ``max_tokens``: close it, do not reuse it.
+        self.cut = False
+        self._clock = clock
+        #: When the last event (not a comment, not a blank line) was parsed.
+        self.last_event = 0.0
         self.cancel = cancel
         self.assembler = assembler
         #: Something went into the sink: no retry elsewhere from now on.
@@ -38,7 +71,7 @@ class Relay:
         self.finish: DoneReason | None = None
         #: ``[DONE]`` was read (or a stop string matched): nothing more to read.
         self.done = False
-        self.parser = SSEParser()
+        self.parser = SSEParser(MAX_EVENT_BYTES)
         self.pieces = 0
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
@@ -51,7 +84,7 @@ class Relay:
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
-        self.parser = SSEParser()
+        self.parser = SSEParser(MAX_EVENT_BYTES)
         self.finish = None
         self.done = False
 
@@ -73,6 +106,7 @@ class Relay:
                 self._prompt(chunk.prompt_tokens)
             if chunk.completion_tokens is not None:
                 self.completion_tokens = chunk.completion_tokens
+                self.tokens = max(self.tokens, chunk.completion_tokens)
             if chunk.cached_tokens is not None:
                 self.cached_tokens = chunk.cached_tokens
             if chunk.finish is not None:
@@ -83,7 +117,7 @@ class Relay:
                 text = ""
                 if chunk.text:
                     self.pieces += 1
-                    text = self.assembler.feed_text(chunk.text)
+                    text = self.assembler.feed_text(self._within_limit(chunk.text))
                 # One entry a piece, so the channel's bound per piece holds.
                 entries = chunk.logprobs
                 await self.offer(text, 1 if chunk.text else 0, entries[:1])
@@ -94,12 +128,34 @@ class Relay:
                     self.finish = "stop"
                     self.done = True
                     return
+            if self.max_tokens is not None and self.tokens >= self.max_tokens:
+                # An upstream that ignores max_tokens: end at the limit.
+                self.finish = "length"
+                self.done = self.cut = True
+                return
+        if events and self._clock is not None:
+            # Counted after the offers: waiting for room in the sink is the
+            # client's time, not the upstream's silence.
+            self.last_event = self._clock()
+
+    def _within_limit(self, text: str) -> str:
+        """Count the chunk's tokens (estimated); clip what goes past ``max_tokens``."""
+        estimate = max(1, -(-len(text) // MAX_TOKEN_CHARS))
+        if self.max_tokens is not None:
+            room = self.max_tokens - self.tokens
+            if estimate > room:
+                estimate = max(1, room)
+                text = text[: estimate * MAX_TOKEN_CHARS]
+        self.tokens += estimate
+        return text
 
     async def end(self) -> Outcome:
         tail = self.assembler.flush()
         if tail:
             await self.offer(tail, 0)
         completion = self.completion_tokens if self.completion_tokens is not None else self.pieces
+        if self.max_tokens is not None:
+            completion = min(completion, self.max_tokens)
         finish = self.finish or "stop"
         # The stop string: ours if we cut the text, else the one the upstream
         # says it stopped at (vLLM does; llama-server does not, and then a
@@ -129,7 +185,17 @@ class Relay:
             self.sink.prompt_processed(tokens)
 
     async def offer(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        """Into the sink, waiting (on the loop) while it is full."""
+        """Into the sink in pieces of at most :data:`MAX_PIECE_CHARS` (the
+        log-probabilities with the first), waiting (on the loop) while it is full."""
+        for start in range(0, max(len(text), 1), MAX_PIECE_CHARS):
+            first = start == 0
+            await self._offer(
+                text[start : start + MAX_PIECE_CHARS],
+                tokens if first else 0,
+                logprobs if first else (),
+            )
+
+    async def _offer(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> None:
         loop = asyncio.get_running_loop()
         while not (
             self.sink.offer(text, tokens, logprobs) if logprobs else self.sink.offer(text, tokens)
