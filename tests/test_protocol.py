@@ -233,6 +233,9 @@ def test_protocol_error_rejects_unknown_codes() -> None:
 
 SAMPLES = [
     Hello(model="fake", server="wsserver/0.1.0", limits=Limits()),
+    Hello(
+        model="fake", server="wsserver/0.1.0", limits=Limits(), honours=("json_schema", "logprobs")
+    ),
     Queued(id="a", position=1),
     Started(id="a"),
     Delta(id="a", seq=0, text="héllo 😀"),
@@ -266,6 +269,12 @@ WIRE_BYTES = [
     (
         Hello(model="fake", server="wsserver/0.1.0", limits=Limits()),
         '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"fake","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256}}',
+    ),
+    (
+        Hello(
+            model="m", server="wsserver/0.1.0", limits=Limits(), honours=("json_schema", "min_p")
+        ),
+        '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"m","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256},"honours":["json_schema","min_p"]}',
     ),
     (
         Queued(id="a", position=2),

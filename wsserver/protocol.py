@@ -90,6 +90,11 @@ class Hello:
     server: str
     limits: Limits
     protocol: int = PROTOCOL_VERSION
+    #: The sampler-chain and structured-output options (``NEUTRAL``'s names
+    #: in :mod:`wsserver.sampling`) the engine honours, sorted; any other
+    #: given a value that matters is refused with ``unsupported_option``.
+    #: ``None``: not said (a server before this member).
+    honours: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +287,16 @@ class _Group(_Member):
             into[attr] = group.get(name)
 
 
+class _Names(_Optional):
+    """A list of names (``hello.honours``), read back as a tuple; left out when ``None``."""
+
+    __slots__ = ()
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else tuple(value)
+
+
 class _Logprobs(_Optional):
     """A ``delta``'s token entries (:mod:`wsserver.logprobs`), left out when ``None``."""
 
@@ -316,6 +331,7 @@ _WIRE: Final = (
         "server",
         "model",
         _Object("limits", Limits, extensible=True),
+        _Names("honours"),
     ),
     _Frame("queued", Queued, "id", "position"),
     _Frame("started", Started, "id", _Optional("resume_token")),

@@ -115,6 +115,12 @@ export interface HelloFrame {
   server: string;
   model: string;
   limits: Limits;
+  /**
+   * The sampler-chain and structured-output options the engine honours
+   * (sorted); any other given a value that matters is refused with
+   * `unsupported_option`. Absent from a server before this member.
+   */
+  honours?: string[];
 }
 
 export interface QueuedFrame {

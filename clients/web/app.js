@@ -19,6 +19,10 @@
  * Regenerate restarts the last request; the JS client drops any late text of
  * the old request, and each answer's renderer only ever writes its own stream.
  *
+ * The "Sampling" disclosure (sampling.js) holds temperature, the repetition
+ * penalty, min_p and a JSON switch, kept in localStorage; every generate and
+ * restart carries them (sampling.js says which, and why those defaults).
+ *
  * Answers are resumable: the JS client rides over a dropped connection, and a
  * reload mid-answer saves the stream's id, token and last seq in
  * sessionStorage (pagehide) so that the next page resumes it (resumeSaved).
@@ -27,6 +31,7 @@
 import { WsClient } from "/wsserver.js";
 import { MarkdownView, PlainView } from "/markdown.js";
 import { ConversationStore } from "/store.js";
+import { DEFAULTS, RANGES, loadSettings, requestOptions, saveSettings, unhonoured, valid } from "/sampling.js";
 import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
@@ -52,6 +57,14 @@ const ui = {
   temperature: /** @type {HTMLInputElement} */ ($("temperature")),
   temperatureValue: /** @type {HTMLOutputElement} */ ($("temperature-value")),
   seed: /** @type {HTMLInputElement} */ ($("seed")),
+  sampling: /** @type {HTMLDetailsElement} */ ($("sampling")),
+  samplingSummary: $("sampling-summary"),
+  samplingNote: $("sampling-note"),
+  samplingReset: /** @type {HTMLButtonElement} */ ($("sampling-reset")),
+  repeatPenalty: /** @type {HTMLInputElement} */ ($("repeat-penalty")),
+  repeatLastN: /** @type {HTMLInputElement} */ ($("repeat-last-n")),
+  minP: /** @type {HTMLInputElement} */ ($("min-p")),
+  json: /** @type {HTMLInputElement} */ ($("json-mode")),
   send: /** @type {HTMLButtonElement} */ ($("send")),
   stop: /** @type {HTMLButtonElement} */ ($("stop")),
   regenerate: /** @type {HTMLButtonElement} */ ($("regenerate")),
@@ -64,6 +77,8 @@ const ui = {
 /** How answers are shown: markdown, or plain text with `?render=plain`. */
 const View = new URLSearchParams(location.search).get("render") === "plain" ? PlainView : MarkdownView;
 const store = new ConversationStore();
+/** The sampling settings: the disclosure's last valid values. */
+const settings = loadSettings();
 /** Index in the conversation of the user message being edited, if any. @type {number | null} */
 let editing = null;
 
@@ -129,6 +144,7 @@ client.on("hello", (hello) => {
   const limits = hello.limits;
   ui.maxTokens.max = String(limits.max_tokens);
   if (!ui.maxTokens.dataset.touched) ui.maxTokens.value = String(limits.default_max_tokens);
+  showSampling();
 });
 
 ui.retry.addEventListener("click", () => client.connect());
@@ -329,7 +345,9 @@ class Turn {
     notice.className = "notice";
     notice.setAttribute("role", "alert");
     notice.textContent =
-      error.code === "connection_lost"
+      error.code === "unsupported_option"
+        ? `The server refused an option: ${error.message}. Change it under Sampling, or Reset it.`
+        : error.code === "connection_lost"
         ? "The connection dropped; this answer is incomplete."
         : error.code === "unknown_id"
           ? "The answer could not be picked up again; it is incomplete."
@@ -416,9 +434,27 @@ function regenerate() {
   if (last !== null) {
     // Restart by ID: the server drops the old request, the client its late text.
     const previous = last;
-    const stream = client.restart(previous.stream, options());
-    previous.open = false; // its late text, if any, must not land in the new answer
-    begin(stream, previous.article, previous.record, previous.messages);
+    const chosen = options();
+    // A restart inherits every field of the old request that it does not
+    // override, and cannot take one away (a JSON schema switched off since):
+    // then the old request is cancelled and the history asked again.
+    const inherited = Object.keys(previous.stream.input).filter((key) => SAMPLED.has(key) && !(key in chosen));
+    if (inherited.length === 0) {
+      const stream = client.restart(previous.stream, chosen);
+      previous.open = false; // its late text, if any, must not land in the new answer
+      begin(stream, previous.article, previous.record, previous.messages);
+      return;
+    }
+    previous.stream.cancel();
+    previous.open = false;
+    setState("waiting", "Waiting for the model…");
+    previous.stream
+      .result()
+      .catch(() => undefined)
+      .then(() => {
+        if (client.state !== "open" || last !== previous) return;
+        begin(client.generate({ messages: previous.messages, ...chosen }), previous.article, previous.record, previous.messages);
+      });
     return;
   }
   // An answer from before a reload: ask again with the same history.
@@ -514,17 +550,90 @@ function fitHistory(history) {
   return history.slice(start).map(({ role, content }) => ({ role, content }));
 }
 
-/** The sampling options from the controls; invalid or empty fields are left out. */
+/** The fields of a request that the sampling disclosure decides (sampling.js). */
+const SAMPLED = new Set(["temperature", "repeat_penalty", "repeat_last_n", "min_p", "json_schema"]);
+
+/** The request's options from the controls; invalid or empty fields are left out. */
 function options() {
   const limit = Number(ui.maxTokens.max) || Infinity;
   const maxTokens = Number.parseInt(ui.maxTokens.value, 10);
-  const temperature = Number.parseFloat(ui.temperature.value);
   const seed = Number.parseInt(ui.seed.value, 10);
-  return {
-    max_tokens: maxTokens >= 1 ? Math.min(maxTokens, limit) : undefined,
-    temperature: Number.isFinite(temperature) ? temperature : undefined,
+  /** @type {Record<string, unknown>} */
+  const chosen = {
+    ...requestOptions(settings, client.hello?.honours),
     seed: seed >= 0 && seed < 2 ** 32 ? seed : undefined,
   };
+  if (maxTokens >= 1) chosen.max_tokens = Math.min(maxTokens, limit);
+  return chosen;
+}
+
+// ------------------------------------------------------------------ sampling
+
+const SAMPLING_FIELDS = /** @type {const} */ ([
+  ["temperature", "temperature", "Temperature"],
+  ["repeatPenalty", "repeat_penalty", "Repeat penalty"],
+  ["repeatLastN", "repeat_last_n", "Penalty window"],
+  ["minP", "min_p", "min_p"],
+]);
+
+/** Put the settings into the disclosure's fields. */
+function fillSampling() {
+  for (const [field, name] of SAMPLING_FIELDS) {
+    ui[field].value = String(settings[name]);
+    ui[field].removeAttribute("aria-invalid");
+  }
+  ui.json.checked = settings.json;
+  ui.temperatureValue.value = settings.temperature.toFixed(2);
+  showSampling();
+}
+
+/** Take a field's value if it is valid; say what is wrong if not. */
+function readSampling() {
+  const problems = [];
+  for (const [field, name, label] of SAMPLING_FIELDS) {
+    const value = valid(name, ui[field].value);
+    if (value === null) {
+      ui[field].setAttribute("aria-invalid", "true");
+      const range = RANGES[name];
+      const kind = range.integer ? "a whole number" : "a number";
+      problems.push(`${label} must be ${kind} from ${range.min} to ${range.max}`);
+    } else {
+      ui[field].removeAttribute("aria-invalid");
+      settings[name] = value;
+    }
+  }
+  settings.json = ui.json.checked;
+  ui.temperatureValue.value = settings.temperature.toFixed(2);
+  saveSettings(settings);
+  showSampling(problems);
+}
+
+/**
+ * The summary line (values at a glance) and the note: invalid values (the
+ * last valid one is used), or what this server's engine does not honour.
+ * @param {string[]} [problems]
+ */
+function showSampling(problems = []) {
+  const parts = [`temperature ${settings.temperature.toFixed(2)}`];
+  parts.push(`repeat ${settings.repeat_penalty}/${settings.repeat_last_n}`, `min_p ${settings.min_p}`);
+  if (settings.json) parts.push("JSON");
+  ui.samplingSummary.textContent = parts.join(" · ");
+  const names = /** @type {Record<string, string>} */ ({
+    repeat_penalty: "repeat penalty",
+    min_p: "min_p",
+    json_schema: "JSON",
+  });
+  const declined = unhonoured(client.hello?.honours).map((name) => names[name]);
+  ui.samplingNote.classList.toggle("invalid", problems.length > 0);
+  if (problems.length > 0) {
+    ui.samplingNote.textContent = `${problems.join("; ")}: the last valid value is used.`;
+  } else if (declined.length > 0) {
+    ui.samplingNote.textContent =
+      `This server's engine does not honour ${declined.join(", ")}: the defaults are left out, ` +
+      "another value is refused.";
+  } else {
+    ui.samplingNote.textContent = "";
+  }
 }
 
 // ------------------------------------------------------------------ the log
@@ -673,8 +782,12 @@ document.addEventListener("keydown", (event) => {
   }
 });
 
-ui.temperature.addEventListener("input", () => {
-  ui.temperatureValue.value = Number(ui.temperature.value).toFixed(2);
+for (const [field] of SAMPLING_FIELDS) ui[field].addEventListener("input", readSampling);
+ui.json.addEventListener("change", readSampling);
+ui.samplingReset.addEventListener("click", () => {
+  Object.assign(settings, DEFAULTS);
+  saveSettings(settings);
+  fillSampling();
 });
 
 ui.maxTokens.addEventListener("input", () => {
@@ -725,7 +838,7 @@ function resumeSaved() {
   begin(stream, article, record, fitHistory(chat.messages.slice(0, -1)), String(saved.text ?? ""));
 }
 
-ui.temperatureValue.value = Number(ui.temperature.value).toFixed(2);
+fillSampling();
 showConversation();
 showHistory();
 resumeSaved();

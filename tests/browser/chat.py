@@ -18,6 +18,7 @@ __all__ = [
     "last_done",
     "messages_for",
     "open_chat",
+    "open_sampling",
     "paste",
     "send",
     "set_options",
@@ -43,7 +44,15 @@ def set_options(
     if seed is not None:
         page.fill("#seed", str(seed))
     if temperature is not None:
+        open_sampling(page)
         page.fill("#temperature", str(temperature))
+
+
+def open_sampling(page: Any) -> None:
+    """Open the "Sampling" disclosure (temperature, penalties, JSON) if it is closed."""
+    if page.locator("#sampling").get_attribute("open") is None:
+        page.click("#sampling > summary")
+    expect(page.locator("#repeat-penalty")).to_be_visible()
 
 
 def send(page: Any, text: str) -> None:

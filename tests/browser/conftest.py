@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import pytest
 
 from wsserver.aio import Server
+from wsserver.backends.base import Backend
 from wsserver.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +59,9 @@ class LiveServer:
     reconnect to "the same server" after an outage.
     """
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(
+        self, overrides: dict[str, Any], backend: Callable[[], Backend] | None = None
+    ) -> None:
         values: dict[str, Any] = {
             "server.host": "127.0.0.1",
             "server.port": 0,
@@ -69,6 +72,8 @@ class LiveServer:
         }
         values.update(overrides)
         self._values = values
+        #: Makes the engine (default: the configured one), afresh on each start.
+        self._backend = backend
         self.port = 0
         self.server: Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,7 +98,7 @@ class LiveServer:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            server = Server(config)
+            server = Server(config, self._backend() if self._backend else None)
             try:
                 await server.start()
                 await server.wait_ready()
@@ -146,11 +151,12 @@ class LiveServer:
 
 @pytest.fixture
 def live_server_factory() -> Iterator[Callable[..., LiveServer]]:
-    """``live_server_factory(**{"backend.fake.tokens_per_s": 0})`` → a started server."""
+    """``live_server_factory(**{"backend.fake.tokens_per_s": 0})`` → a started
+    server; ``backend=`` a callable that makes its engine instead."""
     servers: list[LiveServer] = []
 
-    def make(**overrides: Any) -> LiveServer:
-        server = LiveServer(overrides).start()
+    def make(backend: Callable[[], Backend] | None = None, **overrides: Any) -> LiveServer:
+        server = LiveServer(overrides, backend).start()
         servers.append(server)
         return server
 

@@ -111,6 +111,7 @@ class Connection:
                     model=services.backend.model_name,
                     server=services.server_name,
                     limits=services.wire_limits,
+                    honours=tuple(sorted(services.backend.honours)),
                 )
             )
             idle = self._idle_timeout
