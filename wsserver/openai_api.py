@@ -35,8 +35,10 @@ from .api_errors import ApiError, error_body, error_object, status_of
 from .backends.openai_wire import DONE
 from .errors import ProtocolError
 from .logprobs import TokenLogprob, legacy_logprobs
+from .openai_tools import chunk_tool_calls, message_tool_calls
 from .protocol import Done, Generate, Limits, parse_client_frame
 from .sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
+from .tool_calls import CallPart
 
 __all__ = [
     "DONE_EVENT",
@@ -319,18 +321,22 @@ class Reply:
         text: str,
         reasoning: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
+        tool_calls: Sequence[CallPart] | None = None,
     ) -> bytes:
         """One SSE event with this text (the first one also names the role);
-        reasoning goes first, as ``reasoning_content`` (llama-server's name);
-        and, if asked for, its tokens' log-probabilities."""
+        reasoning goes first, as ``reasoning_content`` (llama-server's name),
+        tool call parts last (wsserver.openai_tools); and, if asked for, its
+        tokens' log-probabilities."""
         if self.kind == "chat":
-            delta: dict[str, str] = {}
+            delta: dict[str, Any] = {}
             if self._first:
                 delta["role"] = "assistant"
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if text or not reasoning:
+            if text or not (reasoning or tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = chunk_tool_calls(tool_calls)
             self._first = False
             return self._chunk(
                 {
@@ -361,7 +367,7 @@ class Reply:
 
     def final_chunks(self, done: Done) -> bytes:
         """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        reason = "length" if done.reason == "length" else "stop"
+        reason = _finish_reason(done)
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
         else:
@@ -384,13 +390,17 @@ class Reply:
         done: Done,
         reasoning: str = "",
         logprobs: Sequence[TokenLogprob] | None = None,
+        tool_calls: Sequence[CallPart] = (),
     ) -> bytes:
         """The whole answer of a request without ``stream``."""
-        reason = "length" if done.reason == "length" else "stop"
+        reason = _finish_reason(done)
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            content = text if text or not tool_calls else None
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             if reasoning:
                 message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = message_tool_calls(tool_calls)
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,
@@ -409,6 +419,10 @@ class Reply:
         return orjson.dumps(
             {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
         )
+
+
+def _finish_reason(done: Done) -> str:
+    return done.reason if done.reason in ("length", "tool_calls") else "stop"
 
 
 def _usage(done: Done) -> dict[str, Any]:

@@ -161,9 +161,21 @@ export interface DeltaFrame {
   reasoning?: string;
   /** Only for a request with `logprobs: true`: one entry per token merged into this delta. */
   logprobs?: TokenLogprob[];
+  /** Parts of the model's tool calls (a request with `tools`), after `text`. */
+  tool_calls?: ToolCallPart[];
 }
 
-export type DoneReason = "stop" | "length" | "cancelled" | "error";
+/** A part of a tool call: the first of a call (by `index`) has `id` and `name`,
+ * later ones more `arguments` text; joined, `arguments` is a JSON object's text. */
+export interface ToolCallPart {
+  index: number;
+  id?: string;
+  name?: string;
+  arguments: string;
+}
+
+/** `tool_calls`: the model ended its turn with tool calls (protocol change, see CHANGELOG). */
+export type DoneReason = "stop" | "length" | "tool_calls" | "cancelled" | "error";
 
 export interface DoneFrame {
   type: "done";
@@ -235,7 +247,8 @@ export type ErrorCode =
   | "invalid_token"
   | "already_attached"
   | "seq_out_of_range"
-  | "unsupported_option";
+  | "unsupported_option"
+  | "invalid_tool_call";
 
 export interface ErrorFrame {
   type: "error";

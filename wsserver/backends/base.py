@@ -71,6 +71,7 @@ from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import Generate, Message
 from ..sampling import SAMPLING_FIELDS, Sampling, options_asked
+from ..tool_calls import Syntax as ToolSyntax
 
 __all__ = [
     "Backend",
@@ -321,6 +322,12 @@ class Backend(abc.ABC):
         """Whether ``request``'s prompt ends inside an open think block (a chat
         template that opens it): its output then starts as reasoning."""
         return False
+
+    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+        """The syntax in which the model writes tool calls (wsserver.tool_calls),
+        for the core to parse them out of the text; ``None`` when the engine
+        reports calls itself. An engine without a chat template: ``any``."""
+        return "any"
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""
