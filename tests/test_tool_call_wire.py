@@ -13,8 +13,17 @@ import openai
 import pytest
 from conftest import make_config, running_server, timeout, validate_server_frame, wire
 
+from wsserver.errors import ProtocolError
 from wsserver.pacing import Coalescer
-from wsserver.protocol import CallPart, Delta, parse_server_frame, serialize
+from wsserver.protocol import (
+    CallPart,
+    Delta,
+    Generate,
+    Limits,
+    parse_client_frame,
+    parse_server_frame,
+    serialize,
+)
 from wsserver.replay import ReplayTail
 
 TOOLS = [
@@ -170,5 +179,90 @@ async def test_the_openai_sdk_gets_the_same_call_streamed_and_not(calling: str) 
                 call.function.arguments,
             )
             assert scall.id.startswith("call_")
+        finally:
+            await api.close()
+
+
+def test_tool_choice_is_parsed_and_checked() -> None:
+    limits = Limits()
+
+    def generate(**fields: object) -> Generate:
+        frame = {"type": "generate", "id": "a", "messages": CHAT, **fields}
+        parsed = parse_client_frame(json.dumps(frame), limits)
+        assert isinstance(parsed, Generate)
+        return parsed
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    frame = generate(tools=TOOLS, tool_choice=named, parallel_tool_calls=False)
+    assert (frame.tool_choice, frame.tool_name, frame.parallel_tool_calls) == (
+        "required",
+        "get_weather",
+        False,
+    )
+    assert generate(tools=TOOLS, tool_choice="none").tool_choice == "none"
+    for fields, message in [
+        ({"tool_choice": "auto"}, "'tool_choice' needs 'tools'"),
+        ({"parallel_tool_calls": True}, "'parallel_tool_calls' needs 'tools'"),
+        ({"tools": TOOLS, "tool_choice": "any"}, "'tool_choice' must be"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
+            "'rm', which is not one of 'tools'",
+        ),
+        ({"tools": TOOLS, "parallel_tool_calls": 0}, "must be a boolean"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "JSON"),
+    ]:
+        with pytest.raises(ProtocolError, match=message) as caught:
+            generate(**fields)
+        assert caught.value.code == "bad_request"
+
+
+async def test_tool_choice_none_and_one_call(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "two.txt"
+    path.write_text(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'
+    )
+    async with running_server(fake_config(str(path))) as server, wire(server) as client:
+        base = {"type": "generate", "messages": CHAT, "tools": TOOLS}
+        await client.send({**base, "id": "a", "tool_choice": "none"})
+        text, frames = await client.done("a")
+        assert text == path.read_text() and frames[-1]["reason"] == "stop"
+        await client.send({**base, "id": "b", "parallel_tool_calls": False})
+        _, frames = await client.done("b")
+        parts = [p for f in frames for p in f.get("tool_calls", ())]
+        assert [p["arguments"] for p in parts] == ['{"city":"A"}']
+        assert frames[-1]["reason"] == "tool_calls"
+        await client.send({**base, "id": "c"})
+        _, frames = await client.done("c")
+        assert [p["index"] for f in frames for p in f.get("tool_calls", ())] == [0, 1]
+        # The fake cannot force a call: refused by name, never ignored.
+        await client.send({**base, "id": "d", "tool_choice": "required"})
+        refused = await client.until(lambda f: f["type"] == "error")
+        assert refused[-1]["code"] == "unsupported_option"
+        assert "tool_choice" in refused[-1]["message"]
+
+
+async def test_openai_bad_tool_input_is_a_400(calling: str) -> None:
+    async with running_server(fake_config(calling)) as server:
+        api = sdk(server)
+        try:
+            for extra in [
+                {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"messages": [{"role": "tool", "content": "r"}]},
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+            ]:
+                body: dict[str, object] = {"model": "m", "messages": CHAT, "tools": TOOLS}
+                body.update(extra)
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await api.chat.completions.create(**body)  # type: ignore[call-overload]
+                assert caught.value.status_code == 400
+            # Harmless values without tools are accepted.
+            reply = await api.chat.completions.create(
+                model="m",
+                messages=CHAT,  # type: ignore[arg-type]
+                tool_choice="none",
+                parallel_tool_calls=True,
+            )
+            assert reply.choices[0].finish_reason == "stop"
         finally:
             await api.close()

@@ -144,7 +144,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
             frame[name] = given[name]
     if "tools" in given:
         frame["tools"] = given["tools"]
-    _refuse_tool_choice(given)
+    frame.update(_tool_choice(given))
     frame.update(_logprobs(kind, given))
     # llama-server's extensions, then OpenAI's way to ask for JSON.
     for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
@@ -166,24 +166,19 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     return ApiRequest(kind, generate, stream, include_usage)
 
 
-def _refuse_tool_choice(given: dict[str, Any]) -> None:
-    """``tool_choice`` other than ``auto`` and ``parallel_tool_calls: false``
-    cannot be honoured yet (no tool-call grammar): refused by name."""
-    choice = given.get("tool_choice", "auto")
-    if choice != "auto":
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            "'tool_choice' other than \"auto\" is not supported yet",
-            "unsupported_option",
-            "tool_choice",
-        )
-    if given.get("parallel_tool_calls", True) is not True:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            "'parallel_tool_calls: false' is not supported yet",
-            "unsupported_option",
-            "parallel_tool_calls",
-        )
+def _tool_choice(given: dict[str, Any]) -> dict[str, Any]:
+    """``tool_choice`` and ``parallel_tool_calls`` for the frame, whose parser
+    checks them. Without ``tools`` the harmless values are dropped (clients
+    send ``"none"`` or ``"auto"`` by habit); others are refused there."""
+    out: dict[str, Any] = {
+        n: given[n] for n in ("tool_choice", "parallel_tool_calls") if n in given
+    }
+    if "tools" not in given:
+        if out.get("tool_choice") in ("auto", "none"):
+            del out["tool_choice"]
+        if isinstance(out.get("parallel_tool_calls"), bool):
+            del out["parallel_tool_calls"]
+    return out
 
 
 def _logprobs(kind: Kind, given: dict[str, Any]) -> dict[str, Any]:

@@ -91,6 +91,11 @@ export interface GenerateParams {
   json_schema?: Record<string, unknown> | true;
   /** Function tools the chat template shows the model (with `messages` only). */
   tools?: Tool[];
+  /** Only with `tools`: "none" hides them from the model; "required" or a named
+   * function forces a call (refused with `unsupported_option` by an engine that cannot). */
+  tool_choice?: "auto" | "none" | "required" | { type: "function"; function: { name: string } };
+  /** Only with `tools`: false takes at most one call per turn. */
+  parallel_tool_calls?: boolean;
   /** Extra chat-template variables, e.g. `{enable_thinking: false}` (with `messages` only). */
   chat_template_kwargs?: Record<string, unknown>;
   /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */

@@ -411,10 +411,11 @@ class Generation:
 def tool_parser(request: Generate, syntax: ToolSyntax | None) -> ToolCallParser | None:
     """The parser of ``request``'s tool calls, if it has tools (and the
     engine gives text for the core to parse: ``syntax`` not None)."""
-    if request.tools is None or syntax is None:
+    if request.tools is None or syntax is None or request.tool_choice == "none":
         return None
     names = frozenset(tool["function"]["name"] for tool in orjson.loads(request.tools))
-    return ToolCallParser(syntax, names=names)
+    parallel = request.parallel_tool_calls is not False
+    return ToolCallParser(syntax, names=names, parallel=parallel)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -148,7 +148,8 @@ class GenerationRequest:
             sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
             grammar=frame.grammar,
             json_schema=frame.json_schema,
-            tools=frame.tools,
+            # tool_choice "none": the model is not shown the tools (nor parsed for calls).
+            tools=None if frame.tool_choice == "none" else frame.tools,
             chat_template_kwargs=frame.chat_template_kwargs,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
         )
@@ -304,6 +305,14 @@ class Backend(abc.ABC):
                 "unsupported_option",
                 f"'{name}' is not supported by this server's engine ({self.model_name}); "
                 "leave it out or give its neutral value",
+                frame.id,
+            )
+        if frame.tool_choice == "required" and "tool_choice" not in self.honours:
+            # Forcing a call takes a grammar built from the tools: refused, not hoped for.
+            raise ProtocolError(
+                "unsupported_option",
+                "'tool_choice' \"required\" or a named function is not supported by this "
+                f'server\'s engine ({self.model_name}) yet: give "auto" or "none"',
                 frame.id,
             )
 
