@@ -33,6 +33,7 @@ __all__ = [
     "ToolCall",
     "parse_messages",
     "parse_template_kwargs",
+    "parse_tool_choice",
     "parse_tools",
 ]
 
@@ -215,6 +216,41 @@ def parse_tools(value: Any, fail: Fail) -> str:
         entry["parameters"] = parameters
         tools.append({"type": "function", "function": entry})
     return orjson.dumps(tools).decode()
+
+
+def parse_tool_choice(obj: dict[str, Any], tools: str | None, fail: Fail) -> dict[str, Any]:
+    """``tool_choice`` and ``parallel_tool_calls`` of ``obj`` (only with ``tools``):
+    the Generate fields ``tool_choice``, ``tool_name``, ``parallel_tool_calls``."""
+    out: dict[str, Any] = {}
+    for field in ("tool_choice", "parallel_tool_calls"):
+        if field in obj and tools is None:
+            raise fail(f"'{field}' needs 'tools'")
+    if "parallel_tool_calls" in obj:
+        if not isinstance(obj["parallel_tool_calls"], bool):
+            raise fail("'parallel_tool_calls' must be a boolean")
+        out["parallel_tool_calls"] = obj["parallel_tool_calls"]
+    if "tool_choice" not in obj:
+        return out
+    choice = obj["tool_choice"]
+    if choice in ("auto", "none", "required"):
+        out["tool_choice"] = choice
+        return out
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(name, str)
+    ):
+        raise fail(
+            '\'tool_choice\' must be "auto", "none", "required" or '
+            "{'type': 'function', 'function': {'name': …}}"
+        )
+    names = {tool["function"]["name"] for tool in orjson.loads(tools or "[]")}
+    if name not in names:
+        raise fail(f"'tool_choice' names {name[:64]!r}, which is not one of 'tools'")
+    out.update(tool_choice="required", tool_name=name)
+    return out
 
 
 def parse_template_kwargs(value: Any, fail: Fail) -> str:

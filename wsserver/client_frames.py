@@ -20,7 +20,14 @@ from typing import Any, Final
 
 import orjson
 
-from .chat_input import Message, ToolCall, parse_messages, parse_template_kwargs, parse_tools
+from .chat_input import (
+    Message,
+    ToolCall,
+    parse_messages,
+    parse_template_kwargs,
+    parse_tool_choice,
+    parse_tools,
+)
 from .errors import ProtocolError
 from .sampling import (
     MAX_TOP_LOGPROBS,
@@ -116,6 +123,12 @@ class Generate:
     #: text (wsserver.chat_input); only with ``messages``.
     tools: str | None = None
     chat_template_kwargs: str | None = None
+    #: OpenAI's ``tool_choice``: ``auto`` | ``none`` | ``required``, and for
+    #: a named function ``required`` with its name in ``tool_name``.
+    tool_choice: str | None = None
+    tool_name: str | None = None
+    #: At most one call per turn when False (wsserver.tool_calls).
+    parallel_tool_calls: bool | None = None
     #: ``none`` | ``auto`` (wsserver.reasoning); None: the server's default.
     reasoning_format: str | None = None
     #: Report each generated token's log-probability (``delta.logprobs``),
@@ -228,6 +241,8 @@ _GENERATE_FIELDS: Final = frozenset(
         "stop",
         "resumable",
         "tools",
+        "tool_choice",
+        "parallel_tool_calls",
         "chat_template_kwargs",
         "reasoning_format",
         "logprobs",
@@ -290,6 +305,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         )
     if "tools" in obj:
         out["tools"] = parse_tools(obj["tools"], fail)
+    out.update(parse_tool_choice(obj, out.get("tools"), fail))
     if "reasoning_format" in obj:
         if obj["reasoning_format"] not in ("none", "auto"):
             raise fail('\'reasoning_format\' must be "none" or "auto"')

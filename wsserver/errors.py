@@ -65,6 +65,9 @@ WireCode = Literal[
     # A generate option the serving engine cannot honour (it is refused, never
     # ignored); see docs/protocol.md, "Which engine honours what".
     "unsupported_option",
+    # The model's tool call could not be read (not JSON, an unknown tool, ...);
+    # only inside a ``done`` with reason ``error``.
+    "invalid_tool_call",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 

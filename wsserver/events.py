@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .errors import ProtocolError, WireCode
 from .logprobs import TokenLogprob
 from .protocol import DoneReason
+from .tool_calls import CallPart
 
 __all__ = [
     "DoneDelivered",
@@ -101,6 +102,8 @@ class TextProduced:
     reasoning_tokens: int = 0
     #: The tokens' log-probabilities, when the request asked for them.
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: Parts of the model's tool calls, after ``text`` (wsserver.tool_calls).
+    tool_calls: tuple[CallPart, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,10 @@ from .api_errors import ApiError, error_body, error_object, status_of
 from .backends.openai_wire import DONE
 from .errors import ProtocolError
 from .logprobs import TokenLogprob, legacy_logprobs
+from .openai_tools import chunk_tool_calls, message_tool_calls
 from .protocol import Done, Generate, Limits, parse_client_frame
 from .sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
+from .tool_calls import CallPart
 
 __all__ = [
     "DONE_EVENT",
@@ -142,7 +144,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
             frame[name] = given[name]
     if "tools" in given:
         frame["tools"] = given["tools"]
-    _refuse_tool_choice(given)
+    frame.update(_tool_choice(given))
     frame.update(_logprobs(kind, given))
     # llama-server's extensions, then OpenAI's way to ask for JSON.
     for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
@@ -164,24 +166,19 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     return ApiRequest(kind, generate, stream, include_usage)
 
 
-def _refuse_tool_choice(given: dict[str, Any]) -> None:
-    """``tool_choice`` other than ``auto`` and ``parallel_tool_calls: false``
-    cannot be honoured yet (no tool-call grammar): refused by name."""
-    choice = given.get("tool_choice", "auto")
-    if choice != "auto":
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            "'tool_choice' other than \"auto\" is not supported yet",
-            "unsupported_option",
-            "tool_choice",
-        )
-    if given.get("parallel_tool_calls", True) is not True:
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            "'parallel_tool_calls: false' is not supported yet",
-            "unsupported_option",
-            "parallel_tool_calls",
-        )
+def _tool_choice(given: dict[str, Any]) -> dict[str, Any]:
+    """``tool_choice`` and ``parallel_tool_calls`` for the frame, whose parser
+    checks them. Without ``tools`` the harmless values are dropped (clients
+    send ``"none"`` or ``"auto"`` by habit); others are refused there."""
+    out: dict[str, Any] = {
+        n: given[n] for n in ("tool_choice", "parallel_tool_calls") if n in given
+    }
+    if "tools" not in given:
+        if out.get("tool_choice") in ("auto", "none"):
+            del out["tool_choice"]
+        if isinstance(out.get("parallel_tool_calls"), bool):
+            del out["parallel_tool_calls"]
+    return out
 
 
 def _logprobs(kind: Kind, given: dict[str, Any]) -> dict[str, Any]:
@@ -319,18 +316,22 @@ class Reply:
         text: str,
         reasoning: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
+        tool_calls: Sequence[CallPart] | None = None,
     ) -> bytes:
         """One SSE event with this text (the first one also names the role);
-        reasoning goes first, as ``reasoning_content`` (llama-server's name);
-        and, if asked for, its tokens' log-probabilities."""
+        reasoning goes first, as ``reasoning_content`` (llama-server's name),
+        tool call parts last (wsserver.openai_tools); and, if asked for, its
+        tokens' log-probabilities."""
         if self.kind == "chat":
-            delta: dict[str, str] = {}
+            delta: dict[str, Any] = {}
             if self._first:
                 delta["role"] = "assistant"
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if text or not reasoning:
+            if text or not (reasoning or tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = chunk_tool_calls(tool_calls)
             self._first = False
             return self._chunk(
                 {
@@ -361,7 +362,7 @@ class Reply:
 
     def final_chunks(self, done: Done) -> bytes:
         """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        reason = "length" if done.reason == "length" else "stop"
+        reason = _finish_reason(done)
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
         else:
@@ -384,13 +385,17 @@ class Reply:
         done: Done,
         reasoning: str = "",
         logprobs: Sequence[TokenLogprob] | None = None,
+        tool_calls: Sequence[CallPart] = (),
     ) -> bytes:
         """The whole answer of a request without ``stream``."""
-        reason = "length" if done.reason == "length" else "stop"
+        reason = _finish_reason(done)
         if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            content = text if text or not tool_calls else None
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             if reasoning:
                 message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = message_tool_calls(tool_calls)
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,
@@ -409,6 +414,10 @@ class Reply:
         return orjson.dumps(
             {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
         )
+
+
+def _finish_reason(done: Done) -> str:
+    return done.reason if done.reason in ("length", "tool_calls") else "stop"
 
 
 def _usage(done: Done) -> dict[str, Any]:

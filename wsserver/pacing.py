@@ -36,6 +36,10 @@ after it, so its own window ends no sooner than the previous delta's.
   never comes (a stop string's tokens) may go in a frame of their own with
   no text.
 
+* **Tool calls** (:mod:`wsserver.tool_calls`): a call's parts ride after
+  the text and count toward ``max_chars`` like it; a frame takes parts up to
+  that size (at least one), and the rest wait for the next window.
+
 At a flush *everything* pending goes into one frame. While the socket is slow
 the sender is parked in ``send()``; tokens pile up in the channel meanwhile and
 come out merged at the next flush: fewer, larger frames. Only the last delta
@@ -46,6 +50,7 @@ flushes what is left at the end instead of holding the ``done`` back.
 from __future__ import annotations
 
 from .logprobs import TokenLogprob
+from .tool_calls import CallPart
 
 __all__ = ["FRAME_TEXT_CHARS", "Coalescer"]
 
@@ -59,6 +64,8 @@ class Coalescer:
     """Accumulates text pieces and says when they should be flushed."""
 
     __slots__ = (
+        "_calls",
+        "_calls_taken",
         "_chars",
         "_flushed_once",
         "_last_flush",
@@ -98,6 +105,9 @@ class Coalescer:
         self._reasoning: list[str] = []
         self._reasoning_tokens = 0
         self._reasoning_taken = False
+        # Tool call parts, after the text; taken up to a frame's size.
+        self._calls: list[CallPart] = []
+        self._calls_taken = False
         self._last_flush = 0.0
         self._flushed_once = False
         # When due() first saw the pending text; None until then.
@@ -107,13 +117,17 @@ class Coalescer:
     def pending(self) -> bool:
         """Whether tokens are waiting (text, or tokens whose text is held back)."""
         return (
-            self._tokens > 0 or bool(self._parts) or bool(self._reasoning) or bool(self._logprobs)
+            self._tokens > 0
+            or bool(self._parts)
+            or bool(self._reasoning)
+            or bool(self._logprobs)
+            or bool(self._calls)
         )
 
     @property
     def has_text(self) -> bool:
         """Whether text is waiting; only then can a flush become due."""
-        return bool(self._parts) or bool(self._reasoning)
+        return bool(self._parts) or bool(self._reasoning) or bool(self._calls)
 
     @property
     def full(self) -> bool:
@@ -137,6 +151,27 @@ class Coalescer:
         self._tokens += tokens
         self._reasoning_tokens += tokens
 
+    def add_calls(self, parts: tuple[CallPart, ...]) -> None:
+        """Tool call parts for the next frames (their tokens came with the text)."""
+        for part in parts:
+            self._calls.append(part)
+            self._chars += len(part.arguments)
+
+    def take_calls(self) -> tuple[CallPart, ...]:
+        """The call parts for the next frame — at least one, at most a frame's
+        size — call just before :meth:`take`; the rest stay pending."""
+        size = 0
+        count = 0
+        for part in self._calls:
+            if count and size + len(part.arguments) > self.max_chars:
+                break
+            size += len(part.arguments)
+            count += 1
+        taken = tuple(self._calls[:count])
+        del self._calls[:count]
+        self._calls_taken = bool(taken)
+        return taken
+
     def take_reasoning(self) -> tuple[str, int]:
         """The pending reasoning and its tokens; call just before :meth:`take`."""
         text = "".join(self._reasoning)
@@ -155,6 +190,7 @@ class Coalescer:
         if (
             not self._parts
             and not self._reasoning
+            and not self._calls
             and len(self._logprobs) < self.max_logprob_tokens
         ):
             return False
@@ -177,9 +213,10 @@ class Coalescer:
         tokens = self._tokens
         self._parts.clear()
         self._tokens = 0
-        self._chars = 0
+        self._chars = sum(len(part.arguments) for part in self._calls)
         reasoning, self._reasoning_taken = self._reasoning_taken, False
-        if text or reasoning or self._logprobs:
+        calls, self._calls_taken = self._calls_taken, False
+        if text or reasoning or calls or self._logprobs:
             self._last_flush = now
             self._flushed_once = True
             self._seen_at = None

@@ -45,6 +45,7 @@ from .client_frames import (
 )
 from .errors import WireCode
 from .logprobs import TokenLogprob, parse_entries
+from .tool_calls import CallPart
 
 __all__ = [
     "ID_PATTERN",
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_TOKEN_CHARS",
     "PROTOCOL_VERSION",
+    "CallPart",
     "Cancel",
     "ClientFrame",
     "Delta",
@@ -78,7 +80,7 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 
-DoneReason = Literal["stop", "length", "cancelled", "error"]
+DoneReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
 
 # ---------------------------------------------------------------- server frames
@@ -128,6 +130,10 @@ class Delta:
     #: The log-probabilities of the tokens this delta merged, when the request
     #: asked for them (a token's text may come in a later delta: held back).
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: Parts of the model's tool calls, after ``text`` (wsserver.tool_calls):
+    #: a call's first part has its ``id`` and ``name``, later ones more
+    #: ``arguments`` text.
+    tool_calls: tuple[CallPart, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +318,32 @@ class _Logprobs(_Optional):
         into[self.key] = None if value is None else parse_entries(value)
 
 
+class _ToolCalls(_Optional):
+    """A ``delta``'s call parts, left out when ``None``; ``id`` and ``name``
+    only on a call's first part."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = [_call_part(part) for part in value]
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else tuple(CallPart(**part) for part in value)
+
+
+def _call_part(part: CallPart) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": part.index}
+    if part.id is not None:
+        out["id"] = part.id
+    if part.name is not None:
+        out["name"] = part.name
+    out["arguments"] = part.arguments
+    return out
+
+
 class _Frame:
     """One server frame on the wire: ``type`` first, then its members in order."""
 
@@ -336,7 +368,16 @@ _WIRE: Final = (
     _Frame("queued", Queued, "id", "position"),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
-    _Frame("delta", Delta, "id", "seq", "text", _Optional("reasoning"), _Logprobs("logprobs")),
+    _Frame(
+        "delta",
+        Delta,
+        "id",
+        "seq",
+        "text",
+        _Optional("reasoning"),
+        _Logprobs("logprobs"),
+        _ToolCalls("tool_calls"),
+    ),
     _Frame(
         "done",
         Done,
@@ -362,7 +403,12 @@ def serialize(frame: ServerFrame) -> bytes:
     # Delta skips the walk over its description: it is by far the most
     # frequent frame (one per flush window of every request) and this is its
     # whole cost on the way out. test_protocol holds it to the description.
-    if type(frame) is Delta and frame.reasoning is None and frame.logprobs is None:
+    if (
+        type(frame) is Delta
+        and frame.reasoning is None
+        and frame.logprobs is None
+        and frame.tool_calls is None
+    ):
         return orjson.dumps({"type": "delta", "id": frame.id, "seq": frame.seq, "text": frame.text})
     return orjson.dumps(_to_wire(frame))
 

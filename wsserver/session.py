@@ -314,9 +314,9 @@ class Session:
         assert entry is not None
         entry.completion_tokens += event.tokens
         entry.reasoning_tokens += event.reasoning_tokens
-        if not event.text and not event.reasoning and not event.logprobs:
+        if not event.text and not event.reasoning and not event.logprobs and not event.tool_calls:
             return []
-        if entry.first_delta is None and (event.text or event.reasoning):
+        if entry.first_delta is None and (event.text or event.reasoning or event.tool_calls):
             # The first thing the client reads: answer or reasoning (a delta
             # that carries only log-probabilities of held-back bytes is not).
             entry.first_delta = now
@@ -326,6 +326,7 @@ class Session:
             text=event.text,
             reasoning=event.reasoning or None,
             logprobs=event.logprobs or None,
+            tool_calls=event.tool_calls or None,
         )
         entry.seq += 1
         if entry.tail is not None:

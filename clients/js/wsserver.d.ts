@@ -91,6 +91,11 @@ export interface GenerateParams {
   json_schema?: Record<string, unknown> | true;
   /** Function tools the chat template shows the model (with `messages` only). */
   tools?: Tool[];
+  /** Only with `tools`: "none" hides them from the model; "required" or a named
+   * function forces a call (refused with `unsupported_option` by an engine that cannot). */
+  tool_choice?: "auto" | "none" | "required" | { type: "function"; function: { name: string } };
+  /** Only with `tools`: false takes at most one call per turn. */
+  parallel_tool_calls?: boolean;
   /** Extra chat-template variables, e.g. `{enable_thinking: false}` (with `messages` only). */
   chat_template_kwargs?: Record<string, unknown>;
   /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */
@@ -167,9 +172,21 @@ export interface DeltaFrame {
   reasoning?: string;
   /** Only for a request with `logprobs: true`: one entry per token merged into this delta. */
   logprobs?: TokenLogprob[];
+  /** Parts of the model's tool calls (a request with `tools`), after `text`. */
+  tool_calls?: ToolCallPart[];
 }
 
-export type DoneReason = "stop" | "length" | "cancelled" | "error";
+/** A part of a tool call: the first of a call (by `index`) has `id` and `name`,
+ * later ones more `arguments` text; joined, `arguments` is a JSON object's text. */
+export interface ToolCallPart {
+  index: number;
+  id?: string;
+  name?: string;
+  arguments: string;
+}
+
+/** `tool_calls`: the model ended its turn with tool calls (protocol change, see CHANGELOG). */
+export type DoneReason = "stop" | "length" | "tool_calls" | "cancelled" | "error";
 
 export interface DoneFrame {
   type: "done";
@@ -242,7 +259,8 @@ export type ErrorCode =
   | "invalid_token"
   | "already_attached"
   | "seq_out_of_range"
-  | "unsupported_option";
+  | "unsupported_option"
+  | "invalid_tool_call";
 
 export interface ErrorFrame {
   type: "error";

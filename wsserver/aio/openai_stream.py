@@ -34,7 +34,7 @@ from http import HTTPStatus
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
-from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
+from ..protocol import CallPart, Delta, Done, Error, Queued, ServerFrame, Started
 from ..session import Session
 from .driver import RequestDriver
 from .http_answer import HttpAnswer
@@ -75,6 +75,7 @@ class Completion:
         self._text: list[str] = []
         self._reasoning: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._tool_calls: list[CallPart] = []
         self.driver = RequestDriver(
             services,
             dialect=self,
@@ -113,7 +114,9 @@ class Completion:
         if isinstance(frame, Delta):
             if stream:
                 self._answer.head()
-                chunk = self.reply.text_chunk(frame.text, frame.reasoning, frame.logprobs)
+                chunk = self.reply.text_chunk(
+                    frame.text, frame.reasoning, frame.logprobs, frame.tool_calls
+                )
                 await self._answer.write(chunk)
             else:
                 self._text.append(frame.text)
@@ -121,6 +124,8 @@ class Completion:
                     self._reasoning.append(frame.reasoning)
                 if frame.logprobs:
                     self._logprobs.extend(frame.logprobs)
+                if frame.tool_calls:
+                    self._tool_calls.extend(frame.tool_calls)
         elif isinstance(frame, Queued | Started):
             if stream:
                 self._answer.head()
@@ -145,7 +150,7 @@ class Completion:
             self._answer.write_last(self.reply.final_chunks(done))
         else:
             text, reasoning = "".join(self._text), "".join(self._reasoning)
-            body = self.reply.body(text, done, reasoning, self._logprobs)
+            body = self.reply.body(text, done, reasoning, self._logprobs, self._tool_calls)
             self._answer.respond(HTTPStatus.OK, body)
 
     async def _fail(self, status: HTTPStatus, message: str, code: str) -> None:

@@ -34,21 +34,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
+import orjson
 from websockets.exceptions import ConnectionClosed
 
 from .. import pacing
 from ..backends.base import GenerationRequest, Submission
 from ..errors import ProtocolError
-from ..events import Finished, ModelGranted, PromptCounted, Rejected, Report, TextProduced
+from ..events import Finished, ModelGranted, Outcome, PromptCounted, Rejected, Report, TextProduced
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..pacing import Coalescer
 from ..protocol import Generate
 from ..reasoning import ReasoningSplitter, Split
 from ..request_record import RequestRecord
+from ..tool_calls import Syntax as ToolSyntax
+from ..tool_calls import ToolCallParser, ToolSplit
 from .channel import Channel, End, Item, Piece, PromptDone
 from .services import Services
 
@@ -105,6 +109,10 @@ class Generation:
         self.exited_at: float | None = None
         #: Splits the think block from the answer (reasoning_format "auto").
         self.reasoning: ReasoningSplitter | None = None
+        #: Finds the model's tool calls in the answer (a request with tools).
+        self.tools: ToolCallParser | None = None
+        #: Why the model's tool call was refused (the request then ends in error).
+        self.tool_error: str | None = None
 
     @property
     def resume_token(self) -> str | None:
@@ -218,6 +226,7 @@ class Generation:
         if reasoning_format == "auto" and self.request.messages is not None:
             opened = services.backend.opens_reasoning(request)
             self.reasoning = ReasoningSplitter(opened=opened)
+        self.tools = tool_parser(self.request, services.backend.tool_syntax(request))
         self.submission = services.backend.submit(
             request, slot=slot, sink=channel, cancel=channel.cancel
         )
@@ -281,13 +290,17 @@ class Generation:
                     break
                 end = self._take(coalescer, more)
             if end is not None:
-                if await self._flush(coalescer):
-                    await self._report(Finished(self.request.id, end.outcome))
+                # Tool calls may take more than one frame (each bounded).
+                while await self._flush(coalescer):
+                    if not coalescer.pending:
+                        await self._report(Finished(self.request.id, self._outcome(end)))
+                        return
                 return
 
     async def _flush(self, coalescer: Coalescer) -> bool:
         """Report everything pending as one text. False if the request has ended."""
         reasoning, reasoning_tokens = coalescer.take_reasoning()
+        tool_calls = coalescer.take_calls()
         text, tokens = coalescer.take(asyncio.get_running_loop().time())
         logprobs = coalescer.take_logprobs()
         self.owner.services.metrics.tokens.inc(tokens)
@@ -299,23 +312,73 @@ class Generation:
                 reasoning=reasoning,
                 reasoning_tokens=reasoning_tokens,
                 logprobs=logprobs,
+                tool_calls=tool_calls,
             )
         )
 
     def _take(self, coalescer: Coalescer, item: Item) -> End | None:
         if isinstance(item, Piece):
             if self.reasoning is None:
-                coalescer.add(item.text, item.tokens, item.logprobs)
+                split = Split(answer=item.text)
             else:
                 split = self.reasoning.feed(item.text, item.tokens)
-                _add_split(coalescer, split, item.tokens, item.logprobs)
+            self._add_split(coalescer, split, item.tokens, item.logprobs)
             return None
         if isinstance(item, PromptDone):
             self.owner.note(PromptCounted(self.request.id, item.prompt_tokens))
             return None
         if self.reasoning is not None:
-            _add_split(coalescer, self.reasoning.flush(), 0)
+            self._add_split(coalescer, self.reasoning.flush(), 0)
+        if self.tools is not None:
+            self._add_calls(coalescer, self.tools.flush())
         return item
+
+    def _add_split(
+        self,
+        coalescer: Coalescer,
+        split: Split,
+        tokens: int,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
+        """Reasoning, then the answer — through the tool call parser, if any."""
+        coalescer.add_reasoning(split.reasoning, split.reasoning_tokens)
+        answer_tokens = max(0, tokens - split.reasoning_tokens)
+        if self.tools is None:
+            coalescer.add(split.answer, answer_tokens, logprobs)
+            return
+        found = self.tools.feed(split.answer) if split.answer else ToolSplit()
+        self._add_calls(coalescer, found, answer_tokens, logprobs)
+
+    def _add_calls(
+        self,
+        coalescer: Coalescer,
+        found: ToolSplit,
+        tokens: int = 0,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
+        """Content (and the tokens it came with), then the call parts."""
+        coalescer.add(found.content, tokens, logprobs)
+        coalescer.add_calls(found.calls)
+        if found.error is not None and self.tool_error is None:
+            self.tool_error = found.error
+
+    def _outcome(self, end: End) -> Outcome:
+        """The engine's outcome, as the tool calls make it: ``tool_calls``
+        when the model stopped after calling, an error for a bad call."""
+        outcome = end.outcome
+        if outcome.reason not in ("stop", "length") or self.tools is None:
+            return outcome
+        if self.tool_error is not None:
+            return dataclasses.replace(
+                outcome,
+                reason="error",
+                error_code="invalid_tool_call",
+                error_message=self.tool_error,
+                stop_sequence=None,
+            )
+        if outcome.reason == "stop" and self.tools.calls_made:
+            return dataclasses.replace(outcome, reason="tool_calls", stop_sequence=None)
+        return outcome
 
     async def _finalize(self) -> None:
         services = self.owner.services
@@ -345,11 +408,14 @@ class Generation:
         await self.owner.generation_gone(self)
 
 
-def _add_split(
-    coalescer: Coalescer, split: Split, tokens: int, logprobs: tuple[TokenLogprob, ...] = ()
-) -> None:
-    coalescer.add_reasoning(split.reasoning, split.reasoning_tokens)
-    coalescer.add(split.answer, max(0, tokens - split.reasoning_tokens), logprobs)
+def tool_parser(request: Generate, syntax: ToolSyntax | None) -> ToolCallParser | None:
+    """The parser of ``request``'s tool calls, if it has tools (and the
+    engine gives text for the core to parse: ``syntax`` not None)."""
+    if request.tools is None or syntax is None or request.tool_choice == "none":
+        return None
+    names = frozenset(tool["function"]["name"] for tool in orjson.loads(request.tools))
+    parallel = request.parallel_tool_calls is not False
+    return ToolCallParser(syntax, names=names, parallel=parallel)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

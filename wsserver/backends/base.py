@@ -71,6 +71,7 @@ from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import Generate, Message
 from ..sampling import SAMPLING_FIELDS, Sampling, options_asked
+from ..tool_calls import Syntax as ToolSyntax
 
 __all__ = [
     "Backend",
@@ -147,7 +148,8 @@ class GenerationRequest:
             sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
             grammar=frame.grammar,
             json_schema=frame.json_schema,
-            tools=frame.tools,
+            # tool_choice "none": the model is not shown the tools (nor parsed for calls).
+            tools=None if frame.tool_choice == "none" else frame.tools,
             chat_template_kwargs=frame.chat_template_kwargs,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
         )
@@ -309,6 +311,14 @@ class Backend(abc.ABC):
                 "leave it out or give its neutral value",
                 frame.id,
             )
+        if frame.tool_choice == "required" and "tool_choice" not in self.honours:
+            # Forcing a call takes a grammar built from the tools: refused, not hoped for.
+            raise ProtocolError(
+                "unsupported_option",
+                "'tool_choice' \"required\" or a named function is not supported by this "
+                f'server\'s engine ({self.model_name}) yet: give "auto" or "none"',
+                frame.id,
+            )
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The prompt's token count as this engine would feed it (its chat
@@ -325,6 +335,12 @@ class Backend(abc.ABC):
         """Whether ``request``'s prompt ends inside an open think block (a chat
         template that opens it): its output then starts as reasoning."""
         return False
+
+    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+        """The syntax in which the model writes tool calls (wsserver.tool_calls),
+        for the core to parse them out of the text; ``None`` when the engine
+        reports calls itself. An engine without a chat template: ``any``."""
+        return "any"
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""

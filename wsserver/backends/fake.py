@@ -248,7 +248,7 @@ def json_document(schema: str, rng: random.Random) -> str:
 class FakeBackend(ThreadedBackend):
     """Deterministic fake model with a configurable speed."""
 
-    honours = frozenset({"logprobs", "logit_bias", "json_schema"})
+    honours = frozenset({"logprobs", "logit_bias", "json_schema", "tools"})
 
     def __init__(
         self,

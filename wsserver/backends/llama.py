@@ -46,6 +46,8 @@ from ..errors import BackendError, ModelLoadError, ProtocolError
 from ..protocol import Generate, Message
 from ..reasoning import opens_reasoning
 from ..sampling import NEUTRAL
+from ..tool_calls import Syntax as ToolSyntax
+from ..tool_calls import detect_syntax
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_context import install_log_bridge, new_context
 from .llama_engine import BatchEngine, RequestStats
@@ -321,6 +323,10 @@ class LlamaBackend(Backend):
         except BackendError:
             return False  # the engine reports it
         return opens_reasoning(prompt)
+
+    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+        """Read from the chat template, as llama.cpp tells formats apart."""
+        return detect_syntax(self.chat_template.source if self.chat_template else None)
 
     def render_chat(
         self, messages: Sequence[Message], tools: str | None, template_kwargs: str | None

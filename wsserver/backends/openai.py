@@ -53,6 +53,7 @@ from ..logs import context
 from ..protocol import Generate
 from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
+from ..tool_calls import Syntax as ToolSyntax
 from .base import (
     Backend,
     CancelEvent,
@@ -116,6 +117,10 @@ class OpenAIBackend(Backend):
 
     #: Every option is forwarded to the upstream, which honours or refuses it.
     honours = frozenset(NEUTRAL)
+
+    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+        """None: an upstream parses its model's calls and reports them itself."""
+        return None
 
     def check(self, frame: Generate) -> None:
         super().check(frame)

@@ -1,0 +1,199 @@
+"""Tool-call parsing (wsserver/tool_calls.py), sans-I/O.
+
+Each syntax's output, cut at every byte position (through the text
+assembler, so a marker and a character both arrive in pieces), gives exactly
+the content and the calls; malformed calls are errors, never calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+import pytest
+
+from wsserver.textstream import TextAssembler
+from wsserver.tool_calls import (
+    FRAGMENT_CHARS,
+    CallPart,
+    Syntax,
+    ToolCallParser,
+    detect_syntax,
+)
+
+NAMES = frozenset({"get_weather", "add"})
+
+
+def ids() -> itertools.count[int]:
+    return itertools.count()
+
+
+def run(
+    syntax: Syntax, data: bytes, cuts: list[int], **options: object
+) -> tuple[str, list[tuple[str, str, str]], list[str]]:
+    """Feed ``data`` cut at ``cuts``; content, (id, name, arguments) per call, errors."""
+    counter = ids()
+    assembler = TextAssembler()
+    parser = ToolCallParser(
+        syntax,
+        names=NAMES,
+        new_id=lambda: f"call_{next(counter)}",
+        **options,  # type: ignore[arg-type]
+    )
+    content: list[str] = []
+    parts: list[CallPart] = []
+    errors: list[str] = []
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    splits = [parser.feed(assembler.feed(piece)) for piece in pieces]
+    splits += [parser.feed(assembler.flush()), parser.flush()]
+    for split in splits:
+        content.append(split.content)
+        parts.extend(split.calls)
+        if split.error:
+            errors.append(split.error)
+    calls: dict[int, list[str]] = {}
+    for part in parts:
+        if part.index not in calls:
+            assert part.id is not None and part.name is not None  # id and name first
+            calls[part.index] = [part.id, part.name, ""]
+        else:
+            assert part.id is None and part.name is None
+        calls[part.index][2] += part.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return "".join(content), [(c[0], c[1], c[2]) for c in calls.values()], errors
+
+
+WEATHER = '{"city":"Paris","unit":"°C"}'
+
+CASES: list[tuple[Syntax, str, str, list[tuple[str, str, str]]]] = [
+    (
+        "hermes",
+        'Let me look 日本. <tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris", "unit": "°C"}}\n</tool_call>\n<tool_call>{"name": "add", '
+        '"arguments": {"a": 1, "b": "}</tool_call>"}}</tool_call>',
+        "Let me look 日本. ",
+        [
+            ("call_0", "get_weather", WEATHER),
+            ("call_1", "add", '{"a":1,"b":"}</tool_call>"}'),
+        ],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}',
+        "",
+        [("call_0", "get_weather", WEATHER)],
+    ),
+    (
+        "llama3",
+        ' \n{"type": "function", "name": "add", "parameters": {"a": 1}}; '
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}',
+        "",
+        [("call_0", "add", '{"a":1}'), ("call_1", "get_weather", WEATHER)],
+    ),
+    (
+        "mistral",
+        'Sure [x] 😀[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "°C"}, "id": "abc123XYZ"}, {"name": "add", "arguments": "{\\"a\\": 2}"}]',
+        "Sure [x] 😀",
+        [("abc123XYZ", "get_weather", WEATHER), ("call_0", "add", '{"a":2}')],
+    ),
+    (
+        "generic",
+        '{"tool_calls": [{"name": "add", "arguments": {"a": [1, {"b": "]}"}]}}]}',
+        "",
+        [("call_0", "add", '{"a":[1,{"b":"]}"}]}')],
+    ),
+    ("generic", '{"response": "Just text é"}', "Just text é", []),
+    ("generic", '{"tool_call": {"name": "add", "arguments": {}}}', "", [("call_0", "add", "{}")]),
+    (
+        "any",
+        'Hm <tool_call>{"name": "add", "arguments": {}}</tool_call>',
+        "Hm ",
+        [
+            ("call_0", "add", "{}"),
+        ],
+    ),
+    ("any", 'ok [TOOL_CALLS][{"name": "add", "arguments": {}}]', "ok ", [("call_0", "add", "{}")]),
+    (
+        "hermes",
+        "No call here <tool but text <tool_cal",
+        "No call here <tool but text <tool_cal",
+        [],
+    ),
+    ("llama3", '{"answer": 42} is JSON', '{"answer": 42} is JSON', []),
+    ("llama3", "  plain { text }", "  plain { text }", []),
+]
+
+
+@pytest.mark.parametrize(("syntax", "text", "content", "calls"), CASES)
+def test_every_split_position(
+    syntax: Syntax, text: str, content: str, calls: list[tuple[str, str, str]]
+) -> None:
+    data = text.encode()
+    assert run(syntax, data, []) == (content, calls, [])
+    for cut in range(1, len(data)):
+        assert run(syntax, data, [cut]) == (content, calls, []), cut
+    # Byte by byte: every marker, every character arrives in pieces.
+    assert run(syntax, data, list(range(1, len(data)))) == (content, calls, [])
+
+
+def test_content_is_released_as_it_comes_and_markers_are_held() -> None:
+    parser = ToolCallParser("hermes", names=NAMES)
+    assert parser.feed("Hello <tool_c").content == "Hello "
+    assert parser.feed("all>{").content == ""  # inside a call: not content
+    split = parser.feed('"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert split.calls[0].name == "add" and split.calls[0].arguments == '{"a":1}'
+    assert split.calls[0].id is not None and split.calls[0].id.startswith("call_")
+
+
+@pytest.mark.parametrize(
+    ("syntax", "text", "error"),
+    [
+        ("hermes", '<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>', "not valid JSON"),
+        ("hermes", '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>', "not valid JSON"),
+        ("hermes", '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "not a JSON object"),
+        ("hermes", '<tool_call>{"name": "rm", "arguments": {}}</tool_call>', "'rm', which is not"),
+        ("hermes", '<tool_call>{"arguments": {}}</tool_call>', "names no function"),
+        ("hermes", '<tool_call>{"name": "add", "argu', "cut off"),
+        ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}', "cut off"),
+        ("llama3", '{"name": "add", "parameters": {"a": }}', "not valid JSON"),
+    ],
+)
+def test_malformed_calls_are_errors_at_every_split(syntax: Syntax, text: str, error: str) -> None:
+    data = text.encode()
+    for cut in range(1, len(data)):
+        _, calls, errors = run(syntax, data, [cut])
+        assert calls == [] and len(errors) == 1 and error in errors[0], (cut, errors)
+
+
+def test_a_call_without_its_closing_tag_is_whole() -> None:
+    assert run("hermes", b'<tool_call>{"name": "add", "arguments": {}}', []) == (
+        "",
+        [("call_0", "add", "{}")],
+        [],
+    )
+
+
+def test_one_call_when_parallel_calls_are_off() -> None:
+    text = '<tool_call>{"name": "add"}</tool_call><tool_call>{"name": "add"}</tool_call> x'
+    assert run("hermes", text.encode(), [], parallel=False) == ("", [("call_0", "add", "{}")], [])
+
+
+def test_long_arguments_come_in_bounded_fragments() -> None:
+    value = "é" * (FRAGMENT_CHARS * 2 + 5)
+    text = '<tool_call>{"name": "add", "arguments": {"a": "' + value + '"}}</tool_call>'
+    parser = ToolCallParser("hermes", names=NAMES)
+    parts = parser.feed(text).calls
+    assert len(parts) == 3 and all(len(p.arguments) <= FRAGMENT_CHARS for p in parts)
+    assert orjson.loads("".join(p.arguments for p in parts)) == {"a": value}
+
+
+def test_the_syntax_is_read_from_the_template() -> None:
+    assert detect_syntax(None) == "any"
+    assert detect_syntax("{{ '<tool_call>' }}{{ tools | tojson }}") == "hermes"
+    assert detect_syntax("[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]") == "mistral"
+    assert detect_syntax("<|start_header_id|>ipython<|end_header_id|>") == "llama3"
+    assert detect_syntax("{{ '<|python_tag|>' }}") == "llama3"
+    assert detect_syntax("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"
+    with pytest.raises(ValueError, match="unknown tool call syntax"):
+        ToolCallParser("xml")  # type: ignore[arg-type]

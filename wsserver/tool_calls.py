@@ -1,0 +1,378 @@
+"""A model's tool calls, parsed out of its text (sans-I/O).
+
+Models call tools by writing a call in their template's syntax. Which syntax
+is read from the chat template's text, the way llama.cpp's ``common/chat.cpp``
+tells formats apart (:func:`detect_syntax`):
+
+* ``hermes`` — Hermes 2 Pro, Qwen 2.5/3: ``<tool_call>{"name": …,
+  "arguments": {…}}</tool_call>``, one block per call, after any text;
+* ``llama3`` — Llama 3.1-3.3: the whole output is one JSON call
+  ``{"name": …, "parameters": {…}}`` (or ``arguments``), maybe after
+  ``<|python_tag|>``; several may follow, separated by ``;``;
+* ``mistral`` — ``[TOOL_CALLS][{"name": …, "arguments": {…}, "id": …}, …]``
+  after any text;
+* ``generic`` — templates that know no tools (llama.cpp's generic format):
+  the whole output is JSON, ``{"tool_call": {…}}``, ``{"tool_calls": […]}``,
+  ``{"response": "…"}`` or a bare call object;
+* ``any`` — all of the above (an engine without a template: the fake).
+
+:class:`ToolCallParser` works on final text, after
+:class:`~wsserver.reasoning.ReasoningSplitter`, like it: piece by piece, and
+it holds back exactly what may still become a call — ``"<tool_c"`` at the
+end of content, leading whitespace and ``{`` where a JSON call may begin — so
+a marker split anywhere is still found and released text is never taken back.
+Text before a call is content; once a call begins its text is not content.
+A call is released once its JSON is complete and checked: its ``name`` (one
+of the request's tools) first, then its ``arguments`` as JSON text, in
+fragments of at most :data:`FRAGMENT_CHARS`. A call that is not valid JSON,
+names no known tool, or whose arguments are not a JSON object is an
+:attr:`ToolSplit.error`, never passed off as a call; the parser then takes
+nothing more.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import orjson
+
+__all__ = [
+    "FRAGMENT_CHARS",
+    "SYNTAXES",
+    "CallPart",
+    "ToolCallParser",
+    "ToolSplit",
+    "detect_syntax",
+    "new_call_id",
+]
+
+Syntax = Literal["hermes", "llama3", "mistral", "generic", "any"]
+SYNTAXES: Final = ("hermes", "llama3", "mistral", "generic", "any")
+#: The most argument text one :class:`CallPart` carries.
+FRAGMENT_CHARS: Final = 4096
+
+_HERMES: Final = "<tool_call>"
+_HERMES_END: Final = "</tool_call>"
+_MISTRAL: Final = "[TOOL_CALLS]"
+_PYTHON_TAG: Final = "<|python_tag|>"
+_ALPHABET: Final = string.ascii_letters + string.digits
+
+
+def new_call_id() -> str:
+    """A fresh call id, in OpenAI's shape (``call_`` and 24 letters/digits)."""
+    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+def detect_syntax(template: str | None) -> Syntax:
+    """The call syntax a chat template's text teaches its model."""
+    if template is None:
+        return "any"
+    if _HERMES in template:
+        return "hermes"
+    if _MISTRAL in template:
+        return "mistral"
+    if _PYTHON_TAG in template or ("<|start_header_id|>" in template and "ipython" in template):
+        return "llama3"
+    return "generic"
+
+
+@dataclass(frozen=True, slots=True)
+class CallPart:
+    """A piece of call ``index``: its first part has ``id`` and ``name``."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSplit:
+    """What a piece of text became: content, then call parts (either may be empty)."""
+
+    content: str = ""
+    calls: tuple[CallPart, ...] = ()
+    #: Why the model's call is refused (then nothing more is parsed).
+    error: str | None = None
+
+
+_Kind = Literal["hermes", "mistral", "json"]
+_WS = " \t\r\n"
+
+
+class ToolCallParser:
+    """Splits a stream of text into content and tool calls."""
+
+    __slots__ = (
+        "_at_start",
+        "_buffer",
+        "_call_kind",
+        "_done",
+        "_error",
+        "_made",
+        "_max_calls",
+        "_names",
+        "_new_id",
+        "_openers",
+        "_start_json",
+    )
+
+    def __init__(
+        self,
+        syntax: Syntax,
+        *,
+        names: frozenset[str] | None = None,
+        parallel: bool = True,
+        new_id: Callable[[], str] = new_call_id,
+    ) -> None:
+        if syntax not in SYNTAXES:
+            raise ValueError(f"unknown tool call syntax {syntax!r}")
+        openers: dict[str, _Kind] = {}
+        if syntax in ("hermes", "any"):
+            openers[_HERMES] = "hermes"
+        if syntax in ("mistral", "any"):
+            openers[_MISTRAL] = "mistral"
+        if syntax in ("llama3", "any"):
+            openers[_PYTHON_TAG] = "json"
+        self._openers = openers
+        #: A JSON call may open the output (after whitespace).
+        self._start_json = syntax in ("llama3", "generic", "any")
+        self._names = names
+        self._max_calls = None if parallel else 1
+        self._new_id = new_id
+        self._buffer = ""
+        self._at_start = True
+        self._call_kind: _Kind | None = None
+        self._made = 0
+        self._done = False
+        self._error: str | None = None
+
+    @property
+    def calls_made(self) -> int:
+        """How many calls were released."""
+        return self._made
+
+    def feed(self, text: str) -> ToolSplit:
+        """Add a piece of final text."""
+        if self._done:
+            return ToolSplit()
+        self._buffer += text
+        content: list[str] = []
+        calls: list[CallPart] = []
+        while self._step(content, calls):
+            pass
+        return self._result(content, calls)
+
+    def flush(self) -> ToolSplit:
+        """The end of the output: release or judge what was held back."""
+        content: list[str] = []
+        calls: list[CallPart] = []
+        if not self._done:
+            held, self._buffer = self._buffer, ""
+            if self._call_kind is None:
+                self._release(held, content)
+            elif self._call_kind == "json" and '"name"' not in held:
+                content.append(held)  # JSON that never looked like a call: the answer
+            elif _json_extent(held) > 0 and _HERMES_END.startswith(
+                held[_json_extent(held) :].strip(_WS)
+            ):
+                # A model that ended without (all of) the closing tag: the call is whole.
+                self._call(held[: _json_extent(held)], self._call_kind, content, calls)
+            else:
+                self._fail("the model's tool call was cut off before its end")
+        self._done = True
+        return self._result(content, calls)
+
+    # ------------------------------------------------------------ steps
+
+    def _result(self, content: list[str], calls: list[CallPart]) -> ToolSplit:
+        error, self._error = self._error, None
+        return ToolSplit("".join(content), tuple(calls), error)
+
+    def _fail(self, message: str) -> None:
+        self._error = message
+        self._done = True
+        self._buffer = ""
+
+    def _step(self, content: list[str], calls: list[CallPart]) -> bool:
+        """One move on the buffer; whether another may follow."""
+        if self._done or not self._buffer:
+            return False
+        if self._call_kind is not None:
+            return self._step_call(content, calls)
+        buffer = self._buffer
+        if self._at_start and self._start_json:
+            stripped = buffer.lstrip(_WS)
+            if not stripped:
+                return False  # whitespace: a JSON call may still follow
+            if stripped[0] in "{":
+                self._at_start = False
+                self._call_kind = "json"
+                self._buffer = stripped
+                return True
+            if self._made and stripped[0] == ";":
+                self._buffer = stripped[1:]
+                return True
+        first, kind = len(buffer), None
+        for opener, opener_kind in self._openers.items():
+            at = buffer.find(opener)
+            if 0 <= at < first:
+                first, kind = at, opener_kind
+        if kind is not None:
+            opener_len = next(len(o) for o, k in self._openers.items() if k == kind)
+            self._release(buffer[:first], content)
+            self._buffer = buffer[first + opener_len :].lstrip(_WS)
+            self._call_kind = kind
+            self._at_start = kind == "json"
+            if kind == "json":
+                self._call_kind = None  # the JSON call itself opens at the next "{"
+            return True
+        keep = _held_back(buffer, self._openers)
+        self._release(buffer[: len(buffer) - keep], content)
+        self._buffer = buffer[len(buffer) - keep :]
+        return False
+
+    def _release(self, text: str, content: list[str]) -> None:
+        if not text:
+            return
+        if self._made and not text.strip():
+            return  # whitespace between calls
+        self._at_start = False
+        content.append(text)
+
+    def _step_call(self, content: list[str], calls: list[CallPart]) -> bool:
+        kind = self._call_kind
+        buffer = self._buffer
+        extent = _json_extent(buffer)
+        if extent < 0:
+            return False
+        body, rest = buffer[:extent], buffer[extent:]
+        if kind == "hermes":
+            after = rest.lstrip(_WS)
+            if len(after) < len(_HERMES_END) and _HERMES_END.startswith(after):
+                return False  # the closing tag may still come
+            if after.startswith(_HERMES_END):
+                rest = after[len(_HERMES_END) :]
+        self._buffer = rest
+        self._call_kind = None
+        self._call(body, kind, content, calls)
+        if self._max_calls is not None and self._made >= self._max_calls:
+            self._done = True  # one call asked for: what follows is not read
+            self._buffer = ""
+        # After a JSON call, more may follow (";"-separated, Llama 3.x).
+        self._at_start = kind == "json" and self._start_json
+        return True
+
+    def _call(
+        self, body: str, kind: _Kind | None, content: list[str], calls: list[CallPart]
+    ) -> None:
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            if kind == "json" and '"name"' not in body:
+                content.append(body)  # not a call: the answer is JSON-like text
+                return
+            self._fail(f"the model's tool call is not valid JSON: {_excerpt(body)}")
+            return
+        items: list[Any]
+        if kind == "mistral":
+            items = value if isinstance(value, list) else [value]
+        elif kind == "json" and isinstance(value, dict) and "name" not in value:
+            if isinstance(value.get("tool_calls"), list):
+                items = value["tool_calls"]
+            elif isinstance(value.get("tool_call"), dict):
+                items = [value["tool_call"]]
+            elif isinstance(value.get("response"), str) and len(value) == 1:
+                content.append(value["response"])
+                return
+            else:
+                content.append(body)  # JSON, but not a call: it is the answer
+                return
+        else:
+            items = [value]
+        for item in items:
+            if self._max_calls is not None and self._made >= self._max_calls:
+                return
+            part = self._check(item)
+            if part is None:
+                return
+            name, arguments, call_id = part
+            index = self._made
+            self._made += 1
+            calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
+            for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
+                calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
+
+    def _check(self, item: Any) -> tuple[str, str, str] | None:
+        """A call's name, arguments (JSON text) and id; None after failing."""
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            self._fail(f"the model's tool call names no function: {_excerpt(str(item))}")
+            return None
+        name: str = item["name"]
+        if self._names is not None and name not in self._names:
+            self._fail(f"the model called {name[:64]!r}, which is not one of the request's tools")
+            return None
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                self._fail(f"the arguments of the model's call to {name!r} are not valid JSON")
+                return None
+        if not isinstance(arguments, dict):
+            self._fail(f"the arguments of the model's call to {name!r} are not a JSON object")
+            return None
+        given = item.get("id")
+        call_id = given if isinstance(given, str) and given else self._new_id()
+        return name, orjson.dumps(arguments).decode(), call_id
+
+
+def _held_back(text: str, openers: dict[str, _Kind]) -> int:
+    """How much of the end of ``text`` may still become an opener."""
+    for length in range(min(max(map(len, openers), default=0) - 1, len(text)), 0, -1):
+        tail = text[-length:]
+        if any(opener.startswith(tail) for opener in openers):
+            return length
+    return 0
+
+
+_CLOSERS: Final = {"{": "}", "[": "]"}
+
+
+def _json_extent(text: str) -> int:
+    """The length of the JSON object or array that opens ``text`` (after
+    whitespace), or -1 while it is incomplete."""
+    depth = 0
+    in_string = escaped = False
+    for position, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth <= 0:
+                return position + 1
+        elif depth == 0 and char not in _WS:
+            return position + 1  # not JSON: the parse of this much fails
+    return -1
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def _excerpt(text: str) -> str:
+    text = _SPACES.sub(" ", text).strip()
+    return repr(text[:80] + ("…" if len(text) > 80 else ""))
