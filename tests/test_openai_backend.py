@@ -319,7 +319,11 @@ async def test_requests_go_to_the_upstream_with_fewest_in_flight_and_retry_once(
         backend = server.backend
         assert isinstance(backend, OpenAIBackend)
         a.mode = b.mode = "endless"
-        async with wire(server) as one, wire(server) as two:
+        # Small receive buffers: the endless streams fill them within
+        # kilobytes, so reading on to the done is quick even on a busy machine
+        # (with Linux's autotuned megabytes it meant validating thousands of
+        # frames: the test timed out at load average 6).
+        async with slow_wire(server) as one, slow_wire(server) as two:
             await one.send(gen("x", max_tokens=1_000_000))
             await one.until(lambda f: f["type"] == "delta")
             await two.send(gen("y", max_tokens=1_000_000))
@@ -351,7 +355,11 @@ async def test_an_upstream_killed_mid_run_loses_and_duplicates_nothing() -> None
         backend = server.backend
         assert isinstance(backend, OpenAIBackend)
         a.mode = b.mode = "endless"
-        async with wire(server) as one, wire(server) as two:
+        # Small receive buffers: the endless streams fill them within
+        # kilobytes, so reading on to the done is quick even on a busy machine
+        # (with Linux's autotuned megabytes it meant validating thousands of
+        # frames: the test timed out at load average 6).
+        async with slow_wire(server) as one, slow_wire(server) as two:
             await one.send(gen("x", max_tokens=1_000_000))
             await one.until(lambda f: f["type"] == "delta")
             await two.send(gen("y", max_tokens=1_000_000))

@@ -404,3 +404,37 @@ async def test_binding_beyond_loopback_without_a_token_warns(
     async with running_server():
         pass
     assert not any("without authentication" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_method_with_a_body_outside_v1_gets_405_not_silence() -> None:
+    """Issue 26, also: websockets dropped a POST or PUT with a body without an answer."""
+    async with running_server() as server:
+        for request in (
+            b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\nhello",
+            b"PUT /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n",
+            b"DELETE / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}",
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(request)
+            answer = await asyncio.wait_for(reader.read(), timeout(10))
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 405 Method Not Allowed\r\n"), answer
+            assert b"\r\nAllow: GET, HEAD\r\n" in answer
+
+
+async def test_a_request_pipelined_behind_a_handshake_is_the_peers_fault_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 26, fault 13: websockets parses bytes after the request as frames;
+    they failed the connection (EOF sent) and answering the request then hit
+    ``assert not self.eof_sent`` with a traceback."""
+    async with running_server() as server:
+        request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(request * 2)
+        answer = await asyncio.wait_for(reader.read(), timeout(10))
+        writer.close()
+        assert answer.count(b"HTTP/1.1") <= 1
+        tracebacks = [r for r in caplog.records if r.exc_info is not None]
+        assert not tracebacks, [r.getMessage() for r in tracebacks]

@@ -17,6 +17,10 @@ connection over for good:
   far, and the transport is pointed at it (``set_protocol``), so nothing of
   ours sits between the socket and websockets from then on.
 
+A method other than ``GET`` and ``HEAD`` outside ``/v1`` is answered here,
+405 with ``Allow: GET, HEAD``: websockets would drop a request with a body
+(``Content-Length``, ``Transfer-Encoding``) without a word.
+
 The cost for a WebSocket connection is one look at its first bytes; the
 figures before and after are in docs/benchmarks.md. A client that sends no
 complete request line within :data:`OPEN_TIMEOUT_S` is dropped, as
@@ -89,6 +93,8 @@ class Front(asyncio.Protocol):
         self._timer = loop.call_later(OPEN_TIMEOUT_S, transport.abort)
 
     def data_received(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return  # answered already (405)
         self._buffer += data
         end = self._buffer.find(b"\n")
         if end < 0 and len(self._buffer) <= MAX_REQUEST_LINE:
@@ -96,6 +102,8 @@ class Front(asyncio.Protocol):
         line = bytes(self._buffer[: max(end, 0)]).rstrip(b"\r")
         if end >= 0 and is_openai_target(line):
             self._hand_over(self._http_factory())
+        elif end >= 0 and line.split(b" ", 1)[0] not in (b"GET", b"HEAD") and b" " in line:
+            self._not_allowed()
         else:
             self._hand_over(self._ws_factory(self.protocol, self._server, **self._ws_kwargs))
 
@@ -110,6 +118,17 @@ class Front(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _not_allowed(self) -> None:
+        self._cancel_timer()
+        transport = self._transport
+        assert transport is not None
+        self._buffer = bytearray()
+        transport.pause_reading()  # the body is not read: the connection closes
+        transport.write(_NOT_ALLOWED)
+        transport.close()
+        # close() waits for the answer to be taken; a client that never reads is dropped.
+        self._timer = asyncio.get_running_loop().call_later(OPEN_TIMEOUT_S, transport.abort)
+
     def _hand_over(self, protocol: asyncio.Protocol) -> None:
         self._cancel_timer()
         transport = self._transport
@@ -119,6 +138,13 @@ class Front(asyncio.Protocol):
         protocol.connection_made(transport)
         if not transport.is_closing():
             protocol.data_received(data)
+
+
+_NOT_ALLOWED: Final = (
+    b"HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, HEAD\r\n"
+    b"Content-Type: text/plain; charset=utf-8\r\nContent-Length: 19\r\n"
+    b"Connection: close\r\n\r\nmethod not allowed\n"
+)
 
 
 def front_factory(

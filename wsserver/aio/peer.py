@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Final
 
 from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Response
 
 from ..config import Config
 from ..logprobs import MAX_ENTRY_BYTES
@@ -53,6 +54,19 @@ class PeerAwareConnection(ServerConnection):
     Reading is paused for either of two reasons — this ceiling, or
     websockets' own ``max_queue`` of received messages — and resumes only
     when neither holds.
+
+    **Bytes after the handshake request are the client's fault, in one line.**
+    websockets parses whatever follows the request as WebSocket frames; a
+    pipelined second HTTP request fails the connection (EOF sent) before the
+    first is answered, and answering it then trips websockets' ``assert not
+    self.eof_sent`` with an ERROR traceback. The answer is skipped instead and
+    the connection closes (it is failed already); one INFO line says why.
+
+    **Every close has a deadline.** Once websockets has ended its side (EOF
+    sent: a failed connection, a refused handshake, a finished closing
+    handshake) the transport still waits for the client to take what is
+    buffered; a client that never reads would keep the socket for good. It is
+    aborted after ``output_timeout`` seconds.
     """
 
     on_peer_close: Callable[[], None] | None = None
@@ -64,6 +78,19 @@ class PeerAwareConnection(ServerConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        protocol = self.protocol
+        send_response = protocol.send_response
+
+        def answer_unless_failed(response: Response) -> None:
+            if protocol.eof_sent:
+                self.logger.info(
+                    "client sent more than its handshake request before the answer; closing"
+                )
+                return
+            send_response(response)
+
+        protocol.send_response = answer_unless_failed  # type: ignore[method-assign]
+        self._close_deadline: asyncio.TimerHandle | None = None
         self._read_holds: set[str] = set()
         self._overflow_timer: asyncio.TimerHandle | None = None
         #: Set while reading from the client is paused, for whatever reason.
@@ -90,6 +117,11 @@ class PeerAwareConnection(ServerConnection):
             self._hold_reading("output")
             self._overflow_timer = self.loop.call_later(self.output_timeout, self._overflowed)
 
+    def send_data(self) -> None:
+        super().send_data()
+        if self.protocol.eof_sent and self._close_deadline is None:
+            self._close_deadline = self.loop.call_later(self.output_timeout, self.transport.abort)
+
     def pause_writing(self) -> None:
         super().pause_writing()
         self.writing_paused.set()
@@ -108,6 +140,11 @@ class PeerAwareConnection(ServerConnection):
             self._overflow_timer.cancel()
             self._overflow_timer = None
         self.on_peer_close = None
+        if self._close_deadline is not None:
+            self._close_deadline.cancel()
+            self._close_deadline = None
+        # The wrapper refers to the protocol and the connection: a cycle.
+        vars(self.protocol).pop("send_response", None)
         super().connection_lost(exc)
 
     def receive_buffered_bytes(self) -> int:
