@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 import openai
-from conftest import make_config, running_server, timeout
+from conftest import make_config, running_server, timeout, wire
 
 from wsserver.backends.llama import LlamaBackend
 
@@ -76,3 +76,46 @@ async def test_abandoning_a_long_prompt_mid_prefill_frees_the_model_at_once(
             "wsserver_requests_total", {"reason": "cancelled"}
         )
         assert cancelled == 1
+
+
+async def test_a_prompt_beyond_the_context_is_a_400_before_any_head(tiny_gguf: Path) -> None:
+    """Hardening III: it was a 413, and with ``stream`` a 200 then an error event."""
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__n_ctx=64,
+    )
+    async with running_server(config) as server:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(60),
+        )
+        try:
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as raised:
+                    await client.chat.completions.create(
+                        model="tiny",
+                        messages=[{"role": "user", "content": "hello world " * 40}],
+                        max_tokens=5,
+                        stream=stream,
+                    )
+                error = raised.value
+                assert error.status_code == 400 and error.code == "context_length_exceeded"
+                assert "the context holds 64 tokens" in error.message
+            # One that fits is served as before.
+            reply = await client.completions.create(
+                model="tiny", prompt="Hello", max_tokens=3, temperature=0
+            )
+            assert reply.choices[0].finish_reason == "length"
+        finally:
+            await client.close()
+        # The WebSocket protocol keeps its code, as a refusal before anything started.
+        async with wire(server) as ws:
+            await ws.send(
+                {"type": "generate", "id": "big", "prompt": "hello world " * 40, "max_tokens": 5}
+            )
+            (refused,) = await ws.until(lambda f: f["type"] in ("error", "started"))
+            assert refused["type"] == "error" and refused["code"] == "too_large"

@@ -21,6 +21,7 @@ from typing import Final, Literal, get_args
 
 __all__ = [
     "AUTH_CHALLENGE",
+    "CONTEXT_LENGTH_EXCEEDED",
     "WIRE_CODES",
     "BackendError",
     "ConfigError",
@@ -79,13 +80,28 @@ class WsServerError(Exception):
 class ProtocolError(WsServerError):
     """A client frame was refused. ``code`` is one of :data:`WIRE_CODES`."""
 
-    def __init__(self, code: WireCode, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self,
+        code: WireCode,
+        message: str,
+        request_id: str | None = None,
+        *,
+        detail: str | None = None,
+    ) -> None:
         if code not in WIRE_CODES:
             raise ValueError(f"unknown wire code {code!r}")
         super().__init__(message)
         self.code: WireCode = code
         self.message = message
         self.request_id = request_id
+        #: A finer reason than the wire code, for dialects that name it (the
+        #: OpenAI API's ``context_length_exceeded``); never on the WebSocket wire.
+        self.detail = detail
+
+
+#: ``ProtocolError.detail`` of a prompt longer than the model's context (wire
+#: code ``too_large``; the OpenAI API answers it as OpenAI does, a 400 of this code).
+CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
 
 
 class ConfigError(WsServerError):

@@ -23,7 +23,7 @@ the clients and the tests import them from this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Final, Literal
 
 import orjson
@@ -179,6 +179,9 @@ class Error:
     id: str | None
     code: WireCode
     message: str
+    #: A finer reason than ``code`` for dialects that name one (``ProtocolError.detail``);
+    #: not part of the WebSocket frame.
+    detail: str | None = field(default=None, compare=False)
 
 
 ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed

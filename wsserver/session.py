@@ -212,7 +212,9 @@ class Session:
 
     def refuse(self, exc: ProtocolError) -> list[Effect]:
         """Turn a parse error into the ``error`` frame the client gets."""
-        return [Send(Error(id=exc.request_id, code=exc.code, message=exc.message))]
+        return [
+            Send(Error(id=exc.request_id, code=exc.code, message=exc.message, detail=exc.detail))
+        ]
 
     # ------------------------------------------------------------ client frames
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 
+from ..errors import CONTEXT_LENGTH_EXCEEDED
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
@@ -134,7 +135,12 @@ class Completion:
         elif isinstance(frame, Done):
             await self._end(frame)
         elif isinstance(frame, Error):
-            await self._fail(status_of(frame.code), frame.message, frame.code)
+            if frame.detail == CONTEXT_LENGTH_EXCEEDED:
+                # OpenAI's answer to a prompt beyond the context: a 400 that
+                # names it (the WebSocket protocol keeps ``too_large``).
+                await self._fail(HTTPStatus.BAD_REQUEST, frame.message, CONTEXT_LENGTH_EXCEEDED)
+            else:
+                await self._fail(status_of(frame.code), frame.message, frame.code)
 
     async def _end(self, done: Done) -> None:
         if done.reason == "cancelled":

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api_errors import status_of
+from ..errors import CONTEXT_LENGTH_EXCEEDED
 from ..logs import ConnectionLog
 from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
 from ..responses_api import Message
@@ -105,7 +106,10 @@ class ResponseRun:
                 self._finish()
         elif isinstance(frame, Error):
             try:
-                await self.refused(status_of(frame.code), frame.code, frame.message)
+                if frame.detail == CONTEXT_LENGTH_EXCEEDED:  # as OpenAI answers it
+                    await self.refused(400, CONTEXT_LENGTH_EXCEEDED, frame.message)
+                else:
+                    await self.refused(status_of(frame.code), frame.code, frame.message)
             finally:
                 self._finish()
 

@@ -42,7 +42,7 @@ import orjson
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
-from ..errors import BackendError, ModelLoadError, ProtocolError
+from ..errors import CONTEXT_LENGTH_EXCEEDED, BackendError, ModelLoadError, ProtocolError
 from ..protocol import Generate, Message
 from ..reasoning import opens_reasoning
 from ..sampling import NEUTRAL
@@ -395,6 +395,28 @@ class LlamaBackend(Backend):
             self._check_chat(frame)
         except BackendError as exc:
             raise ProtocolError(exc.code, str(exc), frame.id) from None
+        self._check_context(frame, engine.n_ctx)
+
+    def _check_context(self, frame: Generate, n_ctx: int) -> None:
+        """A prompt that does not fit the context is refused before the request
+        is accepted — before an HTTP response's head, so that the OpenAI API
+        can answer it with its status — rather than after it started.
+        Tokenizing reads only the model's vocabulary (safe beside the engine
+        thread) and costs a few milliseconds for the longest prompt a frame
+        may carry (``limits.max_prompt_chars``)."""
+        request = GenerationRequest.from_frame(frame, default_max_tokens=1)
+        try:
+            tokens = self._prompt(request)[0]
+        except BackendError:
+            return  # the engine reports it, as before
+        if len(tokens) >= n_ctx:
+            raise ProtocolError(
+                "too_large",
+                f"the prompt is {len(tokens)} tokens; the context holds {n_ctx} "
+                "tokens for prompt and completion together",
+                frame.id,
+                detail=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     def _check_chat(self, frame: Generate) -> None:
         """Render the chat template now, so that its refusal comes before the start."""
