@@ -206,6 +206,10 @@ def section_notes(key: str, results: dict[str, Any]) -> list[str]:
         notes += _slow_notes(result)
     elif key == "idle":
         notes += _idle_notes(result)
+    elif key == "structured" and _ok(result):
+        from .structured_report import notes as structured_notes
+
+        notes += structured_notes(result)
     elif key == "page" and _ok(result):
         from .page import notes as page_notes
 

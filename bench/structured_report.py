@@ -176,3 +176,39 @@ def summary_line(result: dict[str, Any]) -> str:
     if batch.get("ratio") is not None:
         parts.append(f"one constrained in 8: the seven at {fmt(batch['ratio'], 3, TIMES)}")
     return f"| sampler chain and structured output (section 12) | {'; '.join(parts)} |"
+
+
+def notes(result: dict[str, Any]) -> list[str]:
+    """What a missed target means, written only when one is missed."""
+    out = []
+    for t in targets(result):
+        if t["met"] is not False:
+            continue
+        name = t["name"].removeprefix("structured: ")
+        if name.startswith("default chain"):
+            why = (
+                "Both commits build a native sampler chain per request, and at temperature 0 "
+                "both are llama.cpp's greedy sampler (this checkout leaves neutral stages out), "
+                "so the chain itself does not explain a gap: look at the per-step work the issue "
+                "added around it (the engine's `_sample` path: grammar and logprobs checks, "
+                "per-request option handling) and at the per-round figures in the JSON, since one "
+                "slow round on a busy machine moves a median of a few."
+            )
+        elif name.startswith("JSON schema"):
+            why = (
+                "Both engines run llama.cpp's grammar sampler on the same schema; wsserver checks "
+                "the sampled token first and filters the whole candidate list only when the "
+                "grammar rejects it. A gap means that filter runs often (compare the tokens per "
+                "answer) or the per-token Python work around it is larger than llama-server's C++."
+            )
+        elif name.startswith("one constrained"):
+            why = (
+                "The grammar is checked on the engine's thread between two decodes, so the other "
+                "sequences of the batch wait for it. What would close it: overlap the constrained "
+                "sequence's grammar work with the next decode, or cache the grammar's verdicts "
+                "per state."
+            )
+        else:
+            why = "A constrained answer ended by the grammar must always validate: this is a bug."
+        out.append(f"**Missed: {name}** — measured {t['shown']}. {why}")
+    return out
