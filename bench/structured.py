@@ -26,8 +26,8 @@ this noisy machine hits all alike:
   tools (and always in quick mode) the llama-server column is "not measured".
 * **One constrained stream in a batch of 8** (``parallel = 8``): seven
   unconstrained streams (temperature 0, 128 tokens) beside an eighth that
-  keeps its slot busy — it re-sends its request (temperature 1, seeded) as
-  soon as one ends, and is cancelled when the seven are done. First the
+  keeps its slot busy — it re-sends its request (temperature 1, seeded, up to
+  192 tokens) as soon as one ends, and is cancelled when the seven are done. First the
   eighth is unconstrained, then it carries the schema; the seven's aggregate
   rate in the second run over the first, per round (order flipping), median.
 """
@@ -283,7 +283,7 @@ async def schema_vs_llama_server(
 
 
 async def _batch_of_eight(
-    url: str, texts: list[str], tokens: int, seed: int, constrained: bool
+    url: str, texts: list[str], tokens: int, seed: int, constrained: bool, eighth_tokens: int
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     finished = asyncio.Event()
@@ -295,7 +295,7 @@ async def _batch_of_eight(
         ends = []
         while not finished.is_set():
             run = await _ws_stream(
-                url, f"e{len(ends)}", JSON_PROMPT, tokens, t0, stop_on=finished, **extra
+                url, f"e{len(ends)}", JSON_PROMPT, eighth_tokens, t0, stop_on=finished, **extra
             )
             ends.append({"reason": run["done"]["reason"], "valid": _valid(run["text"])})
         return ends
@@ -323,6 +323,8 @@ async def _batch_of_eight(
 
 async def one_constrained(opts: Options, model: str, threads: int) -> dict[str, Any]:
     tokens, rounds = (24, 1) if opts.quick else (TOKENS, ROUNDS)
+    # The eighth has room for a whole document, as in part 2.
+    eighth_tokens = 48 if opts.quick else JSON_TOKENS
     server = await _ws_server(model, threads, 8).start(timeout=300)
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     try:
@@ -330,7 +332,9 @@ async def one_constrained(opts: Options, model: str, threads: int) -> dict[str, 
         for rep in range(rounds):
             texts = prompts(7, f"Batch {rep}")
             for constrained in (False, True) if rep % 2 == 0 else (True, False):
-                got = await _batch_of_eight(server.url, texts, tokens, rep, constrained)
+                got = await _batch_of_eight(
+                    server.url, texts, tokens, rep, constrained, eighth_tokens
+                )
                 runs[constrained].append(got)
     finally:
         await server.stop()

@@ -203,10 +203,12 @@ def notes(result: dict[str, Any]) -> list[str]:
             )
         elif name.startswith("one constrained"):
             why = (
-                "The grammar is checked on the engine's thread between two decodes, so the other "
-                "sequences of the batch wait for it. What would close it: overlap the constrained "
-                "sequence's grammar work with the next decode, or cache the grammar's verdicts "
-                "per state."
+                "The constrained sequence is sampled on the engine's thread between two decodes "
+                "(its candidate list loaded from the logits, the sampled token checked against "
+                "the grammar, the whole list filtered when it is rejected), so the other "
+                "sequences of the batch wait for that work at every step. What would close it: "
+                "less work on that path (fewer full-vocabulary passes per token), or doing it "
+                "while the next batch decodes."
             )
         else:
             why = "A constrained answer ended by the grammar must always validate: this is a bug."
