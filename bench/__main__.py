@@ -1,8 +1,9 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
-                    upstream]
+                    upstream batched resume structured]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
+                    [--baseline REF]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
 name, ``.json``) and the plots into ``bench/`` beside it, and prints the
@@ -32,6 +33,7 @@ from . import (
     page,
     resume,
     slow,
+    structured,
     throughput,
     upstream,
 )
@@ -52,6 +54,7 @@ ALIASES = {
     "9": "upstream",
     "10": "batched",
     "11": "resume",
+    "12": "structured",
 }
 
 
@@ -91,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline",
         metavar="REF",
-        help="sections 1-2 also run wsserver as of this git ref (e.g. the commit before a "
+        help="sections 1-2 and 12 also run wsserver as of this git ref (e.g. the commit before a "
         "change), side by side with the working tree",
     )
     parser.add_argument(
@@ -177,6 +180,14 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
             results["batched"] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:
             results["batched"] = _failed(exc)
+    if "structured" in sections:
+        opts.log("section structured: the sampler chain and JSON schemas (issue 22)")
+        try:
+            results["structured"] = await structured.run(opts)
+        except Skip as exc:
+            results["structured"] = {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            results["structured"] = _failed(exc)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")

@@ -25,13 +25,17 @@ def _row(result: dict[str, Any], contender: str, phase: str | None = None) -> di
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("throughput", "cancel", "page", "upstream", "batched"):
+    for key in ("throughput", "cancel", "page", "upstream", "batched", "structured"):
         result = results.get(key)
         if _ok(result):
             if key == "batched":
                 from .batched import targets as batched_targets
 
                 out += batched_targets(result)
+            elif key == "structured":
+                from .structured_report import targets as structured_targets
+
+                out += structured_targets(result)
             else:
                 out += result["targets"]
         elif result is not None:
@@ -129,6 +133,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .batched import summary_line as batched_line
 
         lines.append(batched_line(bt))
+    st = results.get("structured")
+    if _ok(st):
+        from .structured_report import summary_line as structured_line
+
+        lines.append(structured_line(st))
     rs = results.get("resume")
     if _ok(rs):
         worst, latency = rs["worst"], rs["latency"]["connect_to_replay_ms"]
@@ -197,6 +206,10 @@ def section_notes(key: str, results: dict[str, Any]) -> list[str]:
         notes += _slow_notes(result)
     elif key == "idle":
         notes += _idle_notes(result)
+    elif key == "structured" and _ok(result):
+        from .structured_report import notes as structured_notes
+
+        notes += structured_notes(result)
     elif key == "page" and _ok(result):
         from .page import notes as page_notes
 

@@ -75,7 +75,17 @@ def prompts(n: int, tag: str) -> list[str]:
 # ------------------------------------------------------------------ wsserver
 
 
-def _ws_server(model: str, threads: int, parallel: int, **extra: Any) -> ServerProcess:
+def _ws_server(
+    model: str,
+    threads: int,
+    parallel: int,
+    *,
+    root: Path = ROOT,
+    name: str = "wsserver",
+    **extra: Any,
+) -> ServerProcess:
+    """wsserver on the llama engine, frames unpaced; ``root``: the tree it runs from
+    (this checkout, or a ``--baseline`` export)."""
     return ServerProcess(
         {
             "backend.kind": "llama",
@@ -89,7 +99,8 @@ def _ws_server(model: str, threads: int, parallel: int, **extra: Any) -> ServerP
             "stream.flush_tokens": 1,
             **extra,
         },
-        name=f"wsserver-p{parallel}",
+        name=f"{name}-p{parallel}",
+        root=root,
     )
 
 

@@ -18,6 +18,7 @@ from . import (
     page,
     resume,
     slow,
+    structured,
     throughput,
     upstream,
 )
@@ -41,6 +42,11 @@ SECTIONS = {
     ),
     "batched": ("10. The batched llama engine: many streams in one context", batched),
     "resume": ("11. Resumable streams: bytes kept per detached request, time to resume", resume),
+    "structured": (
+        "12. The sampler chain and structured output: the default chain's cost, JSON schemas "
+        "against llama-server",
+        structured,
+    ),
 }
 
 
@@ -105,6 +111,8 @@ def markdown(
         ".venv/bin/python -m bench --sections page --merge  # re-measure one section, keep the others",
         "# sections 1-2 also against the server as of a git ref, side by side (a change's A/B):",
         ".venv/bin/python -m bench --sections throughput cancel --baseline HEAD~1 --out /tmp/ab.md",
+        "# section 12 (the sampler chain, JSON schemas) against the server before a change:",
+        ".venv/bin/python -m bench --sections structured --baseline REF --merge",
         "```",
         "",
         f"This run: `{meta['command']}`"
