@@ -25,7 +25,7 @@ from test_llama_backend import RecordingSink, Running, loaded, request, run  # n
 from wsserver.backends.base import CancelEvent  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_grammar import GrammarCache  # noqa: E402
-from wsserver.errors import ProtocolError  # noqa: E402
+from wsserver.errors import BackendError, ProtocolError  # noqa: E402
 from wsserver.protocol import Generate  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -249,5 +249,69 @@ async def test_openai_response_format_json_schema_and_json_object(tiny_gguf: Pat
             assert server.metrics.registry.get_sample_value(
                 "wsserver_requests_total", {"reason": "error"}
             ) in (None, 0)
+        finally:
+            await client.close()
+
+
+def test_a_schema_the_grammar_would_not_enforce_is_refused_by_name() -> None:
+    """llama-cpp-python's converter reads past ``minimum``/``maximum`` and other
+    validation keywords: such a schema was answered with JSON that broke it
+    (the benchmark's 4 of 16, an ``age`` below its minimum). Refused instead."""
+    from wsserver.backends.llama_grammar import schema_to_gbnf, unenforced
+
+    assert unenforced(SCHEMA) == []
+    person = {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18},
+            "tags": {"type": "array", "items": {"type": "string", "format": "email"}},
+            "nick": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8},
+        },
+        "$defs": {"pair": {"type": "array", "uniqueItems": True}},
+    }
+    assert unenforced(person) == [
+        "'minimum' at properties.age",
+        "'format' 'email' at properties.tags.items",
+        "'minLength'/'maxLength' beside 'pattern', 'format' or no string type at properties.nick",
+        "'uniqueItems' at $defs.pair",
+    ]
+    with pytest.raises(BackendError) as raised:
+        schema_to_gbnf(json.dumps(person))
+    assert raised.value.code == "unsupported_option" and "'minimum' at properties.age" in str(
+        raised.value
+    )
+    # What it does enforce passes: lengths on a plain string, formats it knows.
+    fine = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
+    assert unenforced(fine) == [] and schema_to_gbnf(json.dumps(fine))
+
+
+async def test_an_unenforceable_schema_is_refused_before_start_on_both_wires(
+    tiny_gguf: Path,
+) -> None:
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "maximum": 99}}}
+    async with running_server(llama_config(tiny_gguf)) as server:
+        async with wire(server) as ws:
+            await ws.send({"type": "generate", "id": "m", "prompt": "x", "json_schema": schema})
+            (error,) = await ws.until(lambda f: f["type"] in ("error", "started"))
+            assert error["type"] == "error" and error["code"] == "unsupported_option"
+            assert "'maximum' at properties.age" in error["message"]
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(60),
+        )
+        try:
+            with pytest.raises(openai.BadRequestError) as raised:
+                await client.chat.completions.create(
+                    model="tiny",
+                    messages=[{"role": "user", "content": "JSON please"}],
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "p", "schema": schema},
+                    },
+                    stream=True,
+                )
+            assert raised.value.code == "unsupported_option"
         finally:
             await client.close()
