@@ -472,3 +472,29 @@ async def test_a_wild_role_while_a_request_runs_leaves_both_usable() -> None:
             assert frames[-1]["reason"] == "length" and text
             await client.send({"type": "generate", "id": "d", "prompt": "p", "max_tokens": 2})
             assert (await client.done("d"))[1][-1]["reason"] == "length"
+
+
+async def test_a_websocket_failed_with_its_output_unsent_is_released_at_a_deadline() -> None:
+    """Hardening III, fault 4 on the WebSocket side: a connection that
+    websockets ended (here: its keepalive ping got no pong) while a client that
+    never reads leaves output unsent is released within a deadline. Two
+    mechanisms bound it — websockets' ``close_timeout`` and, after its EOF,
+    ``PeerAwareConnection``'s output deadline — so this test fails only if
+    both do (it passes with either one removed)."""
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        server__sndbuf=1024,
+        server__ping_interval_s=timeout(0.5),
+        server__send_timeout_s=timeout(1),
+    ) as server:
+        async with slow_wire(server, rcvbuf=1024, max_queue=1) as client:
+            # A request whose frames fit in the server's write buffer but not in
+            # the sockets': it ends, and its last bytes wait for the client.
+            await client.send({"type": "generate", "id": "a", "prompt": "p", "max_tokens": 1500})
+            (connection,) = server.connections.values()
+            websocket = connection.ws
+            # The keepalive fails the connection (its close frame queued behind
+            # the unsent bytes); the client still reads nothing.
+            async with asyncio.timeout(timeout(20)):
+                await websocket.wait_closed()
+            assert websocket.transport.is_closing()
