@@ -94,6 +94,9 @@ async def _interact_until_done(page: Any, max_s: float) -> int:
     deadline = time.monotonic() + max_s
     actions = 0
     word = "typing while it streams "
+    # The temperature slider lives in the "Sampling" disclosure: open it once.
+    if await page.get_attribute("#sampling", "open") is None:
+        await page.click("#sampling > summary")
     while await page.get_attribute("#app", "data-state") != "idle":
         if time.monotonic() > deadline:
             await page.click("#stop")
