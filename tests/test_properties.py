@@ -299,7 +299,9 @@ class Simulation:
                 dones[frame.id] = dones.get(frame.id, 0) + 1
                 ended.add(frame.id)
                 assert frame.usage.completion_tokens >= 0
-                assert frame.timings.total_ms >= 0 and frame.timings.queued_ms >= 0
+                assert (
+                    frame.timings.total_ms >= 0 and frame.timings.queued_ms >= 0
+                )  # timing-ok: signs
             elif isinstance(frame, Error):
                 ended.add(frame.id or "")
             elif isinstance(frame, Delta):

@@ -297,8 +297,9 @@ async def test_connections_run_concurrently() -> None:
             await b.send({"type": "generate", "id": "same", "prompt": "b", "max_tokens": 30})
             (ta, fa), (tb, fb) = await asyncio.gather(a.done("same"), b.done("same"))
         assert ta == expected_fake_text("a", 30) and tb == expected_fake_text("b", 30)
-        # At 100 tokens/s each, 30 tokens take ~0.3 s; in sequence it would be ~0.6 s.
-        assert fa[-1]["timings"]["queued_ms"] < 100 and fb[-1]["timings"]["queued_ms"] < 100
+        # Neither waited for the other: both got a slot at once (no queued
+        # frame), so they ran side by side — shown by cause, not by the clock.
+        assert not [f for f in fa + fb if f["type"] == "queued"]
 
 
 # ---------------------------------------------------------------- bad input
@@ -410,8 +411,8 @@ async def test_first_delta_is_immediate_then_frames_respect_the_window() -> None
         deltas = [f for f in frames if f["type"] == "delta"]
         done = frames[-1]
         assert text == expected_fake_text("pace", 400)
-        # The first token did not wait for the window.
-        assert done["timings"]["ttft_ms"] < 50
+        # The first token did not wait for the window: had it waited 100 ms at
+        # 1000 tokens/s, its frame would carry ~100 tokens, not one or two.
         assert len(deltas[0]["text"].split()) <= 2
         elapsed_s = done["timings"]["total_ms"] / 1000
         assert len(deltas) <= 1 + elapsed_s / 0.1 + 2, (len(deltas), elapsed_s)
