@@ -146,6 +146,16 @@ class RequestDriver:
         """A frame the dialect could not parse, or refused: its ``error``."""
         await self.apply(self.session.refuse(exc))
 
+    def cancel_soon(self, why: str | None = None) -> None:
+        """From a callback (an HTTP client gone, the server shutting down): end
+        the running request as cancelled; its ``done`` is written in the background."""
+        request_id = self.session.active_id
+        if request_id is None:
+            return
+        if why is not None:
+            self.log.request(request_id).info(why)
+        self.services.in_background(self.cancel_active())
+
     async def cancel_active(self) -> None:
         """End the running request as cancelled (the client left, or the server
         is shutting down), and write its ``done``."""

@@ -22,6 +22,8 @@ import asyncio
 from typing import Final
 
 from ..errors import refusal_headers
+from ..protocol import Generate
+from .driver import RequestDriver
 from .http_route import Headers, Responder
 
 __all__ = ["KEEPALIVE", "KEEPALIVE_S", "HttpAnswer"]
@@ -31,6 +33,10 @@ __all__ = ["KEEPALIVE", "KEEPALIVE_S", "HttpAnswer"]
 KEEPALIVE_S: Final = 10.0
 #: A comment line: ignored by every SSE client.
 KEEPALIVE: Final = b": keep-alive\n\n"
+
+
+#: The log line of an HTTP request whose client went away while it ran.
+CLIENT_GONE: Final = "client disconnected; cancelling"
 
 
 class HttpAnswer:
@@ -51,6 +57,17 @@ class HttpAnswer:
     @property
     def lost(self) -> bool:
         return self._out.lost
+
+    async def serve(self, driver: RequestDriver, generate: Generate) -> None:
+        """Run one request on ``driver``: returns once its answer is complete,
+        or its client is gone (which is a cancel)."""
+        try:
+            await driver.receive(generate)
+            if self._out.lost:
+                driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
+            await self.finished
+        finally:
+            self.stop_keepalive()
 
     def head(self) -> None:
         """The streamed answer's head (once)."""

@@ -38,7 +38,7 @@ from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, 
 from ..protocol import CallPart, Delta, Done, Error, Queued, ServerFrame, Started
 from ..session import Session
 from .driver import RequestDriver
-from .http_answer import HttpAnswer
+from .http_answer import CLIENT_GONE, HttpAnswer
 from .http_route import Headers, Responder
 from .pipeline import Generation
 from .services import Services
@@ -87,25 +87,16 @@ class Completion:
         )
 
     async def run(self) -> None:
-        """Serve the request; returns once its response is complete (or the client gone)."""
-        try:
-            await self.driver.receive(self.api.generate)
-            if self._out.lost:
-                self.client_gone()  # went while the request was being set up
-            await self._answer.finished
-        finally:
-            self._answer.stop_keepalive()
+        """Serve the request; returns once its answer is complete (or the client gone)."""
+        await self._answer.serve(self.driver, self.api.generate)
 
     def client_gone(self) -> None:
         """The client disconnected: that is a cancel."""
-        if self.driver.session.active_id is None:
-            return
-        self.log.info("client disconnected; cancelling")
-        self.driver.services.in_background(self.driver.cancel_active())
+        self.driver.cancel_soon(CLIENT_GONE)
 
     def cancel(self) -> None:
         """Server shutdown: end the request as cancelled (the client is told)."""
-        self.driver.services.in_background(self.driver.cancel_active())
+        self.driver.cancel_soon()
 
     # ------------------------------------------------------------ the dialect
 

@@ -30,7 +30,7 @@ from ..errors import WireCode
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender, sse
 from ..responses_store import ResponseStore, StoredResponse
-from .http_answer import KEEPALIVE, HttpAnswer
+from .http_answer import CLIENT_GONE, KEEPALIVE, HttpAnswer
 from .http_route import Responder, RouteRequest
 from .responses_run import Keep, ResponseRun
 from .services import Services
@@ -67,20 +67,11 @@ class HttpResponse(ResponseRun):
     async def run(self, answer: HttpAnswer) -> None:
         """Serve the request; returns once its answer is complete (or the client gone)."""
         self._answer = answer
-        try:
-            await self.start()
-            if self._out.lost:
-                self.client_gone()  # went while the request was being set up
-            await answer.finished
-        finally:
-            answer.stop_keepalive()
+        await answer.serve(self.driver, self.generate)
 
     def client_gone(self) -> None:
         """The client disconnected: that is a cancel."""
-        if self.driver.session.active_id is None:
-            return
-        self.log.info("client disconnected; cancelling")
-        self.cancel()
+        self.driver.cancel_soon(CLIENT_GONE)
 
     async def waiting(self) -> None:
         answer = self._answer

@@ -84,7 +84,7 @@ class ResponseRun:
 
     def cancel(self) -> None:
         """End the response as cancelled (its last events are still written)."""
-        self.driver.services.in_background(self.driver.cancel_active())
+        self.driver.cancel_soon()
 
     # ------------------------------------------------------------ the dialect
 
