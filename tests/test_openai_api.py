@@ -192,3 +192,44 @@ def test_a_whole_body_has_the_text_and_usage() -> None:
 )
 def test_the_front_routes_by_the_request_target(line: bytes, expected: bool) -> None:
     assert is_openai_target(line) is expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [
+        ("completion", "echo", True),
+        ("completion", "suffix", "}"),
+        ("completion", "best_of", 3),
+        ("chat", "modalities", ["text", "audio"]),
+        ("chat", "audio", {"voice": "alloy", "format": "wav"}),
+        ("chat", "prediction", {"type": "content", "content": "x"}),
+        ("chat", "web_search_options", {}),
+        ("chat", "reasoning_effort", "high"),
+        ("chat", "verbosity", "low"),
+        ("chat", "functions", [{"name": "f", "parameters": {}}]),
+        ("chat", "function_call", "auto"),
+    ],
+)
+def test_fields_that_would_change_the_answer_are_refused_by_name(
+    kind: str, field: str, value: Any
+) -> None:
+    body: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "x"}]} if kind == "chat" else {"prompt": "x"}
+    )
+    with pytest.raises(ApiError) as raised:
+        parse_request(kind, orjson.dumps({**body, field: value}), "r", Limits())  # type: ignore[arg-type]
+    assert raised.value.status == 400 and raised.value.code == "unsupported_option"
+    assert f"'{field}'" in raised.value.message
+
+
+def test_fields_that_change_nothing_or_ask_for_nothing_pass() -> None:
+    body = {
+        "prompt": "x",
+        "user": "u",
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "echo": False,
+        "best_of": 1,
+    }
+    assert parse_request("completion", orjson.dumps(body), "r", Limits()).generate.prompt == "x"

@@ -95,6 +95,25 @@ class ApiRequest:
     include_usage: bool
 
 
+#: OpenAI fields that would change the answer and that nothing here
+#: implements, with the value that asks for nothing (``None``: none does).
+#: Refused by name, never ignored; fields that change nothing (``user``,
+#: ``store``, ``metadata``, ``service_tier``, …) are ignored.
+_UNSUPPORTED: Final[dict[str, Any]] = {
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+    "modalities": ["text"],
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "reasoning_effort": None,
+    "verbosity": None,
+    "functions": None,
+    "function_call": None,
+}
+
+
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, message, "bad_request", param)
 
@@ -111,6 +130,14 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     n = given.get("n", 1)
     if n != 1 or isinstance(n, bool):
         raise _bad("only n=1 is supported: one model generates one choice at a time", "n")
+    for name, neutral in _UNSUPPORTED.items():
+        if name in given and given[name] != neutral:
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"'{name}' is not supported by this server (it would change the answer)",
+                "unsupported_option",
+                name,
+            )
     stream = given.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
