@@ -55,7 +55,9 @@ def _docs_state() -> tuple[float, int] | None:
     return (DOCS.stat().st_mtime, DOCS.stat().st_size) if DOCS.exists() else None
 
 
-@pytest.mark.timeout(int(150 * UNIT))
+# A hang guard, not a speed bound: with two CPU-bound processes beside it the
+# llama threads of these sections slow down several-fold (timing-ok).
+@pytest.mark.timeout(int(320 * UNIT))
 def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | None) -> None:
     out = tmp_path / "report" / "benchmarks.md"
     command = [sys.executable, "-m", "bench", "--quick", "--out", str(out)]
@@ -67,7 +69,7 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     docs_before = _docs_state()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
     proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300 * UNIT
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     assert _docs_state() == docs_before, "the smoke run must not touch docs/benchmarks.md"

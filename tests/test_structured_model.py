@@ -19,7 +19,9 @@ from conftest import timeout, wire
 from test_llama_model import model_server
 from test_openai_http import sdk
 
-pytestmark = [pytest.mark.llama, pytest.mark.model]
+# 20 seeds on the real model: a hang guard of 10 minutes, not a speed bound
+# (under two CPU-bound processes the llama threads slow down several-fold).
+pytestmark = [pytest.mark.llama, pytest.mark.model, pytest.mark.timeout(600)]  # timing-ok
 
 SEEDS = range(20)
 SCHEMA: dict[str, Any] = {
