@@ -211,6 +211,7 @@ class LlamaBackend(Backend):
             prefill_chunk=self.prefill_chunk,
             prepare=self._prompt,
             piece=self._piece,
+            read_piece=self._read_piece,
             tokenize_text=self._tokenize_text,
             native_abort=native,
         )
@@ -362,16 +363,18 @@ class LlamaBackend(Backend):
         """A token's raw bytes (a byte token is one byte, maybe half a character)."""
         piece = self._pieces.get(token)
         if piece is None:
-            size = 64
-            while True:
-                buffer = ctypes.create_string_buffer(size)
-                n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, False)
-                if n >= 0:
-                    piece = buffer.raw[:n]
-                    break
-                size = -n
-            self._pieces[token] = piece
+            piece = self._pieces[token] = self._read_piece(token)
         return piece
+
+    def _read_piece(self, token: int) -> bytes:
+        """:meth:`_piece`, not cached (a pass over the whole vocabulary)."""
+        size = 64
+        while True:
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, False)
+            if n >= 0:
+                return buffer.raw[:n]
+            size = -n
 
     # ------------------------------------------------------------ requests
 

@@ -24,7 +24,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import llama_cpp
 
@@ -33,6 +33,7 @@ from ..sampling import Sampling
 __all__ = [
     "AbortFlag",
     "Batch",
+    "chain_keeps",
     "has_history",
     "install_log_bridge",
     "native_flag_reader",
@@ -181,6 +182,7 @@ def new_sampler(
     n_vocab: int,
     n_ctx: int,
     bias: Sequence[tuple[int, float]] = (),
+    part: Literal["all", "pre", "post"] = "all",
 ) -> Any:
     """A request's native sampler chain, in llama-server's default order.
 
@@ -192,8 +194,42 @@ def new_sampler(
     defaults, returns without touching the candidates). ``bias`` holds token
     ids already checked against the vocabulary. Free it with
     ``llama_sampler_free``.
+
+    ``part``: ``"pre"`` is the stages that move logits (bias, penalties, DRY;
+    None when there are none), ``"post"`` the rest (from ``top_k`` or
+    ``greedy`` on) — a constrained sequence runs the grammar between the two
+    (:meth:`.llama_grammar.Candidates.constrain`).
     """
+    stages: list[Any] = []
+    if part != "post":
+        stages += _pre_stages(
+            sampling=sampling, vocab=vocab, n_vocab=n_vocab, n_ctx=n_ctx, bias=bias
+        )
+        if part == "pre" and not stages:
+            return None
+    if part != "pre":
+        stages += _post_stages(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, sampling=sampling
+        )
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    for stage in stages:
+        llama_cpp.llama_sampler_chain_add(chain, stage)
+    return chain
+
+
+def chain_keeps(*, temperature: float, top_k: int, sampling: Sampling) -> int:
+    """How many of the most likely tokens the post-grammar chain keeps at
+    most: 1 for greedy, ``top_k`` when it leads the chain, 0 when any may
+    stay (XTC at temperature 0 reads the whole list; so does no ``top_k``)."""
+    if temperature == 0.0:
+        return 0 if sampling.xtc else 1
+    return max(top_k, 0)
+
+
+def _pre_stages(
+    *, sampling: Sampling, vocab: Any, n_vocab: int, n_ctx: int, bias: Sequence[tuple[int, float]]
+) -> list[Any]:
+    """The stages that move logits: logit bias, penalties, DRY."""
     stages: list[Any] = []
     if bias:
         array = (llama_cpp.llama_logit_bias * len(bias))()
@@ -224,6 +260,14 @@ def new_sampler(
                 len(breakers),
             )
         )
+    return stages
+
+
+def _post_stages(
+    *, temperature: float, top_k: int, top_p: float, seed: int, sampling: Sampling
+) -> list[Any]:
+    """The filters and the draw: ``top_k`` … ``dist``, or ``greedy``."""
+    stages: list[Any] = []
     if temperature == 0.0:
         if sampling.xtc:
             stages.append(
@@ -232,26 +276,24 @@ def new_sampler(
                 )
             )
         stages.append(llama_cpp.llama_sampler_init_greedy())
-    else:
-        stages += [
-            llama_cpp.llama_sampler_init_top_k(top_k),
-            llama_cpp.llama_sampler_init_typical(sampling.typical_p, 1),
-            llama_cpp.llama_sampler_init_top_p(top_p, 1),
-            llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1),
-        ]
-        if sampling.xtc:
-            stages.append(
-                llama_cpp.llama_sampler_init_xtc(
-                    sampling.xtc_probability, sampling.xtc_threshold, 1, seed
-                )
+        return stages
+    stages += [
+        llama_cpp.llama_sampler_init_top_k(top_k),
+        llama_cpp.llama_sampler_init_typical(sampling.typical_p, 1),
+        llama_cpp.llama_sampler_init_top_p(top_p, 1),
+        llama_cpp.llama_sampler_init_min_p(sampling.min_p, 1),
+    ]
+    if sampling.xtc:
+        stages.append(
+            llama_cpp.llama_sampler_init_xtc(
+                sampling.xtc_probability, sampling.xtc_threshold, 1, seed
             )
-        stages += [
-            llama_cpp.llama_sampler_init_temp(temperature),
-            llama_cpp.llama_sampler_init_dist(seed),
-        ]
-    for stage in stages:
-        llama_cpp.llama_sampler_chain_add(chain, stage)
-    return chain
+        )
+    stages += [
+        llama_cpp.llama_sampler_init_temp(temperature),
+        llama_cpp.llama_sampler_init_dist(seed),
+    ]
+    return stages
 
 
 def penalty_window(last_n: int, n_ctx: int) -> int:

@@ -78,7 +78,15 @@ from ..logs import context
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_context import AbortFlag, Batch, has_history, new_sampler, penalty_window, quiet_errors
+from .llama_context import (
+    AbortFlag,
+    Batch,
+    chain_keeps,
+    has_history,
+    new_sampler,
+    penalty_window,
+    quiet_errors,
+)
 from .llama_grammar import Candidates, GrammarCache, utf8_needed
 from .llama_logprobs import LogprobReader
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
@@ -110,6 +118,7 @@ class BatchEngine:
         prefill_chunk: int,
         prepare: Prepare,
         piece: Callable[[int], bytes],
+        read_piece: Callable[[int], bytes] | None = None,
         tokenize_text: Callable[[str], list[int]] | None = None,
         native_abort: bool = True,
     ) -> None:
@@ -126,8 +135,15 @@ class BatchEngine:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.grammars = GrammarCache(vocab)
         self.logprobs = LogprobReader(self.n_vocab, piece)
-        #: The full candidate list, built only for constrained sequences.
-        self._candidates: Candidates | None = None
+        #: The candidate lists of constrained sequences. Built here, with the
+        #: model (a pass over the vocabulary: ~1 s for 262,144 tokens), not at
+        #: the first constrained request, where it would stall every stream.
+        #: ``read_piece``: ``piece`` uncached, so that pass fills no cache.
+        self._candidates = Candidates(vocab, self.n_vocab, read_piece or piece)
+        #: Filter by the grammar over the whole vocabulary, as llama.cpp's
+        #: common sampler does, instead of :meth:`.Candidates.constrain`'s
+        #: shortcut — the reference the tests compare the shortcut with.
+        self.exact_filter = False
         self.sequences = [SequenceState(i) for i in range(parallel)]
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
@@ -144,6 +160,11 @@ class BatchEngine:
             "prompt_tokens_reused": 0,
             "prompt_tokens_decoded": 0,
             "max_batch_sequences": 0,
+            # Constrained sequences: sampled tokens the grammar rejected, and
+            # the tokens it was then asked about (the whole vocabulary each
+            # time without Candidates.constrain's shortcut).
+            "grammar_rejections": 0,
+            "grammar_tokens_asked": 0,
         }
         self.request_stats: dict[str, RequestStats] = {}
         #: Called on the engine thread just before a request's first prompt
@@ -287,7 +308,8 @@ class BatchEngine:
         job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
         seed = request.seed if request.seed is not None else random.getrandbits(32)
         sampling = request.sampling
-        job.sampler = new_sampler(
+        chain = functools.partial(
+            new_sampler,
             temperature=request.temperature,
             top_k=request.top_k,
             top_p=request.top_p,
@@ -298,6 +320,14 @@ class BatchEngine:
             n_ctx=self.n_ctx,
             bias=bias,
         )
+        if job.grammar is None:
+            job.sampler = chain()
+        else:  # the grammar goes between the two parts (see _sample_constrained)
+            job.pre = chain(part="pre")
+            job.sampler = chain(part="post")
+            job.keeps = chain_keeps(
+                temperature=request.temperature, top_k=request.top_k, sampling=sampling
+            )
         if has_history(sampling):
             # As llama-server: the penalties and DRY see the prompt too, so a
             # model that repeats its question is held back from the start.
@@ -305,8 +335,9 @@ class BatchEngine:
                 penalty_window(sampling.repeat_last_n, self.n_ctx) if sampling.penalties else 0,
                 penalty_window(sampling.dry_penalty_last_n, self.n_ctx) if sampling.dry else 0,
             )
+            history = job.sampler if job.grammar is None else job.pre
             for token in prompt[max(0, len(prompt) - window) :]:
-                llama_cpp.llama_sampler_accept(job.sampler, token)
+                llama_cpp.llama_sampler_accept(history, token)
         job.assembler = TextAssembler(stops)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
@@ -474,26 +505,38 @@ class BatchEngine:
         self._deliver(job)
 
     def _sample_constrained(self, job: Job, index: int) -> int | None:
-        """Sample, then let the grammar check the token; filter the whole list
-        only when it rejects it (see :mod:`.llama_grammar`)."""
-        if self._candidates is None:
-            self._candidates = Candidates(self._vocab, self.n_vocab, self._piece)
+        """Sample, then let the grammar check the token; when it rejects it,
+        sample again from what the grammar allows (see :mod:`.llama_grammar`)."""
         candidates = self._candidates
         inside = job.utf8_needed > 0
         logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
         candidates.load(logits, inside=inside)
-        llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
-        token = candidates.selected()
+        if job.pre is not None:
+            llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
+        llama_cpp.llama_sampler_apply(job.sampler, candidates.full.pointer)
+        token = candidates.full.selected()
         if not candidates.accepts(job.grammar, token, inside=inside):
             candidates.load(logits, inside=inside)
-            llama_cpp.llama_sampler_apply(job.grammar, candidates.pointer)
-            llama_cpp.llama_sampler_apply(job.sampler, candidates.pointer)
-            token = candidates.selected()
+            if job.pre is not None:
+                llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
+            self.stats["grammar_rejections"] += 1
+            if self.exact_filter:
+                llama_cpp.llama_sampler_apply(job.grammar, candidates.full.pointer)
+                chosen = candidates.full
+                self.stats["grammar_tokens_asked"] += self.n_vocab
+            else:
+                candidates.constrain(job.grammar, inside=inside, top=job.keeps)
+                chosen = candidates.short
+                self.stats["grammar_tokens_asked"] += candidates.asked
+            llama_cpp.llama_sampler_apply(job.sampler, chosen.pointer)
+            token = chosen.selected()
             if not candidates.accepts(job.grammar, token, inside=inside):
                 return None  # a grammar no token of this vocabulary can continue
         if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
             llama_cpp.llama_sampler_accept(job.grammar, token)
             job.utf8_needed = utf8_needed(job.utf8_needed, self._piece(token))
+        if job.pre is not None:
+            llama_cpp.llama_sampler_accept(job.pre, token)
         llama_cpp.llama_sampler_accept(job.sampler, token)
         return token
 
@@ -549,6 +592,9 @@ class BatchEngine:
         if job.sampler is not None:
             llama_cpp.llama_sampler_free(job.sampler)
             job.sampler = None
+        if job.pre is not None:
+            llama_cpp.llama_sampler_free(job.pre)
+            job.pre = None
         if job.grammar is not None:
             llama_cpp.llama_sampler_free(job.grammar)
             job.grammar = None

@@ -53,6 +53,11 @@ class Job:
     #: The request's grammar sampler (None: unconstrained), and how many
     #: UTF-8 continuation bytes its output still owes.
     grammar: Any = None
+    #: A constrained request's chain is in two parts around the grammar:
+    #: ``pre`` (bias, penalties, DRY; None if none) then ``sampler``, which
+    #: keeps at most ``keeps`` of the most likely tokens (0: any number).
+    pre: Any = None
+    keeps: int = 0
     utf8_needed: int = 0
     assembler: TextAssembler | None = None
     produced: int = 0
