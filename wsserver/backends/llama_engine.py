@@ -35,7 +35,9 @@ One step:
    the others keep their pace.
 4. **Decode**, then sample every sequence that asked for logits with its own
    native sampler chain (and its grammar, checked against the sampled token
-   first: :mod:`.llama_grammar`), and run the text through its
+   first: :mod:`.llama_grammar`; a plain greedy request takes the logits'
+   argmax, which is what its chain would pick, without the chain's pass
+   over a full candidate list), and run the text through its
    :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
    a stop string, ``max_tokens`` or the sequence's full context end it.
 
@@ -71,6 +73,7 @@ from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from ..errors import BackendError
 from ..logprobs import TokenLogprob
@@ -322,6 +325,12 @@ class BatchEngine:
         )
         if job.grammar is None:
             job.sampler = chain()
+            job.argmax = (
+                request.temperature == 0.0
+                and not bias
+                and not has_history(sampling)
+                and not sampling.xtc
+            )
         else:  # the grammar goes between the two parts (see _sample_constrained)
             job.pre = chain(part="pre")
             job.sampler = chain(part="post")
@@ -471,7 +480,12 @@ class BatchEngine:
     def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler
         assert assembler is not None
-        if job.grammar is None:
+        if job.argmax:
+            # What the greedy sampler picks (the first of the highest logits),
+            # without writing a 262,144-entry candidate list first.
+            logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
+            token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))))
+        elif job.grammar is None:
             token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
         else:
             constrained = self._sample_constrained(job, index)

@@ -58,6 +58,9 @@ class Job:
     #: keeps at most ``keeps`` of the most likely tokens (0: any number).
     pre: Any = None
     keeps: int = 0
+    #: Plain greedy (temperature 0, nothing that moves logits, no XTC): the
+    #: token is the logits' argmax, read without building a candidate list.
+    argmax: bool = False
     utf8_needed: int = 0
     assembler: TextAssembler | None = None
     produced: int = 0
