@@ -173,6 +173,20 @@ class LlamaConfig:
     n_ctx: int = _key(4096, low=16, high=1 << 20)
     n_threads: int = _key(0, low=0, high=1024)
     n_batch: int = _key(512, low=1, high=1 << 16)
+    #: Tokens llama.cpp computes in one micro-batch (0 = n_batch).
+    n_ubatch: int = _key(0, low=0, high=1 << 16)
+    #: Layers offloaded to the GPU (with a GPU build of llama.cpp; -1 = all).
+    n_gpu_layers: int = _key(0, low=-1, high=1 << 20)
+    #: Flash attention: "on", "off", or "auto" (llama.cpp decides per device).
+    flash_attn: str = _key("off", choices=("auto", "on", "off"))
+    #: KV cache element types (llama-server's --cache-type-k/-v); a quantized
+    #: V cache needs flash attention.
+    cache_type_k: str = _key("f16", choices=("f16", "q8_0", "q4_0"))
+    cache_type_v: str = _key("f16", choices=("f16", "q8_0", "q4_0"))
+    #: Map the GGUF into memory rather than read it (false: read, as --no-mmap).
+    use_mmap: bool = _key(True)
+    #: Lock the weights in RAM (no swapping; may need a raised RLIMIT_MEMLOCK).
+    use_mlock: bool = _key(False)
     #: Prompt tokens per step while other sequences are decoding (their pause).
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)
@@ -360,6 +374,13 @@ def load_config(
             "use 1-512 characters of A-Z a-z 0-9 and !#$%&'*+-.^_`|~"
         )
     _check_urls(config.backend.openai.urls, sources[("backend", "openai", "urls")])
+    llama = config.backend.llama
+    if llama.cache_type_v != "f16" and llama.flash_attn == "off":
+        raise ConfigError(
+            f"backend.llama.cache_type_v = {llama.cache_type_v!r} (from "
+            f"{sources[('backend', 'llama', 'cache_type_v')]}) needs flash attention: "
+            'set backend.llama.flash_attn to "on" or "auto"'
+        )
     return LoadedConfig(config=config, sources={".".join(k): v for k, v in sources.items()})
 
 

@@ -49,7 +49,7 @@ from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_context import install_log_bridge, new_context
+from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
 
@@ -121,6 +121,13 @@ class LlamaBackend(Backend):
         max_waiting: int = 64,
         abort_check: str = "native",
         chat_template_file: str = "",
+        n_ubatch: int = 0,
+        n_gpu_layers: int = 0,
+        flash_attn: str = "off",
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        use_mmap: bool = True,
+        use_mlock: bool = False,
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -137,6 +144,14 @@ class LlamaBackend(Backend):
         self.abort_check = abort_check
         #: A Jinja file that replaces the model's own chat template ("": the model's).
         self.chat_template_file = chat_template_file
+        # Passed to llama.cpp as they are (docs/install.md, "GPUs and big models").
+        self.n_ubatch = n_ubatch or n_batch
+        self.n_gpu_layers = n_gpu_layers
+        self.flash_attn = flash_attn
+        self.cache_type_k = cache_type_k
+        self.cache_type_v = cache_type_v
+        self.use_mmap = use_mmap
+        self.use_mlock = use_mlock
         if model:
             self.model_name = Path(model).stem
         else:
@@ -160,6 +175,13 @@ class LlamaBackend(Backend):
             parallel=config.parallel,
             max_waiting=config.max_waiting,
             chat_template_file=config.chat_template_file,
+            n_ubatch=config.n_ubatch,
+            n_gpu_layers=config.n_gpu_layers,
+            flash_attn=config.flash_attn,
+            cache_type_k=config.cache_type_k,
+            cache_type_v=config.cache_type_v,
+            use_mmap=config.use_mmap,
+            use_mlock=config.use_mlock,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -176,27 +198,37 @@ class LlamaBackend(Backend):
         size_mb = path.stat().st_size / 1e6
         log.info(
             "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "
-            "%d thread(s), batch %d, prefill chunk %d",
+            "%d thread(s), batch %d (micro-batch %d), prefill chunk %d, flash attention %s, "
+            "KV cache %s/%s, GPU layers %d",
             path,
             size_mb,
             self.parallel,
             self.n_ctx,
             self.n_threads,
             self.n_batch,
+            self.n_ubatch,
             self.prefill_chunk,
+            self.flash_attn,
+            self.cache_type_k,
+            self.cache_type_v,
+            self.n_gpu_layers,
         )
         started = time.monotonic()
         try:
-            params = llama_cpp.llama_model_default_params()
-            params.n_gpu_layers = 0  # as llama_cpp.Llama's default
+            params = model_params(
+                n_gpu_layers=self.n_gpu_layers, use_mmap=self.use_mmap, use_mlock=self.use_mlock
+            )
             self._model = LlamaModel(path_model=str(path), params=params, verbose=True)
             self._ctx = new_context(
                 self._model.model,
                 n_ctx_seq=self.n_ctx,
                 n_seq_max=self.parallel,
                 n_batch=self.n_batch + self.parallel,
-                n_ubatch=self.n_batch,
+                n_ubatch=self.n_ubatch,
                 n_threads=self.n_threads,
+                flash_attn=self.flash_attn,
+                cache_type_k=self.cache_type_k,
+                cache_type_v=self.cache_type_v,
             )
         except Exception as exc:
             self.close()

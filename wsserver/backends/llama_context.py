@@ -31,11 +31,14 @@ import llama_cpp
 from ..sampling import Sampling
 
 __all__ = [
+    "CACHE_TYPES",
+    "FLASH_ATTN",
     "AbortFlag",
     "Batch",
     "chain_keeps",
     "has_history",
     "install_log_bridge",
+    "model_params",
     "native_flag_reader",
     "new_context",
     "new_sampler",
@@ -135,8 +138,47 @@ class AbortFlag:
 # ---------------------------------------------------------------- context
 
 
+#: ``backend.llama.flash_attn`` and ``cache_type_k``/``_v`` as llama.cpp's enums.
+FLASH_ATTN = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+CACHE_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+
+
+def model_params(*, n_gpu_layers: int, use_mmap: bool, use_mlock: bool) -> Any:
+    """``llama_model_params`` with the offload and loading knobs.
+
+    Both at their defaults (mmap on, mlock off) leave llama.cpp's own
+    ``LLAMA_LOAD_MODE_AUTO`` (which maps the file on a CPU).
+    """
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    if not use_mmap or use_mlock:
+        params.load_mode = {
+            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+        }[(use_mmap, use_mlock)]
+    return params
+
+
 def new_context(
-    model: Any, *, n_ctx_seq: int, n_seq_max: int, n_batch: int, n_ubatch: int, n_threads: int
+    model: Any,
+    *,
+    n_ctx_seq: int,
+    n_seq_max: int,
+    n_batch: int,
+    n_ubatch: int,
+    n_threads: int,
+    flash_attn: str = "off",
+    cache_type_k: str = "f16",
+    cache_type_v: str = "f16",
 ) -> Any:
     """A context of ``n_seq_max`` sequences of ``n_ctx_seq`` cells each.
 
@@ -146,8 +188,10 @@ def new_context(
     own cells. ``swa_full = True`` (the default, kept explicitly): models with
     sliding-window attention (Gemma 3) keep every cell in their SWA layers too,
     which is what makes reusing a cached prefix at any length correct.
-    Flash attention stays off, as in ``llama_cpp.Llama`` (the same kernels give
-    the same logits as ``create_completion``).
+    Flash attention is off by default, as in ``llama_cpp.Llama`` (the same
+    kernels give the same logits as ``create_completion``); ``flash_attn``,
+    ``cache_type_k`` and ``cache_type_v`` are the configuration's names
+    (:data:`FLASH_ATTN`, :data:`CACHE_TYPES`).
     """
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx_seq * n_seq_max
@@ -158,9 +202,9 @@ def new_context(
     params.n_threads_batch = n_threads
     params.kv_unified = False
     params.swa_full = True
-    # As llama_cpp.Llama (flash_attn=False): the same kernels, hence the same
-    # logits as create_completion, which the tests compare against.
-    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.flash_attn_type = FLASH_ATTN[flash_attn]
+    params.type_k = CACHE_TYPES[cache_type_k]
+    params.type_v = CACHE_TYPES[cache_type_v]
     params.no_perf = True
     ctx = llama_cpp.llama_init_from_model(model, params)
     if ctx is None:
