@@ -6,6 +6,10 @@ Node side can make the server misbehave (abort every connection, shut down,
 come back on the same port) and ask what the server saw. Node's output is
 shown when it fails.
 
+``clients/js/test/tools.test.js`` runs against a server whose fake engine
+echoes the last user message, so that its tests can script reasoning and
+tool calls.
+
 ``clients/js/test/reconnect-policy.test.js`` needs no server: it checks the
 JS client's reconnect/resume policy against clients/reconnect-policy.json, the
 table tests/test_reconnect_policy.py checks the Python clients against.

@@ -634,7 +634,7 @@ function fitHistory(history) {
   let chars = 0;
   let start = history.length;
   while (start > 0) {
-    const next = chars + history[start - 1].content.length;
+    const next = chars + messageChars(history[start - 1]);
     if (start < history.length && (next > maxChars || history.length - start + 1 > maxMessages)) break;
     chars = next;
     start -= 1;
@@ -642,6 +642,15 @@ function fitHistory(history) {
   // A chat template wants the history to begin with the user.
   while (start < history.length - 1 && history[start].role !== "user") start += 1;
   return history.slice(start).map(historyMessage);
+}
+
+/**
+ * What a message counts against `max_prompt_chars`: its text, and its calls'
+ * names and arguments (the server counts them too).
+ * @param {import("/store.js").StoredMessage} message
+ */
+function messageChars(message) {
+  return storedCalls(message.tool_calls).reduce((n, c) => n + c.name.length + c.arguments.length, message.content.length);
 }
 
 /**

@@ -192,6 +192,15 @@ def test_a_reload_mid_reasoning_keeps_the_reasoning_and_the_call(
     assert_the_finished_answer(page, reasoning)
     expect(page.locator("#tools-json")).to_have_value(json.dumps(TOOLS))
 
+    # Regenerate replaces the answer's reasoning and calls, never adds to them.
+    set_options(page, max_tokens=4000)  # the field is back at its default after the reload
+    page.click("#regenerate")
+    assert last_done(page)["reason"] == "tool_calls"
+    expect(page.locator("#app")).to_have_attribute("data-state", "idle")
+    expect(page.locator(".message.assistant")).to_have_count(1)
+    expect(page.locator("details.thinking")).to_have_count(1)
+    assert_the_finished_answer(page, reasoning)
+
 
 def test_a_call_whose_arguments_do_not_parse_is_marked(page: Any, live_server_factory: Any) -> None:
     # The server checks every call it sends; a call cut short (or relayed
