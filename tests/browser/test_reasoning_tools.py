@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from wsserver.backends.fake import FakeBackend
+
 from .chat import expect, last_done, open_chat, send, set_options
 from .conftest import LiveServer
 
@@ -252,3 +254,31 @@ def test_a_call_whose_arguments_do_not_parse_is_marked(page: Any, live_server_fa
     last_done(page)
     generate = [f for f in sent(page) if f["type"] == "generate"][-1]
     assert "tools" not in generate
+
+
+class ToollessFake(FakeBackend):
+    """The fake engine without tools, as an engine that cannot show them
+    to its model declares (``hello.honours`` then lacks ``tools``)."""
+
+    honours = FakeBackend.honours - {"tools"}
+
+
+def test_an_engine_without_tools_is_said_so_and_its_refusal_shown(
+    page: Any, live_server_factory: Any
+) -> None:
+    open_chat(page, live_server_factory(backend=lambda: ToollessFake(tokens_per_s=0)))
+    set_tools(page, json.dumps(TOOLS))
+    expect(page.locator("#tools-note")).to_contain_text("does not take tools")
+    send(page, "weather?")
+    notice = page.locator(".message.assistant .notice")
+    expect(notice).to_have_attribute("role", "alert")
+    expect(notice).to_contain_text("The server refused the tools")
+    expect(notice).to_contain_text("'tools'")
+    expect(notice).to_contain_text("Change them under Tools, or empty it.")
+    expect(page.locator("#app")).to_have_attribute("data-state", "idle")
+    # Emptied, the tools are not sent, and the page answers again.
+    page.fill("#tools-json", "")
+    expect(page.locator("#tools-summary")).to_have_text("none")
+    expect(page.locator("#tools-note")).to_be_empty()
+    send(page, "weather again?")
+    assert last_done(page)["reason"] == "length"
