@@ -43,7 +43,6 @@ import { loadTools, parseTools, saveTools, setThinking, showToolCalls, storedCal
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
 /** @typedef {import("/wsserver.js").ChatMessage} ChatMessage */
-/** @typedef {import("/tools.js").StoredCall} StoredCall */
 /** @typedef {{text: string, reasoning: string}} Received what a resumed answer had before */
 
 const $ = (/** @type {string} */ id) => /** @type {HTMLElement} */ (document.getElementById(id));
@@ -74,7 +73,6 @@ const ui = {
   repeatLastN: /** @type {HTMLInputElement} */ ($("repeat-last-n")),
   minP: /** @type {HTMLInputElement} */ ($("min-p")),
   json: /** @type {HTMLInputElement} */ ($("json-mode")),
-  tools: /** @type {HTMLDetailsElement} */ ($("tools")),
   toolsText: /** @type {HTMLTextAreaElement} */ ($("tools-json")),
   toolsSummary: $("tools-summary"),
   toolsNote: $("tools-note"),
@@ -219,8 +217,7 @@ class Turn {
     this.chars = 0;
     this.reasoningChars = 0;
     this.statsAt = 0;
-    /** The "Thinking" block and its view, once reasoning arrived. */
-    /** @type {HTMLDetailsElement | null} */
+    /** The "Thinking" block, once reasoning arrived. @type {HTMLDetailsElement | null} */
     this.thinking = null;
     /** @type {MarkdownView | PlainView | null} */
     this.thinkingView = null;
@@ -372,11 +369,7 @@ class Turn {
       this.chars += untaken.length;
     }
     keepAtBottom(() => this.view.finish());
-    if (this.thinking !== null) {
-      this.endThinking();
-      this.thinkingView?.finish();
-      this.record.reasoning = this.thinkingView?.source;
-    }
+    this.endThinking();
     this.showCalls(true);
     this.open = false;
     this.article.classList.remove("streaming");

@@ -11,6 +11,7 @@ a reload mid-answer and after it.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -282,3 +283,25 @@ def test_an_engine_without_tools_is_said_so_and_its_refusal_shown(
     expect(page.locator("#tools-note")).to_be_empty()
     send(page, "weather again?")
     assert last_done(page)["reason"] == "length"
+
+
+def test_stop_mid_reasoning_keeps_what_was_thought(page: Any, live_server_factory: Any) -> None:
+    open_chat(page, echo_server(live_server_factory, tokens_per_s=60))
+    set_tools(page, json.dumps(TOOLS))
+    text, _ = script(steps=60)
+    send(page, text)
+    page.wait_for_function(
+        "() => document.querySelector('.thinking-text')?.textContent.length > 20"
+    )
+    page.click("#stop")
+    expect(page.locator("#app")).to_have_attribute("data-state", "idle")
+    thinking = page.locator("details.thinking")
+    expect(thinking).to_have_attribute("data-state", "done")
+    # "Stopped" at once, then the done's figures ending in "stopped".
+    expect(page.locator(".message.assistant .meta")).to_have_text(re.compile("stopped$", re.I))
+    expect(page.locator(".tool-call")).to_have_count(0)
+    assert last_done(page)["reason"] == "cancelled"
+    stored = page.evaluate("() => window.chat.store.current.messages.at(-1)")
+    shown = thinking.locator(".thinking-text").text_content() or ""
+    assert stored["reasoning"] and words(stored["reasoning"]) == words(shown)
+    assert "tool_calls" not in stored
