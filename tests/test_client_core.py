@@ -7,7 +7,14 @@ RequestTable as the clients' I/O layers feed them.
 from __future__ import annotations
 
 import pytest
-from wsserver_client.core import GenerationError, Request, RequestTable
+from wsserver_client.core import (
+    GenerationError,
+    Reasoning,
+    Request,
+    RequestTable,
+    Text,
+    ToolCallDelta,
+)
 
 from wsserver.protocol import (
     Delta,
@@ -23,6 +30,7 @@ from wsserver.protocol import (
     Usage,
     serialize,
 )
+from wsserver.tool_calls import CallPart
 
 
 def wire(frame: ServerFrame) -> bytes:
@@ -194,3 +202,75 @@ def test_the_core_does_no_io() -> None:
     }
     assert not imported & {"asyncio", "websockets", "socket", "threading", "selectors"}, imported
     assert "wsserver" in imported  # the frames come from wsserver.protocol
+
+
+def test_reasoning_text_and_call_parts_become_typed_events_in_order() -> None:
+    table, (request,) = table_with("a")
+    table.receive(wire(Delta(id="a", seq=0, text="", reasoning="Hmm, ")))
+    table.receive(
+        wire(
+            Delta(
+                id="a",
+                seq=1,
+                text="Sure.",
+                reasoning="rain?",
+                tool_calls=(CallPart(0, '{"city": ', "call_1", "weather"),),
+            )
+        )
+    )
+    table.receive(
+        wire(
+            Delta(
+                id="a",
+                seq=2,
+                text="",
+                tool_calls=(CallPart(0, '"Oslo"}'), CallPart(1, "[1", "call_2", "sum")),
+            )
+        )
+    )
+    events = []
+    while (event := request.take_event()) is not None:
+        events.append(event)
+    weather, total = request.tool_calls
+    assert events == [
+        Reasoning("Hmm, "),
+        Reasoning("rain?"),
+        Text("Sure."),
+        ToolCallDelta(weather, '{"city": '),
+        ToolCallDelta(weather, '"Oslo"}'),
+        ToolCallDelta(total, "[1"),
+    ]
+    assert request.reasoning == "Hmm, rain?" and request.text == "Sure."
+    assert (weather.id, weather.name, weather.arguments) == (
+        "call_1",
+        "weather",
+        '{"city": "Oslo"}',
+    )
+    assert weather.parsed_arguments == {"city": "Oslo"} and weather.arguments_error is None
+    # A call cut short (cancelled mid-call) says why its arguments do not parse.
+    assert total.parsed_arguments is None
+    assert total.arguments_error is not None and "not valid JSON" in total.arguments_error
+    total.arguments = "[1]"
+    assert total.arguments_error == "the arguments are JSON but not an object: list"
+    table.receive(done("a", "tool_calls"))
+    result = request.finished_result()
+    assert result.tool_calls == [weather, total] and result.reasoning == "Hmm, rain?"
+    assert result.message()["content"] == "Sure."
+    assert result.message()["tool_calls"][0] == {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+    }
+
+
+def test_reading_the_text_passes_over_reasoning_and_calls() -> None:
+    table, (request,) = table_with("a")
+    table.receive(wire(Delta(id="a", seq=0, text="", reasoning="thinking")))
+    table.receive(wire(Delta(id="a", seq=1, text="An", reasoning="more")))
+    table.receive(wire(Delta(id="a", seq=2, text="swer")))
+    assert drain(request) == ["An", "swer"]
+    table.receive(wire(Delta(id="a", seq=3, text="", reasoning="late")))
+    assert request.ready and request.take() is None and not request.ready
+    table.receive(done("a", "stop"))
+    assert request.ended and list(request.pieces()) == []
+    assert request.reasoning == "thinkingmorelate"

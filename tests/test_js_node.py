@@ -6,6 +6,10 @@ Node side can make the server misbehave (abort every connection, shut down,
 come back on the same port) and ask what the server saw. Node's output is
 shown when it fails.
 
+``clients/js/test/tools.test.js`` runs against a server whose fake engine
+echoes the last user message, so that its tests can script reasoning and
+tool calls.
+
 ``clients/js/test/reconnect-policy.test.js`` needs no server: it checks the
 JS client's reconnect/resume policy against clients/reconnect-policy.json, the
 table tests/test_reconnect_policy.py checks the Python clients against.
@@ -151,30 +155,49 @@ class ControlledServer:
 async def test_the_js_client_under_node_against_a_real_server() -> None:
     command = node_command()
     async with ControlledServer(backend__fake__tokens_per_s=200.0) as server:
-        env = {
-            **os.environ,
-            "WSSERVER_URL": server.url,
-            "WSSERVER_CONTROL": server.control_url,
-            "WSSERVER_TEST_UNIT": str(timeout(1.0)),
-        }
-        node = await asyncio.create_subprocess_exec(
-            *command,
-            "--test",
-            "--test-reporter=spec",
-            str(JS / "test" / "wsserver.test.js"),
-            cwd=JS,
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        try:
-            async with asyncio.timeout(timeout(180)):
-                output, _ = await node.communicate()
-        finally:
-            if node.returncode is None:
-                node.kill()
-                await node.wait()
-    assert_all_passed(node.returncode, output.decode(errors="replace"))
+        returncode, output = await run_node_tests(command, server, "wsserver.test.js")
+    assert_all_passed(returncode, output)
+
+
+async def test_the_js_client_types_reasoning_and_tool_calls() -> None:
+    """clients/js/test/tools.test.js: the fake engine echoes the last user
+    message, so each test writes a think block and calls for "the model"."""
+    command = node_command()
+    async with ControlledServer(
+        backend__fake__echo=True, backend__fake__tokens_per_s=300.0
+    ) as server:
+        returncode, output = await run_node_tests(command, server, "tools.test.js")
+    assert_all_passed(returncode, output)
+
+
+async def run_node_tests(
+    command: list[str], server: ControlledServer, name: str
+) -> tuple[int | None, str]:
+    """``node --test`` on clients/js/test/``name`` against ``server``."""
+    env = {
+        **os.environ,
+        "WSSERVER_URL": server.url,
+        "WSSERVER_CONTROL": server.control_url,
+        "WSSERVER_TEST_UNIT": str(timeout(1.0)),
+    }
+    node = await asyncio.create_subprocess_exec(
+        *command,
+        "--test",
+        "--test-reporter=spec",
+        str(JS / "test" / name),
+        cwd=JS,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        async with asyncio.timeout(timeout(180)):
+            output, _ = await node.communicate()
+    finally:
+        if node.returncode is None:
+            node.kill()
+            await node.wait()
+    return node.returncode, output.decode(errors="replace")
 
 
 def test_the_js_client_follows_the_reconnect_policy_table() -> None:

@@ -4,7 +4,16 @@
 // this file checks the other direction: that the declarations, as a
 // TypeScript user imports them, still describe the API the READMEs document.
 
-import { WsClient, WsError, PROTOCOL_VERSION, type DoneFrame, type HelloFrame } from "./wsserver.js";
+import {
+  WsClient,
+  WsError,
+  PROTOCOL_VERSION,
+  ToolCall,
+  type ChatMessage,
+  type DoneFrame,
+  type HelloFrame,
+  type Tool,
+} from "./wsserver.js";
 
 export async function documentedUsage(output: { append(text: string): void }): Promise<void> {
   const client = new WsClient("ws://127.0.0.1:8765/", {
@@ -42,6 +51,26 @@ export async function documentedUsage(output: { append(text: string): void }): P
   } catch (error) {
     if (error instanceof WsError && error.code === "connection_lost") output.append(error.message);
   }
+  // Reasoning and tool calls (clients/js/README.md, "Reasoning and tool calls").
+  const tools: Tool[] = [{ type: "function", function: { name: "get_weather", parameters: { type: "object" } } }];
+  const messages: ChatMessage[] = [{ role: "user", content: "Weather in Paris?" }];
+  const turn = client.generate(
+    { messages, tools, tool_choice: "auto", parallel_tool_calls: false, reasoning_format: "auto" },
+    { onReasoning: (thinking: string) => output.append(thinking) },
+  );
+  turn.on("toolCall", ({ call, arguments: added }) => void [call.name, added]);
+  const answer = await turn.result();
+  const reasoning: string = answer.reasoning + turn.reasoning;
+  for (const call of answer.toolCalls) {
+    const args: Record<string, unknown> | null = call.parsedArguments;
+    const why: string | null = call.argumentsError;
+    const same: boolean = call instanceof ToolCall && call.index >= 0;
+    messages.push({ role: "tool", tool_call_id: call.id, content: JSON.stringify(args ?? why) });
+    void same;
+  }
+  messages.splice(1, 0, turn.message());
+  void reasoning;
+
   off();
   client.close();
 }

@@ -298,6 +298,38 @@ export declare class WsError extends Error {
   readonly frame: ServerFrame | null;
 }
 
+// ------------------------------------------------------------------ tool calls
+
+/**
+ * One tool call of the model, joined from its parts so far (`id` and `name`
+ * come with the first part, `arguments` text with every part).
+ */
+export declare class ToolCall {
+  constructor(index: number, id: string, name: string, args?: string);
+  /** The call's position among the turn's calls (0, 1, …). */
+  index: number;
+  /** What a `tool` message with the result names (`tool_call_id`). */
+  id: string;
+  /** The function called (one of the request's `tools`). */
+  name: string;
+  /** The arguments' JSON text, joined from the parts received. */
+  arguments: string;
+  /** The arguments as a JSON object, or `null` while they are not one. */
+  readonly parsedArguments: Record<string, unknown> | null;
+  /** Why the arguments are not a JSON object, or `null` if they are. */
+  readonly argumentsError: string | null;
+  /** The call as an assistant message's `tool_calls` entry. */
+  toMessage(): ToolCallInput;
+}
+
+/** A stream's call as a page keeps it across a reload (`client.resume()`). */
+export interface SavedToolCall {
+  index: number;
+  id: string;
+  name: string;
+  arguments: string;
+}
+
 // ------------------------------------------------------------------ events
 
 type Unsubscribe = () => void;
@@ -342,8 +374,12 @@ export interface ClientEvents {
 export interface StreamEvents {
   queued: { position: number };
   started: undefined;
-  /** The text of each `delta` frame, as it arrives. */
+  /** The text of each `delta` frame that has text, as it arrives. */
   delta: string;
+  /** The reasoning of each `delta` frame that has some (before its text). */
+  reasoning: string;
+  /** A part of a tool call (after its frame's text): the call it joined, and the text it added. */
+  toolCall: { call: ToolCall; arguments: string };
   done: DoneFrame;
   error: WsError;
   /** The server accepted the resume: the text after `afterSeq` follows. */
@@ -436,6 +472,8 @@ export interface RequestOptions {
   onQueued?: (detail: { position: number }) => void;
   onStarted?: () => void;
   onDelta?: (text: string) => void;
+  onReasoning?: (text: string) => void;
+  onToolCall?: (detail: { call: ToolCall; arguments: string }) => void;
   onDone?: (frame: DoneFrame) => void;
   onError?: (error: WsError) => void;
 }
@@ -484,6 +522,10 @@ export declare class GenerationStream
    * loop had not taken yet when it was cancelled is here, but not yielded).
    */
   readonly text: string;
+  /** All reasoning received (a think block kept apart from `text`). */
+  readonly reasoning: string;
+  /** The model's tool calls, in order, joined from their parts so far. */
+  readonly toolCalls: ToolCall[];
   /** True after `done` or a failure. */
   readonly finished: boolean;
   /** True after `cancel()`, `restart()` or leaving the loop early. */
@@ -505,7 +547,9 @@ export declare class GenerationStream
   /** `client.restart(this, overrides, options)`. */
   restart(overrides?: Partial<GenerateParams>, options?: RequestOptions): GenerationStream;
   /** Read to the end. */
-  result(): Promise<{ text: string; done: DoneFrame }>;
+  result(): Promise<{ text: string; reasoning: string; toolCalls: ToolCall[]; done: DoneFrame }>;
+  /** The answer as the next request's assistant message (text and `tool_calls`, no reasoning). */
+  message(): ChatMessage;
   [Symbol.asyncIterator](): AsyncIterator<string>;
 }
 
@@ -545,7 +589,7 @@ export declare class WsClient extends Emitter<ClientEvents> {
    * reload): the stream yields the text after `afterSeq`.
    */
   resume(
-    saved: { id: string; resumeToken: string; afterSeq: number },
+    saved: { id: string; resumeToken: string; afterSeq: number; toolCalls?: SavedToolCall[] },
     options?: RequestOptions,
   ): GenerationStream;
 }

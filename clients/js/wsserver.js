@@ -35,7 +35,13 @@
  * not fail. After the reconnect's `hello` the client sends `resume` with the
  * last `seq` it received, the server replays what may not have arrived, and
  * the stream's iterator just goes on (no gap, no duplicate); the stream emits
- * `resumed`, the client `reconnect`. `client.resume()` picks up a request a
+ * `resumed`, the client `reconnect`.
+ *
+ * Besides the answer's text a delta may carry the model's reasoning (a think
+ * block the server keeps apart) and parts of its tool calls. Iteration yields
+ * the text only; the stream keeps the rest in `reasoning` and `toolCalls`
+ * (each a {@link ToolCall}, its arguments joined from their parts) and emits
+ * `reasoning` and `toolCall` events as they arrive. `client.resume()` picks up a request a
  * previous page (or process) started, from its id, token and last seq.
  *
  * When to reconnect, how long to wait, what a kept request sends, which
@@ -77,6 +83,9 @@ const RECENT_LIMIT = 64;
 /** @typedef {import("./wsserver.d.ts").DoneFrame} DoneFrame */
 /** @typedef {import("./wsserver.d.ts").ServerFrame} ServerFrame */
 /** @typedef {import("./wsserver.d.ts").StateEvent} StateEvent */
+/** @typedef {import("./wsserver.d.ts").ToolCallPart} ToolCallPart */
+/** @typedef {import("./wsserver.d.ts").ToolCallInput} ToolCallInput */
+/** @typedef {import("./wsserver.d.ts").SavedToolCall} SavedToolCall */
 
 /**
  * An error for one request, or for the client.
@@ -102,6 +111,67 @@ export class WsError extends Error {
     this.requestId = requestId;
     /** @type {ServerFrame | null} */
     this.frame = frame;
+  }
+}
+
+/**
+ * One tool call of the model, joined from its parts so far: the server sends
+ * a call's `id` and function `name` first, then its `arguments` (JSON text)
+ * in fragments, which are appended here. `parsedArguments` is that text
+ * parsed as a JSON object (`null` while it is not one) and `argumentsError`
+ * says why it is not (`null` when it is). The server checks a call before it
+ * sends it, so an error means an incomplete call (cancelled mid-call) or a
+ * server that does not check.
+ */
+export class ToolCall {
+  /**
+   * @param {number} index the call's position among the turn's calls
+   * @param {string} id what a `tool` message with the result names
+   * @param {string} name the function called
+   * @param {string} [args] the arguments' JSON text so far
+   */
+  constructor(index, id, name, args = "") {
+    /** @type {number} */
+    this.index = index;
+    /** @type {string} */
+    this.id = id;
+    /** @type {string} */
+    this.name = name;
+    /** @type {string} */
+    this.arguments = args;
+  }
+
+  /** The arguments as a JSON object, or `null` if they are not one. */
+  get parsedArguments() {
+    return this.#parse().value;
+  }
+
+  /** Why the arguments are not a JSON object, or `null` if they are. */
+  get argumentsError() {
+    return this.#parse().error;
+  }
+
+  /** @returns {{ value: Record<string, unknown> | null, error: string | null }} */
+  #parse() {
+    let value;
+    try {
+      value = JSON.parse(this.arguments);
+    } catch (error) {
+      return { value: null, error: `the arguments are not valid JSON: ${/** @type {Error} */ (error).message}` };
+    }
+    if (value === null || typeof value !== "object" || Array.isArray(value)) {
+      const kind = value === null ? "null" : Array.isArray(value) ? "an array" : typeof value;
+      return { value: null, error: `the arguments are JSON but not an object: ${kind}` };
+    }
+    return { value, error: null };
+  }
+
+  /**
+   * The call as an assistant message's `tool_calls` entry (OpenAI's shape).
+   * @returns {ToolCallInput}
+   */
+  toMessage() {
+    return { id: this.id, type: "function", function: { name: this.name, arguments: this.arguments } };
   }
 }
 
@@ -168,8 +238,9 @@ class Emitter {
  * early (`break`, `return`, an exception) cancels the request.
  *
  * Events (`stream.on(type, listener)`): `queued` ({position}), `started`,
- * `delta` (the text of each frame, as it arrives), `done` (the frame),
- * `error` (a WsError).
+ * `reasoning` (each frame's reasoning text), `delta` (each frame's text, when
+ * it has some), `toolCall` ({call, arguments}: a part of a tool call, after
+ * the frame's text), `done` (the frame), `error` (a WsError).
  *
  * @extends {Emitter<import("./wsserver.d.ts").StreamEvents>}
  */
@@ -230,6 +301,10 @@ export class GenerationStream extends Emitter {
      * any the loop had not taken yet when it was cancelled.
      */
     this.text = "";
+    /** All reasoning received (a think block the server kept apart from the text). */
+    this.reasoning = "";
+    /** The model's tool calls, in order, joined from their parts so far. @type {ToolCall[]} */
+    this.toolCalls = [];
     /** The connection epoch the request was sent on (internal). @type {number} */
     this.epoch = -1;
     /** @type {Promise<DoneFrame>} */
@@ -286,15 +361,29 @@ export class GenerationStream extends Emitter {
   }
 
   /**
-   * Read to the end; resolves with the whole text and the `done` frame.
+   * Read to the end; resolves with the whole text, the reasoning, the tool
+   * calls and the `done` frame.
    *
-   * @returns {Promise<{ text: string, done: DoneFrame }>}
+   * @returns {Promise<{ text: string, reasoning: string, toolCalls: ToolCall[], done: DoneFrame }>}
    */
   async result() {
     for await (const _ of this) {
       // Text accumulates in `this.text`.
     }
-    return { text: this.text, done: await this.done };
+    const done = await this.done;
+    return { text: this.text, reasoning: this.reasoning, toolCalls: [...this.toolCalls], done };
+  }
+
+  /**
+   * The answer as the assistant message of a chat's next request: its text
+   * (`null` beside tool calls when there is none) and its `tool_calls`. The
+   * reasoning is left out, as chat templates expect.
+   *
+   * @returns {import("./wsserver.d.ts").ChatMessage}
+   */
+  message() {
+    if (this.toolCalls.length === 0) return { role: "assistant", content: this.text };
+    return { role: "assistant", content: this.text || null, tool_calls: this.toolCalls.map((call) => call.toMessage()) };
   }
 
   /** @returns {AsyncIterableIterator<string>} */
@@ -359,9 +448,13 @@ export class GenerationStream extends Emitter {
    * A stream picked up from an earlier page or process (`client.resume()`).
    * @param {string} token
    * @param {number} afterSeq
+   * @param {SavedToolCall[]} [toolCalls] calls begun before afterSeq, to be continued
    * @internal
    */
-  _restore(token, afterSeq) {
+  _restore(token, afterSeq, toolCalls = []) {
+    for (const call of toolCalls) {
+      this.toolCalls.push(new ToolCall(call.index, call.id, call.name, call.arguments));
+    }
     this.resumeToken = token;
     this.#nextSeq = afterSeq + 1;
     this.#acknowledged = true;
@@ -426,10 +519,18 @@ export class GenerationStream extends Emitter {
           return;
         }
         this.#nextSeq += 1;
-        this.text += frame.text;
-        this.#chunks.push(frame.text);
-        this.#signal();
-        this.emit("delta", frame.text);
+        // The protocol's order within a frame: reasoning, text, tool calls.
+        if (frame.reasoning) {
+          this.reasoning += frame.reasoning;
+          this.emit("reasoning", frame.reasoning);
+        }
+        if (frame.text) {
+          this.text += frame.text;
+          this.#chunks.push(frame.text);
+          this.#signal();
+          this.emit("delta", frame.text);
+        }
+        for (const part of frame.tool_calls ?? []) this.#joinCall(part);
         return;
       case "done":
         this._finishDone(frame);
@@ -450,6 +551,17 @@ export class GenerationStream extends Emitter {
       default:
         return;
     }
+  }
+
+  /** @param {ToolCallPart} part */
+  #joinCall(part) {
+    let call = this.toolCalls.find((c) => c.index === part.index);
+    if (!call) {
+      call = new ToolCall(part.index, part.id ?? "", part.name ?? "");
+      this.toolCalls.push(call);
+    }
+    call.arguments += part.arguments ?? "";
+    this.emit("toolCall", { call, arguments: part.arguments ?? "" });
   }
 
   /**
@@ -817,14 +929,18 @@ export class WsClient extends Emitter {
    * yields the text after `afterSeq`; it is resumed once the connection is
    * open. It fails with `unknown_id` if the server no longer holds it.
    *
-   * @param {{ id: string, resumeToken: string, afterSeq: number }} saved
+   * `toolCalls` are the stream's calls as they were at `afterSeq` (their
+   * `index`, `id`, `name` and `arguments`): the parts that follow are
+   * appended to them.
+   *
+   * @param {{ id: string, resumeToken: string, afterSeq: number, toolCalls?: SavedToolCall[] }} saved
    * @param {RequestOptions} [options]
    * @returns {GenerationStream}
    */
   resume(saved, options = {}) {
     const id = this.#takeId(saved.id);
     const stream = new GenerationStream(this, id, { type: "resume", id }, {});
-    stream._restore(saved.resumeToken, saved.afterSeq);
+    stream._restore(saved.resumeToken, saved.afterSeq, saved.toolCalls);
     this.#submit(stream, { ...options, id });
     return stream;
   }
@@ -910,6 +1026,8 @@ export class WsClient extends Emitter {
     if (options.onQueued) stream.on("queued", options.onQueued);
     if (options.onStarted) stream.on("started", options.onStarted);
     if (options.onDelta) stream.on("delta", options.onDelta);
+    if (options.onReasoning) stream.on("reasoning", options.onReasoning);
+    if (options.onToolCall) stream.on("toolCall", options.onToolCall);
     if (options.onDone) stream.on("done", options.onDone);
     if (options.onError) stream.on("error", options.onError);
     const signal = options.signal;
@@ -1239,6 +1357,7 @@ const declaredExports = {
   RECONNECT_DEFAULTS,
   reconnectPolicy,
   WsError,
+  ToolCall,
   GenerationStream,
   WsClient,
 };

@@ -23,6 +23,11 @@
  * penalty, min_p and a JSON switch, kept in localStorage; every generate and
  * restart carries them (sampling.js says which, and why those defaults).
  *
+ * The "Tools" disclosure (tools.js) holds function tools that every request
+ * carries. An answer's reasoning shows in a collapsed "Thinking" block above
+ * it, live while it streams; its tool calls as cards below it. Both are kept
+ * with the conversation and survive a reload, also mid-answer.
+ *
  * Answers are resumable: the JS client rides over a dropped connection, and a
  * reload mid-answer saves the stream's id, token and last seq in
  * sessionStorage (pagehide) so that the next page resumes it (resumeSaved).
@@ -33,9 +38,12 @@ import { MarkdownView, PlainView } from "/markdown.js";
 import { ConversationStore } from "/store.js";
 import { DEFAULTS, RANGES, loadSettings, requestOptions, saveSettings, unhonoured, valid } from "/sampling.js";
 import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
+import { loadTools, parseTools, saveTools, setThinking, showToolCalls, storedCalls, thinkingBlock } from "/tools.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
+/** @typedef {import("/wsserver.js").ChatMessage} ChatMessage */
+/** @typedef {{text: string, reasoning: string}} Received what a resumed answer had before */
 
 const $ = (/** @type {string} */ id) => /** @type {HTMLElement} */ (document.getElementById(id));
 
@@ -65,6 +73,9 @@ const ui = {
   repeatLastN: /** @type {HTMLInputElement} */ ($("repeat-last-n")),
   minP: /** @type {HTMLInputElement} */ ($("min-p")),
   json: /** @type {HTMLInputElement} */ ($("json-mode")),
+  toolsText: /** @type {HTMLTextAreaElement} */ ($("tools-json")),
+  toolsSummary: $("tools-summary"),
+  toolsNote: $("tools-note"),
   send: /** @type {HTMLButtonElement} */ ($("send")),
   stop: /** @type {HTMLButtonElement} */ ($("stop")),
   regenerate: /** @type {HTMLButtonElement} */ ($("regenerate")),
@@ -79,6 +90,8 @@ const View = new URLSearchParams(location.search).get("render") === "plain" ? Pl
 const store = new ConversationStore();
 /** The sampling settings: the disclosure's last valid values. */
 const settings = loadSettings();
+/** The "Tools" disclosure's tools (null: none sent) or why its text is not a list of tools. */
+let toolsSetting = parseTools(loadTools());
 /** Index in the conversation of the user message being edited, if any. @type {number | null} */
 let editing = null;
 
@@ -145,6 +158,7 @@ client.on("hello", (hello) => {
   ui.maxTokens.max = String(limits.max_tokens);
   if (!ui.maxTokens.dataset.touched) ui.maxTokens.value = String(limits.default_max_tokens);
   showSampling();
+  showTools();
 });
 
 ui.retry.addEventListener("click", () => client.connect());
@@ -184,10 +198,10 @@ class Turn {
    * @param {GenerationStream} stream
    * @param {HTMLElement} article
    * @param {import("/store.js").StoredMessage} record where the answer is kept
-   * @param {{role: string, content: string}[]} messages the request's input
-   * @param {string} [prefix] text already received (an answer resumed after a reload)
+   * @param {ChatMessage[]} messages the request's input
+   * @param {Received} [prefix] what was already received (an answer resumed after a reload)
    */
-  constructor(stream, article, record, messages, prefix = "") {
+  constructor(stream, article, record, messages, prefix = { text: "", reasoning: "" }) {
     this.stream = stream;
     this.article = article;
     this.record = record;
@@ -199,15 +213,30 @@ class Turn {
     this.sentAt = performance.now();
     /** @type {number | null} */
     this.firstAt = null;
+    /** Characters of the answer taken from the stream (not its reasoning). */
     this.chars = 0;
+    this.reasoningChars = 0;
     this.statsAt = 0;
+    /** The "Thinking" block, once reasoning arrived. @type {HTMLDetailsElement | null} */
+    this.thinking = null;
+    /** @type {MarkdownView | PlainView | null} */
+    this.thinkingView = null;
 
-    record.content = prefix;
+    record.content = prefix.text;
     record.meta = "";
+    delete record.reasoning;
+    delete record.tool_calls;
     this.metaEl.textContent = "";
-    if (prefix) this.view.append(prefix);
+    // A regenerate reuses the article: the old answer's reasoning and calls go.
+    article.querySelector("details.thinking")?.remove();
+    showToolCalls(article, [], false);
+    if (prefix.text) this.view.append(prefix.text);
     /** Characters of the answer that came before this stream (a resume). */
-    this.prefixChars = prefix.length;
+    this.prefixChars = prefix.text.length;
+    /** The reasoning that came before this stream (a resume). */
+    this.prefixReasoning = prefix.reasoning;
+    if (prefix.reasoning) this.showReasoning(prefix.reasoning);
+    if (stream.toolCalls.length > 0) this.showCalls(false);
     answerText.set(article, () => this.view.source);
     article.querySelector(".notice")?.remove();
     article.classList.add("streaming");
@@ -224,6 +253,12 @@ class Turn {
     stream.on("resumed", () => {
       if (current !== this) return;
       setState("streaming", "Generating…");
+    });
+    stream.on("reasoning", (text) => this.receiveReasoning(text));
+    stream.on("toolCall", () => {
+      if (!this.open) return;
+      this.endThinking();
+      this.showCalls(false);
     });
     this.pump();
   }
@@ -246,17 +281,65 @@ class Turn {
   receive(text) {
     if (!this.open) return;
     if (this.firstAt === null) this.firstAt = performance.now();
+    this.endThinking();
     this.view.append(text);
     this.chars += text.length;
     requestFrame();
   }
 
+  /** @param {string} text the model's reasoning */
+  receiveReasoning(text) {
+    if (!this.open) return;
+    if (this.firstAt === null) this.firstAt = performance.now();
+    this.reasoningChars += text.length;
+    this.showReasoning(text);
+    requestFrame();
+  }
+
+  /**
+   * Append reasoning to the "Thinking" block (made, collapsed, on first use).
+   * @param {string} text
+   */
+  showReasoning(text) {
+    if (this.thinking === null || this.thinkingView === null) {
+      const { details, body } = thinkingBlock(this.article);
+      this.thinking = details;
+      this.thinkingView = new View(body);
+    }
+    setThinking(this.thinking, true);
+    this.thinkingView.append(text);
+  }
+
+  /** The answer (or a call) began: the reasoning is complete. */
+  endThinking() {
+    if (this.thinking === null || this.thinking.dataset.state === "done") return;
+    setThinking(this.thinking, false);
+    this.thinkingView?.finish();
+    this.record.reasoning = this.thinkingView?.source;
+  }
+
+  /**
+   * Show the stream's tool calls as cards; mark unparsable arguments once complete.
+   * @param {boolean} complete
+   */
+  showCalls(complete) {
+    const calls = this.stream.toolCalls.map(({ index, id, name, arguments: args }) => ({ index, id, name, arguments: args }));
+    if (calls.length === 0) return;
+    keepAtBottom(() => showToolCalls(this.article, calls, complete));
+    this.record.tool_calls = calls;
+    store.touch();
+  }
+
   /** Render what arrived since the last frame; keep the view at the bottom. */
   frame() {
     const start = performance.now();
-    keepAtBottom(() => this.view.render());
+    keepAtBottom(() => {
+      this.thinkingView?.render();
+      this.view.render();
+    });
     renderStats.record(performance.now() - start);
     this.record.content = this.view.source;
+    if (this.thinkingView !== null) this.record.reasoning = this.thinkingView.source;
     store.touch();
   }
 
@@ -270,7 +353,7 @@ class Turn {
       return;
     }
     const seconds = (now - this.firstAt) / 1000;
-    const estimate = this.chars / charsPerToken;
+    const estimate = (this.chars + this.reasoningChars) / charsPerToken;
     const rate = seconds > 0.05 ? `≈${(estimate / seconds).toFixed(0)}` : "…";
     showStats(formatMs(this.firstAt - this.sentAt), rate, `≈${Math.round(estimate)}`);
   }
@@ -286,6 +369,8 @@ class Turn {
       this.chars += untaken.length;
     }
     keepAtBottom(() => this.view.finish());
+    this.endThinking();
+    this.showCalls(true);
     this.open = false;
     this.article.classList.remove("streaming");
     this.article.removeAttribute("aria-busy");
@@ -316,9 +401,8 @@ class Turn {
     this.close();
     if (this.stream.abandoned && last !== this) return; // replaced by a regenerate
     const { usage, timings } = done;
-    if (usage.completion_tokens >= 8 && this.text.length > 0) {
-      charsPerToken = this.text.length / usage.completion_tokens;
-    }
+    const chars = this.text.length + (this.thinkingView?.source.length ?? 0);
+    if (usage.completion_tokens >= 8 && chars > 0) charsPerToken = chars / usage.completion_tokens;
     const ttft = this.firstAt === null ? null : this.firstAt - this.sentAt;
     const parts = [
       `${usage.completion_tokens} tokens`,
@@ -346,7 +430,9 @@ class Turn {
     notice.setAttribute("role", "alert");
     notice.textContent =
       error.code === "unsupported_option"
-        ? `The server refused an option: ${error.message}. Change it under Sampling, or Reset it.`
+        ? /'tools'|'tool_choice'/.test(error.message)
+          ? `The server refused the tools: ${error.message}. Change them under Tools, or empty it.`
+          : `The server refused an option: ${error.message}. Change it under Sampling, or Reset it.`
         : error.code === "connection_lost"
         ? "The connection dropped; this answer is incomplete."
         : error.code === "unknown_id"
@@ -374,6 +460,7 @@ function keepAtBottom(change) {
 
 const REASONS = /** @type {Record<string, string>} */ ({
   stop: "finished",
+  tool_calls: "tool calls",
   length: "max tokens reached",
   cancelled: "stopped",
   error: "error",
@@ -513,10 +600,10 @@ function stopEditing() {
  * @param {GenerationStream} stream
  * @param {HTMLElement} article
  * @param {import("/store.js").StoredMessage} record
- * @param {{role: string, content: string}[]} messages
- * @param {string} [prefix]
+ * @param {ChatMessage[]} messages
+ * @param {Received} [prefix]
  */
-function begin(stream, article, record, messages, prefix = "") {
+function begin(stream, article, record, messages, prefix) {
   const turn = new Turn(stream, article, record, messages, prefix);
   current = turn;
   last = turn;
@@ -540,18 +627,43 @@ function fitHistory(history) {
   let chars = 0;
   let start = history.length;
   while (start > 0) {
-    const next = chars + history[start - 1].content.length;
+    const next = chars + messageChars(history[start - 1]);
     if (start < history.length && (next > maxChars || history.length - start + 1 > maxMessages)) break;
     chars = next;
     start -= 1;
   }
   // A chat template wants the history to begin with the user.
   while (start < history.length - 1 && history[start].role !== "user") start += 1;
-  return history.slice(start).map(({ role, content }) => ({ role, content }));
+  return history.slice(start).map(historyMessage);
 }
 
-/** The fields of a request that the sampling disclosure decides (sampling.js). */
-const SAMPLED = new Set(["temperature", "repeat_penalty", "repeat_last_n", "min_p", "json_schema"]);
+/**
+ * What a message counts against `max_prompt_chars`: its text, and its calls'
+ * names and arguments (the server counts them too).
+ * @param {import("/store.js").StoredMessage} message
+ */
+function messageChars(message) {
+  return storedCalls(message.tool_calls).reduce((n, c) => n + c.name.length + c.arguments.length, message.content.length);
+}
+
+/**
+ * A stored message as the request sends it: an answer with tool calls
+ * carries them (its text, `null` if it has none), its reasoning stays out.
+ * @param {import("/store.js").StoredMessage} message
+ * @returns {ChatMessage}
+ */
+function historyMessage({ role, content, tool_calls }) {
+  const calls = storedCalls(tool_calls);
+  if (role !== "assistant" || calls.length === 0) return { role, content };
+  return {
+    role,
+    content: content || null,
+    tool_calls: calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } })),
+  };
+}
+
+/** The fields of a request that the sampling and tools disclosures decide. */
+const SAMPLED = new Set(["temperature", "repeat_penalty", "repeat_last_n", "min_p", "json_schema", "tools"]);
 
 /** The request's options from the controls; invalid or empty fields are left out. */
 function options() {
@@ -564,7 +676,34 @@ function options() {
     seed: seed >= 0 && seed < 2 ** 32 ? seed : undefined,
   };
   if (maxTokens >= 1) chosen.max_tokens = Math.min(maxTokens, limit);
+  if (toolsSetting.tools !== null) chosen.tools = toolsSetting.tools;
   return chosen;
+}
+
+// ------------------------------------------------------------------ tools
+
+/** Take the tools' text: kept as typed, sent only while it is a valid list. */
+function readTools() {
+  saveTools(ui.toolsText.value);
+  toolsSetting = parseTools(ui.toolsText.value);
+  showTools();
+}
+
+/** The summary (the functions' names) and the note: invalid, or not honoured. */
+function showTools() {
+  const { tools, error } = toolsSetting;
+  if (error !== null) ui.toolsText.setAttribute("aria-invalid", "true");
+  else ui.toolsText.removeAttribute("aria-invalid");
+  ui.toolsSummary.textContent = tools ? tools.map((t) => t.function.name).join(", ") : error ? "invalid" : "none";
+  const honours = client.hello?.honours;
+  ui.toolsNote.classList.toggle("invalid", error !== null);
+  if (error !== null) {
+    ui.toolsNote.textContent = `Not a list of function tools: ${error}. No tools are sent until it is fixed.`;
+  } else if (tools && Array.isArray(honours) && !honours.includes("tools")) {
+    ui.toolsNote.textContent = "This server's engine does not take tools: a request with them is refused.";
+  } else {
+    ui.toolsNote.textContent = "";
+  }
 }
 
 // ------------------------------------------------------------------ sampling
@@ -651,6 +790,14 @@ function showConversation() {
       view.append(message.content);
       view.finish();
       answerText.set(article, () => view.source);
+      if (typeof message.reasoning === "string" && message.reasoning) {
+        const { details, body } = thinkingBlock(article);
+        const thoughts = new View(body);
+        thoughts.append(message.reasoning);
+        thoughts.finish();
+        setThinking(details, false);
+      }
+      showToolCalls(article, storedCalls(message.tool_calls), true);
       /** @type {HTMLElement} */ (article.querySelector(".meta")).textContent = message.meta || "Incomplete";
     }
   }
@@ -784,6 +931,7 @@ document.addEventListener("keydown", (event) => {
 
 for (const [field] of SAMPLING_FIELDS) ui[field].addEventListener("input", readSampling);
 ui.json.addEventListener("change", readSampling);
+ui.toolsText.addEventListener("input", readTools);
 ui.samplingReset.addEventListener("click", () => {
   Object.assign(settings, DEFAULTS);
   saveSettings(settings);
@@ -811,6 +959,9 @@ function saveResumable() {
     afterSeq: stream.lastSeq,
     // Exactly the text up to afterSeq (the store may hold a little less).
     text: current.text.slice(0, current.prefixChars) + stream.text,
+    reasoning: current.prefixReasoning + stream.reasoning,
+    // The calls so far (a resumed stream's include those it was given).
+    toolCalls: stream.toolCalls.map(({ index, id, name, arguments: args }) => ({ index, id, name, arguments: args })),
     conversation: store.currentId,
   };
   try {
@@ -834,11 +985,19 @@ function resumeSaved() {
   const record = chat?.messages.at(-1);
   const article = /** @type {HTMLElement | null} */ (ui.log.querySelector(".message.assistant:last-of-type"));
   if (!chat || store.currentId !== saved.conversation || record?.role !== "assistant" || article === null) return;
-  const stream = client.resume({ id: saved.id, resumeToken: saved.resumeToken, afterSeq: saved.afterSeq });
-  begin(stream, article, record, fitHistory(chat.messages.slice(0, -1)), String(saved.text ?? ""));
+  const stream = client.resume({
+    id: saved.id,
+    resumeToken: saved.resumeToken,
+    afterSeq: saved.afterSeq,
+    toolCalls: storedCalls(saved.toolCalls),
+  });
+  const prefix = { text: String(saved.text ?? ""), reasoning: String(saved.reasoning ?? "") };
+  begin(stream, article, record, fitHistory(chat.messages.slice(0, -1)), prefix);
 }
 
 fillSampling();
+ui.toolsText.value = loadTools();
+showTools();
 showConversation();
 showHistory();
 resumeSaved();

@@ -16,7 +16,8 @@ const VERSION = 1;
 const SAVE_INTERVAL_MS = 1000;
 
 /**
- * @typedef {{role: "user" | "assistant", content: string, meta?: string}} StoredMessage
+ * @typedef {{role: "user" | "assistant", content: string, meta?: string, reasoning?: string, tool_calls?: import("/tools.js").StoredCall[]}} StoredMessage
+ *   an answer's `reasoning` and `tool_calls` (tools.js) are kept beside its text
  * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[]}} Conversation
  */
 

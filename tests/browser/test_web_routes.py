@@ -19,6 +19,7 @@ ASSETS = {
     "/markdown.js": ("web/markdown.js", "text/javascript; charset=utf-8"),
     "/store.js": ("web/store.js", "text/javascript; charset=utf-8"),
     "/sampling.js": ("web/sampling.js", "text/javascript; charset=utf-8"),
+    "/tools.js": ("web/tools.js", "text/javascript; charset=utf-8"),
     "/style.css": ("web/style.css", "text/css; charset=utf-8"),
     "/wsserver.js": ("js/wsserver.js", "text/javascript; charset=utf-8"),
     "/vendor/marked.esm.js": ("web/vendor/marked.esm.js", "text/javascript; charset=utf-8"),

@@ -11,5 +11,16 @@ frames, routing) with its reconnect/resume policy,
 from __future__ import annotations
 
 from .client import Client, GenerationError, RequestResult, Stream
+from .core import Event, Reasoning, Text, ToolCall, ToolCallDelta
 
-__all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
+__all__ = [
+    "Client",
+    "Event",
+    "GenerationError",
+    "Reasoning",
+    "RequestResult",
+    "Stream",
+    "Text",
+    "ToolCall",
+    "ToolCallDelta",
+]

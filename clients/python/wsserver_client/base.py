@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
 from wsserver.protocol import Error, Hello
 
@@ -22,6 +22,10 @@ from .reconnect import ReconnectPolicy
 __all__ = ["ClientBase"]
 
 S = TypeVar("S", bound=Request)
+
+#: ``tool_choice``: "auto", "none", "required", or
+#: ``{"type": "function", "function": {"name": …}}``.
+ToolChoice = Literal["auto", "none", "required"] | dict[str, Any]
 
 
 class ClientBase(Generic[S]):
@@ -96,11 +100,29 @@ class ClientBase(Generic[S]):
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         id: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        reasoning_format: Literal["none", "auto"] | None = None,
         **params: Any,
     ) -> S:
-        """A request; iterate the returned stream for its text."""
+        """A request; iterate the returned stream for its text, or its
+        :meth:`events` for the reasoning and tool calls too.
+
+        ``tools`` (OpenAI's function tools), ``tool_choice``,
+        ``parallel_tool_calls`` and ``reasoning_format`` go to the server as
+        given (docs/protocol.md, ``generate``), like every other keyword
+        argument; one left at ``None`` is not sent (the server's default).
+        """
+        chat_options = {
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
+            "reasoning_format": reasoning_format,
+        }
+        params.update({k: v for k, v in chat_options.items() if v is not None})
         if self.resumable:
             params.setdefault("resumable", True)
         request_id, frame = self.requests.generate_frame(prompt, messages, id, params)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
@@ -34,13 +34,21 @@ from websockets.exceptions import ConnectionClosed
 from wsserver.protocol import Done
 
 from .base import ClientBase
-from .core import GenerationError, Request, RequestResult
+from .core import Event, GenerationError, Request, RequestResult
 
 __all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
+
+T = TypeVar("T")
 
 
 class Stream(Request):
     """One request's frames. Iterate for text; ``done`` is set at the end.
+
+    ``async for event in stream.events()`` yields every event instead: the
+    answer's :class:`~wsserver_client.core.Text`, the model's
+    :class:`~wsserver_client.core.Reasoning` and each part of its tool calls
+    (:class:`~wsserver_client.core.ToolCallDelta`). Either way
+    :attr:`reasoning` and :attr:`tool_calls` hold what arrived.
 
     Leaving the loop early does not cancel the request (iterate again to read
     on); :meth:`cancel` or :meth:`Client.restart` does.
@@ -62,18 +70,24 @@ class Stream(Request):
         return self
 
     def __aiter__(self) -> AsyncIterator[str]:
-        return self._iterate()
+        return self._iterate(self.pieces)
 
-    async def _iterate(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[Event]:
+        """Iterate the request's events (text, reasoning, tool call parts)."""
+        return self._iterate(self.event_pieces)
+
+    async def _iterate(self, items: Callable[[], Iterator[T | None]]) -> AsyncIterator[T]:
         await self.send()
-        for text in self.pieces():
-            if text is not None:
-                yield text
+        for item in items():
+            if item is not None:
+                yield item
                 continue
-            # Nothing can happen between pieces() finding no text and clear():
-            # no await in between, so no wake-up is lost.
-            self._wake.clear()
-            await self._wake.wait()
+            # Nothing can happen between items() finding nothing and clear():
+            # no await in between, so no wake-up is lost. (Finding no text
+            # may have passed over other events and left the request ended.)
+            if not self.ready:
+                self._wake.clear()
+                await self._wake.wait()
 
     async def result(self) -> RequestResult:
         """Read to the end; return the whole text and the ``done`` frame."""

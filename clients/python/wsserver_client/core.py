@@ -6,6 +6,12 @@ else lives here, once, with no socket, no asyncio and no websockets:
 
 * building the ``generate``, ``restart`` and ``cancel`` frames and the IDs;
 * routing each server frame by its request ID to a :class:`Request`;
+* what a delta carries besides the answer's text: the model's reasoning
+  (:attr:`Request.reasoning`) and its tool calls, joined from their parts
+  (:attr:`Request.tool_calls`, each a :class:`ToolCall` that parses its
+  arguments or says why they do not parse), and the same in order as typed
+  events (:class:`Text`, :class:`Reasoning`, :class:`ToolCallDelta`) for
+  :meth:`Request.event_pieces`;
 * the late-frame rule: once the caller cancels or restarts a request
   (:meth:`Request.abandon`), none of its text reaches the caller any more —
   neither frames still on the wire nor text already received but not yet
@@ -23,8 +29,9 @@ else lives here, once, with no socket, no asyncio and no websockets:
   :meth:`RequestTable.reconnect_waits` and :meth:`RequestTable.retry_wait`.
 
 An I/O layer feeds received messages to :meth:`RequestTable.receive`, sends
-the frames this module builds, and iterates :meth:`Request.pieces`, waiting
-(in its own way) whenever it has no text yet. A subclass of
+the frames this module builds, and iterates :meth:`Request.pieces` (the
+answer's text) or :meth:`Request.event_pieces` (every event), waiting (in its own
+way) whenever it has nothing yet. A subclass of
 :class:`Request` can override :meth:`Request.changed` to be woken. The table
 reads the time from the clock it is given (``time.monotonic``), only to
 measure how long ago a connection was lost; the I/O layer does the waiting.
@@ -33,12 +40,13 @@ measure how long ago a connection was lost; the I/O layer does the waiting.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from wsserver.protocol import (
@@ -62,7 +70,17 @@ from .reconnect import (
     retries_refusal,
 )
 
-__all__ = ["GenerationError", "Request", "RequestResult", "RequestTable"]
+__all__ = [
+    "Event",
+    "GenerationError",
+    "Reasoning",
+    "Request",
+    "RequestResult",
+    "RequestTable",
+    "Text",
+    "ToolCall",
+    "ToolCallDelta",
+]
 
 
 class GenerationError(Exception):
@@ -81,12 +99,110 @@ class GenerationError(Exception):
 
 
 @dataclass
+class ToolCall:
+    """One tool call of the model, as joined from its parts so far.
+
+    The server sends a call's ``id`` and function ``name`` first, then its
+    ``arguments`` as JSON text in fragments (docs/protocol.md, "Tool calls");
+    once the request has ended, :attr:`arguments` is the whole text.
+    :attr:`parsed_arguments` is that text parsed (``None`` while it does not
+    parse), :attr:`arguments_error` why it does not parse (``None`` when it
+    does): the server checks a call before it sends it, so an error here means
+    an incomplete call (the request was cancelled mid-call) or a server that
+    does not check (a relay's upstream, an older server).
+    """
+
+    #: The call's position among the turn's calls (0, 1, …).
+    index: int
+    #: The call's id, which a ``tool`` message with the result names.
+    id: str
+    #: The function called (one of the request's ``tools``).
+    name: str
+    #: The arguments' JSON text, joined from the parts received.
+    arguments: str = ""
+
+    @property
+    def parsed_arguments(self) -> dict[str, Any] | None:
+        """The arguments as a JSON object, or ``None`` if they are not one."""
+        value, _ = self._parse()
+        return value
+
+    @property
+    def arguments_error(self) -> str | None:
+        """Why :attr:`arguments` is not a JSON object (``None`` if it is)."""
+        _, error = self._parse()
+        return error
+
+    def _parse(self) -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            value = json.loads(self.arguments)
+        except ValueError as exc:
+            return None, f"the arguments are not valid JSON: {exc}"
+        if not isinstance(value, dict):
+            return None, f"the arguments are JSON but not an object: {type(value).__name__}"
+        return value, None
+
+    def message(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry (OpenAI's shape)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """A piece of the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """A piece of the model's reasoning (its think block), which comes before
+    the answer (docs/protocol.md, "Reasoning")."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A part of a tool call arrived: ``arguments`` is the text it added
+    (the first part of a call brings its ``id`` and ``name``, maybe no text
+    yet); ``call`` is the call it belongs to, the same object for every part
+    of it, which keeps growing as later parts arrive."""
+
+    call: ToolCall
+    arguments: str
+
+
+#: What :meth:`Request.events` yields, in the order the server sent it.
+Event = Text | Reasoning | ToolCallDelta
+
+
+@dataclass
 class RequestResult:
-    """A finished request: its whole text and its ``done`` frame."""
+    """A finished request: its whole text and its ``done`` frame, with the
+    model's reasoning and its tool calls (``done.reason == "tool_calls"``)."""
 
     id: str
     text: str
     done: Done
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant message of a chat's next request:
+        ``content`` (``None`` beside tool calls when there is no text) and its
+        ``tool_calls``. The reasoning is left out, as chat templates expect."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text}
+        return {
+            "role": "assistant",
+            "content": self.text or None,
+            "tool_calls": [call.message() for call in self.tool_calls],
+        }
 
 
 class Request:
@@ -124,12 +240,21 @@ class Request:
         # The server answered the request frame (queued, started or text): an
         # error after that is about a later frame of ours, i.e. our cancel.
         self._acknowledged = False
-        self._unread: deque[str] = deque()
+        #: The model's tool calls, in order, joined from their parts so far.
+        self.tool_calls: list[ToolCall] = []
+        self._calls: dict[int, ToolCall] = {}
+        self._unread: deque[Event] = deque()
 
     @property
     def text(self) -> str:
         """All text received (the caller may not have read all of it)."""
         return "".join(d.text for d in self.deltas)
+
+    @property
+    def reasoning(self) -> str:
+        """All reasoning received (a think block the server kept apart from
+        the text: ``reasoning_format`` "auto")."""
+        return "".join(d.reasoning or "" for d in self.deltas)
 
     @property
     def abandoned(self) -> bool:
@@ -163,7 +288,18 @@ class Request:
         return self.resume_token is not None and not self.finished
 
     def take(self) -> str | None:
-        """The next piece of text for the caller, or ``None`` if there is none yet."""
+        """The next piece of text for the caller, or ``None`` if there is none
+        yet. Events that are not text (reasoning, tool calls) are passed over:
+        read them from :attr:`reasoning` and :attr:`tool_calls`, or take
+        every event with :meth:`take_event` instead."""
+        while self._unread:
+            event = self._unread.popleft()
+            if isinstance(event, Text):
+                return event.text
+        return None
+
+    def take_event(self) -> Event | None:
+        """The next event for the caller, or ``None`` if there is none yet."""
         return self._unread.popleft() if self._unread else None
 
     def pieces(self) -> Iterator[str | None]:
@@ -173,6 +309,13 @@ class Request:
         its :class:`GenerationError` if it failed."""
         while not self.ended:
             yield self.take()
+        self.raise_for_error()
+
+    def event_pieces(self) -> Iterator[Event | None]:
+        """:meth:`pieces` for every event: the answer's text, the reasoning
+        and the tool calls' parts, in the order the server sent them."""
+        while not self.ended:
+            yield self.take_event()
         self.raise_for_error()
 
     def raise_for_error(self) -> None:
@@ -186,7 +329,13 @@ class Request:
         ended without a ``done``."""
         if self.done is None:
             raise self.error or GenerationError("internal", "the request has not ended", self.id)
-        return RequestResult(id=self.id, text=self.text, done=self.done)
+        return RequestResult(
+            id=self.id,
+            text=self.text,
+            done=self.done,
+            reasoning=self.reasoning,
+            tool_calls=list(self.tool_calls),
+        )
 
     def changed(self) -> None:
         """Called after text arrived or the request ended; a hook for I/O layers."""
@@ -203,7 +352,7 @@ class Request:
                 return  # replayed after a resume, and already here
             if not self._abandoned:  # a late frame of a cancelled request is dropped
                 self.deltas.append(frame)
-                self._unread.append(frame.text)
+                self._unread.extend(self._events(frame))
                 self.changed()
         elif isinstance(frame, Queued):
             self._acknowledged = True
@@ -230,6 +379,22 @@ class Request:
                 return
             self.resuming = False
             self.fail(GenerationError(frame.code, frame.message, frame.id))
+
+    def _events(self, frame: Delta) -> Iterator[Event]:
+        """A delta's events in the protocol's order (reasoning, text, calls),
+        joining each call part to its call."""
+        if frame.reasoning:
+            yield Reasoning(frame.reasoning)
+        if frame.text:
+            yield Text(frame.text)
+        for part in frame.tool_calls or ():
+            call = self._calls.get(part.index)
+            if call is None:
+                call = ToolCall(part.index, part.id or "", part.name or "")
+                self._calls[part.index] = call
+                self.tool_calls.append(call)
+            call.arguments += part.arguments
+            yield ToolCallDelta(call, part.arguments)
 
     def abandon(self) -> None:
         """The caller gave up: text not yet read is dropped, and so is any to come."""
@@ -289,7 +454,7 @@ class RequestTable(Generic[R]):
     def generate_frame(
         self,
         prompt: str | None,
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         request_id: str | None,
         params: dict[str, Any],
     ) -> tuple[str, dict[str, Any]]:

@@ -41,7 +41,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from websockets.exceptions import ConnectionClosed
@@ -50,13 +50,40 @@ from websockets.sync.client import ClientConnection, connect
 from wsserver.protocol import Done
 
 from .base import ClientBase
-from .core import GenerationError, Request, RequestResult
+from .core import (
+    Event,
+    GenerationError,
+    Reasoning,
+    Request,
+    RequestResult,
+    Text,
+    ToolCall,
+    ToolCallDelta,
+)
 
-__all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
+__all__ = [
+    "Client",
+    "Event",
+    "GenerationError",
+    "Reasoning",
+    "RequestResult",
+    "Stream",
+    "Text",
+    "ToolCall",
+    "ToolCallDelta",
+]
+
+T = TypeVar("T")
 
 
 class Stream(Request):
     """One request. Iterate for text; ``done`` is set at the end.
+
+    ``for event in stream.events()`` yields every event instead: the
+    answer's :class:`~wsserver_client.core.Text`, the model's
+    :class:`~wsserver_client.core.Reasoning` and each part of its tool calls
+    (:class:`~wsserver_client.core.ToolCallDelta`). Either way
+    :attr:`reasoning` and :attr:`tool_calls` hold what arrived.
 
     Leaving the loop with ``break`` does not cancel the request (iterate
     again to read on); :meth:`cancel`, :meth:`Client.restart` or Ctrl-C does.
@@ -74,13 +101,20 @@ class Stream(Request):
         return self
 
     def __iter__(self) -> Iterator[str]:
+        return self._iterate(self.pieces)
+
+    def events(self) -> Iterator[Event]:
+        """Iterate the request's events (text, reasoning, tool call parts)."""
+        return self._iterate(self.event_pieces)
+
+    def _iterate(self, items: Callable[[], Iterator[T | None]]) -> Iterator[T]:
         try:
             self.send()
-            for text in self.pieces():
-                if text is None:
+            for item in items():
+                if item is None:
                     self.client._wait(lambda: self.ready)
                 else:
-                    yield text
+                    yield item
         except KeyboardInterrupt:
             self._interrupted()
             raise
