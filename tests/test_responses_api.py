@@ -435,3 +435,20 @@ def test_the_item_open_when_a_response_is_cut_ends_incomplete() -> None:
     ]
     (item,) = events[-1]["response"]["output"]
     assert (item["type"], item["status"]) == ("reasoning", "incomplete")
+
+
+def test_a_call_cut_by_a_cancel_is_incomplete_and_not_carried_over() -> None:
+    request = ResponsesRequest(input=({"role": "user", "content": "q"},), tools=(WEATHER,))
+    render = ResponseRender(request, response_id="resp_x", model="m")
+    events = render.delta("", tool_calls=(CallPart(0, '{"city":', "call_a", "get_weather"),))
+    events += render.end(done("cancelled"))
+    (call,) = events[-1]["response"]["output"]
+    assert (call["type"], call["status"], call["arguments"]) == (
+        "function_call",
+        "incomplete",
+        '{"city":',
+    )
+    assert render.conversation(()) == (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": ""},
+    )

@@ -359,8 +359,10 @@ class ResponseRender:
     def conversation(self, history: tuple[Message, ...]) -> tuple[Message, ...]:
         """What a next turn's ``previous_response_id`` continues: the earlier
         conversation, this input and this output as one assistant message —
-        its text and its calls (instructions are not carried over, as OpenAI's
-        are not; nor is the reasoning, as chat templates drop earlier turns')."""
+        its text and its whole calls (instructions are not carried over, as
+        OpenAI's are not; nor is the reasoning, as chat templates drop earlier
+        turns'; nor a call cut short by a cancel, whose arguments may not be
+        JSON yet)."""
         calls = [
             {
                 "id": item.call_id,
@@ -368,7 +370,7 @@ class ResponseRender:
                 "function": {"name": item.name, "arguments": item.text},
             }
             for item in self.items
-            if item.kind == "function_call"
+            if item.kind == "function_call" and item.status == "completed"
         ]
         answer: dict[str, Any] = {"role": "assistant", "content": self.text}
         if calls:
