@@ -1,7 +1,7 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
-                    upstream batched resume structured]
+                    upstream batched resume structured responses]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
                     [--baseline REF]
 
@@ -31,6 +31,7 @@ from . import (
     idle,
     openai_sse,
     page,
+    responses,
     resume,
     slow,
     structured,
@@ -55,6 +56,7 @@ ALIASES = {
     "10": "batched",
     "11": "resume",
     "12": "structured",
+    "13": "responses",
 }
 
 
@@ -188,6 +190,14 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
             results["structured"] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:
             results["structured"] = _failed(exc)
+    if "responses" in sections:
+        opts.log("section responses: five turns four ways, and the Responses wire's overhead")
+        try:
+            results["responses"] = await responses.run(opts)
+        except Skip as exc:
+            results["responses"] = {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            results["responses"] = _failed(exc)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")

@@ -25,7 +25,7 @@ def _row(result: dict[str, Any], contender: str, phase: str | None = None) -> di
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for key in ("throughput", "cancel", "page", "upstream", "batched", "structured"):
+    for key in ("throughput", "cancel", "page", "upstream", "batched", "structured", "responses"):
         result = results.get(key)
         if _ok(result):
             if key == "batched":
@@ -36,6 +36,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 from .structured_report import targets as structured_targets
 
                 out += structured_targets(result)
+            elif key == "responses":
+                from .responses import targets as responses_targets
+
+                out += responses_targets(result)
             else:
                 out += result["targets"]
         elif result is not None:
@@ -138,6 +142,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .structured_report import summary_line as structured_line
 
         lines.append(structured_line(st))
+    rp = results.get("responses")
+    if _ok(rp):
+        from .responses import summary_line as responses_line
+
+        lines.append(responses_line(rp))
     rs = results.get("resume")
     if _ok(rs):
         worst, latency = rs["worst"], rs["latency"]["connect_to_replay_ms"]

@@ -16,6 +16,7 @@ from . import (
     idle,
     openai_sse,
     page,
+    responses,
     resume,
     slow,
     structured,
@@ -46,6 +47,11 @@ SECTIONS = {
         "12. The sampler chain and structured output: the default chain's cost, JSON schemas "
         "against llama-server",
         structured,
+    ),
+    "responses": (
+        "13. The Responses API: five turns four ways (previous_response_id over HTTP and in "
+        "WebSocket mode, the whole history, our protocol), and the wire's overhead",
+        responses,
     ),
 }
 

@@ -13,6 +13,7 @@ from wsserver.protocol import Done, Limits, Timings, Usage
 from wsserver.responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from wsserver.responses_render import ResponseRender, sse
 from wsserver.responses_store import ResponseStore, StoredResponse
+from wsserver.tool_calls import CallPart
 
 LIMITS = Limits(
     max_frame_bytes=1 << 20,
@@ -98,10 +99,18 @@ def test_message_items_with_text_parts_and_history() -> None:
     ("body", "param", "code"),
     [
         (
-            {"input": "x", "tools": [{"type": "function", "name": "f"}]},
+            {"input": "x", "tools": [{"type": "function", "name": "f", "strict": True}]},
             "tools",
             "unsupported_parameter",
         ),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools", "unsupported_parameter"),
+        (
+            {"input": "x", "tool_choice": {"type": "web_search_preview"}},
+            "tool_choice",
+            "unsupported_parameter",
+        ),
+        ({"input": "x", "parallel_tool_calls": 1}, "parallel_tool_calls", "bad_request"),
+        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "unsupported_parameter"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
         (
@@ -127,8 +136,10 @@ def test_fields_not_honoured_are_refused_by_name(
 @pytest.mark.parametrize(
     ("item", "named"),
     [
-        ({"type": "function_call_output", "call_id": "c", "output": "x"}, "function_call_output"),
-        ({"type": "reasoning", "summary": []}, "reasoning"),
+        ({"type": "item_reference", "id": "fc_1"}, "item_reference"),
+        ({"type": "function_call_output", "call_id": "c", "output": 3}, "output"),
+        ({"type": "function_call", "call_id": "c", "name": "f"}, "arguments"),
+        ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1}, "'x'"),
         ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
         ({"role": "tool", "content": "x"}, "role"),
     ],
@@ -249,3 +260,195 @@ def test_the_store_forgets_after_its_ttl() -> None:
     assert store.get("a", 9.9) is not None
     assert store.get("a", 10.0) is None and store.bytes == 0
     assert orjson.loads(entry("a", "x").body) == {"id": "a"}
+
+
+# ---------------------------------------------------------------- tools and reasoning
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def test_function_items_become_the_cores_tool_calls_and_tool_messages() -> None:
+    request = parse_body(
+        {
+            "input": [
+                {"role": "user", "content": "weather in Paris and Rome?"},
+                {"type": "reasoning", "id": "rs_1", "summary": [], "content": []},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+                {
+                    "type": "function_call",
+                    "id": "fc_1",
+                    "call_id": "call_1",
+                    "name": "get_weather",
+                    "arguments": '{"city":"Paris"}',
+                    "status": "completed",
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_2",
+                    "name": "get_weather",
+                    "arguments": '{"city":"Rome"}',
+                },
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "call_2",
+                    "output": [{"type": "input_text", "text": "21 C"}],
+                },
+            ],
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "parallel_tool_calls": False,
+        }
+    )
+    generate = to_generate(request, (), "resp_1", LIMITS)
+    messages = generate.messages or ()
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+    assistant = messages[1]
+    assert assistant.content == "Checking."
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [
+        ("call_1", "get_weather", '{"city":"Paris"}'),
+        ("call_2", "get_weather", '{"city":"Rome"}'),
+    ]
+    assert [(m.tool_call_id, m.content) for m in messages[2:]] == [
+        ("call_1", "18 C"),
+        ("call_2", "21 C"),
+    ]
+    (tool,) = orjson.loads(generate.tools or "[]")
+    assert tool["function"]["name"] == "get_weather"
+    assert tool["function"]["parameters"] == WEATHER["parameters"]
+    # A named function is the core's forced call (the engine refuses it if it cannot).
+    assert (generate.tool_choice, generate.tool_name) == ("required", "get_weather")
+    assert generate.parallel_tool_calls is False
+
+
+def test_without_tools_the_harmless_choices_are_dropped() -> None:
+    request = parse_body({"input": "x", "tool_choice": "none", "parallel_tool_calls": True})
+    generate = to_generate(request, (), "r", LIMITS)
+    assert (generate.tools, generate.tool_choice, generate.parallel_tool_calls) == (
+        None,
+        None,
+        None,
+    )
+    with pytest.raises(ApiError) as info:
+        to_generate(parse_body({"input": "x", "tool_choice": "required"}), (), "r", LIMITS)
+    assert info.value.param == "tool_choice"
+
+
+def test_reasoning_text_and_two_calls_are_items_in_order() -> None:
+    request = ResponsesRequest(input=({"role": "user", "content": "q"},), tools=(WEATHER,))
+    render = ResponseRender(request, response_id="resp_x", model="m", created_at=1)
+    events = (
+        render.delta("", reasoning="hm")
+        + render.delta("", reasoning="m")
+        + render.delta("Checking.")
+        + render.delta(
+            "",
+            tool_calls=(
+                CallPart(0, '{"city":', "call_a", "get_weather"),
+                CallPart(0, '"Paris"}'),
+                CallPart(1, '{"city":"Rome"}', "call_b", "get_weather"),
+            ),
+        )
+        + render.end(
+            Done(
+                id="r",
+                reason="tool_calls",
+                usage=Usage(prompt_tokens=3, completion_tokens=9, reasoning_tokens=2),
+                timings=Timings(queued_ms=0.0, ttft_ms=1.0, total_ms=2.0, tokens_per_s=1.0),
+            )
+        )
+    )
+    assert [(e["type"], e.get("output_index")) for e in events] == [
+        ("response.created", None),
+        ("response.in_progress", None),
+        ("response.output_item.added", 0),
+        ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1),
+        ("response.output_text.delta", 1),
+        ("response.output_text.done", 1),
+        ("response.content_part.done", 1),
+        ("response.output_item.done", 1),
+        ("response.output_item.added", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2),
+        ("response.output_item.added", 3),
+        ("response.function_call_arguments.delta", 3),
+        ("response.function_call_arguments.done", 3),
+        ("response.output_item.done", 3),
+        ("response.completed", None),
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    reasoning, message, first, second = final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert message["content"][0]["text"] == "Checking."
+    assert (first["call_id"], first["arguments"]) == ("call_a", '{"city":"Paris"}')
+    assert (second["call_id"], second["name"]) == ("call_b", "get_weather")
+    assert len({item["id"] for item in final["output"]}) == 4
+    assert first["id"].startswith("fc_") and reasoning["id"].startswith("rs_")
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    assert final["tools"] == [WEATHER]
+    # The next turn continues with the text and both calls as one assistant message.
+    assert render.conversation(()) == (
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                },
+                {
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                },
+            ],
+        },
+    )
+
+
+def test_the_item_open_when_a_response_is_cut_ends_incomplete() -> None:
+    render = ResponseRender(ResponsesRequest(input=()), response_id="resp_x", model="m")
+    events = render.delta("", reasoning="thinking") + render.end(done("length"))
+    assert [e["type"] for e in events][-4:] == [
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    (item,) = events[-1]["response"]["output"]
+    assert (item["type"], item["status"]) == ("reasoning", "incomplete")
+
+
+def test_a_call_cut_by_a_cancel_is_incomplete_and_not_carried_over() -> None:
+    request = ResponsesRequest(input=({"role": "user", "content": "q"},), tools=(WEATHER,))
+    render = ResponseRender(request, response_id="resp_x", model="m")
+    events = render.delta("", tool_calls=(CallPart(0, '{"city":', "call_a", "get_weather"),))
+    events += render.end(done("cancelled"))
+    (call,) = events[-1]["response"]["output"]
+    assert (call["type"], call["status"], call["arguments"]) == (
+        "function_call",
+        "incomplete",
+        '{"city":',
+    )
+    assert render.conversation(()) == (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": ""},
+    )

@@ -124,7 +124,7 @@ async def test_bad_input_is_a_clear_400_and_the_server_stays_usable() -> None:
             ({"extra_body": {"nonsense": 1}}, "nonsense"),
             (
                 {"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
-                "function_call_output",
+                "no function_call before it",
             ),
         ]
         for extra, named in cases:

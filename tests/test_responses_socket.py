@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 import pytest
-from conftest import running_server, timeout, wire
+from conftest import handlers_finished, running_server, timeout, wire
+from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
+from wsserver.aio.peer import PeerAwareConnection
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -243,3 +247,113 @@ async def test_the_token_is_checked_at_the_upgrade() -> None:
         with pytest.raises(Exception, match="401"):
             async with connected(server, api_key="wrong"):
                 pass
+
+
+async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on() -> None:
+    """A client sends ``response.create`` and never reads: once the kernel's
+    buffers and the server's write buffer are full its producer pauses on the
+    full channel, the memory held for the connection stays bounded (the
+    channel plus the write buffer, as for our protocol's slow reader), another
+    connection streams meanwhile, ``response.cancel`` (sent, never read back)
+    ends the producer, and closing the socket releases the rest."""
+    bound = 64 * 1024
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        backend__fake__parallel=3,
+        stream__queue_tokens=64,
+        server__sndbuf=16384,
+        server__write_limit=16384,
+        server__ping_interval_s=0,
+        server__send_timeout_s=timeout(60),
+        stream__stall_timeout_s=0,
+    ) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        url = f"ws://127.0.0.1:{server.port}/v1/responses"
+        async with ws_connect(url, sock=sock, max_queue=1) as ws:
+            create = {"type": "response.create", "input": "p", "max_output_tokens": 10**6}
+            await ws.send(json.dumps({**create, "stream_id": "a"}))
+            created = json.loads(await ws.recv())
+            assert created["type"] == "response.created"
+            ws.transport.pause_reading()  # from now on, read nothing
+            (hog,) = server.responses_sockets.values()
+            assert isinstance(hog.ws, PeerAwareConnection)
+            first = hog.generations[created["response"]["id"]]
+            # The kernel's buffers are full once the server's write buffer
+            # passes its limit; then the channel fills and the producer waits.
+            async with asyncio.timeout(timeout(30)):
+                await hog.ws.writing_paused.wait()
+            blocked = await asyncio.to_thread(first.channel.blocked.wait, timeout(30))
+            assert blocked, "the producer never felt the backpressure"
+            assert hog.ws.writing_paused.is_set() and first.channel.blocked.is_set()
+            assert hog.buffered_bytes() < bound, hog.buffered_bytes()
+            tokens = first.channel.tokens
+
+            # Another client streams a whole response meanwhile.
+            async with connected(server) as other:
+                await other.send(
+                    {"type": "response.create", "input": "hi", "max_output_tokens": 50}
+                )
+                events = await until_terminal(other)
+                assert events[-1].type == "response.incomplete"
+                assert events[-1].response.usage.output_tokens == 50
+            # Still paused: nothing more was made for the client that reads nothing.
+            assert first.channel.blocked.is_set() and first.channel.tokens == tokens
+            assert hog.buffered_bytes() < bound, hog.buffered_bytes()
+
+            # Cancel (sent, never read back): the producer ends and lets go of the model.
+            await ws.send(json.dumps({"type": "response.cancel", "response_id": first.request.id}))
+            assert first.exited is not None
+            async with asyncio.timeout(timeout(30)):
+                await asyncio.shield(first.exited)
+            # Its closing events repeat the whole text (output_text.done, …), as the
+            # Responses API has them: one of them now waits in the write buffer,
+            # on top of the bound. The text is what the response keeps anyway.
+            text_bytes = len(hog.runs[first.request.id].render.text.encode())
+            bound += text_bytes + 4096
+
+            # A second lane's response pauses too; closing the socket releases it.
+            table = hog.generations = _Announcing(hog.generations)
+            await ws.send(json.dumps({**create, "stream_id": "b"}))
+            async with asyncio.timeout(timeout(30)):
+                second = await table.added.get()
+            # It has the model, but its first event waits behind the first
+            # response's last ones in the full write buffer: nothing is made.
+            assert hog.ws.writing_paused.is_set()
+            assert hog.buffered_bytes() < bound, hog.buffered_bytes()
+            ws.transport.abort()
+        await handlers_finished(server)
+        assert second.channel.tokens == 0
+        assert not server.responses_sockets
+        assert server.producer_threads() == 0
+        # Both slots are free again: two lanes of a new client run at once.
+        async with connected(server) as again:
+            for lane in ("x", "y", "z"):
+                await again.send(
+                    {
+                        "type": "response.create",
+                        "input": lane,
+                        "max_output_tokens": 3,
+                        "stream_id": lane,
+                    }
+                )
+            ended = 0
+            async with asyncio.timeout(timeout(30)):
+                async for event in again:
+                    ended += event.type == "response.incomplete"
+                    if ended == 3:
+                        break
+
+
+class _Announcing(dict[str, Any]):
+    """A socket's generations table that announces each generation added."""
+
+    def __init__(self, table: dict[str, Any]) -> None:
+        super().__init__(table)
+        self.added: asyncio.Queue[Any] = asyncio.Queue()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.added.put_nowait(value)

@@ -10,16 +10,16 @@ the same limits, with the same messages, as every other.
 **Honour or refuse, never ignore.** Every field is in one of three tables:
 honoured (:data:`HONOURED`), accepted because it changes nothing we produce
 (:data:`HARMLESS`, with the values that keep it so), or refused by name
-(:data:`REFUSED`: tools, reasoning, structured output, background mode, …).
-A field in none of them is refused as unknown. Input items are messages with
-``input_text`` (or, for the assistant, ``output_text``) parts; every other item
-or part type is refused naming it. ``null`` means "not given".
+(:data:`REFUSED`: reasoning options, structured output, background mode, …).
+A field in none of them is refused as unknown. ``null`` means "not given".
 
+Input items and function tools are :mod:`wsserver.responses_items`'s.
 The events and response objects are :mod:`wsserver.responses_render`'s.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -30,6 +30,15 @@ import orjson
 from .api_errors import ApiError
 from .errors import ProtocolError
 from .protocol import Generate, Limits, parse_client_frame
+from .responses_items import (
+    Message,
+    bad_request,
+    chat_tools,
+    check_outputs,
+    parse_choice,
+    parse_function_tools,
+    parse_input,
+)
 
 __all__ = [
     "HARMLESS",
@@ -42,9 +51,6 @@ __all__ = [
     "parse_json",
     "to_generate",
 ]
-
-#: One message of a conversation, as the protocol's ``generate`` takes it.
-Message = Mapping[str, str]
 
 #: Fields that shape the answer, and are honoured.
 HONOURED: Final = frozenset(
@@ -59,12 +65,21 @@ HONOURED: Final = frozenset(
         "store",
         "stream",
         "previous_response_id",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
 
 
-def _no_tools(value: Any) -> bool:
+def _empty_list(value: Any) -> bool:
     return isinstance(value, list) and not value
+
+
+def _default_reasoning(value: Any) -> bool:
+    # What SDKs send when nothing is asked: the model reasons as it does, and
+    # its reasoning comes back as a reasoning item's content.
+    return isinstance(value, dict) and all(v is None for v in value.values())
 
 
 #: Fields accepted only with values that change nothing we produce.
@@ -74,11 +89,9 @@ HARMLESS: Final[dict[str, Any]] = {
     "prompt_cache_key": lambda v: isinstance(v, str),
     "prompt_cache_retention": lambda v: isinstance(v, str),
     "service_tier": lambda v: v in ("auto", "default"),
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "truncation": lambda v: v == "disabled",
-    "include": _no_tools,
-    "tools": _no_tools,
-    "tool_choice": lambda v: v in ("auto", "none"),
+    "include": _empty_list,
+    "reasoning": _default_reasoning,
     "text": lambda v: v == {"format": {"type": "text"}} or v == {},
     "background": lambda v: v is False,
     "top_logprobs": lambda v: v == 0,
@@ -87,9 +100,10 @@ HARMLESS: Final[dict[str, Any]] = {
 
 #: Fields refused with a reason (when not harmless as given).
 REFUSED: Final[dict[str, str]] = {
-    "tools": "tools are not supported yet (function calling is a later release)",
-    "tool_choice": "tool_choice needs tools, which are not supported yet",
-    "reasoning": "reasoning options are not supported yet",
+    "reasoning": (
+        "reasoning effort and summaries are not supported (the model reasons as it does;"
+        " its reasoning text comes back as a 'reasoning' output item)"
+    ),
     "text": "text.format other than {'type': 'text'} (structured output) is not supported yet",
     "background": "background mode is not supported",
     "include": "include is not supported (no extra output data is available)",
@@ -98,16 +112,10 @@ REFUSED: Final[dict[str, str]] = {
     "service_tier": "only service_tier 'auto' or 'default' is supported",
     "conversation": "conversations are not supported; use previous_response_id",
     "prompt": "prompt templates are not supported",
-    "max_tool_calls": "tools are not supported yet",
+    "max_tool_calls": "a limit on calls is not enforced (parallel_tool_calls false: one)",
     "context_management": "context management is not supported",
 }
 
-_ROLES: Final = {
-    "user": "user",
-    "system": "system",
-    "developer": "system",
-    "assistant": "assistant",
-}
 _METADATA_PAIRS: Final = 16
 
 
@@ -126,13 +134,13 @@ class ResponsesRequest:
     store: bool = True
     stream: bool = False
     previous_response_id: str | None = None
+    #: The function tools as given (Responses shape), echoed in the response.
+    tools: tuple[Mapping[str, Any], ...] = ()
+    #: ``tool_choice`` as given (``None``: not given).
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     #: WebSocket mode: the lane the response runs in (its events echo it).
     stream_id: str | None = None
-
-
-def bad_request(message: str, param: str | None = None, code: str = "bad_request") -> ApiError:
-    """A 400 with OpenAI's error object."""
-    return ApiError(HTTPStatus.BAD_REQUEST, message, code, param)
 
 
 def parse_json(body: bytes | str) -> dict[str, Any]:
@@ -161,8 +169,11 @@ def parse_body(obj: Mapping[str, Any], *, websocket: bool = False) -> ResponsesR
     store = given.get("store", True)
     if not isinstance(store, bool):
         raise bad_request("'store' must be a boolean", "store")
+    parallel = given.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     return ResponsesRequest(
-        input=_input(given["input"]),
+        input=parse_input(given["input"]),
         model=_string(given, "model"),
         instructions=_string(given, "instructions"),
         max_output_tokens=_number(given, "max_output_tokens", integer=True),
@@ -172,6 +183,9 @@ def parse_body(obj: Mapping[str, Any], *, websocket: bool = False) -> ResponsesR
         store=store,
         stream=stream,
         previous_response_id=_string(given, "previous_response_id"),
+        tools=parse_function_tools(given.get("tools", [])),
+        tool_choice=parse_choice(given.get("tool_choice")),
+        parallel_tool_calls=parallel,
         stream_id=_string(given, "stream_id") if websocket else None,
     )
 
@@ -219,58 +233,23 @@ def _metadata(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _input(value: Any) -> tuple[Message, ...]:
-    if isinstance(value, str):
-        return ({"role": "user", "content": value},)
-    if not isinstance(value, list):
-        raise bad_request("'input' must be a string or a list of items", "input")
-    return tuple(_item(item, index) for index, item in enumerate(value))
-
-
-_MESSAGE_KEYS: Final = frozenset({"type", "role", "content", "id", "status"})
-
-
-def _item(item: Any, index: int) -> Message:
-    where = f"input[{index}]"
-    if not isinstance(item, dict):
-        raise bad_request(f"{where} must be an object", "input")
-    kind = item.get("type", "message")
-    if kind != "message":
-        raise bad_request(
-            f"{where}: items of type {kind!r} are not supported (only 'message')", "input"
-        )
-    for key in item:
-        if key not in _MESSAGE_KEYS:
-            raise bad_request(f"{where}: unknown field {key!r}", "input")
-    role = item.get("role")
-    mapped = _ROLES.get(role) if isinstance(role, str) else None
-    if mapped is None:
-        raise bad_request(
-            f"{where}.role must be one of user, system, developer, assistant", "input"
-        )
-    return {"role": mapped, "content": _content(item.get("content"), where, mapped)}
-
-
-def _content(value: Any, where: str, role: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"{where}.content must be a string or a list of parts", "input")
-    allowed = ("output_text",) if role == "assistant" else ("input_text",)
-    texts = []
-    for index, part in enumerate(value):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in allowed:
-            raise bad_request(
-                f"{where}.content[{index}]: parts of type {kind!r} are not supported"
-                f" (only {allowed[0]!r} for the {role})",
-                "input",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{where}.content[{index}] needs a string 'text'", "input")
-        texts.append(text)
-    return "".join(texts)
+def _tool_choice(request: ResponsesRequest) -> dict[str, Any]:
+    """``tool_choice`` and ``parallel_tool_calls`` as the ``generate`` frame
+    takes them (its parser checks them, the engine refuses what it cannot
+    force). Without tools the values that change nothing are dropped."""
+    out: dict[str, Any] = {}
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    if request.parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = request.parallel_tool_calls
+    if not request.tools:
+        if out.get("tool_choice") in ("auto", "none"):
+            del out["tool_choice"]
+        out.pop("parallel_tool_calls", None)
+    return out
 
 
 def to_generate(
@@ -285,14 +264,13 @@ def to_generate(
         messages.append({"role": "system", "content": request.instructions})
     messages.extend(history)
     messages.extend(request.input)
-    # The Responses API's reasoning items are not rendered yet ("reasoning" is
-    # refused): a think block stays in the text rather than being dropped.
-    frame: dict[str, Any] = {
-        "type": "generate",
-        "id": request_id,
-        "messages": messages,
-        "reasoning_format": "none",
-    }
+    check_outputs(messages)
+    # No reasoning_format: the server's default splits a think block into a
+    # reasoning item (``auto``) or leaves it in the text (``none``).
+    frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
+    if request.tools:
+        frame["tools"] = chat_tools(request.tools)
+    frame.update(_tool_choice(request))
     if request.max_output_tokens is not None:
         frame["max_tokens"] = request.max_output_tokens
     if request.temperature is not None:
@@ -304,6 +282,13 @@ def to_generate(
     except ProtocolError as exc:
         # The protocol names its own fields; say the Responses API's names.
         error = ApiError.from_protocol(exc)
+        # The core's tools are the chat API's: name the Responses API's fields.
+        error.message = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", error.message)
+        if error.message.startswith("messages["):
+            error.message = "the conversation's " + error.message
+            error.param = "input"
+        elif error.message.startswith("tools["):
+            error.param = "tools"
         for ours, theirs in _PARAMS.items():
             if f"'{ours}'" in error.message or f"{ours} " in error.message:
                 error.message = error.message.replace(ours, theirs)
@@ -317,7 +302,10 @@ def to_generate(
 #: The protocol's field names in its messages → the Responses API's names.
 _PARAMS: Final = {
     "max_tokens": "max_output_tokens",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
     "messages": "input",
+    "tools": "tools",
     "temperature": "temperature",
     "top_p": "top_p",
 }

@@ -1,28 +1,50 @@
 """One response of the Responses API, rendered (sans-I/O).
 
 A :class:`ResponseRender` turns what the request driver gives back — the
-start, each ``delta``'s text, the ``done`` — into the Responses API's typed
-events, numbered by ``sequence_number`` from 0, and into the ``response``
-object itself (the whole body without ``stream``, ``GET /v1/responses/{id}``).
-The same events go out as SSE (:func:`sse`) over HTTP and as JSON text
-messages in WebSocket mode (each with the ``stream_id`` of its lane, if any).
+start, each ``delta``'s reasoning, text and tool-call parts, the ``done`` —
+into the Responses API's typed events, numbered by ``sequence_number`` from
+0, and into the ``response`` object itself (the whole body without
+``stream``, ``GET /v1/responses/{id}``). The same events go out as SSE
+(:func:`sse`) over HTTP and as JSON text messages in WebSocket mode (each
+with the ``stream_id`` of its lane, if any).
+
+A response's ``output`` is a list of items, each opened when its first piece
+arrives and closed when a piece of another item does (or at the end), at
+increasing ``output_index``:
+
+* ``reasoning`` (``rs_…``) — the model's think block (the core's
+  :class:`~wsserver.reasoning.ReasoningSplitter`), its text as one
+  ``reasoning_text`` content part; ``summary`` stays empty (we write none);
+* ``message`` (``msg_…``) — the answer, one ``output_text`` part;
+* ``function_call`` (``fc_…``) — one per call the core parsed
+  (:mod:`wsserver.tool_calls`): ``call_id``, ``name``, ``arguments``.
 
 The order of a response's events::
 
     response.created, response.in_progress          (once the engine is ours)
-    response.output_item.added, response.content_part.added   (first text)
-    response.output_text.delta ...
-    response.output_text.done, response.content_part.done, response.output_item.done
+    per item:
+      response.output_item.added
+      reasoning: response.content_part.added, response.reasoning_text.delta ...,
+                 response.reasoning_text.done, response.content_part.done
+      message:   response.content_part.added, response.output_text.delta ...,
+                 response.output_text.done, response.content_part.done
+      call:      response.function_call_arguments.delta ...,
+                 response.function_call_arguments.done
+      response.output_item.done
     response.completed | response.incomplete | response.failed
 
+A response with no item at all (and not cancelled) has one empty message.
 ``incomplete`` is a response cut at ``max_output_tokens``
 (``incomplete_details.reason`` ``max_output_tokens``) or cancelled
-(``cancelled``, an extension: ``response.cancel``, a closed socket).
+(``cancelled``, an extension: ``response.cancel``, a closed socket); the item
+open at that moment ends ``incomplete``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import orjson
@@ -30,10 +52,13 @@ import orjson
 from .api_errors import error_object
 from .protocol import Done
 from .responses_api import Message, ResponsesRequest
+from .tool_calls import CallPart, new_call_id
 
 __all__ = ["ResponseRender", "Status", "sse", "usage_of"]
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
+ItemKind = Literal["reasoning", "message", "function_call"]
+_PREFIX: Final[dict[str, str]] = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 
 _TERMINAL: Final[dict[str, str]] = {
     "completed": "response.completed",
@@ -53,9 +78,56 @@ def usage_of(done: Done) -> dict[str, Any]:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": done.usage.cached_tokens},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": done.usage.reasoning_tokens},
         "total_tokens": prompt + completion,
     }
+
+
+@dataclass(slots=True)
+class _Item:
+    """One output item as it grows."""
+
+    kind: ItemKind
+    id: str
+    index: int
+    texts: list[str] = field(default_factory=list)
+    #: A call's parts: its position among the calls, id and name.
+    call_index: int | None = None
+    call_id: str | None = None
+    name: str | None = None
+    status: str = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def wire(self) -> dict[str, Any]:
+        """The item as ``output`` lists it (and ``output_item`` events carry it)."""
+        done = self.status != "in_progress"
+        if self.kind == "message":
+            return {
+                "id": self.id,
+                "type": "message",
+                "status": self.status,
+                "role": "assistant",
+                "content": [_part(self.text)] if done else [],
+            }
+        if self.kind == "reasoning":
+            return {
+                "id": self.id,
+                "type": "reasoning",
+                "status": self.status,
+                "summary": [],
+                "content": [_reasoning_part(self.text)] if done else [],
+            }
+        return {
+            "id": self.id,
+            "type": "function_call",
+            "status": self.status,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.text if done else "",
+        }
 
 
 class ResponseRender:
@@ -74,19 +146,19 @@ class ResponseRender:
         self.model = model
         self.created_at = int(time.time()) if created_at is None else created_at
         self.status: Status = "in_progress"
-        self.text_parts: list[str] = []
+        self.items: list[_Item] = []
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.incomplete_reason: str | None = None
-        self._item_id = "msg_" + response_id.removeprefix("resp_")
+        self._suffix = response_id.removeprefix("resp_")
         self._seq = 0
         self._begun = False
-        self._item_open = False
-        self._item_done = False
+        self._open: _Item | None = None
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        """The answer's text (every message item's)."""
+        return "".join(item.text for item in self.items if item.kind == "message")
 
     @property
     def finished(self) -> bool:
@@ -104,24 +176,22 @@ class ResponseRender:
             self._event("response.in_progress", response=self.response()),
         ]
 
-    def delta(self, text: str) -> list[dict[str, Any]]:
-        """One text delta (the message item and its part open before the first)."""
-        events = self.begin() + self._open_item()
-        self.text_parts.append(text)
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                item_id=self._item_id,
-                output_index=0,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
+    def delta(
+        self, text: str, reasoning: str | None = None, tool_calls: Sequence[CallPart] = ()
+    ) -> list[dict[str, Any]]:
+        """One delta of the driver: its reasoning, then its text, then its call
+        parts, each into its item (opened, and the one before closed, as needed)."""
+        events = self.begin()
+        if reasoning:
+            events += self._add("reasoning", reasoning)
+        if text:
+            events += self._add("message", text)
+        for part in tool_calls:
+            events += self._add("function_call", part.arguments, part)
         return events
 
     def end(self, done: Done) -> list[dict[str, Any]]:
-        """The engine's end: the item closed, then the terminal event."""
+        """The engine's end: the open item closed, then the terminal event."""
         self.usage = usage_of(done)
         if done.reason == "error":
             return self.fail(done.error_code or "internal", done.error_message or "failed")
@@ -130,8 +200,9 @@ class ResponseRender:
         elif done.reason == "length":
             self.incomplete_reason = "max_output_tokens"
         events = self.begin()
-        if done.reason != "cancelled" or self._item_open:
-            events += self._open_item() + self._close_item()
+        if not self.items and done.reason != "cancelled":
+            events += self._open_item("message")
+        events += self._close(final=True)
         self.status = "completed" if self.incomplete_reason is None else "incomplete"
         return [*events, self._terminal()]
 
@@ -148,42 +219,95 @@ class ResponseRender:
         """An ``error`` event: a refusal of a request that will not run (HTTP SSE shape)."""
         return self._event("error", code=code, message=message, param=param)
 
-    def _open_item(self) -> list[dict[str, Any]]:
-        if self._item_open:
-            return []
-        self._item_open = True
-        return [
-            self._event("response.output_item.added", output_index=0, item=self._item()),
-            self._event(
-                "response.content_part.added",
-                item_id=self._item_id,
-                output_index=0,
-                content_index=0,
-                part=_part(""),
-            ),
-        ]
+    def _add(self, kind: ItemKind, text: str, part: CallPart | None = None) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        item = self._open
+        new_call = part is not None and part.name is not None
+        if item is None or item.kind != kind or new_call:
+            events += self._close(final=False)
+            events += self._open_item(kind, part)
+            item = self._open
+            assert item is not None
+        if not text:
+            return events
+        item.texts.append(text)
+        where = {"item_id": item.id, "output_index": item.index}
+        if kind == "message":
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    **where,
+                    content_index=0,
+                    delta=text,
+                    logprobs=[],
+                )
+            )
+        elif kind == "reasoning":
+            events.append(
+                self._event("response.reasoning_text.delta", **where, content_index=0, delta=text)
+            )
+        else:
+            events.append(
+                self._event("response.function_call_arguments.delta", **where, delta=text)
+            )
+        return events
 
-    def _close_item(self) -> list[dict[str, Any]]:
-        self._item_done = True
-        text = self.text
-        return [
-            self._event(
-                "response.output_text.done",
-                item_id=self._item_id,
-                output_index=0,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            ),
-            self._event(
-                "response.content_part.done",
-                item_id=self._item_id,
-                output_index=0,
-                content_index=0,
-                part=_part(text),
-            ),
-            self._event("response.output_item.done", output_index=0, item=self._item()),
-        ]
+    def _open_item(self, kind: ItemKind, part: CallPart | None = None) -> list[dict[str, Any]]:
+        index = len(self.items)
+        prefix = _PREFIX[kind]
+        item = _Item(kind, f"{prefix}_{self._suffix}" + (f"_{index}" if index else ""), index)
+        if part is not None:
+            item.call_index = part.index
+            item.call_id = part.id or new_call_id()
+            item.name = part.name
+        self.items.append(item)
+        self._open = item
+        events = [self._event("response.output_item.added", output_index=index, item=item.wire())]
+        if kind != "function_call":
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    part=_part("") if kind == "message" else _reasoning_part(""),
+                )
+            )
+        return events
+
+    def _close(self, *, final: bool) -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        cut = final and self.incomplete_reason is not None
+        item.status = "incomplete" if cut else "completed"
+        text = item.text
+        where = {"item_id": item.id, "output_index": item.index}
+        events: list[dict[str, Any]] = []
+        if item.kind == "message":
+            events.append(
+                self._event(
+                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                )
+            )
+        elif item.kind == "reasoning":
+            events.append(
+                self._event("response.reasoning_text.done", **where, content_index=0, text=text)
+            )
+        else:
+            events.append(
+                self._event("response.function_call_arguments.done", **where, arguments=text)
+            )
+        if item.kind != "function_call":
+            part = _part(text) if item.kind == "message" else _reasoning_part(text)
+            events.append(
+                self._event("response.content_part.done", **where, content_index=0, part=part)
+            )
+        events.append(
+            self._event("response.output_item.done", output_index=item.index, item=item.wire())
+        )
+        return events
 
     def _terminal(self) -> dict[str, Any]:
         return self._event(_TERMINAL[self.status], response=self.response())
@@ -197,22 +321,8 @@ class ResponseRender:
 
     # ------------------------------------------------------------ the object
 
-    def _item(self) -> dict[str, Any]:
-        if not self._item_done:
-            status = "in_progress"
-        else:
-            status = "completed" if self.incomplete_reason is None else "incomplete"
-        content = [_part(self.text)] if self._item_done else []
-        return {
-            "id": self._item_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
-
     def response(self) -> dict[str, Any]:
-        """The ``response`` object as it stands."""
+        """The ``response`` object as it stands (``output``: the closed items)."""
         request = self.request
         return {
             "id": self.id,
@@ -229,16 +339,16 @@ class ResponseRender:
             "max_tool_calls": None,
             "metadata": dict(request.metadata),
             "model": self.model,
-            "output": [self._item()] if self._item_done else [],
-            "parallel_tool_calls": True,
+            "output": [item.wire() for item in self.items if item.status != "in_progress"],
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
             "store": request.store,
             "temperature": request.temperature,
             "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
+            "tools": [dict(tool) for tool in request.tools],
             "top_logprobs": 0,
             "top_p": request.top_p,
             "truncation": "disabled",
@@ -248,14 +358,34 @@ class ResponseRender:
 
     def conversation(self, history: tuple[Message, ...]) -> tuple[Message, ...]:
         """What a next turn's ``previous_response_id`` continues: the earlier
-        conversation, this input and this output (instructions are not carried
-        over, as OpenAI's are not)."""
-        answer: Message = {"role": "assistant", "content": self.text}
+        conversation, this input and this output as one assistant message —
+        its text and its whole calls (instructions are not carried over, as
+        OpenAI's are not; nor is the reasoning, as chat templates drop earlier
+        turns'; nor a call cut short by a cancel, whose arguments may not be
+        JSON yet)."""
+        calls = [
+            {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.text},
+            }
+            for item in self.items
+            if item.kind == "function_call" and item.status == "completed"
+        ]
+        answer: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if calls:
+            answer["tool_calls"] = calls
+            if not answer["content"]:
+                answer["content"] = None
         return (*history, *self.request.input, answer)
 
 
 def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def error_payload(status: int, code: str, message: str, param: str | None) -> dict[str, Any]:

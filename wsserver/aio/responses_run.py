@@ -91,7 +91,9 @@ class ResponseRun:
     async def write(self, frame: ServerFrame) -> None:
         render = self.render
         if isinstance(frame, Delta):
-            await self.emit(render.delta(frame.text), last=False)
+            await self.emit(
+                render.delta(frame.text, frame.reasoning, frame.tool_calls or ()), last=False
+            )
         elif isinstance(frame, Started):
             await self.emit(render.begin(), last=False)
         elif isinstance(frame, Queued):

@@ -1,0 +1,436 @@
+"""Section 13: the Responses API (issue 25) — what ``previous_response_id`` buys, what its wire costs.
+
+* **Five turns, four ways (default model).** One conversation — a document of
+  ~1,000 tokens and a first question, then four more questions — and the time
+  to first token of each turn, measured at the client from the send to the
+  first text (or reasoning) delta:
+
+  - ``ws``: our WebSocket protocol, ``generate`` with the whole ``messages``
+    each turn;
+  - ``http_resend``: ``POST /v1/responses`` streamed, the whole conversation
+    as input items each turn;
+  - ``http_previous``: ``POST /v1/responses`` streamed, ``previous_response_id``
+    and only the new question;
+  - ``ws_mode``: the Responses WebSocket mode, one socket for the five turns,
+    ``previous_response_id`` and only the new question.
+
+  One server (``parallel = 1``: every turn lands on the slot that holds the
+  turn before it, so the engine's prefix cache is what is measured), the ways
+  one after another, their order rotating every round. Each conversation opens
+  with a tag of its own (round and way), so no way reuses another's prefix.
+  Temperature 0, 32 tokens per answer; the per-turn figure is the median over
+  rounds. ``cached_tokens`` (the server's count of reused prompt tokens) is
+  kept beside each TTFT to show the cache at work.
+
+* **The Responses stream's overhead (fake engine).** One stream of N tokens,
+  the fake unpaced and one frame per token (``stream.flush_ms = 0``,
+  ``flush_tokens = 1``: the worst case for a wire whose events are larger),
+  over our protocol, the Responses WebSocket mode and the Responses SSE over
+  HTTP, alternating per round: TTFT (send → first text delta) and throughput
+  (tokens / (last delta - first delta)) at the client, median over rounds;
+  the ratio to our protocol is taken per round, then the median. Targets
+  (issue 25): TTFT within +1 ms, throughput at least 0.98x ours.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+import orjson
+
+from .batched import _ws_server
+from .common import ServerProcess, Skip, fmt, summary
+from .lineup import _default_model
+from .options import Options
+from .wsload import open_connection
+
+__all__ = ["render", "run", "summary_line", "targets"]
+
+WAYS = ("ws", "http_resend", "http_previous", "ws_mode")
+LABELS = {
+    "ws": "our protocol (whole history)",
+    "http_resend": "Responses HTTP (whole history)",
+    "http_previous": "Responses HTTP (previous_response_id)",
+    "ws_mode": "Responses WebSocket mode (previous_response_id)",
+}
+WIRES = ("ws", "ws_mode", "http")
+WIRE_LABELS = {
+    "ws": "our protocol",
+    "ws_mode": "Responses WebSocket mode",
+    "http": "Responses HTTP (SSE)",
+}
+QUESTIONS = (
+    "Which city does the report say had the highest rainfall?",
+    "And the lowest?",
+    "What was the average temperature across all the cities?",
+    "Which two cities were closest in temperature?",
+    "Summarise the report in one sentence.",
+)
+ROUNDS = 5
+ANSWER_TOKENS = 32
+FAKE_TOKENS = 4000
+FAKE_ROUNDS = 9
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+
+def document(tag: str) -> str:
+    """A deterministic weather report of ~1,000 tokens, opened by ``tag``."""
+    cities = [
+        "Lisbon", "Porto", "Madrid", "Seville", "Valencia", "Lyon", "Nantes", "Turin",
+        "Genoa", "Naples", "Bern", "Graz", "Brno", "Krakow", "Gdansk", "Riga", "Tartu",
+        "Oslo", "Bergen", "Aarhus", "Malmo", "Tampere", "Cork", "Leeds", "Bristol",
+    ]  # fmt: skip
+    lines = [f"Report {tag}. Weather observations for the week, by city."]
+    for i, city in enumerate(cities):
+        lines.append(
+            f"{city}: average temperature {8 + (i * 7) % 17} degrees, rainfall "
+            f"{(i * 13) % 41} millimetres, wind {5 + (i * 3) % 23} km/h from the "
+            f"{('north', 'east', 'south', 'west')[i % 4]}, {3 + i % 5} sunny days."
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the clients
+
+
+async def _ws_generate(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One turn over our protocol: TTFT, text, usage."""
+    ws = await open_connection(url)
+    try:
+        frame = {
+            "type": "generate",
+            "id": "t",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        sent = time.perf_counter()
+        await ws.send(orjson.dumps(frame).decode())
+        first: float | None = None
+        last = sent
+        parts: list[str] = []
+        while True:
+            msg = orjson.loads(await ws.recv())
+            if msg["type"] == "delta":
+                last = time.perf_counter()
+                if first is None and (msg.get("text") or msg.get("reasoning")):
+                    first = last
+                parts.append(msg.get("text", ""))
+            elif msg["type"] == "done":
+                return _turn(sent, first, last, "".join(parts), msg["usage"], None)
+            elif msg["type"] == "error":
+                raise RuntimeError(f"wsserver refused a turn: {msg}")
+    finally:
+        await ws.close()
+
+
+def _turn(
+    sent: float, first: float | None, last: float, text: str, usage: dict[str, Any], rid: Any
+) -> dict[str, Any]:
+    tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    cached = usage.get("cached_tokens")
+    if cached is None:
+        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "ttft_ms": None if first is None else (first - sent) * 1000,
+        "tok_s": (tokens - 1) / (last - first) if first is not None and last > first else None,
+        "text": text,
+        "tokens": tokens,
+        "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens")),
+        "cached_tokens": cached,
+        "response_id": rid,
+    }
+
+
+class _EventReader:
+    """Times a Responses stream's events (either transport) into a turn."""
+
+    def __init__(self) -> None:
+        self.sent = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.sent
+        self.parts: list[str] = []
+
+    def feed(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        kind = event.get("type")
+        if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            self.last = time.perf_counter()
+            if self.first is None:
+                self.first = self.last
+            if kind == "response.output_text.delta":
+                self.parts.append(event["delta"])
+        elif kind in TERMINAL:
+            response = event["response"]
+            usage = response.get("usage") or {}
+            return _turn(
+                self.sent, self.first, self.last, "".join(self.parts), usage, response["id"]
+            )
+        elif kind == "error":
+            raise RuntimeError(f"wsserver refused a response: {event}")
+        return None
+
+
+async def _http_response(http: Any, base: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed ``POST /v1/responses``."""
+    reader = _EventReader()
+    async with http.post(f"{base}v1/responses", json={**body, "stream": True}) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"POST /v1/responses: {reply.status} {await reply.text()}")
+        async for line in reply.content:
+            if line.startswith(b"data: "):
+                done = reader.feed(orjson.loads(line[6:]))
+                if done is not None:
+                    return done
+    raise RuntimeError("the SSE stream ended before the response")
+
+
+async def _socket_response(ws: Any, body: dict[str, Any]) -> dict[str, Any]:
+    """One ``response.create`` in WebSocket mode."""
+    reader = _EventReader()
+    await ws.send(orjson.dumps({"type": "response.create", **body}).decode())
+    while True:
+        done = reader.feed(orjson.loads(await ws.recv()))
+        if done is not None:
+            return done
+
+
+def _http_base(url: str) -> str:
+    return "http://" + url.split("//", 1)[1]
+
+
+# ------------------------------------------------------------------ 1. five turns
+
+
+async def _conversation(server: ServerProcess, way: str, tag: str, tokens: int) -> list[Any]:
+    """Five turns one way; their TTFTs and cache counts."""
+    import aiohttp
+    from websockets.asyncio.client import connect
+
+    first = f"{document(tag)}\n\n{QUESTIONS[0]}"
+    history: list[dict[str, str]] = []
+    previous: str | None = None
+    turns = []
+    base = _http_base(server.url)
+    async with aiohttp.ClientSession() as http:
+        socket = await connect(server.url + "v1/responses") if way == "ws_mode" else None
+        try:
+            for number, question in enumerate(QUESTIONS):
+                asked = first if number == 0 else question
+                history.append({"role": "user", "content": asked})
+                body: dict[str, Any] = {
+                    "model": "m",
+                    "max_output_tokens": tokens,
+                    "temperature": 0,
+                }
+                if way == "ws":
+                    turn = await _ws_generate(server.url, history, tokens)
+                elif way == "http_resend":
+                    turn = await _http_response(http, base, {**body, "input": history})
+                else:
+                    body["input"] = asked
+                    if previous is not None:
+                        body["previous_response_id"] = previous
+                    if socket is not None:
+                        turn = await _socket_response(socket, body)
+                    else:
+                        turn = await _http_response(http, base, body)
+                previous = turn["response_id"]
+                history.append({"role": "assistant", "content": turn["text"]})
+                turns.append(
+                    {k: turn[k] for k in ("ttft_ms", "prompt_tokens", "cached_tokens", "tokens")}
+                )
+        finally:
+            if socket is not None:
+                await socket.close()
+    return turns
+
+
+async def five_turns(opts: Options, model: str, threads: int) -> dict[str, Any]:
+    rounds, tokens = (1, 8) if opts.quick else (ROUNDS, ANSWER_TOKENS)
+    server = await _ws_server(model, threads, 1, n_ctx=4096).start(timeout=300)
+    raw: dict[str, list[list[dict[str, Any]]]] = {way: [] for way in WAYS}
+    try:
+        # Not counted: the model's pages are warm for every way.
+        await _ws_generate(server.url, [{"role": "user", "content": "Warm up."}], 4)
+        for rep in range(rounds):
+            order = WAYS[rep % len(WAYS) :] + WAYS[: rep % len(WAYS)]
+            for way in order:
+                opts.log(f"  five turns, round {rep + 1}, {way}")
+                raw[way].append(await _conversation(server, way, f"R{rep}-{way}", tokens))
+    finally:
+        await server.stop()
+    per_turn = []
+    for number in range(len(QUESTIONS)):
+        row: dict[str, Any] = {"turn": number + 1}
+        for way in WAYS:
+            runs = [conversation[number] for conversation in raw[way]]
+            ttfts = [r["ttft_ms"] for r in runs if r["ttft_ms"] is not None]
+            row[way] = {
+                "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                "prompt_tokens": runs[0]["prompt_tokens"],
+                "cached_tokens": statistics.median(r["cached_tokens"] or 0 for r in runs),
+            }
+        per_turn.append(row)
+    return {"rounds": rounds, "answer_tokens": tokens, "turns": per_turn, "raw": raw}
+
+
+# ------------------------------------------------------------------ 2. the wire's overhead
+
+
+async def overhead(opts: Options) -> dict[str, Any]:
+    import aiohttp
+    from websockets.asyncio.client import connect
+
+    tokens, rounds = (300, 3) if opts.quick else (FAKE_TOKENS, FAKE_ROUNDS)
+    server = await ServerProcess(
+        {
+            "backend.kind": "fake",
+            "backend.fake.tokens_per_s": 0,
+            "limits.max_tokens": tokens,
+            "stream.flush_ms": 0.0,
+            "stream.flush_tokens": 1,
+        },
+        name="wsserver-fake-responses",
+    ).start(timeout=120)
+    runs: dict[str, list[dict[str, Any]]] = {wire: [] for wire in WIRES}
+    body = {"model": "m", "input": "p", "max_output_tokens": tokens}
+    messages = [{"role": "user", "content": "p"}]
+    try:
+        async with aiohttp.ClientSession() as http:
+            socket = await connect(server.url + "v1/responses", max_size=None)
+            try:
+                for rep in range(rounds + 1):  # round 0 warms up, not counted
+                    order = WIRES[rep % 3 :] + WIRES[: rep % 3]
+                    for wire in order:
+                        if wire == "ws":
+                            turn = await _ws_generate(server.url, messages, tokens)
+                        elif wire == "ws_mode":
+                            turn = await _socket_response(socket, body)
+                        else:
+                            turn = await _http_response(http, _http_base(server.url), body)
+                        if rep:
+                            runs[wire].append({"ttft_ms": turn["ttft_ms"], "tok_s": turn["tok_s"]})
+            finally:
+                await socket.close()
+    finally:
+        await server.stop()
+    rows = []
+    for wire in WIRES:
+        row: dict[str, Any] = {
+            "wire": wire,
+            "ttft_ms": summary(r["ttft_ms"] for r in runs[wire] if r["ttft_ms"] is not None),
+            "tok_s": summary(r["tok_s"] for r in runs[wire] if r["tok_s"] is not None),
+        }
+        if wire != "ws":
+            pairs = list(zip(runs[wire], runs["ws"], strict=True))
+            added = [a["ttft_ms"] - b["ttft_ms"] for a, b in pairs if a["ttft_ms"] and b["ttft_ms"]]
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in pairs if a["tok_s"] and b["tok_s"]]
+            row["added_ttft_ms"] = statistics.median(added) if added else None
+            row["throughput_ratio"] = statistics.median(ratios) if ratios else None
+        rows.append(row)
+    return {"tokens": tokens, "rounds": rounds, "rows": rows}
+
+
+# ------------------------------------------------------------------ the section
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    result: dict[str, Any] = {"status": "ok"}
+    opts.log("  the Responses wire's overhead on the fake engine")
+    result["overhead"] = await overhead(opts)
+    try:
+        import llama_cpp  # noqa: F401
+
+        model = opts.model or _default_model()
+    except (ImportError, Skip) as exc:
+        result["five_turns"] = {"skipped": str(exc)}
+        return result
+    threads = opts.threads or os.cpu_count() or 1
+    result["threads"] = threads
+    result["five_turns"] = await five_turns(opts, model, threads)
+    return result
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for row in result["overhead"]["rows"]:
+        if row["wire"] == "ws":
+            continue
+        label = WIRE_LABELS[row["wire"]]
+        added, ratio = row.get("added_ttft_ms"), row.get("throughput_ratio")
+        out.append(
+            {
+                "name": f"{label}: added TTFT ≤ 1 ms (fake engine)",
+                "shown": fmt(added, 2, " ms"),
+                "met": None if added is None else added <= 1.0,
+            }
+        )
+        out.append(
+            {
+                "name": f"{label}: throughput ≥ 0.98x our protocol (fake engine)",
+                "shown": fmt(ratio, 3, "x"),
+                "met": None if ratio is None else ratio >= 0.98,
+            }
+        )
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    lines: list[str] = []
+    turns = result.get("five_turns") or {}
+    if "turns" in turns:
+        lines += [
+            f"Default model, {result.get('threads')} thread(s), `parallel = 1`, temperature 0, "
+            f"{turns['answer_tokens']} tokens per answer, median of {turns['rounds']} round(s). "
+            "TTFT in ms at the client (prompt tokens / of them reused from the prefix cache).",
+            "",
+            "| turn | " + " | ".join(LABELS[w] for w in WAYS) + " |",
+            "|---:|" + "---:|" * len(WAYS),
+        ]
+        for row in turns["turns"]:
+            cells = [
+                f"{fmt(row[w]['ttft_ms'])} ({row[w]['prompt_tokens']} / "
+                f"{fmt(row[w]['cached_tokens'], 0)})"
+                for w in WAYS
+            ]
+            lines.append(f"| {row['turn']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    else:
+        lines += [f"Five turns not measured: {turns.get('skipped', 'no model')}.", ""]
+    over = result["overhead"]
+    lines += [
+        f"Fake engine, unpaced, one frame per token, {over['tokens']} tokens per stream, "
+        f"median of {over['rounds']} rounds (ratios per round, then the median).",
+        "",
+        "| wire | TTFT ms | tok/s | added TTFT ms | throughput vs ours |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in over["rows"]:
+        lines.append(
+            f"| {WIRE_LABELS[row['wire']]} | {fmt(row['ttft_ms'].get('median'), 2)} | "
+            f"{fmt(row['tok_s'].get('median'), 0)} | {fmt(row.get('added_ttft_ms'), 2)} | "
+            f"{fmt(row.get('throughput_ratio'), 3, 'x')} |"
+        )
+    lines.append("")
+    for target in targets(result):
+        mark = {True: "met", False: "**missed**", None: "not measured"}[target["met"]]
+        lines.append(f"- {target['name']}: {target['shown']} — {mark}")
+    return "\n".join(lines)
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    parts = []
+    turns = (result.get("five_turns") or {}).get("turns")
+    if turns:
+        last = turns[-1]
+        parts.append("turn 5 TTFT " + ", ".join(f"{w} {fmt(last[w]['ttft_ms'])} ms" for w in WAYS))
+    for row in result["overhead"]["rows"]:
+        if row["wire"] != "ws":
+            parts.append(
+                f"{WIRE_LABELS[row['wire']]} +{fmt(row.get('added_ttft_ms'), 2)} ms TTFT, "
+                f"{fmt(row.get('throughput_ratio'), 3, 'x')} throughput (fake)"
+            )
+    return "| the Responses API (section 13) | " + "; ".join(parts) + " |"
