@@ -69,9 +69,10 @@ class DrainWatch:
         self._request_id = _no_request
 
     async def wait(self, drained: Callable[[], Awaitable[object]], *, waited: float = 0.0) -> bool:
-        """Wait until ``drained()`` completes. False if the connection closed or
-        was aborted for making no progress meanwhile. ``waited``: seconds the
-        caller already waited for this drain."""
+        """Wait until ``drained()`` completes. False if the connection closed,
+        was reset by the client (websockets hands its drain waiters the
+        transport's ``OSError`` as it is) or was aborted for making no progress
+        meanwhile. ``waited``: seconds the caller already waited for this drain."""
         transport = self._transport
         loop = asyncio.get_running_loop()
         last_size = self.outstanding_bytes()
@@ -83,6 +84,8 @@ class DrainWatch:
                 return True
             except TimeoutError:
                 pass
+            except OSError:  # ConnectionResetError, BrokenPipeError: the client is gone
+                return False
             if transport.is_closing():
                 return False
             now = loop.time()

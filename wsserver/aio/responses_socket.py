@@ -259,13 +259,7 @@ class ResponsesSocket:
             return
         except TimeoutError:
             pass  # written; only the wait for the drain was cut short
-        try:
-            drained = await self._watch.wait(self.ws.drain, waited=interval)
-        except OSError:
-            # The client reset the connection while we waited for the drain
-            # (websockets hands its waiters the transport's error as it is).
-            drained = False
-        if not drained:
+        if not await self._watch.wait(self.ws.drain, waited=interval):
             raise ConnectionClosed(None, None)
 
     async def send_error(
