@@ -113,11 +113,7 @@ def test_message_items_with_text_parts_and_history() -> None:
         ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "unsupported_parameter"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
         ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "unsupported_parameter"),
-        (
-            {"input": "x", "text": {"format": {"type": "json_object"}}},
-            "text",
-            "unsupported_parameter",
-        ),
+        ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity", "unsupported_parameter"),
         ({"input": "x", "background": True}, "background", "unsupported_parameter"),
         ({"input": "x", "frobnicate": 1}, "frobnicate", "unknown_parameter"),
         ({"input": "x", "stream": "yes"}, "stream", "bad_request"),

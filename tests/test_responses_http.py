@@ -120,7 +120,7 @@ async def test_bad_input_is_a_clear_400_and_the_server_stays_usable() -> None:
         cases: list[tuple[dict[str, Any], str]] = [
             ({"tools": [{"type": "web_search"}]}, "tools"),
             ({"reasoning": {"effort": "high"}}, "reasoning"),
-            ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text"),
+            ({"text": {"verbosity": "low"}}, "text.verbosity"),
             ({"extra_body": {"nonsense": 1}}, "nonsense"),
             (
                 {"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},

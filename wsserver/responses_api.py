@@ -10,7 +10,7 @@ the same limits, with the same messages, as every other.
 **Honour or refuse, never ignore.** Every field is in one of three tables:
 honoured (:data:`HONOURED`), accepted because it changes nothing we produce
 (:data:`HARMLESS`, with the values that keep it so), or refused by name
-(:data:`REFUSED`: reasoning options, structured output, background mode, …).
+(:data:`REFUSED`: reasoning options, background mode, …).
 A field in none of them is refused as unknown. ``null`` means "not given".
 
 Input items and function tools are :mod:`wsserver.responses_items`'s.
@@ -49,6 +49,7 @@ __all__ = [
     "bad_request",
     "parse_body",
     "parse_json",
+    "refusal_wording",
     "to_generate",
 ]
 
@@ -68,6 +69,7 @@ HONOURED: Final = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "text",
     }
 )
 
@@ -92,7 +94,6 @@ HARMLESS: Final[dict[str, Any]] = {
     "truncation": lambda v: v == "disabled",
     "include": _empty_list,
     "reasoning": _default_reasoning,
-    "text": lambda v: v == {"format": {"type": "text"}} or v == {},
     "background": lambda v: v is False,
     "top_logprobs": lambda v: v == 0,
     "stream_options": lambda v: isinstance(v, dict),
@@ -104,7 +105,6 @@ REFUSED: Final[dict[str, str]] = {
         "reasoning effort and summaries are not supported (the model reasons as it does;"
         " its reasoning text comes back as a 'reasoning' output item)"
     ),
-    "text": "text.format other than {'type': 'text'} (structured output) is not supported yet",
     "background": "background mode is not supported",
     "include": "include is not supported (no extra output data is available)",
     "truncation": "only truncation 'disabled' is supported",
@@ -141,6 +141,10 @@ class ResponsesRequest:
     parallel_tool_calls: bool | None = None
     #: WebSocket mode: the lane the response runs in (its events echo it).
     stream_id: str | None = None
+    #: ``text.format`` as given (echoed), and the JSON Schema it asks the
+    #: output to follow (None: plain text).
+    text_format: Mapping[str, Any] = field(default_factory=lambda: {"type": "text"})
+    json_schema: Any = None
 
 
 def parse_json(body: bytes | str) -> dict[str, Any]:
@@ -187,6 +191,49 @@ def parse_body(obj: Mapping[str, Any], *, websocket: bool = False) -> ResponsesR
         tool_choice=parse_choice(given.get("tool_choice")),
         parallel_tool_calls=parallel,
         stream_id=_string(given, "stream_id") if websocket else None,
+        **_text_format(given.get("text", {})),
+    )
+
+
+def _text_format(value: Any) -> dict[str, Any]:
+    """``text``: its ``format`` — ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``schema``, with its ``name``; ``strict`` changes nothing:
+    the grammar always holds the output to the schema)."""
+    if not isinstance(value, dict):
+        raise bad_request("'text' must be an object", "text")
+    for key in value:
+        if key != "format":
+            raise bad_request(
+                f"'text.{key}' is not supported (only 'text.format')",
+                f"text.{key}",
+                "unsupported_parameter",
+            )
+    fmt = value.get("format", {"type": "text"})
+    if not isinstance(fmt, dict):
+        raise bad_request("'text.format' must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return {"text_format": {"type": "text"}}
+    if kind == "json_object":
+        return {"text_format": {"type": "json_object"}, "json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        name = fmt.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("'text.format.name' is required for json_schema", "text.format.name")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "'text.format.schema' must be an object (a JSON Schema)", "text.format.schema"
+            )
+        strict = fmt.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request("'text.format.strict' must be a boolean", "text.format.strict")
+        echoed = {"type": "json_schema", "name": name, "schema": schema, "strict": bool(strict)}
+        if isinstance(fmt.get("description"), str):
+            echoed["description"] = fmt["description"]
+        return {"text_format": echoed, "json_schema": schema}
+    raise bad_request(
+        "'text.format.type' must be one of text, json_object, json_schema", "text.format.type"
     )
 
 
@@ -277,6 +324,8 @@ def to_generate(
         frame["temperature"] = request.temperature
     if request.top_p is not None:
         frame["top_p"] = request.top_p
+    if request.json_schema is not None:
+        frame["json_schema"] = request.json_schema
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:
@@ -299,6 +348,12 @@ def to_generate(
     return generate
 
 
+def refusal_wording(message: str) -> str:
+    """An engine's refusal (``bad_request``, ``unsupported_option``) in the
+    Responses API's names: ``'json_schema'`` is ``text.format`` here."""
+    return message.replace("'json_schema'", "'text.format' (its schema)")
+
+
 #: The protocol's field names in its messages → the Responses API's names.
 _PARAMS: Final = {
     "max_tokens": "max_output_tokens",
@@ -308,4 +363,5 @@ _PARAMS: Final = {
     "tools": "tools",
     "temperature": "temperature",
     "top_p": "top_p",
+    "json_schema": "text.format",
 }

@@ -346,7 +346,7 @@ class ResponseRender:
             "service_tier": "default",
             "store": request.store,
             "temperature": request.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": dict(request.text_format)},
             "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
             "tools": [dict(tool) for tool in request.tools],
             "top_logprobs": 0,

@@ -33,7 +33,7 @@ from ..api_errors import status_of
 from ..errors import CONTEXT_LENGTH_EXCEEDED
 from ..logs import ConnectionLog
 from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
-from ..responses_api import Message
+from ..responses_api import Message, refusal_wording
 from ..responses_render import ResponseRender
 from ..session import Session
 from .driver import RequestDriver
@@ -111,7 +111,8 @@ class ResponseRun:
                 if frame.detail == CONTEXT_LENGTH_EXCEEDED:  # as OpenAI answers it
                     await self.refused(400, CONTEXT_LENGTH_EXCEEDED, frame.message)
                 else:
-                    await self.refused(status_of(frame.code), frame.code, frame.message)
+                    message = refusal_wording(frame.message)
+                    await self.refused(status_of(frame.code), frame.code, message)
             finally:
                 self._finish()
 
