@@ -24,6 +24,7 @@ whole under the combined schema's ``$defs``, its references rewritten to it.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Final
 
@@ -40,10 +41,14 @@ _JSON_RULE: Final = "wsserver-call-json"
 _ROOT_LINE = re.compile(r"^root ::=", re.MULTILINE)
 
 
+@functools.lru_cache(maxsize=64)
 def forced_call_grammar(
     syntax: Syntax, tools_json: str, *, name: str | None, parallel: bool
 ) -> str:
     """The GBNF grammar of a forced call (``name``: only that function).
+
+    Cached (the arguments are text): the check before a request's start
+    converts the schemas, its submission finds the grammar made.
 
     Raises :class:`~wsserver.errors.BackendError`: ``bad_request`` when a
     tool's ``parameters`` cannot be compiled, ``unsupported_option`` when
