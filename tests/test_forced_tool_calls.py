@@ -139,6 +139,35 @@ async def test_required_and_named_calls_over_the_openai_sdk() -> None:
         assert not follow.choices[0].message.tool_calls
 
 
+async def test_auto_on_a_model_without_a_template_calls_or_answers() -> None:
+    """``auto`` in the generic format (as llama.cpp): the answer is a valid
+    call or ``{"response": …}``, which arrives as the content."""
+    async with model_server(backend__llama__parallel=1) as server, sdk(server) as client:
+        client = client.with_options(timeout=timeout(120))
+        outcomes = set()
+        for seed in range(4):
+            answer = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "Say hello."}],
+                tools=TOOLS,
+                parallel_tool_calls=False,
+                max_tokens=MAX_TOKENS,
+                temperature=1,
+                seed=seed,
+            )
+            choice = answer.choices[0]
+            outcomes.add(choice.finish_reason)
+            if choice.finish_reason == "tool_calls":
+                assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
+                check_call(choice.message.tool_calls[0])
+            else:
+                assert choice.finish_reason == "stop", choice
+                assert not choice.message.tool_calls
+                assert isinstance(choice.message.content, str)
+                assert not choice.message.content.lstrip().startswith('{"response"')
+        assert outcomes <= {"tool_calls", "stop"}
+
+
 async def test_a_forced_call_over_the_websocket() -> None:
     async with model_server(backend__llama__parallel=1) as server, wire(server) as ws:
         assert "tool_choice" in ws.hello["honours"]
@@ -214,8 +243,8 @@ async def test_forced_calls_refuse_what_they_cannot_enforce() -> None:
                 {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}},
                 "'rm'",
             ),
-            # Without a template the model is only shown tools for a forced call.
-            ({"tools": TOOLS}, "'tools'"),
+            # Tools the server describes are held to a grammar: not with another.
+            ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "'json_schema'"),
         ]
         for extra, needle in bad:
             with pytest.raises(openai.BadRequestError) as caught:

@@ -92,21 +92,24 @@ def plain_chat_prompt(messages: Sequence[Message]) -> str:
     return "\n".join(lines)
 
 
-def generic_tools_note(tools: str, *, parallel: bool | None) -> str:
+def generic_tools_note(tools: str, *, parallel: bool | None, required: bool = True) -> str:
     """The system text that shows a model whose chat template knows no tools
     (or that has none) the request's tools and the generic call format — the
-    format a forced call's grammar then holds it to."""
+    format a grammar then holds its answer to."""
     functions = [tool["function"] for tool in orjson.loads(tools)]
     if parallel is False:
         shape = '{"tool_call": {"name": "<function name>", "arguments": {<its arguments>}}}'
     else:
         shape = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}, …]}'
-    return (
+    note = (
         "You can call these functions (each with the JSON Schema of its arguments):\n"
         + orjson.dumps(functions).decode()
         + "\nTo call them, answer with JSON only, in this form: "
         + shape
     )
+    if not required:
+        note += '\nTo answer without calling one: {"response": "<your answer>"}'
+    return note
 
 
 def _default_model_path() -> Path:
@@ -353,8 +356,11 @@ class LlamaBackend(Backend):
 
     def _describes_tools(self, request: GenerationRequest) -> bool:
         """Whether the server, not the chat template, shows ``request``'s tools
-        to the model: for a forced call when the template cannot."""
-        if request.tools is None or request.tool_choice != "required" or request.messages is None:
+        to the model: when the template cannot (it has none, or renders the
+        same with and without them). The answer is then held to the generic
+        JSON format (a call, or with ``auto`` also ``{"response": …}``), as
+        llama.cpp does for such templates."""
+        if request.tools is None or request.messages is None:
             return False
         if self.chat_template is None:
             return True
@@ -371,7 +377,11 @@ class LlamaBackend(Backend):
         messages = request.messages or ()
         if not self._describes_tools(request):
             return messages, request.tools
-        note = generic_tools_note(request.tools or "[]", parallel=request.parallel_tool_calls)
+        note = generic_tools_note(
+            request.tools or "[]",
+            parallel=request.parallel_tool_calls,
+            required=request.tool_choice == "required",
+        )
         if messages and messages[0].role in ("system", "developer"):
             first = messages[0]
             joined = f"{first.content}\n\n{note}" if first.content else note
@@ -379,8 +389,12 @@ class LlamaBackend(Backend):
         return (Message("system", note), *messages), None
 
     def forced_call(self, request: GenerationRequest) -> GenerationRequest:
-        """``request`` with the grammar of its forced call, if it forces one."""
-        if request.tool_choice != "required" or request.tools is None:
+        """``request`` with the grammar of its tool calls, if it needs one: a
+        forced call, or tools the server describes (the generic format)."""
+        if request.tools is None:
+            return request
+        required = request.tool_choice == "required"
+        if not required and not self._describes_tools(request):
             return request
         syntax = self.tool_syntax(request)
         grammar = forced_call_grammar(
@@ -388,6 +402,7 @@ class LlamaBackend(Backend):
             request.tools,
             name=request.tool_name,
             parallel=request.parallel_tool_calls is not False,
+            optional=not required,
         )
         return dataclasses.replace(request, grammar=grammar)
 
@@ -483,19 +498,22 @@ class LlamaBackend(Backend):
             )
 
     def _check_forced_call(self, frame: Generate) -> None:
-        """A forced call's grammar compiles (cached), before the request starts."""
-        if frame.tool_choice != "required":
+        """The grammar of a request's tool calls (a forced call, or tools the
+        server describes) compiles (cached), before the request starts."""
+        if frame.tools is None or frame.messages is None or frame.tool_choice == "none":
+            return
+        request = GenerationRequest.from_frame(frame, default_max_tokens=1)
+        if frame.tool_choice != "required" and not self._describes_tools(request):
             return
         for name in ("grammar", "json_schema"):
             if getattr(frame, name) is not None:
                 raise BackendError(
-                    f"'{name}' and 'tool_choice' \"required\" (or a named function) together: "
-                    "a forced call is held to its own grammar; give one of them",
+                    f"'{name}' and 'tools' together: the tool calls are held to a grammar "
+                    "of their own here (a forced call, or a chat template without tools); "
+                    "give one of them",
                     code="unsupported_option",
                 )
-        if frame.messages is None:
-            return  # _check_chat refuses it
-        request = self.forced_call(GenerationRequest.from_frame(frame, default_max_tokens=1))
+        request = self.forced_call(request)
         assert self.engine is not None
         self.engine.grammars.compile(grammar=request.grammar, json_schema=None)
 
@@ -508,10 +526,9 @@ class LlamaBackend(Backend):
             if chat_fields:
                 raise BackendError(f"'{chat_fields[0]}' needs 'messages'", code="bad_request")
             return
-        forced = frame.tool_choice == "required"
-        if frame.tool_choice in ("required", "none") and "tools" in chat_fields:
-            # "none": the model is not shown them; "required": the server
-            # describes them when the template does not (generic format).
+        if "tools" in chat_fields:
+            # "none": the model is not shown them; else the server describes
+            # them when the template cannot (generic format).
             chat_fields.remove("tools")
         if self.chat_template is None:
             if chat_fields:
@@ -522,21 +539,22 @@ class LlamaBackend(Backend):
                 )
             return
         rendered = self.render_chat(frame.messages, frame.tools, frame.chat_template_kwargs)
-        constrained = frame.grammar is not None or frame.json_schema is not None or forced
-        if constrained and opens_reasoning(rendered):
+        constrained = (
+            frame.grammar is not None
+            or frame.json_schema is not None
+            or frame.tool_choice == "required"
+            or (
+                frame.tools is not None
+                and frame.tool_choice != "none"
+                and rendered == self.render_chat(frame.messages, None, frame.chat_template_kwargs)
+            )
+        )
+        if opens_reasoning(rendered) and constrained:
             # The grammar would constrain the reasoning too: refused, not misapplied.
             raise BackendError(
-                "a grammar, JSON schema or forced tool call after a think block that the chat "
-                "template opens "
-                "is not supported yet (give chat_template_kwargs that turn thinking off)",
-                code="unsupported_option",
-            )
-        shown = frame.tools is not None and frame.tool_choice in (None, "auto")
-        if shown and rendered == self.render_chat(frame.messages, None, frame.chat_template_kwargs):
-            raise BackendError(
-                "'tools': the model's chat template does not show tools to the model "
-                '(tool_choice "required" or a named function works: the server then '
-                "describes the tools and holds the answer to a call)",
+                "a grammar, JSON schema or tool call grammar after a think block that the chat "
+                "template opens is not supported yet (give chat_template_kwargs that turn "
+                "thinking off)",
                 code="unsupported_option",
             )
 

@@ -9,7 +9,9 @@ for the model's template (llama.cpp does the same in ``common/chat.cpp``):
 
 * ``generic`` (templates that know no tools, and models without a template):
   ``{"tool_call": {"name": …, "arguments": {…}}}``, or with parallel calls
-  ``{"tool_calls": [{…}, …]}``;
+  ``{"tool_calls": [{…}, …]}`` — and with ``tool_choice: "auto"`` also
+  ``{"response": "…"}``, the answer without a call (llama.cpp's generic
+  format holds ``auto`` to this grammar too);
 * ``hermes``: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``,
   repeated for parallel calls;
 * ``llama3``: ``{"name": …, "parameters": {…}}``, ``"; "``-separated;
@@ -43,9 +45,13 @@ _ROOT_LINE = re.compile(r"^root ::=", re.MULTILINE)
 
 @functools.lru_cache(maxsize=64)
 def forced_call_grammar(
-    syntax: Syntax, tools_json: str, *, name: str | None, parallel: bool
+    syntax: Syntax, tools_json: str, *, name: str | None, parallel: bool, optional: bool = False
 ) -> str:
     """The GBNF grammar of a forced call (``name``: only that function).
+
+    ``optional`` (``tool_choice: "auto"`` in the generic format, which
+    llama.cpp also holds to a grammar): ``{"response": "…"}`` — an answer
+    without a call — is admitted too.
 
     Cached (the arguments are text): the check before a request's start
     converts the schemas, its submission finds the grammar made.
@@ -80,6 +86,8 @@ def forced_call_grammar(
         schema = _object("tool_calls", {"type": "array", "items": calls, "minItems": 1})
     else:
         schema = _object("tool_call", calls)
+    if optional and wrap is None:
+        schema = {"anyOf": [schema, _object("response", {"type": "string"})]}
     if defs:
         schema = {**schema, "$defs": defs}
     try:
