@@ -233,7 +233,7 @@ async def test_forced_calls_refuse_what_they_cannot_enforce() -> None:
                     ],
                     "tool_choice": "required",
                 },
-                "'tools'",
+                "tools[0].function.parameters.properties.n.type",
             ),
             (
                 {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
