@@ -97,7 +97,7 @@ def generic_tools_note(tools: str, *, parallel: bool | None, required: bool = Tr
     (or that has none) the request's tools and the generic call format — the
     format a grammar then holds its answer to."""
     functions = [tool["function"] for tool in orjson.loads(tools)]
-    if parallel is False:
+    if parallel is not True:
         shape = '{"tool_call": {"name": "<function name>", "arguments": {<its arguments>}}}'
     else:
         shape = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}, …]}'
@@ -401,7 +401,9 @@ class LlamaBackend(Backend):
             "generic" if syntax in (None, "any") else syntax,
             request.tools,
             name=request.tool_name,
-            parallel=request.parallel_tool_calls is not False,
+            # One call unless several are asked for, as llama-server defaults:
+            # a grammar that admits more lets a small model call on and on.
+            parallel=request.parallel_tool_calls is True,
             optional=not required,
         )
         return dataclasses.replace(request, grammar=grammar)
