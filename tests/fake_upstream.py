@@ -67,6 +67,13 @@ class FakeUpstream:
         self.usage_first = False
         #: ``usage.prompt_tokens_details.cached_tokens`` in the usage chunk (None = none).
         self.cached_tokens: int | None = None
+        #: Chat only: reasoning pieces streamed first, each as ``delta.<reasoning_key>``
+        #: (llama-server's ``reasoning_content``; vLLM's and Ollama's ``reasoning``).
+        self.reasoning: list[str] = []
+        self.reasoning_key = "reasoning_content"
+        #: Chat only: ``delta.tool_calls`` lists streamed after the pieces, one
+        #: per chunk; the stream then ends with ``finish_reason: "tool_calls"``.
+        self.tool_call_deltas: list[list[dict[str, Any]]] = []
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
@@ -162,6 +169,8 @@ class FakeUpstream:
         if self.usage_first:
             usage = {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}
             await self._event(response, stream, {"choices": [], "usage": usage})
+        for thought in self.reasoning if chat else ():
+            await self._event(response, stream, _chat({self.reasoning_key: thought}))
         index = 0
         while True:
             if mode != "endless" and index >= len(self.pieces):
@@ -184,8 +193,15 @@ class FakeUpstream:
         if mode == "no_final":
             await response.write_eof()
             return response
+        calls = self.tool_call_deltas if chat else []
+        for parts in calls:
+            await self._event(response, stream, _chat({"tool_calls": parts}))
         finish: dict[str, Any] = (
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            {
+                "choices": [
+                    {"index": 0, "delta": {}, "finish_reason": "tool_calls" if calls else "stop"}
+                ]
+            }
             if chat
             else {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
         )
@@ -193,10 +209,12 @@ class FakeUpstream:
             finish["timings"] = self.timings  # where llama-server puts them
         await self._event(response, stream, finish)
         if self.send_usage:
+            # A chunk a token: the reasoning's and the calls' too.
+            made = index + (len(self.reasoning) if chat else 0) + len(calls)
             usage: dict[str, Any] = {
                 "prompt_tokens": 7,
-                "completion_tokens": index,
-                "total_tokens": 7 + index,
+                "completion_tokens": made,
+                "total_tokens": 7 + made,
             }
             if self.cached_tokens is not None:
                 usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}

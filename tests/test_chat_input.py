@@ -216,3 +216,45 @@ def test_the_openai_api_refuses_what_it_cannot_honour_by_name(
         openai_request(**{"messages": [{"role": "user", "content": "x"}], **body})
     assert caught.value.status == 400
     assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("parameters", "where"),
+    [
+        ({"type": "object", "properties": {"n": {"type": "integr"}}}, "properties.n.type"),
+        ({"type": "object", "properties": {"n": 3}}, "properties.n must be a JSON Schema"),
+        ({"type": "object", "properties": {"n": {"anyOf": {"type": "string"}}}}, "n.anyOf"),
+        ({"type": "object", "properties": {"n": {"items": {"type": ["string", 1]}}}}, "items.type"),
+        ({"type": "object", "properties": {"n": {"enum": "a"}}}, "n.enum must be a list"),
+        ({"type": "object", "$defs": {"d": {"required": "x"}}}, "$defs.d.required"),
+    ],
+)
+def test_tools_that_are_not_json_schema_are_refused_by_place(
+    parameters: dict[str, Any], where: str
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    error = refused(messages=[{"role": "user", "content": "x"}], tools=[tool])
+    assert error.code == "bad_request"
+    assert error.message.startswith("tools[0].function.parameters")
+    assert where in error.message
+    # Valid schemas with the same keywords are taken.
+    generate(
+        messages=[{"role": "user", "content": "x"}],
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "n": {"type": ["string", "null"], "enum": ["a", None]},
+                            "m": {"anyOf": [{"type": "integer"}, True]},
+                            "l": {"type": "array", "items": {"$ref": "#/$defs/d"}},
+                        },
+                        "$defs": {"d": {"type": "object", "required": ["x"]}},
+                    },
+                },
+            }
+        ],
+    )

@@ -240,11 +240,13 @@ def test_the_template_file_overrides_the_models(tmp_path: Path, tiny_gguf: Path)
 
 def test_check_refuses_before_the_start(hermes: LlamaBackend, tiny_gguf: Path) -> None:
     hermes.check(frame(messages=CONVERSATION, tools=[WEATHER]))  # shown: accepted
-    # A template that does not show tools: 'tools' would be ignored, so it is refused.
+    # A template that does not show tools: the server would describe them and
+    # hold the answer to a grammar — which would constrain the think block this
+    # one opens, so it is refused.
     think = ChatTemplate(THINKING)
     hermes.chat_template, saved = think, hermes.chat_template
     try:
-        with pytest.raises(ProtocolError, match="does not show tools") as caught:
+        with pytest.raises(ProtocolError, match="think block") as caught:
             hermes.check(frame(messages=CONVERSATION, tools=[WEATHER]))
         assert caught.value.code == "unsupported_option"
         hermes.chat_template = ChatTemplate(STRICT)
@@ -253,9 +255,10 @@ def test_check_refuses_before_the_start(hermes: LlamaBackend, tiny_gguf: Path) -
         assert caught.value.code == "bad_request"
     finally:
         hermes.chat_template = saved
-    with loaded(tiny_gguf) as plain:  # no template: the fallback cannot show tools
+    with loaded(tiny_gguf) as plain:  # no template: the server describes the tools
+        plain.check(frame(messages=CONVERSATION, tools=[WEATHER]))
         with pytest.raises(ProtocolError, match="needs a chat template") as caught:
-            plain.check(frame(messages=CONVERSATION, tools=[WEATHER]))
+            plain.check(frame(messages=CONVERSATION, chat_template_kwargs={"x": 1}))
         assert caught.value.code == "unsupported_option"
 
 

@@ -416,20 +416,6 @@ def test_the_stop_string_an_upstream_names_is_read() -> None:
     assert parse_chunk(json.dumps(eos)).stop_string is None
 
 
-async def test_tools_are_refused_by_name_while_tool_calls_are_not_relayed() -> None:
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    async with FakeUpstream() as up, relay(up.url) as server:
-        async with wire(server) as client:
-            await client.send({"type": "generate", "id": "t", "messages": messages, "tools": tools})
-            (error,) = await client.until(lambda f: f["type"] == "error")
-            assert error["code"] == "unsupported_option" and "'tools'" in error["message"]
-            # Nothing reached the upstream, and the connection goes on.
-            await client.send({"type": "generate", "id": "u", "messages": messages})
-            await client.done("u")
-    assert len(up.streams) == 1
-
-
 # ---------------------------------------------------------------- hardening III (issue 26)
 
 

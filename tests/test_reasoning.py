@@ -215,3 +215,59 @@ async def test_openai_sdk_gets_reasoning_content(thinking_text: str) -> None:
             assert ("".join(reasoning), "".join(content)) == (REASONING, ANSWER)
         finally:
             await api.close()
+
+
+async def test_resume_mid_reasoning_keeps_reasoning_apart(tmp_path: object) -> None:
+    """A resumable chat loses its connection while its reasoning streams; the
+    frames replayed on resume go on where the client was: reasoning stays
+    reasoning, the answer stays answer, nothing is lost or sent twice."""
+    import asyncio
+    import pathlib
+
+    from test_resume import parked
+
+    thought = "".join(f" step{i} 日本 😀" for i in range(300))
+    answer = "The answer is 42."
+    path = pathlib.Path(str(tmp_path)) / "resume.txt"
+    path.write_text(f"<think>{thought}</think>\n{answer}", encoding="utf-8")
+    config = fake_config(backend__fake__text_file=str(path), backend__fake__tokens_per_s=400)
+    chat = [{"role": "user", "content": "q"}]
+    async with running_server(config) as server:
+        async with wire(server) as client:
+            await client.send(
+                {
+                    "type": "generate",
+                    "id": "r",
+                    "messages": chat,
+                    "max_tokens": 5000,
+                    "resumable": True,
+                }
+            )
+            started = await client.until(lambda f: f["type"] == "started")
+            token = started[-1]["resume_token"]
+            await client.until(lambda f: f["type"] == "delta" and f["seq"] >= 2)
+            before = [f for f in client.frames if f["type"] == "delta"]
+            # Mid-reasoning: no answer text has been sent yet.
+            assert all(f["text"] == "" for f in before) and before[-1].get("reasoning")
+            client.ws.transport.abort()  # a lost connection: no close frame
+        await parked(server)
+        after_seq = before[-1]["seq"]
+        async with wire(server) as client:
+            await client.send(
+                {"type": "resume", "id": "r", "resume_token": token, "after_seq": after_seq}
+            )
+            async with asyncio.timeout(timeout(30)):
+                await client.until(lambda f: f["type"] == "done" and f["id"] == "r", units=30)
+            after = [f for f in client.frames if f.get("id") == "r"]
+    assert after[0] == {"type": "resumed", "id": "r", "after_seq": after_seq}
+    replayed = [f for f in after if f["type"] == "delta"]
+    deltas = before + replayed
+    assert [f["seq"] for f in deltas] == list(range(len(deltas)))
+    assert "".join(f.get("reasoning", "") for f in deltas) == thought
+    assert "".join(f["text"] for f in deltas) == answer
+    # No frame mixes them up: every reasoning piece comes before any answer text.
+    first_text = next(i for i, f in enumerate(deltas) if f["text"])
+    assert not any(f.get("reasoning") for f in deltas[first_text + 1 :])
+    done = after[-1]
+    assert done["type"] == "done" and done["reason"] == "stop"
+    assert 0 < done["usage"]["reasoning_tokens"] < done["usage"]["completion_tokens"]

@@ -207,6 +207,9 @@ def parse_tools(value: Any, fail: Fail) -> str:
         required = parameters.get("required", [])
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise fail(f"{here}.function.parameters.required must be a list of names")
+        problem = schema_problem(parameters, f"{here}.function.parameters")
+        if problem is not None:
+            raise fail(problem)
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise fail(f"{here}.function.strict must be a boolean")
@@ -216,6 +219,67 @@ def parse_tools(value: Any, fail: Fail) -> str:
         entry["parameters"] = parameters
         tools.append({"type": "function", "function": entry})
     return orjson.dumps(tools).decode()
+
+
+_SCHEMA_TYPES: Final = frozenset(
+    {"object", "array", "string", "number", "integer", "boolean", "null"}
+)
+#: Keywords whose value is a schema, a map of schemas, a list of schemas.
+_ONE_SCHEMA: Final = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMA_MAPS: Final = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_LISTS: Final = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def schema_problem(schema: Any, where: str, depth: int = 0) -> str | None:
+    """What makes ``schema`` not a JSON Schema, in the keywords that shape a
+    value (``type``, the subschemas, ``required``, ``enum``), or None.
+
+    Not a full meta-schema check: the keywords every engine reads, so that a
+    typo such as ``"type": "integr"`` is a ``bad_request`` naming its place
+    whichever engine serves the request, not a schema the model is shown."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where} must be a JSON Schema (an object or a boolean)"
+    if depth > 32:
+        return f"{where}: the schema nests deeper than 32 levels"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is not None and not all(isinstance(k, str) and k in _SCHEMA_TYPES for k in kinds):
+        return f"{where}.type must be one of {', '.join(sorted(_SCHEMA_TYPES))} (or a list of them)"
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        return f"{where}.required must be a list of names"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}.enum must be a list"
+    for key in _ONE_SCHEMA:
+        if key in schema and not (key == "items" and isinstance(schema[key], list)):
+            found = schema_problem(schema[key], f"{where}.{key}", depth + 1)
+            if found is not None:
+                return found
+    for key in _SCHEMA_MAPS:
+        children = schema.get(key)
+        if children is None:
+            continue
+        if not isinstance(children, dict):
+            return f"{where}.{key} must be an object of schemas"
+        for name, child in children.items():
+            found = schema_problem(child, f"{where}.{key}.{name}", depth + 1)
+            if found is not None:
+                return found
+    for key in _SCHEMA_LISTS:
+        children = schema.get(key)
+        if children is None:
+            continue
+        if not isinstance(children, list) or not children:
+            return f"{where}.{key} must be a non-empty list of schemas"
+        for index, child in enumerate(children):
+            found = schema_problem(child, f"{where}.{key}[{index}]", depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def parse_tool_choice(obj: dict[str, Any], tools: str | None, fail: Fail) -> dict[str, Any]:

@@ -14,7 +14,13 @@ tells formats apart (:func:`detect_syntax`):
 * ``generic`` — templates that know no tools (llama.cpp's generic format):
   the whole output is JSON, ``{"tool_call": {…}}``, ``{"tool_calls": […]}``,
   ``{"response": "…"}`` or a bare call object;
-* ``any`` — all of the above (an engine without a template: the fake).
+* ``any`` — all of the above (an engine without a template: the fake);
+* ``relay`` — calls an upstream server already parsed and streamed as
+  OpenAI's ``tool_calls``: the relay writes them into the text as
+  :data:`RELAY_MARKER` and a JSON array (:func:`relay_call_text`), so that
+  they take the same path as every engine's calls (paced, numbered,
+  replayed) while the upstream's content is left exactly as it was (no
+  model syntax is looked for in it).
 
 :class:`ToolCallParser` works on final text, after
 :class:`~wsserver.reasoning.ReasoningSplitter`, like it: piece by piece, and
@@ -43,16 +49,18 @@ import orjson
 
 __all__ = [
     "FRAGMENT_CHARS",
+    "RELAY_MARKER",
     "SYNTAXES",
     "CallPart",
     "ToolCallParser",
     "ToolSplit",
     "detect_syntax",
     "new_call_id",
+    "relay_call_text",
 ]
 
-Syntax = Literal["hermes", "llama3", "mistral", "generic", "any"]
-SYNTAXES: Final = ("hermes", "llama3", "mistral", "generic", "any")
+Syntax = Literal["hermes", "llama3", "mistral", "generic", "any", "relay"]
+SYNTAXES: Final = ("hermes", "llama3", "mistral", "generic", "any", "relay")
 #: The most argument text one :class:`CallPart` carries.
 FRAGMENT_CHARS: Final = 4096
 
@@ -61,6 +69,9 @@ _HERMES_END: Final = "</tool_call>"
 _MISTRAL: Final = "[TOOL_CALLS]"
 _PYTHON_TAG: Final = "<|python_tag|>"
 _ALPHABET: Final = string.ascii_letters + string.digits
+#: Opens the calls a relay writes into its text (a private-use character, which
+#: no upstream's content is expected to hold).
+RELAY_MARKER: Final = "\ue000"
 
 
 def new_call_id() -> str:
@@ -79,6 +90,17 @@ def detect_syntax(template: str | None) -> Syntax:
     if _PYTHON_TAG in template or ("<|start_header_id|>" in template and "ipython" in template):
         return "llama3"
     return "generic"
+
+
+def relay_call_text(calls: list[tuple[str | None, str, str]]) -> str:
+    """Calls an upstream made — ``(id, name, arguments as JSON text)`` — as the
+    text the ``relay`` syntax reads back: the same ids, names and arguments."""
+    items = [
+        # A call without arguments may come with none at all ("").
+        {"name": name, "arguments": arguments or "{}", **({"id": call_id} if call_id else {})}
+        for call_id, name, arguments in calls
+    ]
+    return RELAY_MARKER + orjson.dumps(items).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +161,8 @@ class ToolCallParser:
             openers[_MISTRAL] = "mistral"
         if syntax in ("llama3", "any"):
             openers[_PYTHON_TAG] = "json"
+        if syntax == "relay":
+            openers[RELAY_MARKER] = "mistral"  # a JSON array of calls, as Mistral's
         self._openers = openers
         #: A JSON call may open the output (after whitespace).
         self._start_json = syntax in ("llama3", "generic", "any")

@@ -126,6 +126,11 @@ class GenerationRequest:
     #: OpenAI's function tools and extra chat-template variables, as JSON text.
     tools: str | None = None
     chat_template_kwargs: str | None = None
+    #: ``required`` (a call is forced; ``tool_name``: that function) or None.
+    tool_choice: str | None = None
+    tool_name: str | None = None
+    #: At most one call when False.
+    parallel_tool_calls: bool | None = None
     #: Log-probabilities asked for: how many alternatives per token (0-20);
     #: ``None``: none (the engine computes nothing for them).
     logprobs: int | None = None
@@ -151,6 +156,9 @@ class GenerationRequest:
             # tool_choice "none": the model is not shown the tools (nor parsed for calls).
             tools=None if frame.tool_choice == "none" else frame.tools,
             chat_template_kwargs=frame.chat_template_kwargs,
+            tool_choice="required" if frame.tool_choice == "required" else None,
+            tool_name=frame.tool_name,
+            parallel_tool_calls=frame.parallel_tool_calls,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
         )
 

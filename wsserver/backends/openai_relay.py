@@ -18,6 +18,17 @@ upstream's usage when it reports it as it goes, else estimated from the text
 (a chunk is at least one token, a token at most :data:`MAX_TOKEN_CHARS`
 characters: an estimate that never ends an honest upstream early) — at the
 limit the request ends with reason ``length`` and the stream is closed.
+
+What an upstream splits off itself goes into the same text, in the core's
+own markers, so that it takes every engine's path (the reasoning splitter and
+the tool call parser in the pipeline: paced, numbered, replayed on resume):
+its reasoning (``delta.reasoning_content`` or ``delta.reasoning``) between
+``<think>`` and ``</think>`` — with ``reasoning_format: "none"`` the client
+then sees the block in the answer, as llama-server's ``none`` shows it — and
+its ``delta.tool_calls``, gathered per call and written whole once the next
+call, the end or the stream's end shows the call complete, as
+:func:`~wsserver.tool_calls.relay_call_text` (the ``relay`` syntax: the
+upstream's ids, names and arguments, its content left as it was).
 """
 
 from __future__ import annotations
@@ -28,10 +39,12 @@ from collections.abc import Callable
 
 from ..logprobs import TokenLogprob
 from ..protocol import DoneReason
+from ..reasoning import CLOSE, OPEN
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
+from ..tool_calls import relay_call_text
 from .base import CancelEvent, Outcome, Sink
-from .openai_wire import DONE, UpstreamError, parse_chunk
+from .openai_wire import DONE, ToolDelta, UpstreamError, parse_chunk
 
 __all__ = ["MAX_EVENT_BYTES", "MAX_PIECE_CHARS", "MAX_TOKEN_CHARS", "Relay", "call_soon"]
 
@@ -81,12 +94,22 @@ class Relay:
         self.upstream_stop: str | None = None
         #: The upstream's count of cached prompt tokens, when its usage says.
         self.cached_tokens: int | None = None
+        #: Inside the ``<think>`` block written for the upstream's reasoning.
+        self.thinking = False
+        #: The upstream's tool calls by index: [id, name, arguments so far].
+        self.calls: dict[int, list[str]] = {}
+        #: Indexes of the calls already written, and the parts not yet counted.
+        self.calls_written: set[int] = set()
+        self.call_parts = 0
 
     def begin(self) -> None:
         """A new response (a retry): start its parsing afresh."""
         self.parser = SSEParser(MAX_EVENT_BYTES)
         self.finish = None
         self.done = False
+        if not self.offered:  # a call begun by the failed response is not this one's
+            self.calls.clear()
+            self.call_parts = 0
 
     async def feed(self, data: bytes) -> None:
         try:
@@ -113,9 +136,12 @@ class Relay:
                 self.finish = chunk.finish
             if chunk.stop_string in self.assembler.stops:
                 self.upstream_stop = chunk.stop_string
+            if chunk.reasoning:
+                await self._reasoning(chunk.reasoning)
             if chunk.text or chunk.logprobs:
                 text = ""
                 if chunk.text:
+                    await self._end_reasoning()
                     self.pieces += 1
                     text = self.assembler.feed_text(self._within_limit(chunk.text))
                 # One entry a piece, so the channel's bound per piece holds.
@@ -128,6 +154,9 @@ class Relay:
                     self.finish = "stop"
                     self.done = True
                     return
+            if chunk.tool_calls:
+                await self._end_reasoning()
+                await self._gather_calls(chunk.tool_calls)
             if self.max_tokens is not None and self.tokens >= self.max_tokens:
                 # An upstream that ignores max_tokens: end at the limit.
                 self.finish = "length"
@@ -149,7 +178,51 @@ class Relay:
         self.tokens += estimate
         return text
 
+    async def _reasoning(self, text: str) -> None:
+        if not self.thinking:
+            self.thinking = True
+            await self.offer(OPEN, 0)
+        self.pieces += 1
+        await self.offer(self._within_limit(text), 1)
+
+    async def _end_reasoning(self) -> None:
+        if self.thinking:
+            self.thinking = False
+            await self.offer(CLOSE, 0)
+
+    async def _gather_calls(self, parts: tuple[ToolDelta, ...]) -> None:
+        for part in parts:
+            if part.index not in self.calls:
+                # A new call: those before it are complete.
+                await self._write_calls(below=part.index)
+                self.calls[part.index] = ["", "", ""]
+            call = self.calls[part.index]
+            call[0] = call[0] or part.id or ""
+            call[1] = call[1] or part.name or ""
+            call[2] += part.arguments
+            self.call_parts += 1
+            self.pieces += 1
+            self.tokens += 1
+
+    async def _write_calls(self, below: int | None = None) -> None:
+        """Write the gathered calls (with an index below ``below``) not yet written."""
+        ready = sorted(
+            i for i in self.calls if i not in self.calls_written and (below is None or i < below)
+        )
+        if not ready:
+            return
+        tail = self.assembler.flush()  # content held back for a stop string goes first
+        if tail:
+            await self.offer(tail, 0)
+        self.calls_written.update(ready)
+        tokens, self.call_parts = self.call_parts, 0
+        calls = [self.calls[i] for i in ready]
+        text = relay_call_text([(call_id or None, name, args) for call_id, name, args in calls])
+        await self.offer(text, tokens)
+
     async def end(self) -> Outcome:
+        await self._end_reasoning()
+        await self._write_calls()
         tail = self.assembler.flush()
         if tail:
             await self.offer(tail, 0)

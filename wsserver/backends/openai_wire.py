@@ -33,6 +33,7 @@ __all__ = [
     "DONE",
     "UPSTREAM_TIMINGS",
     "Chunk",
+    "ToolDelta",
     "UpstreamError",
     "error_message",
     "parse_chunk",
@@ -90,6 +91,14 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
         body["messages"] = [m.to_openai() for m in request.messages]
         if request.tools is not None:
             body["tools"] = orjson.loads(request.tools)
+            if request.tool_choice == "required":
+                body["tool_choice"] = (
+                    {"type": "function", "function": {"name": request.tool_name}}
+                    if request.tool_name is not None
+                    else "required"
+                )
+            if request.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = request.parallel_tool_calls
         if request.chat_template_kwargs is not None:
             # llama-server's extension (vLLM and SGLang take it too).
             body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)
@@ -146,6 +155,21 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     #: ``usage.prompt_tokens_details.cached_tokens``: the upstream's prefix cache.
     cached_tokens: int | None = None
+    #: The model's reasoning the upstream split off (``delta.reasoning_content``,
+    #: or ``delta.reasoning`` as vLLM and Ollama name it).
+    reasoning: str = ""
+    #: ``delta.tool_calls`` parts: (index, id, name, arguments), any but index may be None/"".
+    tool_calls: tuple[ToolDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDelta:
+    """One part of a streamed tool call, as OpenAI's ``delta.tool_calls[i]``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 #: The figures of llama-server's ``timings`` passed on in ``done.upstream_timings``:
@@ -190,7 +214,8 @@ def parse_chunk(data: str) -> Chunk:
         choices = []
     if not isinstance(choices, list):
         raise _bad("the upstream sent an event whose choices are not a list")
-    text = ""
+    text = reasoning = ""
+    calls: list[ToolDelta] = []
     finish: DoneReason | None = None
     stop_string: str | None = None
     entries: list[TokenLogprob] = []
@@ -203,6 +228,8 @@ def parse_chunk(data: str) -> Chunk:
             if not isinstance(delta, dict):
                 raise _bad("the upstream sent a delta that is not an object")
             piece = delta.get("content")
+            reasoning += _reasoning(delta)
+            calls.extend(_tool_deltas(delta.get("tool_calls")))
         else:  # completion
             piece = choice.get("text")
         if piece is not None:
@@ -234,7 +261,48 @@ def parse_chunk(data: str) -> Chunk:
         stop_string,
         tuple(entries),
         cached_tokens,
+        reasoning,
+        tuple(calls),
     )
+
+
+def _reasoning(delta: dict[str, Any]) -> str:
+    for key in ("reasoning_content", "reasoning"):
+        value = delta.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise _bad(f"the upstream sent a {key} that is not a string")
+            return value
+    return ""
+
+
+def _tool_deltas(value: Any) -> list[ToolDelta]:
+    """A delta's ``tool_calls``, checked for the shapes OpenAI streams."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad("the upstream sent tool_calls that are not a list")
+    out = []
+    for position, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise _bad("the upstream sent a tool call part that is not an object")
+        index = part.get("index", position)
+        function = part.get("function") or {}
+        call_id = part.get("id")
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if (
+            not isinstance(index, int)
+            or isinstance(index, bool)
+            or not 0 <= index < 128
+            or not isinstance(function, dict)
+            or not isinstance(call_id, str | None)
+            or not isinstance(name, str | None)
+            or not isinstance(arguments, str | None)
+        ):
+            raise _bad("the upstream sent a malformed tool call part")
+        out.append(ToolDelta(index, call_id or None, name or None, arguments or ""))
+    return out
 
 
 def _logprobs(value: Any) -> tuple[TokenLogprob, ...]:
