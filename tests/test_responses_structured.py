@@ -149,3 +149,49 @@ async def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(
     body = caught.value.body
     assert isinstance(body, dict)
     assert param in (body.get("param") or "") + body.get("message", ""), body
+
+
+async def test_a_forced_function_call_on_the_responses_api_validates(tmp_path: Path) -> None:
+    # tool_choice "required" and a named function map onto the core's forced
+    # call: a tiny model with a Hermes template is held to a valid call.
+    from test_llama_template import HERMES
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    }
+    tools: list[Any] = [
+        {"type": "function", "name": "get_weather", "parameters": parameters},
+        {"type": "function", "name": "get_time", "parameters": {"type": "object"}},
+    ]
+    config = make_config(
+        backend__kind="llama", backend__llama__model=str(path), backend__llama__n_threads=1
+    )
+    async with running_server(config) as server:
+        sdk = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+        try:
+            for choice in ("required", {"type": "function", "name": "get_weather"}):
+                response = await sdk.responses.create(
+                    model="hermes",
+                    input="Weather in Paris?",
+                    tools=tools,
+                    tool_choice=choice,  # type: ignore[arg-type]
+                    max_output_tokens=120,
+                )
+                calls = [item for item in response.output if item.type == "function_call"]
+                assert len(calls) == 1, response.output
+                call = calls[0]
+                if choice != "required":
+                    assert call.name == "get_weather"
+                if call.name == "get_weather":
+                    jsonschema.validate(json.loads(call.arguments), parameters)
+                else:
+                    assert isinstance(json.loads(call.arguments), dict)
+        finally:
+            await sdk.close()
