@@ -53,6 +53,8 @@ __all__ = [
     "parse_client_frame",
 ]
 
+#: The longest model name a request may give (names are configured; longer ones cannot exist).
+MAX_MODEL_CHARS: Final = 128
 #: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
 #: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
 ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
@@ -135,6 +137,9 @@ class Generate:
     #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    #: The model to serve it (one of ``hello.models``); None: the default.
+    #: The server fills in the one it chose before the request is accepted.
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +252,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "reasoning_format",
         "logprobs",
         "top_logprobs",
+        "model",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -355,6 +361,11 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
             raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         out["top_logprobs"] = value
+    if "model" in obj:
+        value = obj["model"]
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:
+            raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
+        out["model"] = value
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

@@ -28,7 +28,7 @@ from websockets.typing import Subprotocol
 
 from .. import __version__
 from ..anthropic_api import error_body as anthropic_error_body
-from ..backends import Backend, create_backend
+from ..backends import Backend, ModelEntry, create_models
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
@@ -40,6 +40,7 @@ from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, process_request
 from .metrics import Metrics, Snapshot
+from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
@@ -49,7 +50,6 @@ from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
 from .responses_socket import ResponsesSocket
 from .resume import Resumes
-from .scheduler import Scheduler
 from .services import Services
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
@@ -106,7 +106,15 @@ class Server:
 
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend if backend is not None else create_backend(config)
+        entries = (
+            [ModelEntry(backend.model_name, backend)]
+            if backend is not None
+            else create_models(config)
+        )
+        #: Every model served (docs/operations.md, "Several models"); the default first.
+        self.models = ModelPool(entries, budget=config.backend.llama.models_memory_bytes)
+        #: The default model's engine and queue.
+        self.backend = self.models.default.backend
         self.server_name = f"wsserver/{__version__}"
         limits = config.limits
         #: What a connection may ask for, as ``hello`` tells the client
@@ -118,7 +126,7 @@ class Server:
             max_tokens=limits.max_tokens,
             default_max_tokens=limits.default_max_tokens,
         )
-        self.scheduler = Scheduler(self.backend.slots, self.backend.max_waiting, ready=False)
+        self.scheduler = self.models.default.scheduler
         self.connections: dict[str, Connection] = {}
         #: WebSocket-mode connections of the Responses API (aio/responses_socket.py).
         self.responses_sockets: dict[str, ResponsesSocket] = {}
@@ -149,7 +157,7 @@ class Server:
         self.resumes = Resumes(
             grace_s=stream.resume_grace_s,
             stall_s=stream.stall_timeout_s,
-            waiting=lambda: self.scheduler.waiting,
+            waiting=lambda: self.models.waiting,
             max_total=stream.max_detached,
             max_per_client=stream.max_detached_per_client,
         )
@@ -157,6 +165,7 @@ class Server:
             config=config,
             backend=self.backend,
             scheduler=self.scheduler,
+            models=self.models,
             metrics=self.metrics,
             wire_limits=self.wire_limits,
             server_name=self.server_name,
@@ -259,13 +268,12 @@ class Server:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            await asyncio.to_thread(self.backend.load)
+            await self.models.start()
         except Exception as exc:
             log.error("model failed to load: %s", exc)
             raise
         self.metrics.set_model(self.backend.model_name)
         self.backend.on_model = self.metrics.set_model
-        self.scheduler.open()
         self.ready.set()
         log.info(
             "ready: model %s loaded in %.1fs; serving %s",
@@ -328,7 +336,9 @@ class Server:
         periodic probe and by ``/readyz``.
         """
         now = asyncio.get_running_loop().time() if now is None else now
-        owned = {g.slot for g in self._generations() if g.slot is not None}
+        # (The default model's queue; every model's slots are numbered from 0.)
+        default = self.models.default
+        owned = {g.slot for g in self._generations() if g.slot is not None and g.model is default}
         orphans = self.scheduler.held() - owned
         for slot in list(self._orphans):
             if slot not in orphans:
@@ -413,7 +423,7 @@ class Server:
         await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
-        await asyncio.to_thread(self.backend.close)
+        await self.models.close()
         log.info("stopped")
 
     @staticmethod

@@ -290,8 +290,16 @@ class Backend(abc.ABC):
         return None  # a backend with nothing to load needs no override
 
     def close(self) -> None:
-        """Release the model. Called once at shutdown, after every request completed."""
+        """Release the model: at shutdown, or to unload it (the registry calls it
+        only when no request runs on it; ``load`` may follow again)."""
         return None
+
+    def memory_estimate(self) -> int:
+        """The bytes ``load`` will take (weights + KV cache), for the memory
+        budget of several models; called on a worker thread before ``load``.
+        Raises :class:`~wsserver.errors.ModelLoadError` for a file that cannot be
+        a model. 0: nothing worth counting (an engine whose model lives elsewhere)."""
+        return 0
 
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.

@@ -49,6 +49,7 @@ from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .gguf_meta import kv_cache_bytes
 from .llama_context import install_log_bridge, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
@@ -121,6 +122,7 @@ class LlamaBackend(Backend):
         max_waiting: int = 64,
         abort_check: str = "native",
         chat_template_file: str = "",
+        name: str = "",
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -137,7 +139,9 @@ class LlamaBackend(Backend):
         self.abort_check = abort_check
         #: A Jinja file that replaces the model's own chat template ("": the model's).
         self.chat_template_file = chat_template_file
-        if model:
+        if name:
+            self.model_name = name
+        elif model:
             self.model_name = Path(model).stem
         else:
             self.model_name = "gemma-3-270m-q4_k_m"
@@ -150,8 +154,9 @@ class LlamaBackend(Backend):
         self._on_prefill: Callable[[str, int], None] | None = None
 
     @classmethod
-    def from_config(cls, config: LlamaConfig) -> LlamaBackend:
+    def from_config(cls, config: LlamaConfig, *, name: str = "") -> LlamaBackend:
         return cls(
+            name=name,
             model=config.model,
             n_ctx=config.n_ctx,
             n_threads=config.n_threads,
@@ -164,8 +169,7 @@ class LlamaBackend(Backend):
 
     # ------------------------------------------------------------ lifecycle
 
-    def load(self) -> None:
-        install_log_bridge()
+    def _path(self) -> Path:
         if self.model_path:
             path = Path(self.model_path)
         else:
@@ -173,6 +177,21 @@ class LlamaBackend(Backend):
             path = _default_model_path()
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
+        return path
+
+    def memory_estimate(self) -> int:
+        """The weights (the file's size) and the KV cache of every sequence,
+        from the GGUF header alone (docs/operations.md, "Several models")."""
+        path = self._path()
+        try:
+            kv = kv_cache_bytes(path, cells=self.n_ctx * self.parallel)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load model {path}: {exc}") from None
+        return path.stat().st_size + kv
+
+    def load(self) -> None:
+        install_log_bridge()
+        path = self._path()
         size_mb = path.stat().st_size / 1e6
         log.info(
             "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "

@@ -1,0 +1,343 @@
+"""The model registry: one engine per loaded model, loaded on demand.
+
+Theory of operation
+-------------------
+Each model the server serves is a :class:`Model`: its backend (for llama, a
+:class:`~wsserver.backends.llama.LlamaBackend` with its own context, batch,
+queue and prefix cache) and its own :class:`~wsserver.aio.scheduler.Scheduler`
+(the FIFO of requests waiting for one of its slots, with their positions).
+The scheduler is *closed* while the model is not loaded: requests for it wait
+in its queue, and their ``queued`` frames say ``loading``.
+
+A request for an unloaded model starts its load (:meth:`ModelPool.acquire`):
+
+1. the memory it needs is estimated on a worker thread (the GGUF's size and
+   its KV cache, from its header; a corrupt file fails here);
+2. room is made under the budget (:func:`wsserver.models.plan_room`): idle
+   models — loaded, nothing running or queued — are unloaded, least recently
+   used first; if busy models hold the memory, the load waits until one of
+   them is idle (and gives up if every request waiting for it went away);
+3. the engine loads on a worker thread — never on the event loop — and the
+   scheduler opens: the queued requests start in order.
+
+A load that fails refuses exactly the requests queued for that model
+(``model_load_failed``); the others' models are untouched. A model is
+unloaded (its scheduler closed in the same loop turn as the decision, then
+the engine freed on a worker thread) only when it is idle: for room, or after
+its ``keep_alive_s`` without requests. A request that arrives while its model
+is being unloaded waits and loads it again. A cancelled waiter leaves the
+queue at once (the scheduler's rule).
+
+The default model is loaded when the server starts, with every model marked
+``preload``; the server is ready when they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+from ..backends import ModelEntry
+from ..errors import ProtocolError
+from ..models import ModelInfo, ModelState, Resident, plan_room
+from ..protocol import Generate
+from .scheduler import Scheduler
+
+__all__ = ["Model", "ModelPool", "machine_budget"]
+
+log = logging.getLogger("wsserver.models")
+
+#: A waiter's position callback: its place in the model's queue, and whether
+#: the model is still loading.
+QueuedCallback = Callable[[int, bool], None]
+
+
+def machine_budget() -> int:
+    """The default memory budget: three quarters of the machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):  # not on this platform: no bound
+        return 1 << 62
+    return int(total) * 3 // 4
+
+
+class Model:
+    """One served model: its engine, its queue and where it stands."""
+
+    def __init__(self, spec: ModelEntry) -> None:
+        self.name = spec.name
+        self.backend = spec.backend
+        self.keep_alive_s = spec.keep_alive_s
+        self.preload = spec.preload
+        self.scheduler = Scheduler(spec.backend.slots, spec.backend.max_waiting, ready=False)
+        #: ``unloading`` is shown to clients as ``unloaded``.
+        self.state: ModelState | str = "unloaded"
+        #: The memory it holds (estimated when its load starts; 0 when unloaded).
+        self.bytes = 0
+        self.last_used = 0.0
+        #: Loads and unloads so far (tests, logs).
+        self.loads = 0
+        self.unloads = 0
+        self.task: asyncio.Task[None] | None = None
+        #: Why its last load failed (None after a good one).
+        self.load_error: Exception | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        #: Set whenever the state changes (tests and ``wait_state`` wait on it).
+        self.changed = asyncio.Event()
+
+    @property
+    def idle(self) -> bool:
+        """No running and no queued request."""
+        return self.scheduler.busy == 0 and self.scheduler.waiting == 0
+
+    def info(self) -> ModelInfo:
+        state: ModelState = self.state if self.state in ("loaded", "loading") else "unloaded"
+        return ModelInfo(
+            name=self.name,
+            state=state,
+            n_ctx=getattr(self.backend, "n_ctx", None),
+            parallel=self.backend.slots,
+            max_waiting=self.backend.max_waiting,
+        )
+
+    def _set(self, state: str) -> None:
+        self.state = state
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class ModelPool:
+    """Every model the server serves (see the module docstring)."""
+
+    def __init__(self, specs: Sequence[ModelEntry], *, budget: int = 0) -> None:
+        if not specs:
+            raise ValueError("a server serves at least one model")
+        self.models: dict[str, Model] = {spec.name: Model(spec) for spec in specs}
+        self.default = next(iter(self.models.values()))
+        self.budget = budget if budget > 0 else machine_budget()
+        self._room_waiters: list[asyncio.Future[None]] = []
+        self._closing = False
+
+    # ------------------------------------------------------------ lookup
+
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def infos(self) -> list[ModelInfo]:
+        return [m.info() for m in self.models.values()]
+
+    def resolve(self, name: str | None, request_id: str | None = None) -> Model:
+        """The model a request names (``None``: the default), or ``model_not_found``."""
+        if name is None:
+            return self.default
+        model = self.models.get(name)
+        if model is None and len(self.models) == 1 and name == self.default.backend.model_name:
+            model = self.default  # an engine that learnt its model's name after loading
+        if model is None:
+            served = ", ".join(repr(n) for n in list(self.models)[:20])
+            raise ProtocolError(
+                "model_not_found",
+                f"model {name[:128]!r} is not served here; the models are: {served}",
+                request_id,
+            )
+        return model
+
+    def resolve_api(self, name: str | None, request_id: str | None = None) -> Model:
+        """As :meth:`resolve`, for the OpenAI-style APIs, whose SDKs always send
+        a ``model``: with a single model, whatever name they send is served by
+        it (as llama-server does); with several, the name must be one of them."""
+        if len(self.models) == 1:
+            return self.default
+        return self.resolve(name, request_id)
+
+    def for_api(self, generate: Generate, asked: str | None) -> tuple[Generate, Model]:
+        """An OpenAI-style request's frame with its model filled in
+        (:meth:`resolve_api`); an unknown name raises ``model_not_found``,
+        which each dialect answers with 404 in its own error shape."""
+        model = self.resolve_api(asked, generate.id)
+        return dataclasses.replace(generate, model=model.name), model
+
+    @property
+    def waiting(self) -> int:
+        return sum(m.scheduler.waiting for m in self.models.values())
+
+    # ------------------------------------------------------------ requests
+
+    async def acquire(self, model: Model, request_id: str, on_queued: QueuedCallback) -> int:
+        """Wait for one of ``model``'s slots, loading it first if needed.
+
+        Raises ``ProtocolError``: ``overloaded`` (its queue is full) or
+        ``model_load_failed``. Cancelling the wait leaves the queue at once.
+        """
+        self._cancel_idle_timer(model)
+        if model.state == "unloaded":
+            self._start_load(model)
+        try:
+            return await model.scheduler.acquire(
+                request_id, lambda position: on_queued(position, model.state != "loaded")
+            )
+        finally:
+            self._check_idle(model)
+
+    def release(self, model: Model, slot: int) -> None:
+        """A request's engine is done with ``slot``."""
+        model.scheduler.release(slot)
+        self._check_idle(model)
+
+    # ------------------------------------------------------------ start and stop
+
+    async def start(self) -> None:
+        """Load the default model and the preloaded ones; raise if the default fails."""
+        first = [
+            self.default,
+            *(m for m in self.models.values() if m.preload and m is not self.default),
+        ]
+        for model in first:
+            if model.state == "unloaded":
+                self._start_load(model)
+            assert model.task is not None
+            await asyncio.shield(model.task)
+            if model.load_error is not None and model is self.default:
+                raise model.load_error
+
+    async def close(self) -> None:
+        """Release every engine (at shutdown, after every request completed)."""
+        self._closing = True
+        self._wake_room()
+        for model in self.models.values():
+            self._cancel_idle_timer(model)
+            if model.task is not None and not model.task.done():
+                # A load on its thread cannot be interrupted: let it finish,
+                # then free it with the others.
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await model.task
+            await asyncio.to_thread(model.backend.close)
+
+    async def wait_state(self, name: str, state: str) -> None:
+        """Wait until model ``name`` is in ``state`` (tests, tools)."""
+        model = self.models[name]
+        while model.state != state:
+            await model.changed.wait()
+
+    # ------------------------------------------------------------ loading
+
+    def _start_load(self, model: Model) -> None:
+        model._set("loading")
+        model.task = asyncio.create_task(self._load(model), name=f"load-{model.name}")
+
+    async def _load(self, model: Model) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            need = await asyncio.to_thread(model.backend.memory_estimate)
+            model.bytes = need
+            while True:
+                victims = plan_room(need, self.budget, self._resident(besides=model))
+                if victims is not None:
+                    break
+                if self._closing or (
+                    model.scheduler.waiting == 0 and not (model.preload or model is self.default)
+                ):
+                    log.info("model %s: nobody waits for it any more; not loading it", model.name)
+                    model.bytes = 0
+                    model._set("unloaded")
+                    return
+                log.info(
+                    "model %s: waiting for a busy model to become idle to fit the budget",
+                    model.name,
+                )
+                await self._wait_for_room()
+            await asyncio.gather(*(self._unload(self.models[name], "for room") for name in victims))
+            if need + sum(r.bytes for r in self._resident(besides=model)) > self.budget:
+                log.warning(
+                    "model %s needs about %d MB, more than the budget of %d MB: loading it anyway",
+                    model.name,
+                    need >> 20,
+                    self.budget >> 20,
+                )
+            log.info("loading model %s (about %d MB)", model.name, need >> 20)
+            await asyncio.to_thread(model.backend.load)
+        except asyncio.CancelledError:
+            model._set("unloaded")
+            raise
+        except Exception as exc:
+            model.load_error = exc
+            model.bytes = 0
+            model._set("unloaded")
+            log.error("model %s failed to load: %s", model.name, exc)
+            model.scheduler.fail(
+                ProtocolError(
+                    "model_load_failed", f"model {model.name!r} could not be loaded: {exc}"
+                )
+            )
+            self._wake_room()
+            return
+        model.load_error = None
+        model.loads += 1
+        model.last_used = loop.time()
+        model._set("loaded")
+        log.info("model %s loaded in %.1fs", model.name, loop.time() - started)
+        model.scheduler.open()
+        self._check_idle(model)
+
+    def _resident(self, *, besides: Model) -> list[Resident]:
+        return [
+            Resident(m.name, m.bytes, m.state == "loaded" and m.idle, m.last_used)
+            for m in self.models.values()
+            if m is not besides and m.state != "unloaded"
+        ]
+
+    async def _wait_for_room(self) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._room_waiters.append(future)
+        await future
+
+    def _wake_room(self) -> None:
+        waiters, self._room_waiters = self._room_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
+
+    # ------------------------------------------------------------ unloading
+
+    def _check_idle(self, model: Model) -> None:
+        """After a release or a waiter's exit: an idle model may be unloaded."""
+        if not model.idle or self._closing:
+            return
+        model.last_used = asyncio.get_running_loop().time()
+        self._wake_room()
+        if model.state == "loaded" and model.keep_alive_s > 0:
+            self._cancel_idle_timer(model)
+            model._idle_timer = asyncio.get_running_loop().call_later(
+                model.keep_alive_s, self._idle_expired, model
+            )
+
+    def _cancel_idle_timer(self, model: Model) -> None:
+        if model._idle_timer is not None:
+            model._idle_timer.cancel()
+            model._idle_timer = None
+
+    def _idle_expired(self, model: Model) -> None:
+        model._idle_timer = None
+        if model.state == "loaded" and model.idle and not self._closing:
+            model.task = asyncio.create_task(self._unload(model, "idle"))
+
+    async def _unload(self, model: Model, why: str) -> None:
+        # Decided and closed in one loop turn: no slot can be handed out after.
+        assert model.state == "loaded" and model.idle
+        self._cancel_idle_timer(model)
+        model.scheduler.close()
+        model._set("unloading")
+        log.info("unloading model %s (%s)", model.name, why)
+        await asyncio.to_thread(model.backend.close)
+        model.bytes = 0
+        model.unloads += 1
+        model._set("unloaded")
+        self._wake_room()
+        if model.scheduler.waiting and not self._closing:
+            # Requests came while it was being unloaded: load it again.
+            self._start_load(model)
