@@ -471,3 +471,19 @@ async def test_switching_from_the_default_model_returns_its_memory(
         assert frames[0]["loading"] is True
         assert again == first
         assert server.models.models["beta"].state == "unloaded"
+
+
+async def test_a_requests_keep_alive_zero_unloads_its_model_once_idle(
+    ggufs: dict[str, Path],
+) -> None:
+    async with serving(two_models(ggufs)) as server, wire(server) as client:
+        await client.send(
+            {"type": "generate", "id": "b", "model": "beta", "keep_alive": 0, **GREEDY}
+        )
+        await client.done("b", units=60)
+        async with asyncio.timeout(timeout(10)):
+            await server.models.wait_state("beta", "unloaded")
+        assert server.models.models["beta"].unloads == 1
+        await client.send({"type": "generate", "id": "bad", "keep_alive": -2, **GREEDY})
+        frame = await client.recv()
+        assert frame["code"] == "bad_request" and "'keep_alive'" in frame["message"]

@@ -53,6 +53,8 @@ __all__ = [
     "parse_client_frame",
 ]
 
+#: The longest ``keep_alive`` a request may give, seconds (a year).
+MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
 #: The longest model name a request may give (names are configured; longer ones cannot exist).
 MAX_MODEL_CHARS: Final = 128
 #: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
@@ -140,6 +142,10 @@ class Generate:
     #: The model to serve it (one of ``hello.models``); None: the default.
     #: The server fills in the one it chose before the request is accepted.
     model: str | None = None
+    #: Seconds its model stays loaded once idle after this request (Ollama's
+    #: ``keep_alive``): 0 = unloaded at once, -1 = until its memory is needed;
+    #: None: the model's ``keep_alive_s``.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +259,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "logprobs",
         "top_logprobs",
         "model",
+        "keep_alive",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -366,6 +373,12 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:
             raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
         out["model"] = value
+    if "keep_alive" in obj:
+        value = obj["keep_alive"]
+        if value == -1 and not isinstance(value, bool):
+            out["keep_alive"] = -1.0
+        else:
+            out["keep_alive"] = _parse_float(value, "keep_alive", 0.0, MAX_KEEP_ALIVE_S, fail)
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

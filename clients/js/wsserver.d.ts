@@ -110,6 +110,11 @@ export interface GenerateParams {
    * with `model_not_found`; a model not loaded yet is loaded first.
    */
   model?: string;
+  /**
+   * Seconds the model stays loaded once idle after this request: 0 = unloaded
+   * at once, -1 = until its memory is needed. Default: the model's keep_alive_s.
+   */
+  keep_alive?: number;
 }
 
 export interface Limits {

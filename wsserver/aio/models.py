@@ -86,6 +86,8 @@ class Model:
         #: Why its last load failed (None after a good one).
         self.load_error: Exception | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        #: The keep-alive the last finished request asked for, until it is applied.
+        self.request_keep_alive: float | None = None
         #: Set whenever the state changes (tests and ``wait_state`` wait on it).
         self.changed = asyncio.Event()
 
@@ -183,10 +185,11 @@ class ModelPool:
         finally:
             self._check_idle(model)
 
-    def release(self, model: Model, slot: int) -> None:
-        """A request's engine is done with ``slot``."""
+    def release(self, model: Model, slot: int, keep_alive: float | None = None) -> None:
+        """A request's engine is done with ``slot``; ``keep_alive``: the
+        request's own (seconds once idle; 0 = unload at once, -1 = only for room)."""
         model.scheduler.release(slot)
-        self._check_idle(model)
+        self._check_idle(model, keep_alive)
 
     # ------------------------------------------------------------ start and stop
 
@@ -304,16 +307,25 @@ class ModelPool:
 
     # ------------------------------------------------------------ unloading
 
-    def _check_idle(self, model: Model) -> None:
-        """After a release or a waiter's exit: an idle model may be unloaded."""
+    def _check_idle(self, model: Model, keep_alive: float | None = None) -> None:
+        """After a release or a waiter's exit: an idle model may be unloaded.
+
+        ``keep_alive`` (the last request's, if it gave one) wins over the
+        model's ``keep_alive_s``: seconds, 0 = at once, -1 = only for room."""
+        if keep_alive is not None:
+            model.request_keep_alive = keep_alive
         if not model.idle or self._closing:
             return
         model.last_used = asyncio.get_running_loop().time()
         self._wake_room()
-        if model.state == "loaded" and model.keep_alive_s > 0:
+        wait = model.request_keep_alive
+        if wait is None:
+            wait = model.keep_alive_s if model.keep_alive_s > 0 else -1.0
+        model.request_keep_alive = None
+        if model.state == "loaded" and wait >= 0:
             self._cancel_idle_timer(model)
             model._idle_timer = asyncio.get_running_loop().call_later(
-                model.keep_alive_s, self._idle_expired, model
+                wait, self._idle_expired, model
             )
 
     def _cancel_idle_timer(self, model: Model) -> None:

@@ -235,8 +235,8 @@ class Generation:
         self.submission = backend.submit(request, slot=slot, sink=channel, cancel=channel.cancel)
         exited: asyncio.Future[None] = loop.create_future()
         # The model is free as soon as the engine is done with the request.
-        models, model = services.models, self.model
-        exited.add_done_callback(lambda _: models.release(model, slot))
+        models, model, keep = services.models, self.model, self.request.keep_alive
+        exited.add_done_callback(lambda _: models.release(model, slot, keep))
         exited.add_done_callback(self._mark_exited)
         self.exited = exited
         self.submission.add_done_callback(lambda: _call_soon(loop, _set_result, exited))
@@ -396,7 +396,7 @@ class Generation:
                 # means gone (a leak check right after cannot see it).
                 await asyncio.to_thread(submission.join, 5.0)
         elif self.slot is not None:
-            services.models.release(self.model, self.slot)
+            services.models.release(self.model, self.slot, self.request.keep_alive)
         services.metrics.producer_finished(self.channel.blocked_seconds)
         if self.cancel_requested is not None:
             loop = asyncio.get_running_loop()
