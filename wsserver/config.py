@@ -235,7 +235,8 @@ class OpenAIConfig:
     urls: list[str] = _key(["http://127.0.0.1:8080/v1"])  # noqa: RUF009 - a default_factory
     #: Sent as "Authorization: Bearer …" ("" = none). Prefer WSSERVER_BACKEND_OPENAI_API_KEY.
     api_key: str = _key("")
-    #: The model to ask for ("" = the first one the upstream lists at /v1/models).
+    #: The model to ask every upstream for ("" = route each request by its
+    #: model to an upstream that lists it at /v1/models; none asked: the first listed).
     model: str = _key("")
     #: Requests at once per upstream; more wait in FIFO order.
     parallel: int = _key(4, low=1, high=4096)

@@ -146,11 +146,9 @@ class RequestDriver:
                 # the request then carries the model's name (``done`` says it).
                 model = self.services.models.resolve(asked.model, asked.id)
                 if isinstance(frame, Generate):
-                    frame = asked = dataclasses.replace(frame, model=model.name)
-                elif "model" in frame.overrides:
-                    overrides = {**frame.overrides, "model": model.name}
-                    frame = dataclasses.replace(frame, overrides=overrides)
-                else:
+                    name = frame.model if frame.model is not None else model.name
+                    frame = asked = dataclasses.replace(frame, model=name)
+                elif "model" not in frame.overrides:
                     model = self.services.models.resolve(self._restarted_model(frame), asked.id)
                 check = model.backend.check
                 if input_size(asked) > CHECK_INLINE_BYTES:

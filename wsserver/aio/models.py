@@ -69,7 +69,6 @@ class Model:
     """One served model: its engine, its queue and where it stands."""
 
     def __init__(self, spec: ModelEntry) -> None:
-        self.name = spec.name
         self.backend = spec.backend
         self.keep_alive_s = spec.keep_alive_s
         self.preload = spec.preload
@@ -90,6 +89,11 @@ class Model:
         self.request_keep_alive: float | None = None
         #: Set whenever the state changes (tests and ``wait_state`` wait on it).
         self.changed = asyncio.Event()
+
+    @property
+    def name(self) -> str:
+        """Its name (an engine may learn it on loading: the openai backend's upstream model)."""
+        return self.backend.model_name
 
     @property
     def idle(self) -> bool:
@@ -127,41 +131,60 @@ class ModelPool:
     # ------------------------------------------------------------ lookup
 
     def names(self) -> list[str]:
-        return list(self.models)
+        """Every model name a request may give, the default first."""
+        names: list[str] = []
+        for model in self.models.values():
+            served = model.backend.served_models()
+            names.extend(served if served else [model.name])
+        return names
 
     def infos(self) -> list[ModelInfo]:
-        return [m.info() for m in self.models.values()]
+        infos: list[ModelInfo] = []
+        for model in self.models.values():
+            served = model.backend.served_models()
+            info = model.info()
+            if not served:
+                infos.append(info)
+                continue
+            for name, available in served.items():
+                state: ModelState = "loaded" if available else "unloaded"
+                infos.append(dataclasses.replace(info, name=name, state=state))
+        return infos
 
     def resolve(self, name: str | None, request_id: str | None = None) -> Model:
         """The model a request names (``None``: the default), or ``model_not_found``."""
         if name is None:
             return self.default
         model = self.models.get(name)
-        if model is None and len(self.models) == 1 and name == self.default.backend.model_name:
-            model = self.default  # an engine that learnt its model's name after loading
-        if model is None:
-            served = ", ".join(repr(n) for n in list(self.models)[:20])
-            raise ProtocolError(
-                "model_not_found",
-                f"model {name[:128]!r} is not served here; the models are: {served}",
-                request_id,
-            )
-        return model
-
-    def resolve_api(self, name: str | None, request_id: str | None = None) -> Model:
-        """As :meth:`resolve`, for the OpenAI-style APIs, whose SDKs always send
-        a ``model``: with a single model, whatever name they send is served by
-        it (as llama-server does); with several, the name must be one of them."""
-        if len(self.models) == 1:
-            return self.default
-        return self.resolve(name, request_id)
+        if model is not None:
+            return model
+        for candidate in self.models.values():
+            served = candidate.backend.served_models()
+            if served and name in served:
+                return candidate
+        if len(self.models) == 1 and name == self.default.backend.model_name:
+            return self.default  # an engine that learnt its model's name after loading
+        listed = ", ".join(repr(n) for n in self.names()[:20])
+        raise ProtocolError(
+            "model_not_found",
+            f"model {name[:128]!r} is not served here; the models are: {listed}",
+            request_id,
+        )
 
     def for_api(self, generate: Generate, asked: str | None) -> tuple[Generate, Model]:
-        """An OpenAI-style request's frame with its model filled in
-        (:meth:`resolve_api`); an unknown name raises ``model_not_found``,
+        """An OpenAI-style request's frame with its model filled in.
+
+        Their SDKs always send a ``model``: with a single model, whatever name
+        they send is served by it (as llama-server does); with several, the
+        name must be one of them — an unknown one raises ``model_not_found``,
         which each dialect answers with 404 in its own error shape."""
-        model = self.resolve_api(asked, generate.id)
-        return dataclasses.replace(generate, model=model.name), model
+        names = self.names()
+        if len(names) == 1:
+            model, name = self.default, names[0]
+        else:
+            model = self.resolve(asked, generate.id)
+            name = asked if asked is not None else model.name
+        return dataclasses.replace(generate, model=name), model
 
     @property
     def waiting(self) -> int:

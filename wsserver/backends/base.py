@@ -129,6 +129,9 @@ class GenerationRequest:
     #: Log-probabilities asked for: how many alternatives per token (0-20);
     #: ``None``: none (the engine computes nothing for them).
     logprobs: int | None = None
+    #: The model asked for, resolved by the server (an engine that serves
+    #: several, :meth:`Backend.served_models`, routes by it).
+    model: str | None = None
 
     @classmethod
     def from_frame(
@@ -152,6 +155,7 @@ class GenerationRequest:
             tools=None if frame.tool_choice == "none" else frame.tools,
             chat_template_kwargs=frame.chat_template_kwargs,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
+            model=frame.model,
         )
 
 
@@ -292,6 +296,13 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release the model: at shutdown, or to unload it (the registry calls it
         only when no request runs on it; ``load`` may follow again)."""
+        return None
+
+    def served_models(self) -> dict[str, bool] | None:
+        """The models this engine chooses among itself, by the request's
+        ``model`` (:attr:`GenerationRequest.model`), each with whether it can
+        be served now; ``None``: one model, :attr:`model_name`. Called on the
+        event loop (the openai backend: what its upstreams list)."""
         return None
 
     def memory_estimate(self) -> int:
