@@ -487,3 +487,44 @@ async def test_a_requests_keep_alive_zero_unloads_its_model_once_idle(
         await client.send({"type": "generate", "id": "bad", "keep_alive": -2, **GREEDY})
         frame = await client.recv()
         assert frame["code"] == "bad_request" and "'keep_alive'" in frame["message"]
+
+
+async def test_the_python_clients_and_the_cli_chat_choose_the_model(
+    ggufs: dict[str, Path], alone: dict[str, str]
+) -> None:
+    import io
+
+    from wsserver_client import Client
+    from wsserver_client.cli import Chat
+    from wsserver_client.sync import Client as SyncClient
+
+    async with serving(two_models(ggufs)) as server:
+        async with Client(server.url) as client:
+            assert client.hello is not None and client.hello.models is not None
+            assert [m.name for m in client.hello.models] == ["alpha", "beta"]
+            stream = client.generate(GREEDY["prompt"], model="beta", max_tokens=24, temperature=0)
+            assert "".join([piece async for piece in stream]) == alone["beta"]
+            done = await stream.wait_done()
+            assert done is not None and done.model == "beta"
+        async with Client(server.url, model="beta") as client:
+            result = await client.generate(GREEDY["prompt"], max_tokens=4).result()
+            assert result.done.model == "beta"
+
+        def sync_scenario() -> tuple[str, str | None]:
+            with SyncClient(server.url, model="beta") as client:
+                result = client.generate(GREEDY["prompt"], max_tokens=24, temperature=0).result()
+                other = client.generate("x", model="alpha", max_tokens=2).wait_done()
+                return result.text, other.model if other is not None else None
+
+        text, other_model = await asyncio.to_thread(sync_scenario)
+        assert (text, other_model) == (alone["beta"], "alpha")
+        async with Client(server.url) as client:
+            out = io.StringIO()
+            chat = Chat(
+                client, out=out, options={"model": "beta", "max_tokens": 24, "temperature": 0}
+            )
+            assert await chat.handle(GREEDY["prompt"] + "\n")
+            assert alone["beta"] in out.getvalue()
+            assert await chat.handle("/set model=nope\n")
+            assert await chat.handle("hi\n")
+            assert "[refused: model_not_found" in out.getvalue()
