@@ -17,7 +17,8 @@ const SAVE_INTERVAL_MS = 1000;
 
 /**
  * @typedef {{role: "user" | "assistant", content: string, meta?: string}} StoredMessage
- * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[]}} Conversation
+ * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[], model?: string}} Conversation
+ * (``model``: the one picked for it; absent: the server's default)
  */
 
 export class ConversationStore {
