@@ -217,6 +217,13 @@ async def test_a_budget_for_one_model_unloads_the_idle_one_never_a_busy_one(
             text, _ = await client.done("a", units=60)
             assert text == alone["alpha"]
             assert (alpha.state, beta.state, beta.unloads) == ("loaded", "unloaded", 1)
+        metric = server.metrics.registry.get_sample_value
+        assert metric("wsserver_model_loaded", {"model": "alpha"}) == 1.0
+        assert metric("wsserver_model_loaded", {"model": "beta"}) == 0.0
+        assert metric("wsserver_model_unloads_total", {"model": "alpha"}) == 1.0
+        assert metric("wsserver_model_loads_total", {"model": "alpha"}) == 2.0
+        assert metric("wsserver_model_memory_bytes", {"model": "beta"}) == 0.0
+        assert metric("wsserver_model_memory_bytes", {"model": "alpha"}) == sizes[0]
 
 
 async def test_a_cancel_while_waiting_for_a_load_frees_the_place_at_once(
@@ -295,6 +302,13 @@ async def test_a_model_that_fails_to_load_fails_only_its_requests(
             )
             assert name in error["message"]
             assert server.models.models[name].state == "unloaded"
+            failures = {"model": name}
+            assert (
+                server.metrics.registry.get_sample_value(
+                    "wsserver_model_load_failures_total", failures
+                )
+                == 1.0
+            )
         await client.send({"type": "generate", "id": "fine", **GREEDY})
         text, _ = await client.done("fine", units=30)
         assert text == alone["alpha"]

@@ -244,10 +244,15 @@ class RequestDriver:
             self._resumes.add(generation)
         queued_ms = (now - generation.record.received) * 1000.0
         generation.log.info(
-            "started slot=%s queued=%.1fms",
+            "started model=%s slot=%s queued=%.1fms",
+            generation.model.name,
             generation.slot,
             queued_ms,
-            extra={"slot": generation.slot, "queued_ms": round(queued_ms, 3)},
+            extra={
+                "model": generation.model.name,
+                "slot": generation.slot,
+                "queued_ms": round(queued_ms, 3),
+            },
         )
         await self.apply(effects)
         return True
@@ -448,6 +453,7 @@ def log_done(log: Any, frame: Done) -> None:
         _done_summary(frame),
         extra={
             "reason": frame.reason,
+            "model": frame.model,
             "queued_ms": round(timings.queued_ms, 3),
             "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
             "total_ms": round(timings.total_ms, 3),
@@ -463,4 +469,5 @@ def _done_summary(frame: Done) -> str:
         f"reason={frame.reason} prompt_tokens={usage.prompt_tokens} "
         f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
         f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
+        + (f" model={frame.model}" if frame.model is not None else "")
     )

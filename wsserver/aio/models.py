@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ..backends import ModelEntry
 from ..errors import ProtocolError
@@ -47,13 +48,27 @@ from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate
 from .scheduler import Scheduler
 
-__all__ = ["Model", "ModelPool", "machine_budget"]
+__all__ = ["Model", "ModelPool", "ModelStats", "machine_budget"]
 
 log = logging.getLogger("wsserver.models")
 
 #: A waiter's position callback: its place in the model's queue, and whether
 #: the model is still loading.
 QueuedCallback = Callable[[int, bool], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """One model's figures for ``/metrics``."""
+
+    name: str
+    loaded: bool
+    active: int
+    queued: int
+    memory_bytes: int
+    loads: int
+    unloads: int
+    load_failures: int
 
 
 def machine_budget() -> int:
@@ -81,6 +96,7 @@ class Model:
         #: Loads and unloads so far (tests, logs).
         self.loads = 0
         self.unloads = 0
+        self.load_failures = 0
         self.task: asyncio.Task[None] | None = None
         #: Why its last load failed (None after a good one).
         self.load_error: Exception | None = None
@@ -188,7 +204,30 @@ class ModelPool:
 
     @property
     def waiting(self) -> int:
+        """Requests waiting for a slot of any model (a load included)."""
         return sum(m.scheduler.waiting for m in self.models.values())
+
+    @property
+    def busy(self) -> int:
+        """Slots held across every model."""
+        return sum(m.scheduler.busy for m in self.models.values())
+
+    def stats(self) -> list[ModelStats]:
+        """Each configured model's figures, for ``/metrics`` (label values
+        bounded by the configuration)."""
+        return [
+            ModelStats(
+                name=m.name,
+                loaded=m.state == "loaded",
+                active=m.scheduler.busy,
+                queued=m.scheduler.waiting,
+                memory_bytes=m.bytes,
+                loads=m.loads,
+                unloads=m.unloads,
+                load_failures=m.load_failures,
+            )
+            for m in self.models.values()
+        ]
 
     # ------------------------------------------------------------ requests
 
@@ -292,6 +331,7 @@ class ModelPool:
             raise
         except Exception as exc:
             model.load_error = exc
+            model.load_failures += 1
             model.bytes = 0
             model._set("unloaded")
             log.error("model %s failed to load: %s", model.name, exc)

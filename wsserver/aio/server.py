@@ -39,7 +39,7 @@ from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, process_request
-from .metrics import Metrics, Snapshot
+from .metrics import Metrics, ModelCollector, Snapshot
 from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
@@ -145,13 +145,14 @@ class Server:
         self.metrics = Metrics(
             backend_kind=config.backend.kind,
             model_name=self.backend.model_name,
-            scheduler=self.scheduler,
+            scheduler=self.models,
             snapshot=self.snapshot,
             orphaned_slots=self.orphaned_slots,
             loop_probe_ms=config.server.loop_probe_ms,
             queue_log_s=config.server.queue_log_s,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
+        self.metrics.registry.register(ModelCollector(self.models.stats))
         #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
         stream = config.stream
         self.resumes = Resumes(
