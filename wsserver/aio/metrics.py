@@ -120,7 +120,7 @@ class Metrics:
         model_name: str,
         scheduler: Queues,
         snapshot: Callable[[], Snapshot],
-        orphaned_slots: Callable[[float], list[int]],
+        orphaned_slots: Callable[[float], list[str]],
         loop_probe_ms: float,
         queue_log_s: float,
     ) -> None:
@@ -253,7 +253,7 @@ class Metrics:
         queue_log = self._queue_log_s
         loop = asyncio.get_running_loop()
         next_queue_log = loop.time()
-        reported: list[int] = []
+        reported: list[str] = []
         async for lag in loop_lags(interval):
             now = loop.time()
             self.loop_lag.observe(lag)

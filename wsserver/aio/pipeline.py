@@ -177,7 +177,7 @@ class Generation:
         """Whether the engine still runs anything for this request."""
         return self.submission is not None and self.submission.alive()
 
-    def queued(self, position: int, loading: bool) -> None:
+    def queued(self, position: int, loading: bool = False) -> None:
         """The scheduler's callback: the request's place in the queue changed
         (``loading``: its model is still being loaded)."""
         self.owner.queued(self.request.id, position, loading)

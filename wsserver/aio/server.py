@@ -137,7 +137,7 @@ class Server:
         self._load_task: asyncio.Task[None] | None = None
         self._stopping = False
         #: Slots held by no live request, with the loop time each was first seen so.
-        self._orphans: dict[int, float] = {}
+        self._orphans: dict[tuple[str, int], float] = {}
         self.gatekeeper = Gatekeeper(config)
         self.connection_limiter = ConnectionLimiter(
             max_total=limits.max_connections, max_per_ip=limits.max_connections_per_ip
@@ -326,7 +326,7 @@ class Server:
             self.metrics.connection_closed(websocket.protocol)
             conn_log.info("closed (code %s)", websocket.close_code)
 
-    def orphaned_slots(self, now: float | None = None) -> list[int]:
+    def orphaned_slots(self, now: float | None = None) -> list[str]:
         """Slots the scheduler counts as held that no live request holds, for
         longer than :data:`ORPHAN_GRACE_S`.
 
@@ -334,13 +334,13 @@ class Server:
         interleaving is meant to keep the books (see the scheduler). A slot is
         between owners for at most a loop turn (handed over, its task not yet
         resumed), so only one that stays orphaned is reported. Called by the
-        periodic probe and by ``/readyz``.
+        periodic probe and by ``/readyz``. Each is named ``model:slot`` (every
+        model's queue numbers its slots from 0).
         """
         now = asyncio.get_running_loop().time() if now is None else now
-        # (The default model's queue; every model's slots are numbered from 0.)
-        default = self.models.default
-        owned = {g.slot for g in self._generations() if g.slot is not None and g.model is default}
-        orphans = self.scheduler.held() - owned
+        owned = {(g.model.name, g.slot) for g in self._generations() if g.slot is not None}
+        held = {(m.name, slot) for m in self.models.models.values() for slot in m.scheduler.held()}
+        orphans = held - owned
         for slot in list(self._orphans):
             if slot not in orphans:
                 del self._orphans[slot]
@@ -349,7 +349,7 @@ class Server:
             since = self._orphans.setdefault(slot, now)
             if now - since >= ORPHAN_GRACE_S:
                 newly.append(slot)
-        return sorted(newly)
+        return [f"{name}:{slot}" for name, slot in sorted(newly)]
 
     def _generations(self) -> list[Generation]:
         """Every live request: over WebSocket connections and HTTP ones, and
