@@ -542,3 +542,24 @@ async def test_the_python_clients_and_the_cli_chat_choose_the_model(
             assert await chat.handle("/set model=nope\n")
             assert await chat.handle("hi\n")
             assert "[refused: model_not_found" in out.getvalue()
+
+
+async def test_requests_racing_an_unload_are_served_by_a_reload(
+    ggufs: dict[str, Path], alone: dict[str, str]
+) -> None:
+    """keep_alive 0 unloads beta the moment it is idle; requests that arrive
+    around that moment wait (queued, loading) and are served once it is back:
+    none is handed a slot of a model being unloaded."""
+    async with serving(two_models(ggufs)) as server, wire(server) as one, wire(server) as two:
+        for round_ in range(4):
+            first, second = f"a{round_}", f"b{round_}"
+            await one.send(
+                {"type": "generate", "id": first, "model": "beta", "keep_alive": 0, **GREEDY}
+            )
+            await one.until(lambda f, first=first: f["type"] == "delta" and f["id"] == first)
+            await two.send({"type": "generate", "id": second, "model": "beta", **GREEDY})
+            (text_a, _), (text_b, frames) = await asyncio.gather(
+                one.done(first, units=60), two.done(second, units=60)
+            )
+            assert text_a == text_b == alone["beta"], frames
+            assert frames[-1]["model"] == "beta"

@@ -316,7 +316,9 @@ class ModelPool:
                     model.name,
                 )
                 await self._wait_for_room()
-            await asyncio.gather(*(self._unload(self.models[name], "for room") for name in victims))
+            # Each victim is closed now, in the loop turn that chose it: no
+            # request can be handed one of its slots after the decision.
+            await asyncio.gather(*(self._unload(self.models[key], "for room") for key in victims))
             if need + sum(r.bytes for r in self._resident(besides=model)) > self.budget:
                 log.warning(
                     "model %s needs about %d MB, more than the budget of %d MB: loading it anyway",
@@ -352,8 +354,8 @@ class ModelPool:
 
     def _resident(self, *, besides: Model) -> list[Resident]:
         return [
-            Resident(m.name, m.bytes, m.state == "loaded" and m.idle, m.last_used)
-            for m in self.models.values()
+            Resident(key, m.bytes, m.state == "loaded" and m.idle, m.last_used)
+            for key, m in self.models.items()
             if m is not besides and m.state != "unloaded"
         ]
 
@@ -399,15 +401,22 @@ class ModelPool:
     def _idle_expired(self, model: Model) -> None:
         model._idle_timer = None
         if model.state == "loaded" and model.idle and not self._closing:
-            model.task = asyncio.create_task(self._unload(model, "idle"))
+            self._unload(model, "idle")
 
-    async def _unload(self, model: Model, why: str) -> None:
-        # Decided and closed in one loop turn: no slot can be handed out after.
+    def _unload(self, model: Model, why: str) -> asyncio.Task[None]:
+        """Unload an idle model: its queue is closed *now*, in the loop turn
+        that decided it (no slot can be handed out after), and its engine
+        freed on a worker thread by the task returned."""
         assert model.state == "loaded" and model.idle
         self._cancel_idle_timer(model)
         model.scheduler.close()
         model._set("unloading")
         log.info("unloading model %s (%s)", model.name, why)
+        task = asyncio.create_task(self._free(model), name=f"unload-{model.name}")
+        model.task = task
+        return task
+
+    async def _free(self, model: Model) -> None:
         await asyncio.to_thread(model.backend.close)
         model.bytes = 0
         model.unloads += 1
