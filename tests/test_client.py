@@ -135,7 +135,16 @@ def test_chat_cli_end_to_end_in_a_terminal_process() -> None:
                 break
         assert url, "server did not report its URL"
         chat = subprocess.run(
-            [sys.executable, "-m", "wsserver_client.cli", url, "--max-tokens", "8"],
+            [
+                sys.executable,
+                "-m",
+                "wsserver_client.cli",
+                url,
+                "--max-tokens",
+                "8",
+                "--model",
+                "fake",
+            ],
             input="hello\n/quit\n",
             capture_output=True,
             text=True,

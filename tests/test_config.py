@@ -133,3 +133,72 @@ def test_upstream_urls_may_have_a_path_and_https() -> None:
     urls = ["https://gpu.example:443/proxy/v1", "http://[::1]:8080/v1"]
     loaded = load_config(env={}, overrides={"backend.openai.urls": urls})
     assert loaded.config.backend.openai.urls == urls
+
+
+def test_model_tables_are_read_checked_and_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[backend.llama]\nkeep_alive_s = 30\nmodels_memory_bytes = 1000000000\n"
+        'models_dir = "/srv/models"\n'
+        '[[backend.llama.models]]\nname = "tiny"\nmodel = "/m/tiny.gguf"\n'
+        "n_ctx = 512\nparallel = 2\npreload = true\n"
+        '[[backend.llama.models]]\nname = "coder:7b"\nmodel = "/m/coder.gguf"\n'
+    )
+    loaded = load_config(path=path, env={})
+    llama = loaded.config.backend.llama
+    assert [m.name for m in llama.models] == ["tiny", "coder:7b"]
+    tiny = llama.models[0].settings(llama)
+    assert (tiny.model, tiny.n_ctx, tiny.parallel, tiny.n_batch) == ("/m/tiny.gguf", 512, 2, 512)
+    assert llama.models[0].preload and not llama.models[1].preload
+    assert (llama.keep_alive_s, llama.models_memory_bytes) == (30.0, 1_000_000_000)
+    assert llama.models_dir == "/srv/models"
+    assert main(["config", "show", "--config", str(path)]) == 0
+    shown = tomllib.loads(re.sub(r"#.*", "", capsys.readouterr().out))["backend"]["llama"]
+    assert shown["models"][0] == {
+        "name": "tiny",
+        "model": "/m/tiny.gguf",
+        "n_ctx": 512,
+        "parallel": 2,
+        "preload": True,
+    }
+    assert shown["keep_alive_s"] == 30.0 and shown["models_dir"] == "/srv/models"
+
+
+def test_the_default_configuration_has_no_extra_models() -> None:
+    llama = load_config(env={}).config.backend.llama
+    assert (llama.models, llama.models_dir, llama.models_memory_bytes, llama.keep_alive_s) == (
+        (),
+        "",
+        0,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('model = "/m/a.gguf"', "backend.llama.models[0].name"),
+        ('name = "a"', "backend.llama.models[0].model ("),
+        ('name = "bad name"\nmodel = "x"', "backend.llama.models[0].name"),
+        ('name = "a"\nmodel = "x"\nn_ctx = 1', "backend.llama.models[0].n_ctx"),
+        ('name = "a"\nmodel = "x"\nport = 1', "unknown key backend.llama.models[0].port"),
+        ('name = "a"\nmodel = "x"\npreload = 1', "backend.llama.models[0].preload"),
+    ],
+)
+def test_bad_model_tables_are_refused_naming_the_key(
+    tmp_path: Path, table: str, message: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(f"[[backend.llama.models]]\n{table}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path=path, env={})
+
+
+def test_a_model_name_listed_twice_is_refused() -> None:
+    env = {"WSSERVER_BACKEND_LLAMA_MODELS": '[{name="a", model="x"}, {name="a", model="y"}]'}
+    with pytest.raises(ConfigError, match="'a' is listed twice"):
+        load_config(env=env)

@@ -90,6 +90,8 @@ SANS_IO = [
     "wsserver.responses_store",
     "wsserver.anthropic_api",
     "wsserver.anthropic_render",
+    "wsserver.models",
+    "wsserver.backends.gguf_meta",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

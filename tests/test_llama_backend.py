@@ -902,7 +902,8 @@ async def http_status(server: Server, path: str) -> int:
 
 
 async def test_requests_during_load_wait_in_the_queue(tiny_gguf: Path) -> None:
-    """Until the model is loaded, /readyz is 503 and requests get queued frames."""
+    """Until the model is loaded, /readyz is 503 and requests get queued frames
+    that say it is loading."""
     release = threading.Event()
 
     class SlowLoading(LlamaBackend):
@@ -919,7 +920,12 @@ async def test_requests_during_load_wait_in_the_queue(tiny_gguf: Path) -> None:
             await client.send(
                 {"type": "generate", "id": "early", "prompt": "Hello", "max_tokens": 4}
             )
-            assert (await client.recv()) == {"type": "queued", "id": "early", "position": 1}
+            assert (await client.recv()) == {
+                "type": "queued",
+                "id": "early",
+                "position": 1,
+                "loading": True,
+            }
             assert not server.ready.is_set()
             release.set()
             _, frames = await client.done("early")

@@ -527,3 +527,68 @@ async def test_the_relay_starts_before_its_upstream_and_serves_once_it_answers()
             assert 'model="fake-upstream"' in "".join(await scrape(server))
     finally:
         await up.stop()
+
+
+async def test_two_upstreams_serving_different_models_get_their_own_requests() -> None:
+    """Routing by model: each upstream's /v1/models says what it serves."""
+    import openai
+
+    async with (
+        FakeUpstream(model="m-one") as one,
+        FakeUpstream(model="m-two") as two,
+        relay(one.url, two.url) as server,
+    ):
+        async with wire(server) as client:
+            assert client.hello is not None
+            assert [(m["name"], m["state"]) for m in client.hello["models"]] == [
+                ("m-one", "loaded"),
+                ("m-two", "loaded"),
+            ]
+            for request_id, model in (("a", "m-two"), ("b", "m-one"), ("c", "m-two")):
+                await client.send(gen(request_id, model=model))
+                text, frames = await client.done(request_id)
+                assert text == TEXT and frames[-1]["model"] == model
+            await client.send(gen("d"))  # no model: the default, the first listed
+            _, frames = await client.done("d")
+            assert frames[-1]["model"] == "m-one"
+            await client.send(gen("x", model="m-three"))
+            refused = await client.recv()
+            assert (refused["type"], refused["code"]) == ("error", "model_not_found")
+        assert [s.body["model"] for s in one.streams] == ["m-one", "m-one"]
+        assert [s.body["model"] for s in two.streams] == ["m-two", "m-two"]
+        sdk = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+        try:
+            listed = await sdk.models.list()
+            assert [m.id for m in listed.data] == ["m-one", "m-two"]
+            completion = await sdk.completions.create(model="m-two", prompt="p", max_tokens=50)
+            assert completion.model == "m-two" and two.streams[-1].body["model"] == "m-two"
+            with pytest.raises(openai.NotFoundError) as caught:
+                await sdk.completions.create(model="m-three", prompt="p")
+            assert caught.value.code == "model_not_found"
+        finally:
+            await sdk.close()
+        assert len(one.streams) == 2 and len(two.streams) == 3
+
+
+async def test_a_model_goes_to_the_least_busy_upstream_that_serves_it() -> None:
+    async with (
+        FakeUpstream(model="shared") as one,
+        FakeUpstream(model="shared") as two,
+        FakeUpstream(model="other") as three,
+        relay(one.url, two.url, three.url) as server,
+    ):
+        one.mode = two.mode = "endless"
+        async with wire(server) as first, wire(server) as second:
+            await first.send(gen("a", model="shared"))
+            await one.next_stream(0)
+            await second.send(gen("b", model="shared"))
+            await two.next_stream(0)  # the idle one of the two that serve it
+            assert not three.streams
+            for client, request_id in ((first, "a"), (second, "b")):
+                await client.send({"type": "cancel", "id": request_id})
+                await client.done(request_id)

@@ -24,6 +24,7 @@ _STATUS: Final[dict[str, HTTPStatus]] = {
     "bad_json": HTTPStatus.BAD_REQUEST,
     "bad_request": HTTPStatus.BAD_REQUEST,
     "unsupported_option": HTTPStatus.BAD_REQUEST,
+    "model_not_found": HTTPStatus.NOT_FOUND,
     "too_large": HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
     "rate_limited": HTTPStatus.TOO_MANY_REQUESTS,
     "overloaded": HTTPStatus.SERVICE_UNAVAILABLE,

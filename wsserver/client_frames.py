@@ -53,6 +53,10 @@ __all__ = [
     "parse_client_frame",
 ]
 
+#: The longest ``keep_alive`` a request may give, seconds (a year).
+MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
+#: The longest model name a request may give (names are configured; longer ones cannot exist).
+MAX_MODEL_CHARS: Final = 128
 #: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
 #: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
 ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
@@ -135,6 +139,13 @@ class Generate:
     #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    #: The model to serve it (one of ``hello.models``); None: the default.
+    #: The server fills in the one it chose before the request is accepted.
+    model: str | None = None
+    #: Seconds its model stays loaded once idle after this request (Ollama's
+    #: ``keep_alive``): 0 = unloaded at once, -1 = until its memory is needed;
+    #: None: the model's ``keep_alive_s``.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +258,8 @@ _GENERATE_FIELDS: Final = frozenset(
         "reasoning_format",
         "logprobs",
         "top_logprobs",
+        "model",
+        "keep_alive",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -355,6 +368,17 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
             raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         out["top_logprobs"] = value
+    if "model" in obj:
+        value = obj["model"]
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:
+            raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
+        out["model"] = value
+    if "keep_alive" in obj:
+        value = obj["keep_alive"]
+        if value == -1 and not isinstance(value, bool):
+            out["keep_alive"] = -1.0
+        else:
+            out["keep_alive"] = _parse_float(value, "keep_alive", 0.0, MAX_KEEP_ALIVE_S, fail)
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

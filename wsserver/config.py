@@ -31,6 +31,7 @@ __all__ = [
     "FakeConfig",
     "LimitsConfig",
     "LlamaConfig",
+    "LlamaModelConfig",
     "OpenAIConfig",
     "SecurityConfig",
     "ServerConfig",
@@ -168,6 +169,47 @@ class FakeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LlamaModelConfig:
+    """One ``[[backend.llama.models]]`` table: a model the server may serve.
+
+    ``overrides`` holds the ``[backend.llama]`` settings this model sets
+    differently (validated like those keys); :meth:`settings` applies them.
+    """
+
+    name: str
+    #: The GGUF file ("" = the default model's package).
+    model: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+    #: Load it when the server starts rather than on its first request.
+    preload: bool = False
+
+    def settings(self, base: LlamaConfig) -> LlamaConfig:
+        """``base`` with this model's file and overrides."""
+        return dataclasses.replace(base, model=self.model, models=(), **dict(self.overrides))
+
+
+#: The ``[backend.llama]`` settings a ``[[backend.llama.models]]`` table may override.
+MODEL_OVERRIDES = (
+    "n_ctx",
+    "n_threads",
+    "n_batch",
+    "prefill_chunk",
+    "parallel",
+    "max_waiting",
+    "chat_template_file",
+    "keep_alive_s",
+    "n_ubatch",
+    "n_gpu_layers",
+    "flash_attn",
+    "cache_type_k",
+    "cache_type_v",
+    "use_mmap",
+    "use_mlock",
+)
+_MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaConfig:
     model: str = _key("")
     n_ctx: int = _key(4096, low=16, high=1 << 20)
@@ -193,6 +235,17 @@ class LlamaConfig:
     max_waiting: int = _key(64, low=0, high=100000)
     #: A Jinja chat template file that replaces the model's own ("" = the model's).
     chat_template_file: str = _key("")
+    #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
+    models: tuple[LlamaModelConfig, ...] = _key(())
+    #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).
+    models_dir: str = _key("")
+    #: Bytes the loaded models (weights + KV cache) may take together; a load
+    #: unloads idle models, least recently used first, to fit (0 = 3/4 of the
+    #: machine's memory).
+    models_memory_bytes: int = _key(0, low=0, high=1 << 50)
+    #: A model without requests this long is unloaded (0 = kept until its
+    #: memory is needed).
+    keep_alive_s: float = _key(0.0, low=0.0, high=365 * 86400.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +256,8 @@ class OpenAIConfig:
     urls: list[str] = _key(["http://127.0.0.1:8080/v1"])  # noqa: RUF009 - a default_factory
     #: Sent as "Authorization: Bearer …" ("" = none). Prefer WSSERVER_BACKEND_OPENAI_API_KEY.
     api_key: str = _key("")
-    #: The model to ask for ("" = the first one the upstream lists at /v1/models).
+    #: The model to ask every upstream for ("" = route each request by its
+    #: model to an upstream that lists it at /v1/models; none asked: the first listed).
     model: str = _key("")
     #: Requests at once per upstream; more wait in FIFO order.
     parallel: int = _key(4, low=1, high=4096)
@@ -284,6 +338,8 @@ def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source
             raise ConfigError(
                 f"{name} (from {source}): cannot parse {value!r} as {kind.__name__}"
             ) from None
+    if kind is tuple:
+        return _model_tables(name, value, source)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if kind is list:
@@ -299,6 +355,45 @@ def _coerce(path: tuple[str, ...], f: dataclasses.Field[Any], value: Any, source
     if choices is not None and value not in choices:
         raise ConfigError(f"{name} (from {source}): {value!r} is not one of {', '.join(choices)}")
     return value
+
+
+def _model_tables(name: str, value: Any, source: str) -> tuple[LlamaModelConfig, ...]:
+    """``[[backend.llama.models]]``: a list of tables, each checked key by key."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{name} (from {source}): expected a list of tables, got {value!r}")
+    fields = {f.name: f for f in dataclasses.fields(LlamaConfig)}
+    models: list[LlamaModelConfig] = []
+    seen: set[str] = set()
+    for index, table in enumerate(value):
+        where = f"{name}[{index}]"
+        model_name = table.get("name")
+        if not isinstance(model_name, str) or not _MODEL_NAME_RE.fullmatch(model_name):
+            raise ConfigError(
+                f"{where}.name (from {source}): give a name of 1-128 characters of "
+                "A-Z a-z 0-9 and . _ : + / - (starting with a letter or digit)"
+            )
+        if model_name in seen:
+            raise ConfigError(f"{where}.name (from {source}): {model_name!r} is listed twice")
+        seen.add(model_name)
+        path = table.get("model")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}.model (from {source}): give the GGUF file's path")
+        preload = table.get("preload", False)
+        if not isinstance(preload, bool):
+            raise ConfigError(f"{where}.preload (from {source}): expected bool, got {preload!r}")
+        overrides: list[tuple[str, Any]] = []
+        for key, setting in table.items():
+            if key in ("name", "model", "preload"):
+                continue
+            if key not in MODEL_OVERRIDES:
+                raise ConfigError(
+                    f"unknown key {where}.{key} in {source} (a model may set name, model, "
+                    f"preload, {', '.join(MODEL_OVERRIDES)})"
+                )
+            path_key = ("backend", "llama", f"models[{index}]", key)
+            overrides.append((key, _coerce(path_key, fields[key], setting, source)))
+        models.append(LlamaModelConfig(model_name, path, tuple(overrides), preload))
+    return tuple(models)
 
 
 def _flatten(
@@ -444,6 +539,11 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, LlamaModelConfig):
+        pairs = [("name", value.name), ("model", value.model), *value.overrides]
+        if value.preload:
+            pairs.append(("preload", True))
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in pairs) + "}"
     return repr(value)

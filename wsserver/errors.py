@@ -69,6 +69,10 @@ WireCode = Literal[
     # The model's tool call could not be read (not JSON, an unknown tool, ...);
     # only inside a ``done`` with reason ``error``.
     "invalid_tool_call",
+    # The request named a model this server does not serve (refused before it
+    # is queued), or its model failed to load (the requests queued for it).
+    "model_not_found",
+    "model_load_failed",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 

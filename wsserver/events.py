@@ -62,6 +62,8 @@ class QueuePosition:
 
     id: str
     position: int
+    #: The model is still being loaded (the ``queued`` frame says so).
+    loading: bool = False
 
 
 @dataclass(frozen=True, slots=True)

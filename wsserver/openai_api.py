@@ -35,6 +35,7 @@ from .api_errors import ApiError, error_body, error_object, status_of
 from .backends.openai_wire import DONE
 from .errors import ProtocolError
 from .logprobs import TokenLogprob, legacy_logprobs
+from .models import ModelInfo
 from .openai_tools import chunk_tool_calls, message_tool_calls
 from .protocol import Done, Generate, Limits, parse_client_frame
 from .sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
@@ -78,10 +79,25 @@ def error_event(status: int, message: str, code: str) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def models_body(model: str, *, single: bool = False) -> bytes:
-    """``GET /v1/models`` (or ``/v1/models/{model}`` with ``single``)."""
-    entry = {"id": model, "object": "model", "created": 0, "owned_by": "wsserver"}
-    return orjson.dumps(entry if single else {"object": "list", "data": [entry]})
+def model_entry(model: ModelInfo) -> dict[str, Any]:
+    """One model object: OpenAI's members, then its state and limits."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "wsserver",
+        "state": model.state,
+        "n_ctx": model.n_ctx,
+        "parallel": model.parallel,
+        "max_waiting": model.max_waiting,
+    }
+
+
+def models_body(models: Sequence[ModelInfo], *, single: bool = False) -> bytes:
+    """``GET /v1/models`` (or ``/v1/models/{model}`` with ``single``: one model given)."""
+    if single:
+        return orjson.dumps(model_entry(models[0]))
+    return orjson.dumps({"object": "list", "data": [model_entry(m) for m in models]})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +109,8 @@ class ApiRequest:
     stream: bool
     #: ``stream_options.include_usage``: a last chunk with the usage, before ``[DONE]``.
     include_usage: bool
+    #: The ``model`` asked for (the server resolves it: docs/openai-api.md).
+    model: str | None = None
 
 
 #: OpenAI fields that would change the answer and that nothing here
@@ -190,7 +208,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     except ProtocolError as exc:
         raise ApiError.from_protocol(exc) from None
     assert isinstance(generate, Generate)
-    return ApiRequest(kind, generate, stream, include_usage)
+    return ApiRequest(kind, generate, stream, include_usage, model)
 
 
 def _tool_choice(given: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from .client_frames import (
 )
 from .errors import WireCode
 from .logprobs import TokenLogprob, parse_entries
+from .models import ModelInfo
 from .tool_calls import CallPart
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "Hello",
     "Limits",
     "Message",
+    "ModelInfo",
     "Queued",
     "Restart",
     "Resume",
@@ -97,12 +99,17 @@ class Hello:
     #: given a value that matters is refused with ``unsupported_option``.
     #: ``None``: not said (a server before this member).
     honours: tuple[str, ...] | None = None
+    #: Every model the server serves (``model`` is the default), with its
+    #: state and limits; a ``generate`` chooses one with ``model``.
+    models: tuple[ModelInfo, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Queued:
     id: str
     position: int
+    #: ``True`` while the request's model is being loaded (else not written).
+    loading: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +179,8 @@ class Done:
     upstream_timings: dict[str, float] | None = None
     #: The request's stop string that ended it (reason ``stop``), if one did.
     stop_sequence: str | None = None
+    #: The model that answered (the one it asked for, or the default).
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +346,28 @@ class _ToolCalls(_Optional):
         into[self.key] = None if value is None else tuple(CallPart(**part) for part in value)
 
 
+class _Models(_Optional):
+    """``hello``'s models: a list of objects, left out when ``None``; a reader
+    keeps the members it knows (servers may add some within v1)."""
+
+    __slots__ = ()
+
+    _NAMES: Final = tuple(f.name for f in fields(ModelInfo))
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = [{n: getattr(m, n) for n in self._NAMES} for m in value]
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = (
+            None
+            if value is None
+            else tuple(ModelInfo(**{k: v for k, v in m.items() if k in self._NAMES}) for m in value)
+        )
+
+
 def _call_part(part: CallPart) -> dict[str, Any]:
     out: dict[str, Any] = {"index": part.index}
     if part.id is not None:
@@ -367,8 +398,9 @@ _WIRE: Final = (
         "model",
         _Object("limits", Limits, extensible=True),
         _Names("honours"),
+        _Models("models"),
     ),
-    _Frame("queued", Queued, "id", "position"),
+    _Frame("queued", Queued, "id", "position", _Optional("loading")),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
     _Frame(
@@ -391,6 +423,7 @@ _WIRE: Final = (
         _Group("error", code="error_code", message="error_message"),
         _Optional("upstream_timings"),
         _Optional("stop_sequence"),
+        _Optional("model"),
     ),
     _Frame("error", Error, "id", "code", "message"),
 )

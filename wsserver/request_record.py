@@ -116,4 +116,5 @@ def make_done(entry: RequestRecord, outcome: Outcome, now: float) -> Done:
         error_message=outcome.error_message,
         upstream_timings=outcome.upstream_timings,
         stop_sequence=outcome.stop_sequence,
+        model=entry.request.model,
     )

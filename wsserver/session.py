@@ -187,6 +187,11 @@ class Session:
             if entry is not None and entry.tail is not None
         )
 
+    def kept_input(self, request_id: str) -> Generate | None:
+        """The input kept for a ``restart`` of ``request_id``, if any."""
+        kept = self._inputs.get(request_id)
+        return kept[0] if kept is not None else None
+
     @property
     def restart_bytes(self) -> int:
         """Memory held by the inputs kept for ``restart`` (see :func:`input_size`)."""
@@ -285,7 +290,8 @@ class Session:
         if entry.position == event.position:
             return []
         entry.position = event.position
-        return [Send(Queued(id=event.id, position=event.position))]
+        loading = True if event.loading else None
+        return [Send(Queued(id=event.id, position=event.position, loading=loading))]
 
     def _granted(self, event: ModelGranted, now: float) -> list[Effect]:
         entry = self._active

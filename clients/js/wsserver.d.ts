@@ -104,6 +104,17 @@ export interface GenerateParams {
   logprobs?: boolean;
   /** Integer in [0, 20]: alternatives per token; only with `logprobs: true`. Default 0. */
   top_logprobs?: number;
+  /**
+   * The model to serve it: one of `HelloFrame.models`' names (default: the
+   * server's default model, `HelloFrame.model`). An unknown name is refused
+   * with `model_not_found`; a model not loaded yet is loaded first.
+   */
+  model?: string;
+  /**
+   * Seconds the model stays loaded once idle after this request: 0 = unloaded
+   * at once, -1 = until its memory is needed. Default: the model's keep_alive_s.
+   */
+  keep_alive?: number;
 }
 
 export interface Limits {
@@ -126,12 +137,27 @@ export interface HelloFrame {
    * `unsupported_option`. Absent from a server before this member.
    */
   honours?: string[];
+  /** Every model the server serves (`model` is the default). Absent from a server before it. */
+  models?: ModelInfo[];
+}
+
+/** One served model, as `hello` lists it. */
+export interface ModelInfo {
+  name: string;
+  state: "loaded" | "loading" | "unloaded";
+  /** Tokens per request (prompt + completion); null when the engine does not say. */
+  n_ctx: number | null;
+  /** Requests it runs at once (0 = no limit). */
+  parallel: number;
+  max_waiting: number;
 }
 
 export interface QueuedFrame {
   type: "queued";
   id: string;
   position: number;
+  /** Present (true) while the request's model is being loaded. */
+  loading?: true;
 }
 
 export interface StartedFrame {
@@ -228,6 +254,8 @@ export interface DoneFrame {
   };
   /** The request's stop string that ended it (reason `stop`), when one did. */
   stop_sequence?: string;
+  /** The model that answered. Absent from a server before it. */
+  model?: string;
   /**
    * Set by the client (never by the server) on the `done` of a request
    * cancelled before it was sent.
@@ -260,7 +288,9 @@ export type ErrorCode =
   | "already_attached"
   | "seq_out_of_range"
   | "unsupported_option"
-  | "invalid_tool_call";
+  | "invalid_tool_call"
+  | "model_not_found"
+  | "model_load_failed";
 
 export interface ErrorFrame {
   type: "error";

@@ -19,6 +19,11 @@
  * Regenerate restarts the last request; the JS client drops any late text of
  * the old request, and each answer's renderer only ever writes its own stream.
  *
+ * On a server with several models (`hello.models`), the model picker in the
+ * top bar chooses the current conversation's model: it is kept with the
+ * conversation, every generate and restart of it names it, and a new chat
+ * starts with the one picked last.
+ *
  * The "Sampling" disclosure (sampling.js) holds temperature, the repetition
  * penalty, min_p and a JSON switch, kept in localStorage; every generate and
  * restart carries them (sampling.js says which, and why those defaults).
@@ -50,6 +55,7 @@ const $ = (/** @type {string} */ id) => /** @type {HTMLElement} */ (document.get
 const ui = {
   app: $("app"),
   model: $("model"),
+  modelPicker: /** @type {HTMLSelectElement} */ ($("model-picker")),
   connectionText: $("connection-text"),
   retry: /** @type {HTMLButtonElement} */ ($("retry")),
   conversation: $("conversation"),
@@ -154,6 +160,7 @@ client.on("state", ({ state, attempt, delayMs }) => {
 
 client.on("hello", (hello) => {
   ui.model.textContent = hello.model;
+  showModels();
   const limits = hello.limits;
   ui.maxTokens.max = String(limits.max_tokens);
   if (!ui.maxTokens.dataset.touched) ui.maxTokens.value = String(limits.default_max_tokens);
@@ -560,7 +567,9 @@ function stop() {
 function newChat() {
   current?.stop();
   stopEditing();
-  store.create();
+  const picked = chosenModel();
+  const fresh = store.create();
+  if (picked !== undefined) fresh.model = picked;
   showConversation();
   showHistory();
   ui.prompt.focus();
@@ -674,6 +683,7 @@ function options() {
   const chosen = {
     ...requestOptions(settings, client.hello?.honours),
     seed: seed >= 0 && seed < 2 ** 32 ? seed : undefined,
+    model: chosenModel(),
   };
   if (maxTokens >= 1) chosen.max_tokens = Math.min(maxTokens, limit);
   if (toolsSetting.tools !== null) chosen.tools = toolsSetting.tools;
@@ -777,9 +787,46 @@ function showSampling(problems = []) {
 
 // ------------------------------------------------------------------ the log
 
+// ------------------------------------------------------------------ models
+
+/**
+ * The current conversation's model, if it picked one the server still serves
+ * (undefined: the server's default).
+ * @returns {string | undefined}
+ */
+function chosenModel() {
+  const picked = store.current?.model;
+  const served = client.hello?.models?.some((m) => m.name === picked) ?? false;
+  return picked !== undefined && served ? picked : undefined;
+}
+
+/** The picker: the server's models, the current conversation's selected. */
+function showModels() {
+  const hello = client.hello;
+  const models = hello?.models ?? [];
+  ui.modelPicker.hidden = models.length < 2;
+  ui.model.hidden = !ui.modelPicker.hidden;
+  if (models.length < 2 || !hello) return;
+  ui.modelPicker.replaceChildren(
+    ...models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.name;
+      option.textContent = m.state === "loaded" ? m.name : `${m.name} (${m.state})`;
+      return option;
+    }),
+  );
+  ui.modelPicker.value = chosenModel() ?? hello.model;
+}
+
+ui.modelPicker.addEventListener("change", () => {
+  conversation().model = ui.modelPicker.value;
+  store.saveNow(); // kept with it, without moving it up the history
+});
+
 /** Show the current conversation from the store (on load, switch, edit). */
 function showConversation() {
   current = null;
+  showModels();
   last = null;
   ui.log.replaceChildren(ui.empty);
   const chat = store.current;

@@ -18,7 +18,8 @@ const SAVE_INTERVAL_MS = 1000;
 /**
  * @typedef {{role: "user" | "assistant", content: string, meta?: string, reasoning?: string, tool_calls?: import("/tools.js").StoredCall[]}} StoredMessage
  *   an answer's `reasoning` and `tool_calls` (tools.js) are kept beside its text
- * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[]}} Conversation
+ * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[], model?: string}} Conversation
+ * (``model``: the one picked for it; absent: the server's default)
  */
 
 export class ConversationStore {

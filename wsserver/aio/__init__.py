@@ -24,7 +24,8 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)
         │   └── services       what every request uses (built once by the server)
-        │       ├── scheduler      FIFO of requests waiting for the engine's slots
+        │       ├── models         the model registry: load on demand, budget, idle unload
+        │       ├── scheduler      FIFO of requests waiting for a model's slots
         │       └── metrics        Prometheus metrics, loop-lag probe
         ├── resume         the resumable requests: detached ones, grace timers, tokens
         └── drain          the one drain watchdog (every dialect's transport uses it)

@@ -175,7 +175,11 @@ class MessagesRoute:
         body = parse_body(parse_json(route.body))
         message_id = "msg_" + secrets.token_hex(12)
         generate = to_generate(body, message_id, self._services.wire_limits)
-        render = MessageRender(body, message_id=message_id, model=self._services.backend.model_name)
+        try:
+            generate, model = self._services.models.for_api(generate, body.model)
+        except ProtocolError as exc:
+            raise ApiError.from_protocol(exc) from None
+        render = MessageRender(body, message_id=message_id, model=model.name)
         answer = HttpAnswer(route.out, route.headers, keepalive=PING)
         run = MessageRun(
             generate,
@@ -194,18 +198,23 @@ class MessagesRoute:
         body = parse_body(parse_json(route.body), counting=True)
         services = self._services
         generate = to_generate(body, route.request_id, services.wire_limits)
+        try:
+            generate, model = services.models.for_api(generate, body.model)
+        except ProtocolError as exc:
+            raise ApiError.from_protocol(exc) from None
+        backend = model.backend
         request = GenerationRequest.from_frame(
             generate, default_max_tokens=services.wire_limits.default_max_tokens
         )
         try:
-            count = await asyncio.to_thread(services.backend.count_prompt_tokens, request)
+            count = await asyncio.to_thread(backend.count_prompt_tokens, request)
         except ProtocolError as exc:
             raise ApiError.from_protocol(exc) from None
         if count is None:
             raise ApiError(
                 HTTPStatus.BAD_REQUEST,
                 f"count_tokens is not available with this server's engine"
-                f" ({services.backend.model_name}): it has no tokenizer of its own to ask",
+                f" ({model.name}): it has no tokenizer of its own to ask",
                 "unsupported_option",
             )
         answer = HttpAnswer(route.out, route.headers)

@@ -112,6 +112,7 @@ class Connection:
                     server=services.server_name,
                     limits=services.wire_limits,
                     honours=tuple(sorted(services.backend.honours)),
+                    models=tuple(services.models.infos()),
                 )
             )
             idle = self._idle_timeout

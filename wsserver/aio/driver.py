@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol
@@ -140,8 +141,16 @@ class RequestDriver:
             asked = (
                 frame if isinstance(frame, Generate) else Generate(frame.new_id, **frame.overrides)
             )
-            check = self.services.backend.check
             try:
+                # An unknown model is refused here, before anything is queued;
+                # the request then carries the model's name (``done`` says it).
+                model = self.services.models.resolve(asked.model, asked.id)
+                if isinstance(frame, Generate):
+                    name = frame.model if frame.model is not None else model.name
+                    frame = asked = dataclasses.replace(frame, model=name)
+                elif "model" not in frame.overrides:
+                    model = self.services.models.resolve(self._restarted_model(frame), asked.id)
+                check = model.backend.check
                 if input_size(asked) > CHECK_INLINE_BYTES:
                     await asyncio.to_thread(check, asked)
                 else:
@@ -159,6 +168,11 @@ class RequestDriver:
             await self._cancel_detached(frame, frame.resume_token, now)
         else:
             await self.apply(self.session.handle(frame, now))
+
+    def _restarted_model(self, frame: Restart) -> str | None:
+        """The model of the request a ``restart`` runs again (unless it names one)."""
+        kept = self.session.kept_input(frame.id)
+        return kept.model if kept is not None else None
 
     async def refuse(self, exc: ProtocolError) -> None:
         """A frame the dialect could not parse, or refused: its ``error``."""
@@ -201,9 +215,12 @@ class RequestDriver:
         effects = self.session.handle(event, self._loop.time())
         assert not effects, effects
 
-    def queued(self, request_id: str, position: int) -> None:
-        """The scheduler's callback: a waiting request's position changed."""
-        effects = self.session.handle(QueuePosition(request_id, position), self._loop.time())
+    def queued(self, request_id: str, position: int, loading: bool = False) -> None:
+        """The scheduler's callback: a waiting request's position changed
+        (``loading``: its model is still being loaded)."""
+        effects = self.session.handle(
+            QueuePosition(request_id, position, loading), self._loop.time()
+        )
         if effects:
             self.services.in_background(self._send_queued(request_id, effects))
 
@@ -227,10 +244,15 @@ class RequestDriver:
             self._resumes.add(generation)
         queued_ms = (now - generation.record.received) * 1000.0
         generation.log.info(
-            "started slot=%s queued=%.1fms",
+            "started model=%s slot=%s queued=%.1fms",
+            generation.model.name,
             generation.slot,
             queued_ms,
-            extra={"slot": generation.slot, "queued_ms": round(queued_ms, 3)},
+            extra={
+                "model": generation.model.name,
+                "slot": generation.slot,
+                "queued_ms": round(queued_ms, 3),
+            },
         )
         await self.apply(effects)
         return True
@@ -261,7 +283,7 @@ class RequestDriver:
         """The client read nothing for the stall timeout: end the requests whose
         engine waits on it, if another request waits for the model (else
         nobody is harmed)."""
-        if self.services.scheduler.waiting == 0:
+        if self.services.models.waiting == 0:
             return
         now = self._loop.time()
         for generation in list(self.generations.values()):
@@ -431,6 +453,7 @@ def log_done(log: Any, frame: Done) -> None:
         _done_summary(frame),
         extra={
             "reason": frame.reason,
+            "model": frame.model,
             "queued_ms": round(timings.queued_ms, 3),
             "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
             "total_ms": round(timings.total_ms, 3),
@@ -446,4 +469,5 @@ def _done_summary(frame: Done) -> str:
         f"reason={frame.reason} prompt_tokens={usage.prompt_tokens} "
         f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
         f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
+        + (f" model={frame.model}" if frame.model is not None else "")
     )

@@ -40,7 +40,7 @@ class HttpContext:
     #: Whether the model has loaded (``/readyz``).
     is_ready: Callable[[], bool]
     #: Slots the scheduler holds for no live request (``/readyz``).
-    orphaned_slots: Callable[[], list[int]]
+    orphaned_slots: Callable[[], list[str]]
     #: Why the engine cannot serve now, or None (``/readyz``; an upstream engine's health).
     engine_unready: Callable[[], str | None] = lambda: None
     #: Extra routes (path → handler), such as the web page.

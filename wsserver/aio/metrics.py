@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import typing
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..protocol import Done
-from .scheduler import Scheduler
+from .models import ModelStats
 
 if TYPE_CHECKING:
     from websockets.protocol import Protocol
@@ -99,6 +100,16 @@ class Snapshot:
     blocked_seconds: float
 
 
+class Queues(typing.Protocol):
+    """Slots held and requests waiting, over every model (the model registry)."""
+
+    @property
+    def busy(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
 class Metrics:
     """Every metric of one server, and the loop-lag probe."""
 
@@ -107,9 +118,9 @@ class Metrics:
         *,
         backend_kind: str,
         model_name: str,
-        scheduler: Scheduler,
+        scheduler: Queues,
         snapshot: Callable[[], Snapshot],
-        orphaned_slots: Callable[[float], list[int]],
+        orphaned_slots: Callable[[float], list[str]],
         loop_probe_ms: float,
         queue_log_s: float,
     ) -> None:
@@ -242,7 +253,7 @@ class Metrics:
         queue_log = self._queue_log_s
         loop = asyncio.get_running_loop()
         next_queue_log = loop.time()
-        reported: list[int] = []
+        reported: list[str] = []
         async for lag in loop_lags(interval):
             now = loop.time()
             self.loop_lag.observe(lag)
@@ -312,7 +323,7 @@ class _LiveCollector(Collector):
     """Values read at scrape time."""
 
     def __init__(
-        self, scheduler: Scheduler, snapshot: Callable[[], Snapshot], metrics: Metrics
+        self, scheduler: Queues, snapshot: Callable[[], Snapshot], metrics: Metrics
     ) -> None:
         self._scheduler = scheduler
         self._snapshot = snapshot
@@ -367,3 +378,57 @@ class _LiveCollector(Collector):
         if live:
             blocked.add_metric([], self._metrics.blocked_seconds_finished + state.blocked_seconds)
         yield blocked
+
+
+#: The per-model families (their names as scraped, without suffixes).
+MODEL_METRICS = (
+    "wsserver_model_loaded",
+    "wsserver_model_requests_active",
+    "wsserver_model_requests_queued",
+    "wsserver_model_memory_bytes",
+    "wsserver_model_loads",
+    "wsserver_model_unloads",
+    "wsserver_model_load_failures",
+)
+
+
+class ModelCollector(Collector):
+    """Per-model families, read from the model registry at scrape time; one
+    ``model`` label value per configured model (bounded by the configuration)."""
+
+    def __init__(self, stats: Callable[[], list[ModelStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        names = MODEL_METRICS
+        loaded = GaugeMetricFamily(names[0], "1 while the model is loaded.", labels=["model"])
+        active = GaugeMetricFamily(
+            names[1], "Requests holding one of the model's slots.", labels=["model"]
+        )
+        queued = GaugeMetricFamily(
+            names[2], "Requests waiting for the model (its load included).", labels=["model"]
+        )
+        memory = GaugeMetricFamily(
+            names[3],
+            "Bytes the model holds against the budget (weights + KV cache, estimated).",
+            labels=["model"],
+        )
+        loads = CounterMetricFamily(
+            names[4], "Loads of the model that succeeded.", labels=["model"]
+        )
+        unloads = CounterMetricFamily(
+            names[5], "Unloads of the model (for room or after its keep-alive).", labels=["model"]
+        )
+        failures = CounterMetricFamily(
+            names[6], "Loads of the model that failed.", labels=["model"]
+        )
+        for s in stats:
+            loaded.add_metric([s.name], 1.0 if s.loaded else 0.0)
+            active.add_metric([s.name], s.active)
+            queued.add_metric([s.name], s.queued)
+            memory.add_metric([s.name], s.memory_bytes)
+            loads.add_metric([s.name], s.loads)
+            unloads.add_metric([s.name], s.unloads)
+            failures.add_metric([s.name], s.load_failures)
+        yield from (loaded, active, queued, memory, loads, unloads, failures)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from typing import Final
 import h11
 
 from ..api_errors import ApiError, error_body
-from ..errors import refusal_headers
+from ..errors import ProtocolError, refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import models_body, parse_request
 from .drain import DrainWatch, write_buffered
@@ -374,7 +375,7 @@ class HttpConnection(asyncio.Protocol):
                 )
             )
             return
-        model = self._services.backend.model_name
+        models = self._services.models
         kind = _COMPLETIONS.get(path)
         if kind is not None:
             if method != "POST":
@@ -387,6 +388,11 @@ class HttpConnection(asyncio.Protocol):
                 request_id,
                 self._services.wire_limits,
             )
+            try:
+                generate, _ = models.for_api(api.generate, api.model)
+            except ProtocolError as exc:
+                raise ApiError.from_protocol(exc) from None
+            api = dataclasses.replace(api, generate=generate)
             completion = Completion(
                 api,
                 services=self._services,
@@ -398,11 +404,16 @@ class HttpConnection(asyncio.Protocol):
             )
             self.completion = completion
             await completion.run()
-        elif path == "/v1/models" or (path.startswith("/v1/models/") and path[11:] == model):
+        elif path == "/v1/models" or (
+            path.startswith("/v1/models/") and path[11:] in models.models
+        ):
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, "GET")
-            single = path != "/v1/models"
-            self._simple(HTTPStatus.OK, models_body(model, single=single), extra)
+            if path == "/v1/models":
+                body = models_body(models.infos())
+            else:
+                body = models_body([models.models[path[11:]].info()], single=True)
+            self._simple(HTTPStatus.OK, body, extra)
         elif path.startswith("/v1/models/"):
             name = _clip(path[11:])
             raise ApiError(

@@ -68,7 +68,7 @@ class Completion:
         self.reply = Reply(
             api.kind,
             self.request_id,
-            services.backend.model_name,
+            api.generate.model or services.backend.model_name,
             int(time.time()),
             include_usage=api.include_usage,
             logprobs=bool(api.generate.logprobs),

@@ -54,6 +54,7 @@ from ..request_record import RequestRecord
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import ToolCallParser, ToolSplit
 from .channel import Channel, End, Item, Piece, PromptDone
+from .models import Model
 from .services import Services
 
 __all__ = ["Generation", "Owner"]
@@ -72,7 +73,7 @@ class Owner(Protocol):
     def note(self, event: Report) -> None:
         """A report that sends nothing (the prompt count)."""
 
-    def queued(self, request_id: str, position: int) -> None: ...
+    def queued(self, request_id: str, position: int, loading: bool = False) -> None: ...
 
     async def generation_gone(self, generation: Generation) -> None: ...
 
@@ -103,6 +104,8 @@ class Generation:
         self.exited: asyncio.Future[None] | None = None
         self.stopped = False
         self.slot: int | None = None
+        #: The model that serves it (the driver checked the name it asked for).
+        self.model: Model = owner.services.models.resolve(request.model, request.id)
         #: Loop time at which a cancel (or restart) frame stopped this request.
         self.cancel_requested: float | None = None
         #: Loop time at which the engine of a cancelled request completed.
@@ -174,9 +177,10 @@ class Generation:
         """Whether the engine still runs anything for this request."""
         return self.submission is not None and self.submission.alive()
 
-    def queued(self, position: int) -> None:
-        """The scheduler's callback: the request's place in the queue changed."""
-        self.owner.queued(self.request.id, position)
+    def queued(self, position: int, loading: bool = False) -> None:
+        """The scheduler's callback: the request's place in the queue changed
+        (``loading``: its model is still being loaded)."""
+        self.owner.queued(self.request.id, position, loading)
 
     # ------------------------------------------------------------ the path
 
@@ -185,7 +189,7 @@ class Generation:
         request_id = self.request.id
         try:
             self.acquire = asyncio.ensure_future(
-                services.scheduler.acquire(request_id, self.queued)
+                services.models.acquire(self.model, request_id, self.queued)
             )
             try:
                 self.slot = await self.acquire
@@ -214,6 +218,7 @@ class Generation:
 
     def _submit(self, loop: asyncio.AbstractEventLoop) -> None:
         services = self.owner.services
+        backend = self.model.backend
         assert self.slot is not None
         slot: int = self.slot
         request = GenerationRequest.from_frame(
@@ -224,16 +229,14 @@ class Generation:
         channel = self.channel
         reasoning_format = self.request.reasoning_format or services.config.stream.reasoning_format
         if reasoning_format == "auto" and self.request.messages is not None:
-            opened = services.backend.opens_reasoning(request)
+            opened = backend.opens_reasoning(request)
             self.reasoning = ReasoningSplitter(opened=opened)
-        self.tools = tool_parser(self.request, services.backend.tool_syntax(request))
-        self.submission = services.backend.submit(
-            request, slot=slot, sink=channel, cancel=channel.cancel
-        )
+        self.tools = tool_parser(self.request, backend.tool_syntax(request))
+        self.submission = backend.submit(request, slot=slot, sink=channel, cancel=channel.cancel)
         exited: asyncio.Future[None] = loop.create_future()
         # The model is free as soon as the engine is done with the request.
-        scheduler = services.scheduler
-        exited.add_done_callback(lambda _: scheduler.release(slot))
+        models, model, keep = services.models, self.model, self.request.keep_alive
+        exited.add_done_callback(lambda _: models.release(model, slot, keep))
         exited.add_done_callback(self._mark_exited)
         self.exited = exited
         self.submission.add_done_callback(lambda: _call_soon(loop, _set_result, exited))
@@ -393,7 +396,7 @@ class Generation:
                 # means gone (a leak check right after cannot see it).
                 await asyncio.to_thread(submission.join, 5.0)
         elif self.slot is not None:
-            services.scheduler.release(self.slot)
+            services.models.release(self.model, self.slot, self.request.keep_alive)
         services.metrics.producer_finished(self.channel.blocked_seconds)
         if self.cancel_requested is not None:
             loop = asyncio.get_running_loop()

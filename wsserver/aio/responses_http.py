@@ -26,7 +26,7 @@ from typing import Any, cast
 import orjson
 
 from ..api_errors import ApiError, error_body, status_of
-from ..errors import WireCode
+from ..errors import ProtocolError, WireCode
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender, sse
 from ..responses_store import ResponseStore, StoredResponse
@@ -156,9 +156,11 @@ class ResponsesRoute:
             history = entry.conversation
         response_id = new_response_id()
         generate = to_generate(request, history, response_id, self._services.wire_limits)
-        render = ResponseRender(
-            request, response_id=response_id, model=self._services.backend.model_name
-        )
+        try:
+            generate, model = self._services.models.for_api(generate, request.model)
+        except ProtocolError as exc:
+            raise ApiError.from_protocol(exc) from None
+        render = ResponseRender(request, response_id=response_id, model=model.name)
         run = HttpResponse(
             generate,
             render,

@@ -40,6 +40,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from ..api_errors import ApiError, error_object
+from ..errors import ProtocolError
 from ..logs import ConnectionLog
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender
@@ -226,7 +227,11 @@ class ResponsesSocket:
         response_id = new_response_id()
         services = self._services
         generate = to_generate(request, history, response_id, services.wire_limits)
-        render = ResponseRender(request, response_id=response_id, model=services.backend.model_name)
+        try:
+            generate, model = services.models.for_api(generate, request.model)
+        except ProtocolError as exc:
+            raise ApiError.from_protocol(exc) from None
+        render = ResponseRender(request, response_id=response_id, model=model.name)
         run = SocketResponse(
             generate,
             render,

@@ -37,6 +37,7 @@ PositionCallback = Callable[[int], None]
 class _Waiter:
     future: asyncio.Future[int]
     on_position: PositionCallback
+    request_id: str
     position: int = field(default=0)
 
 
@@ -69,10 +70,30 @@ class Scheduler:
         """The slots handed out and not yet released."""
         return frozenset(self._busy)
 
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
     def open(self) -> None:
         """The model is loaded: start handing out slots."""
         self._ready = True
         self._dispatch()
+
+    def close(self) -> None:
+        """The model is being unloaded: hand out no slot until :meth:`open`.
+        Requests that come meanwhile wait (the registry loads it again)."""
+        assert not self._busy, "a model with running requests is never unloaded"
+        self._ready = False
+
+    def fail(self, error: ProtocolError) -> None:
+        """The model could not be loaded: every waiting request is refused
+        with ``error`` (each with its own id); the queue is empty after."""
+        waiters, self._waiters = self._waiters, deque()
+        for waiter in waiters:
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    ProtocolError(error.code, error.message, waiter.request_id)
+                )
 
     async def acquire(self, request_id: str, on_position: PositionCallback) -> int:
         """Wait for a slot and return it. Cancelling the wait leaves the queue."""
@@ -86,13 +107,17 @@ class Scheduler:
                 f"{len(self._waiters)} requests are already waiting for the model",
                 request_id,
             )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), on_position)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), on_position, request_id)
         self._waiters.append(waiter)
         self._announce()
         try:
             return await waiter.future
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.exception() is None
+            ):
                 # The slot was handed over just as we were cancelled: give it back.
                 self.release(waiter.future.result())
             elif waiter in self._waiters:

@@ -28,7 +28,7 @@ from websockets.typing import Subprotocol
 
 from .. import __version__
 from ..anthropic_api import error_body as anthropic_error_body
-from ..backends import Backend, create_backend
+from ..backends import Backend, ModelEntry, create_models
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
@@ -39,7 +39,8 @@ from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, process_request
-from .metrics import Metrics, Snapshot
+from .metrics import Metrics, ModelCollector, Snapshot
+from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
@@ -49,7 +50,6 @@ from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
 from .responses_socket import ResponsesSocket
 from .resume import Resumes
-from .scheduler import Scheduler
 from .services import Services
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
@@ -106,7 +106,15 @@ class Server:
 
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend if backend is not None else create_backend(config)
+        entries = (
+            [ModelEntry(backend.model_name, backend)]
+            if backend is not None
+            else create_models(config)
+        )
+        #: Every model served (docs/operations.md, "Several models"); the default first.
+        self.models = ModelPool(entries, budget=config.backend.llama.models_memory_bytes)
+        #: The default model's engine and queue.
+        self.backend = self.models.default.backend
         self.server_name = f"wsserver/{__version__}"
         limits = config.limits
         #: What a connection may ask for, as ``hello`` tells the client
@@ -118,7 +126,7 @@ class Server:
             max_tokens=limits.max_tokens,
             default_max_tokens=limits.default_max_tokens,
         )
-        self.scheduler = Scheduler(self.backend.slots, self.backend.max_waiting, ready=False)
+        self.scheduler = self.models.default.scheduler
         self.connections: dict[str, Connection] = {}
         #: WebSocket-mode connections of the Responses API (aio/responses_socket.py).
         self.responses_sockets: dict[str, ResponsesSocket] = {}
@@ -129,7 +137,7 @@ class Server:
         self._load_task: asyncio.Task[None] | None = None
         self._stopping = False
         #: Slots held by no live request, with the loop time each was first seen so.
-        self._orphans: dict[int, float] = {}
+        self._orphans: dict[tuple[str, int], float] = {}
         self.gatekeeper = Gatekeeper(config)
         self.connection_limiter = ConnectionLimiter(
             max_total=limits.max_connections, max_per_ip=limits.max_connections_per_ip
@@ -137,19 +145,20 @@ class Server:
         self.metrics = Metrics(
             backend_kind=config.backend.kind,
             model_name=self.backend.model_name,
-            scheduler=self.scheduler,
+            scheduler=self.models,
             snapshot=self.snapshot,
             orphaned_slots=self.orphaned_slots,
             loop_probe_ms=config.server.loop_probe_ms,
             queue_log_s=config.server.queue_log_s,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
+        self.metrics.registry.register(ModelCollector(self.models.stats))
         #: Resumable requests, attached or detached (docs/protocol.md, "Resuming a stream").
         stream = config.stream
         self.resumes = Resumes(
             grace_s=stream.resume_grace_s,
             stall_s=stream.stall_timeout_s,
-            waiting=lambda: self.scheduler.waiting,
+            waiting=lambda: self.models.waiting,
             max_total=stream.max_detached,
             max_per_client=stream.max_detached_per_client,
         )
@@ -157,6 +166,7 @@ class Server:
             config=config,
             backend=self.backend,
             scheduler=self.scheduler,
+            models=self.models,
             metrics=self.metrics,
             wire_limits=self.wire_limits,
             server_name=self.server_name,
@@ -259,13 +269,12 @@ class Server:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            await asyncio.to_thread(self.backend.load)
+            await self.models.start()
         except Exception as exc:
             log.error("model failed to load: %s", exc)
             raise
         self.metrics.set_model(self.backend.model_name)
         self.backend.on_model = self.metrics.set_model
-        self.scheduler.open()
         self.ready.set()
         log.info(
             "ready: model %s loaded in %.1fs; serving %s",
@@ -317,7 +326,7 @@ class Server:
             self.metrics.connection_closed(websocket.protocol)
             conn_log.info("closed (code %s)", websocket.close_code)
 
-    def orphaned_slots(self, now: float | None = None) -> list[int]:
+    def orphaned_slots(self, now: float | None = None) -> list[str]:
         """Slots the scheduler counts as held that no live request holds, for
         longer than :data:`ORPHAN_GRACE_S`.
 
@@ -325,11 +334,13 @@ class Server:
         interleaving is meant to keep the books (see the scheduler). A slot is
         between owners for at most a loop turn (handed over, its task not yet
         resumed), so only one that stays orphaned is reported. Called by the
-        periodic probe and by ``/readyz``.
+        periodic probe and by ``/readyz``. Each is named ``model:slot`` (every
+        model's queue numbers its slots from 0).
         """
         now = asyncio.get_running_loop().time() if now is None else now
-        owned = {g.slot for g in self._generations() if g.slot is not None}
-        orphans = self.scheduler.held() - owned
+        owned = {(g.model.name, g.slot) for g in self._generations() if g.slot is not None}
+        held = {(m.name, slot) for m in self.models.models.values() for slot in m.scheduler.held()}
+        orphans = held - owned
         for slot in list(self._orphans):
             if slot not in orphans:
                 del self._orphans[slot]
@@ -338,7 +349,7 @@ class Server:
             since = self._orphans.setdefault(slot, now)
             if now - since >= ORPHAN_GRACE_S:
                 newly.append(slot)
-        return sorted(newly)
+        return [f"{name}:{slot}" for name, slot in sorted(newly)]
 
     def _generations(self) -> list[Generation]:
         """Every live request: over WebSocket connections and HTTP ones, and
@@ -413,7 +424,7 @@ class Server:
         await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
-        await asyncio.to_thread(self.backend.close)
+        await self.models.close()
         log.info("stopped")
 
     @staticmethod

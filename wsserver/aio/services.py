@@ -11,6 +11,7 @@ from ..backends.base import Backend
 from ..config import Config
 from ..protocol import Limits
 from .metrics import Metrics
+from .models import ModelPool
 from .scheduler import Scheduler
 
 __all__ = ["Services"]
@@ -21,8 +22,10 @@ class Services:
     """The server's parts that requests share, over WebSocket and HTTP alike."""
 
     config: Config
+    #: The default model's engine and queue (``models`` has every model).
     backend: Backend
     scheduler: Scheduler
+    models: ModelPool
     metrics: Metrics
     #: What a request may ask for (``hello`` tells a WebSocket client).
     wire_limits: Limits

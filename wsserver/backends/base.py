@@ -134,6 +134,9 @@ class GenerationRequest:
     #: Log-probabilities asked for: how many alternatives per token (0-20);
     #: ``None``: none (the engine computes nothing for them).
     logprobs: int | None = None
+    #: The model asked for, resolved by the server (an engine that serves
+    #: several, :meth:`Backend.served_models`, routes by it).
+    model: str | None = None
 
     @classmethod
     def from_frame(
@@ -160,6 +163,7 @@ class GenerationRequest:
             tool_name=frame.tool_name,
             parallel_tool_calls=frame.parallel_tool_calls,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
+            model=frame.model,
         )
 
 
@@ -298,8 +302,23 @@ class Backend(abc.ABC):
         return None  # a backend with nothing to load needs no override
 
     def close(self) -> None:
-        """Release the model. Called once at shutdown, after every request completed."""
+        """Release the model: at shutdown, or to unload it (the registry calls it
+        only when no request runs on it; ``load`` may follow again)."""
         return None
+
+    def served_models(self) -> dict[str, bool] | None:
+        """The models this engine chooses among itself, by the request's
+        ``model`` (:attr:`GenerationRequest.model`), each with whether it can
+        be served now; ``None``: one model, :attr:`model_name`. Called on the
+        event loop (the openai backend: what its upstreams list)."""
+        return None
+
+    def memory_estimate(self) -> int:
+        """The bytes ``load`` will take (weights + KV cache), for the memory
+        budget of several models; called on a worker thread before ``load``.
+        Raises :class:`~wsserver.errors.ModelLoadError` for a file that cannot be
+        a model. 0: nothing worth counting (an engine whose model lives elsewhere)."""
+        return 0
 
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.

@@ -50,6 +50,7 @@ from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
 from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .gguf_meta import kv_cache_bytes
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
@@ -151,6 +152,7 @@ class LlamaBackend(Backend):
         cache_type_v: str = "f16",
         use_mmap: bool = True,
         use_mlock: bool = False,
+        name: str = "",
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -175,7 +177,9 @@ class LlamaBackend(Backend):
         self.cache_type_v = cache_type_v
         self.use_mmap = use_mmap
         self.use_mlock = use_mlock
-        if model:
+        if name:
+            self.model_name = name
+        elif model:
             self.model_name = Path(model).stem
         else:
             self.model_name = "gemma-3-270m-q4_k_m"
@@ -188,8 +192,9 @@ class LlamaBackend(Backend):
         self._on_prefill: Callable[[str, int], None] | None = None
 
     @classmethod
-    def from_config(cls, config: LlamaConfig) -> LlamaBackend:
+    def from_config(cls, config: LlamaConfig, *, name: str = "") -> LlamaBackend:
         return cls(
+            name=name,
             model=config.model,
             n_ctx=config.n_ctx,
             n_threads=config.n_threads,
@@ -209,8 +214,7 @@ class LlamaBackend(Backend):
 
     # ------------------------------------------------------------ lifecycle
 
-    def load(self) -> None:
-        install_log_bridge()
+    def _path(self) -> Path:
         if self.model_path:
             path = Path(self.model_path)
         else:
@@ -218,6 +222,26 @@ class LlamaBackend(Backend):
             path = _default_model_path()
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
+        return path
+
+    def memory_estimate(self) -> int:
+        """The weights (the file's size) and the KV cache of every sequence,
+        from the GGUF header alone (docs/operations.md, "Several models")."""
+        path = self._path()
+        try:
+            kv = kv_cache_bytes(
+                path,
+                cells=self.n_ctx * self.parallel,
+                type_k=self.cache_type_k,
+                type_v=self.cache_type_v,
+            )
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load model {path}: {exc}") from None
+        return path.stat().st_size + kv
+
+    def load(self) -> None:
+        install_log_bridge()
+        path = self._path()
         size_mb = path.stat().st_size / 1e6
         log.info(
             "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "

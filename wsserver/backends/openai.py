@@ -98,6 +98,8 @@ class Upstream:
     #: Seconds from sending a request to the first byte of its stream: sum and count.
     first_byte_seconds_sum: float = 0.0
     first_byte_count: int = 0
+    #: The model ids its ``/v1/models`` listed (empty until it answered).
+    models: tuple[str, ...] = ()
     probe: asyncio.Task[None] | None = field(default=None, repr=False)
     #: Set while in rotation (tests and /readyz wait on it).
     in_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -140,6 +142,8 @@ class OpenAIBackend(Backend):
             raise ValueError("at least one upstream URL")
         self.upstreams = [Upstream(url.rstrip("/")) for url in urls]
         self.model = model
+        #: A model was configured: every upstream is asked for it.
+        self.configured = bool(model)
         self.model_name = model or "openai"
         self.slots = parallel * len(urls)
         self.max_waiting = max_waiting
@@ -192,47 +196,84 @@ class OpenAIBackend(Backend):
         reasons = []
         for upstream in self.upstreams:
             try:
-                self._found(self._first_model(upstream.url))
+                upstream.models = self._listing(upstream.url)
             except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
                 reasons.append(f"{upstream.url}: {exc.__class__.__name__}")
                 continue
-            return
-        log.warning(
-            "no upstream listed a model at /v1/models (%s); serving once one does",
-            "; ".join(reasons),
-        )
+            if not self.model:
+                self._found(upstream.models[0])
+        if not self.model:
+            log.warning(
+                "no upstream listed a model at /v1/models (%s); serving once one does",
+                "; ".join(reasons),
+            )
+        elif reasons:
+            log.warning(
+                "upstream(s) not listing their models yet (%s): they get requests "
+                "for their models once they do",
+                "; ".join(reasons),
+            )
 
     def _found(self, model: str) -> None:
         self.model = model
         self.model_name = display_name(model)
 
-    def _first_model(self, url: str) -> str:
+    def _listing(self, url: str) -> tuple[str, ...]:
         request = urllib.request.Request(f"{url}/models", headers=self._headers)
         timeout = self.connect_timeout_s + self.first_byte_timeout_s
         with urllib.request.urlopen(request, timeout=timeout) as response:
             listing = json.loads(response.read(MAX_ERROR_BODY * 16))
-        return _model_of(listing)
+        return _models_of(listing)
+
+    @property
+    def _routing(self) -> bool:
+        """Requests go to the upstreams that list their model (no
+        ``backend.openai.model`` configured: each upstream serves what it lists)."""
+        return not self.configured
+
+    def served_models(self) -> dict[str, bool] | None:
+        """Without a configured model: every model an upstream lists, and
+        whether a healthy upstream lists it (docs/upstream.md, "Several models")."""
+        if not self._routing:
+            return None
+        if any(not u.models for u in self.upstreams):
+            with contextlib.suppress(RuntimeError):  # (no running loop: nothing to start)
+                self._look_for_a_model()
+        served: dict[str, bool] = {}
+        for upstream in self.upstreams:
+            for model in upstream.models:
+                served[model] = served.get(model, False) or upstream.healthy
+        return served or None
+
+    async def _fetch_listing(self, upstream: Upstream) -> bool:
+        """Ask one upstream's ``/v1/models``; whether it answered with a listing."""
+        with contextlib.suppress(
+            TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError
+        ):
+            async with asyncio.timeout(self.connect_timeout_s + self.silence_timeout_s):
+                async with self._session().get(upstream.url + "/models") as response:
+                    body = await response.content.read(MAX_ERROR_BODY * 16)
+            if response.status == 200:
+                upstream.models = _models_of(json.loads(body))
+                log.info("upstream %s lists %s", upstream.url, ", ".join(upstream.models[:20]))
+                return True
+        return False
 
     async def _discover(self) -> None:
-        """Ask each upstream's ``/v1/models`` until one lists a model."""
+        """Ask the upstreams' ``/v1/models`` until one lists a model (and, when
+        routing by model, until each has listed its own)."""
         delay = self.backoff_s
         try:
-            while not self.model:
+            while not self.model or (self._routing and any(not u.models for u in self.upstreams)):
                 for upstream in self.upstreams:
-                    with contextlib.suppress(
-                        TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError
-                    ):
-                        async with asyncio.timeout(self.connect_timeout_s + self.silence_timeout_s):
-                            async with self._session().get(upstream.url + "/models") as response:
-                                body = await response.content.read(MAX_ERROR_BODY * 16)
-                        if response.status == 200:
-                            self._found(_model_of(json.loads(body)))
-                            log.info(
-                                "upstream %s lists the model %s", upstream.url, self.model_name
-                            )
-                            if self.on_model is not None:
-                                self.on_model(self.model_name)
-                            return
+                    if upstream.models or not await self._fetch_listing(upstream):
+                        continue
+                    if not self.model:
+                        self._found(upstream.models[0])
+                        if self.on_model is not None:
+                            self.on_model(self.model_name)
+                if self.model and not (self._routing and any(not u.models for u in self.upstreams)):
+                    return
                 await asyncio.sleep(delay)  # sleep-ok: the probe's backoff
                 delay = min(delay * 2, self.max_backoff_s)
         finally:
@@ -307,10 +348,26 @@ class OpenAIBackend(Backend):
         finally:
             submission.complete()
 
-    def pick(self, exclude: frozenset[Upstream] = frozenset()) -> Upstream | None:
-        """The healthy upstream with the fewest requests in flight (first listed on a tie)."""
-        candidates = [u for u in self.upstreams if u.healthy and u not in exclude]
+    def pick(
+        self, exclude: frozenset[Upstream] = frozenset(), model: str | None = None
+    ) -> Upstream | None:
+        """The healthy upstream with the fewest requests in flight (first listed
+        on a tie) — among those that list ``model``, when routing by model."""
+        candidates = [
+            u
+            for u in self.upstreams
+            if u.healthy
+            and u not in exclude
+            and (model is None or not self._routing or model in u.models)
+        ]
         return min(candidates, key=lambda u: u.in_flight, default=None)
+
+    def _target(self, request: GenerationRequest) -> str:
+        """The model id to ask for: the request's, if an upstream lists it."""
+        asked = request.model
+        if self._routing and asked is not None and any(asked in u.models for u in self.upstreams):
+            return asked
+        return self.model
 
     async def _run(self, request: GenerationRequest, sink: Sink, cancel: CancelEvent) -> Outcome:
         if not self.model:
@@ -319,6 +376,7 @@ class OpenAIBackend(Backend):
                 "no upstream has listed a model at /v1/models yet", code="upstream_unavailable"
             )
         tried: frozenset[Upstream] = frozenset()
+        target = self._target(request)
         relay = Relay(
             sink,
             cancel,
@@ -327,10 +385,11 @@ class OpenAIBackend(Backend):
             clock=asyncio.get_running_loop().time,
         )
         while True:
-            upstream = self.pick(tried)
+            upstream = self.pick(tried, target)
             if upstream is None:
                 raise UpstreamError(
-                    "no upstream is reachable (each failed recently and is being probed)"
+                    f"no upstream serving {target!r} is reachable (each failed recently "
+                    "and is being probed)"
                     if not tried
                     else "no other upstream is reachable",
                     code="upstream_unreachable",
@@ -339,12 +398,12 @@ class OpenAIBackend(Backend):
             upstream.in_flight += 1
             upstream.requests += 1
             try:
-                outcome = await self._relay(upstream, request, relay)
+                outcome = await self._relay(upstream, request, relay, target)
             except UpstreamError as exc:
                 upstream.errors += 1
                 if exc.unhealthy:
                     self._take_out(upstream)
-                if exc.retry and not relay.offered and len(tried) == 1 and self.pick(tried):
+                if exc.retry and not relay.offered and len(tried) == 1 and self.pick(tried, target):
                     log.info(
                         "id=%s retrying on another upstream: %s",
                         request.id,
@@ -357,9 +416,11 @@ class OpenAIBackend(Backend):
                 upstream.in_flight -= 1
             return outcome
 
-    async def _relay(self, upstream: Upstream, request: GenerationRequest, relay: Relay) -> Outcome:
+    async def _relay(
+        self, upstream: Upstream, request: GenerationRequest, relay: Relay, model: str
+    ) -> Outcome:
         loop = asyncio.get_running_loop()
-        path, body = request_body(request, self.model)
+        path, body = request_body(request, model)
         sent = loop.time()
         deadline = sent + self.first_byte_timeout_s
         try:
@@ -475,6 +536,8 @@ class OpenAIBackend(Backend):
             while True:
                 await asyncio.sleep(upstream.backoff)
                 if await self._answers(upstream):
+                    if self._routing:
+                        await self._fetch_listing(upstream)  # what it serves may have changed
                     upstream.in_rotation.set()
                     upstream.backoff = 0.0
                     log.info("upstream %s is back", upstream.url)
@@ -521,12 +584,13 @@ class OpenAIBackend(Backend):
             self._discovery = asyncio.get_running_loop().create_task(self._discover())
 
 
-def _model_of(listing: object) -> str:
-    """The first model id of a ``/v1/models`` listing."""
-    model = listing["data"][0]["id"]  # type: ignore[index]
-    if not isinstance(model, str) or not model:
-        raise ValueError("a model without an id")
-    return model
+def _models_of(listing: object) -> tuple[str, ...]:
+    """The model ids of a ``/v1/models`` listing, in order (at least one)."""
+    entries = listing["data"]  # type: ignore[index]
+    models = tuple(dict.fromkeys(entry["id"] for entry in entries[:1000]))
+    if not models or not all(isinstance(m, str) and m for m in models):
+        raise ValueError("a listing without models, or a model without an id")
+    return models
 
 
 def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:

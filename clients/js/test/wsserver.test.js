@@ -111,6 +111,20 @@ test("streams a request's text and its done frame", { timeout: TIMEOUT }, async 
   }
 });
 
+test("a request names its model: done says which answered; an unknown one is refused", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER);
+  try {
+    const stream = client.generate({ prompt: "hello", max_tokens: 3, model: "fake" });
+    const done = await stream.done;
+    assert.equal(done.model, "fake");
+    assert.deepEqual(client.hello?.models?.map((m) => [m.name, m.state]), [["fake", "loaded"]]);
+    const refused = client.generate({ prompt: "hello", max_tokens: 3, model: "nope" });
+    await assert.rejects(refused.done, (error) => error instanceof WsError && error.code === "model_not_found");
+  } finally {
+    client.close();
+  }
+});
+
 test("cancel is in-band: done(cancelled) at once, no text after it", { timeout: TIMEOUT }, async () => {
   const client = new WsClient(SERVER);
   try {

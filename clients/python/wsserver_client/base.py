@@ -47,6 +47,7 @@ class ClientBase(Generic[S]):
         token: str | None = None,
         origin: str | None = None,
         resumable: bool = False,
+        model: str | None = None,
         reconnect_timeout: float = 30.0,
         on_reconnect: Callable[[Self], None] | None = None,
         **connect_kwargs: Any,
@@ -56,6 +57,9 @@ class ClientBase(Generic[S]):
         #: Ask for every request to be resumable (a request's own
         #: ``resumable=`` wins).
         self.resumable = resumable
+        #: The model every ``generate`` asks for unless it names one (None:
+        #: the server's default; ``hello.models`` lists them).
+        self.model = model
         self.on_reconnect = on_reconnect
         #: Times the connection was lost and the live requests resumed.
         self.reconnects = 0
@@ -106,6 +110,7 @@ class ClientBase(Generic[S]):
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         reasoning_format: Literal["none", "auto"] | None = None,
+        model: str | None = None,
         **params: Any,
     ) -> S:
         """A request; iterate the returned stream for its text, or its
@@ -115,6 +120,9 @@ class ClientBase(Generic[S]):
         ``parallel_tool_calls`` and ``reasoning_format`` go to the server as
         given (docs/protocol.md, ``generate``), like every other keyword
         argument; one left at ``None`` is not sent (the server's default).
+        ``model``: one of ``hello.models``' names (default: the client's
+        ``model``, else the server's default model); ``done.model`` says which
+        answered.
         """
         chat_options = {
             "tools": tools,
@@ -125,12 +133,15 @@ class ClientBase(Generic[S]):
         params.update({k: v for k, v in chat_options.items() if v is not None})
         if self.resumable:
             params.setdefault("resumable", True)
+        model = model if model is not None else self.model
+        if model is not None:
+            params["model"] = model
         request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
         return self.requests.add(self._stream(request_id, frame))
 
     def restart(self, old: str | S, *, new_id: str | None = None, **overrides: Any) -> S:
         """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
-        its input again with ``overrides``."""
+        its input again with ``overrides`` (on its model, unless they give ``model``)."""
         if self.resumable:
             overrides.setdefault("resumable", True)
         request_id, frame = self.requests.restart_frame(old, new_id, overrides)

@@ -4,7 +4,8 @@ Type a prompt and press Enter; the answer streams as it arrives. Ctrl-C while
 an answer streams cancels it *in-band* (a ``cancel`` frame; the connection
 stays open); Ctrl-C or Ctrl-D at the prompt quits. ``/regen`` restarts the
 last request (a ``restart`` frame), ``/set key=value`` changes a sampling
-option (max_tokens, temperature, top_p, top_k, seed), ``/quit`` exits. Each
+option (max_tokens, temperature, top_p, top_k, seed) or the model
+(``/set model=NAME``; ``--model`` at start), ``/quit`` exits. Each
 answer ends with its timings.
 """
 
@@ -28,6 +29,7 @@ _OPTION_TYPES: dict[str, type] = {
     "top_p": float,
     "top_k": int,
     "seed": int,
+    "model": str,
 }
 
 
@@ -119,8 +121,12 @@ async def _run(url: str, token: str | None, options: dict[str, Any]) -> int:
         return 1
     hello = client.hello
     assert hello is not None
+    model = options.get("model", hello.model)
+    others = [m.name for m in hello.models or () if m.name != model]
+    also = f" (also: {', '.join(others)})" if others else ""
     print(
-        f"connected to {hello.server}, model {hello.model}. Ctrl-C cancels, /regen restarts, /quit exits."
+        f"connected to {hello.server}, model {model}{also}. "
+        "Ctrl-C cancels, /regen restarts, /quit exits."
     )
     chat = Chat(client, options=options)
     quit_event = asyncio.Event()
@@ -161,12 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token", help="auth token, if the server requires one")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--temperature", type=float)
+    parser.add_argument("--model", help="the model to chat with (default: the server's default)")
     args = parser.parse_args(argv)
-    options = {
-        k: v
-        for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature}.items()
-        if v is not None
-    }
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "model": args.model}
+    options = {k: v for k, v in given.items() if v is not None}
     try:
         return asyncio.run(_run(args.url, args.token, options))
     except KeyboardInterrupt:
