@@ -1,7 +1,7 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
-                    upstream batched resume structured responses]
+                    upstream batched resume structured responses models]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
                     [--baseline REF]
 
@@ -29,6 +29,7 @@ from . import (
     cancel,
     ceiling,
     idle,
+    models,
     openai_sse,
     page,
     responses,
@@ -57,6 +58,7 @@ ALIASES = {
     "11": "resume",
     "12": "structured",
     "13": "responses",
+    "14": "models",
 }
 
 
@@ -198,6 +200,14 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
             results["responses"] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:
             results["responses"] = _failed(exc)
+    if "models" in sections:
+        opts.log("section models: TTFT loaded, on demand, after an eviction; memory (issue 23)")
+        try:
+            results["models"] = await models.run(opts)
+        except Skip as exc:
+            results["models"] = {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:
+            results["models"] = _failed(exc)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")

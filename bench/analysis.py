@@ -147,6 +147,11 @@ def summary(results: dict[str, Any]) -> list[str]:
         from .responses import summary_line as responses_line
 
         lines.append(responses_line(rp))
+    md = results.get("models")
+    if _ok(md):
+        from .models import summary_line as models_line
+
+        lines.append(models_line(md))
     rs = results.get("resume")
     if _ok(rs):
         worst, latency = rs["worst"], rs["latency"]["connect_to_replay_ms"]

@@ -14,6 +14,7 @@ from . import (
     cancel,
     ceiling,
     idle,
+    models,
     openai_sse,
     page,
     responses,
@@ -52,6 +53,11 @@ SECTIONS = {
         "13. The Responses API: five turns four ways (previous_response_id over HTTP and in "
         "WebSocket mode, the whole history, our protocol), and the wire's overhead",
         responses,
+    ),
+    "models": (
+        "14. Several models: time to first token loaded, on demand and after an eviction; "
+        "memory before and after an unload",
+        models,
     ),
 }
 

@@ -1,0 +1,231 @@
+"""Section 14 — several models (issue 23): time to first token for a model
+already loaded, for one loaded on demand, and for one that first evicts
+another; the server's memory before and after an unload.
+
+Two models, the default one (Gemma 3 270M, ~250 MB) and a tiny random GGUF
+(``tests/tiny_gguf.py``), served by one wsserver process
+(``bench.probe_server``, so RSS is the server's own). The tiny one is the
+default model (``backend.llama.model``, loaded at start), Gemma a
+``[[backend.llama.models]]`` table named ``gemma`` (loaded on its first
+request). TTFT is a WebSocket ``generate`` (a short prompt, 4 tokens) from
+send to its first ``delta``, on a connection already open.
+
+* **Room for both** (``models_memory_bytes`` = 0: three quarters of RAM):
+  each round asks Gemma while it is unloaded (``keep_alive`` -1: it stays),
+  then loaded, then the tiny model (loaded); RSS with both loaded; then a
+  Gemma request with ``keep_alive`` 0 unloads it when it ends, and RSS is
+  read again once ``GET /v1/models`` says ``unloaded``.
+* **Room for one** (the budget = Gemma's estimate + half the tiny one's):
+  each round asks Gemma (the tiny model is loaded and idle: it is unloaded
+  first, then Gemma loads), then the tiny model (Gemma is unloaded first);
+  RSS after each.
+
+Medians over the rounds; every figure of every round is in the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from websockets.asyncio.client import ClientConnection, connect
+
+from .common import ROOT, ServerProcess
+from .lineup import _default_model
+from .options import Options
+
+N_CTX = 1024
+PARALLEL = 2
+PROMPT = "The capital of France is"
+
+
+def _tiny_gguf(folder: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from tiny_gguf import write_tiny_gguf
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    path: Path = write_tiny_gguf(folder / "tiny.gguf")
+    return path
+
+
+def _estimate(path: Path) -> int:
+    from wsserver.backends.llama import LlamaBackend
+
+    return LlamaBackend(model=str(path), n_ctx=N_CTX, parallel=PARALLEL).memory_estimate()
+
+
+async def _ttft(ws: ClientConnection, rid: str, model: str | None, **extra: Any) -> float:
+    frame: dict[str, Any] = {"type": "generate", "id": rid, "prompt": PROMPT, "max_tokens": 4}
+    frame["temperature"] = 0
+    if model is not None:
+        frame["model"] = model
+    frame.update(extra)
+    sent = time.perf_counter()
+    await ws.send(json.dumps(frame))
+    first: float | None = None
+    async with asyncio.timeout(600):
+        while True:
+            reply = json.loads(await ws.recv())
+            if reply.get("id") != rid:
+                continue
+            if reply["type"] == "delta" and first is None:
+                first = time.perf_counter() - sent
+            elif reply["type"] == "done":
+                if reply["reason"] not in ("stop", "length") or first is None:
+                    raise RuntimeError(f"{rid}: {reply}")
+                return first * 1000
+            elif reply["type"] == "error":
+                raise RuntimeError(f"{rid}: {reply}")
+
+
+async def _state(http: aiohttp.ClientSession, base: str, name: str) -> str:
+    async with http.get(f"{base}/v1/models") as resp:
+        body = await resp.json()
+    return str(next(m["state"] for m in body["data"] if m["id"] == name))
+
+
+async def _until(http: aiohttp.ClientSession, base: str, name: str, state: str) -> None:
+    async with asyncio.timeout(120):
+        while await _state(http, base, name) != state:
+            await asyncio.sleep(0.05)  # sleep-ok: polling the server's own report
+
+
+@contextlib.asynccontextmanager
+async def _serving(overrides: dict[str, Any]) -> Any:
+    server = await ServerProcess(overrides).start(timeout=600)
+    try:
+        base = server.url.replace("ws://", "http://").rstrip("/")
+        async with aiohttp.ClientSession() as http, connect(server.url) as ws:
+            json.loads(await ws.recv())  # hello
+            yield server, base, http, ws
+    finally:
+        await server.stop()
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    rounds = 2 if opts.quick else 5
+    threads = opts.threads or 2
+    gemma = Path(_default_model())
+    with tempfile.TemporaryDirectory(prefix="bench-models-") as folder:
+        tiny = _tiny_gguf(Path(folder))
+        estimates = {"gemma": _estimate(gemma), "tiny": _estimate(tiny)}
+        base_overrides = {
+            "server.port": 0,
+            "backend.kind": "llama",
+            "backend.llama.model": str(tiny),
+            "backend.llama.models": [{"name": "gemma", "model": str(gemma)}],
+            "backend.llama.n_ctx": N_CTX,
+            "backend.llama.parallel": PARALLEL,
+            "backend.llama.n_threads": threads,
+        }
+        both: dict[str, list[float]] = {
+            "gemma_on_demand": [],
+            "gemma_loaded": [],
+            "tiny_loaded": [],
+            "rss_both": [],
+            "rss_after_unload": [],
+        }
+        async with _serving(base_overrides) as (server, base, http, ws):
+            tiny_name = next(
+                m["id"]
+                for m in (await (await http.get(f"{base}/v1/models")).json())["data"]
+                if m["id"] != "gemma"
+            )
+            await _ttft(ws, "warm", tiny_name)
+            for r in range(rounds):
+                await _until(http, base, "gemma", "unloaded")
+                both["gemma_on_demand"].append(await _ttft(ws, f"a{r}", "gemma", keep_alive=-1))
+                both["gemma_loaded"].append(await _ttft(ws, f"b{r}", "gemma"))
+                both["tiny_loaded"].append(await _ttft(ws, f"c{r}", tiny_name))
+                both["rss_both"].append((await server.stats())["rss_bytes"])
+                await _ttft(ws, f"d{r}", "gemma", keep_alive=0)
+                await _until(http, base, "gemma", "unloaded")
+                both["rss_after_unload"].append((await server.stats())["rss_bytes"])
+        budget = estimates["gemma"] + estimates["tiny"] // 2
+        one: dict[str, list[float]] = {
+            "gemma_evicting": [],
+            "tiny_evicting": [],
+            "rss_gemma": [],
+            "rss_tiny": [],
+        }
+        async with _serving({**base_overrides, "backend.llama.models_memory_bytes": budget}) as (
+            server,
+            base,
+            http,
+            ws,
+        ):
+            await _ttft(ws, "warm", tiny_name)
+            for r in range(rounds):
+                one["gemma_evicting"].append(await _ttft(ws, f"e{r}", "gemma"))
+                one["rss_gemma"].append((await server.stats())["rss_bytes"])
+                await _until(http, base, tiny_name, "unloaded")
+                one["tiny_evicting"].append(await _ttft(ws, f"f{r}", tiny_name))
+                one["rss_tiny"].append((await server.stats())["rss_bytes"])
+                await _until(http, base, "gemma", "unloaded")
+    return {
+        "status": "ok",
+        "rounds": rounds,
+        "threads": threads,
+        "estimates": estimates,
+        "budget_one": budget,
+        "both": both,
+        "one": one,
+        "median": {
+            key: statistics.median(values) for group in (both, one) for key, values in group.items()
+        },
+    }
+
+
+def _mib(value: float) -> str:
+    return f"{value / (1 << 20):,.1f}"
+
+
+def summary_line(r: dict[str, Any]) -> str:
+    m = r["median"]
+    return (
+        f"TTFT Gemma loaded {m['gemma_loaded']:,.0f} ms, on demand {m['gemma_on_demand']:,.0f} ms, "
+        f"evicting the tiny model {m['gemma_evicting']:,.0f} ms; RSS {_mib(m['rss_both'])} MiB "
+        f"with both → {_mib(m['rss_after_unload'])} MiB after unloading Gemma"
+    )
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return []
+
+
+def render(r: dict[str, Any]) -> str:
+    m = r["median"]
+    est = r["estimates"]
+    lines = [
+        f"Default model (`gemma`, estimated {_mib(est['gemma'])} MiB with its KV cache) and a tiny "
+        f"random GGUF (the default model here, {_mib(est['tiny'])} MiB), `n_ctx` {N_CTX}, "
+        f"`parallel` {PARALLEL}, {r['threads']} thread(s); one server process; "
+        f"{r['rounds']} rounds, medians (every figure in `benchmarks.json`). TTFT = `generate` "
+        "sent → first `delta` on an open connection.",
+        "",
+        "| request | TTFT, ms |",
+        "|---|---:|",
+        f"| Gemma, already loaded | {m['gemma_loaded']:,.1f} |",
+        f"| tiny model, already loaded | {m['tiny_loaded']:,.1f} |",
+        f"| Gemma, loaded on demand (room for both) | {m['gemma_on_demand']:,.1f} |",
+        f"| Gemma, after unloading the idle tiny model (room for one: budget "
+        f"{_mib(r['budget_one'])} MiB) | {m['gemma_evicting']:,.1f} |",
+        f"| tiny model, after unloading the idle Gemma (room for one) | {m['tiny_evicting']:,.1f} |",
+        "",
+        "| server RSS | MiB |",
+        "|---|---:|",
+        f"| both loaded | {_mib(m['rss_both'])} |",
+        f"| after Gemma's unload (`keep_alive` 0) | {_mib(m['rss_after_unload'])} |",
+        f"| room for one: Gemma loaded | {_mib(m['rss_gemma'])} |",
+        f"| room for one: the tiny model loaded (Gemma unloaded) | {_mib(m['rss_tiny'])} |",
+    ]
+    return "\n".join(lines)
