@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,25 @@ async def _until(http: aiohttp.ClientSession, base: str, name: str, state: str) 
             await asyncio.sleep(0.05)  # sleep-ok: polling the server's own report
 
 
+async def _unloads(http: aiohttp.ClientSession, base: str, name: str) -> int:
+    """``wsserver_model_unloads`` for ``name``: counted once its memory is freed
+    (``/v1/models`` already says ``unloaded`` while that runs)."""
+    # A connection of its own: /metrics is websockets' route, and a kept-alive
+    # connection that asked /v1 before stays with the OpenAI handler.
+    async with aiohttp.ClientSession() as own, own.get(f"{base}/metrics") as resp:
+        text = await resp.text()
+    match = re.search(
+        rf'^wsserver_model_unloads_total{{model="{re.escape(name)}"}} (\S+)', text, re.M
+    )
+    return int(float(match.group(1))) if match else 0
+
+
+async def _freed(http: aiohttp.ClientSession, base: str, name: str, before: int) -> None:
+    async with asyncio.timeout(120):
+        while await _unloads(http, base, name) <= before:
+            await asyncio.sleep(0.05)  # sleep-ok: polling the server's own report
+
+
 @contextlib.asynccontextmanager
 async def _serving(overrides: dict[str, Any]) -> Any:
     server = await ServerProcess(overrides).start(timeout=600)
@@ -147,8 +167,9 @@ async def run(opts: Options) -> dict[str, Any]:
                 both["gemma_loaded"].append(await _ttft(ws, f"b{r}", "gemma"))
                 both["tiny_loaded"].append(await _ttft(ws, f"c{r}", tiny_name))
                 both["rss_both"].append((await server.stats())["rss_bytes"])
+                unloads = await _unloads(http, base, "gemma")
                 await _ttft(ws, f"d{r}", "gemma", keep_alive=0)
-                await _until(http, base, "gemma", "unloaded")
+                await _freed(http, base, "gemma", unloads)
                 both["rss_after_unload"].append((await server.stats())["rss_bytes"])
         budget = estimates["gemma"] + estimates["tiny"] // 2
         one: dict[str, list[float]] = {
@@ -165,12 +186,12 @@ async def run(opts: Options) -> dict[str, Any]:
         ):
             await _ttft(ws, "warm", tiny_name)
             for r in range(rounds):
+                unloads = await _unloads(http, base, "gemma")
                 one["gemma_evicting"].append(await _ttft(ws, f"e{r}", "gemma"))
                 one["rss_gemma"].append((await server.stats())["rss_bytes"])
-                await _until(http, base, tiny_name, "unloaded")
                 one["tiny_evicting"].append(await _ttft(ws, f"f{r}", tiny_name))
+                await _freed(http, base, "gemma", unloads)
                 one["rss_tiny"].append((await server.stats())["rss_bytes"])
-                await _until(http, base, "gemma", "unloaded")
     return {
         "status": "ok",
         "rounds": rounds,

