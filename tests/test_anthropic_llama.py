@@ -4,7 +4,9 @@ reports), and a streamed message agrees with the whole one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +17,7 @@ from test_anthropic_http import sdk
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.llama import LlamaBackend
-from wsserver.protocol import Message
+from wsserver.protocol import Message, ToolCall
 
 pytestmark = pytest.mark.llama
 
@@ -84,3 +86,90 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         )
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
         assert cut.content == [] or cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+
+
+async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -> None:
+    """tool_use and tool_result blocks, tools and a system prompt become the
+    Hermes-style template's tool calls, tool messages and tool list: counted
+    as the engine counts the same conversation in the core's shape."""
+    from test_anthropic_tools import WEATHER
+    from test_llama_template import HERMES
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C", "is_error": True}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, call]},
+        {"role": "user", "content": [result]},
+    ]
+    async with running_server(config) as server, sdk(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        counted = await client.messages.count_tokens(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": WEATHER["name"],
+                    "description": WEATHER["description"],
+                    "parameters": WEATHER["input_schema"],
+                },
+            }
+        ]
+        oracle = GenerationRequest(
+            id="oracle",
+            prompt=None,
+            messages=(
+                Message("system", "be brief"),
+                Message("user", "Weather in Oslo?"),
+                Message(
+                    "assistant",
+                    "Checking.",
+                    (ToolCall("toolu_1", "get_weather", '{"city":"Oslo"}'),),
+                ),
+                Message("tool", "Error: 4 C", tool_call_id="toolu_1"),
+            ),
+            max_tokens=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=1,
+            seed=None,
+            stop=(),
+            tools=json.dumps(tools),
+        )
+        tokens = backend.tokenize_prompt(oracle)
+        assert tokens is not None and counted.input_tokens == len(tokens)
+        without_tools = await client.messages.count_tokens(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+        )
+        assert without_tools.input_tokens < counted.input_tokens
+        # The tiny model answers (random text: it calls nothing); streamed and whole agree.
+        asked: dict[str, Any] = {
+            "model": "m",
+            "system": "be brief",
+            "messages": messages,
+            "tools": [WEATHER],
+            "max_tokens": 8,
+            "extra_body": {"temperature": 0.0, "top_k": 1},
+        }
+        whole = await client.messages.create(**asked)
+        assert whole.usage.input_tokens == counted.input_tokens
+        async with client.messages.stream(**asked) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        assert final.stop_reason == whole.stop_reason

@@ -4,6 +4,8 @@ dialect works on every engine; ``count_tokens`` is refused there by name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anthropic
 import pytest
 from fake_upstream import PIECES, FakeUpstream
@@ -59,3 +61,36 @@ async def test_count_tokens_is_refused_by_name_on_the_relay() -> None:
                 model="m", messages=[{"role": "user", "content": "u"}]
             )
         assert not up.streams
+
+
+async def test_a_think_block_upstream_is_a_thinking_block_and_tools_are_refused_by_name() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        up.pieces = ["<thi", "nk>Let me ", "see.</th", "ink>\n\n", "Hel", "lo"]
+        kwargs: Any = {"model": "m", "messages": [{"role": "user", "content": "u"}]}
+        whole = await client.messages.create(
+            **kwargs, max_tokens=50, thinking={"type": "enabled", "budget_tokens": 20}
+        )
+        assert [
+            (b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in whole.content
+        ] == [
+            ("thinking", "Let me see."),
+            ("text", "Hello"),
+        ]
+        async with client.messages.stream(**kwargs, max_tokens=50) as stream:
+            kinds = [e.delta.type async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        assert kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
+        assert "signature_delta" in kinds
+        # The relay does not pass an upstream's tool calls on yet: refused, not lost.
+        asked = len(up.streams)
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await client.messages.create(
+                **kwargs,
+                max_tokens=50,
+                tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            )
+        error = info.value.body["error"]  # type: ignore[index]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("'tools'")
+        assert len(up.streams) == asked
