@@ -144,7 +144,11 @@ def test_the_events_come_in_anthropics_order() -> None:
         "message_stop",
     ]
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "##"}
-    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 2}
+    assert events[-2]["usage"] == {
+        "input_tokens": 7,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 2,
+    }
     message = render.message()
     assert message["content"] == [{"type": "text", "text": "Hello"}]
     assert message["stop_reason"] == "stop_sequence"
@@ -334,3 +338,11 @@ def test_thinking_text_and_calls_are_blocks_in_order() -> None:
         {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Oslo"}},
         {"type": "tool_use", "id": "toolu_def", "name": "get_weather", "input": {}},
     ]
+
+
+def test_the_prompts_cached_part_is_counted_apart_as_anthropic_does() -> None:
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    ended = Done("r", "stop", Usage(7, 2, cached_tokens=5), Timings(0, None, 1, 1))
+    events = render.end(ended)
+    usage = {"input_tokens": 2, "cache_read_input_tokens": 5, "output_tokens": 2}
+    assert events[-2]["usage"] == usage == render.message()["usage"]

@@ -22,6 +22,12 @@ from wsserver.protocol import Message, ToolCall
 pytestmark = pytest.mark.llama
 
 
+def prompt_tokens(message: Any) -> int:
+    """The whole prompt of an answer: what the engine read and what it reused."""
+    usage = message.usage
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+
+
 async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> None:
     config = make_config(
         backend__kind="llama",
@@ -59,7 +65,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
             max_tokens=8,
             extra_body=extra,
         )
-        assert whole.usage.input_tokens == counted.input_tokens
+        assert prompt_tokens(whole) == counted.input_tokens
         assert whole.stop_reason in ("max_tokens", "end_turn")
         async with client.messages.stream(
             model="m",
@@ -71,7 +77,11 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
             final = await stream.get_final_message()
         assert [b.text for b in final.content] == [b.text for b in whole.content]  # type: ignore[union-attr]
         assert final.stop_reason == whole.stop_reason
-        assert final.usage.input_tokens == whole.usage.input_tokens
+        assert prompt_tokens(final) == prompt_tokens(whole)
+        # The same prompt again: the engine reused it, and says so as Anthropic does.
+        assert (
+            final.usage.cache_read_input_tokens and final.usage.input_tokens < counted.input_tokens
+        )
         # Greedy, so the same text again: a piece of it as a stop sequence cuts it there.
         text = whole.content[0].text  # type: ignore[union-attr]
         assert len(text) >= 3, text
@@ -168,8 +178,43 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
             "extra_body": {"temperature": 0.0, "top_k": 1},
         }
         whole = await client.messages.create(**asked)
-        assert whole.usage.input_tokens == counted.input_tokens
+        assert prompt_tokens(whole) == counted.input_tokens
         async with client.messages.stream(**asked) as stream:
             final = await stream.get_final_message()
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
         assert final.stop_reason == whole.stop_reason
+
+
+async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_path: Path) -> None:
+    """The template opens ``<think>`` in the generation prompt: with thinking
+    enabled the model's output is reasoning (a ``thinking`` block), with it
+    disabled the same tokens are text — streamed and whole alike."""
+    from test_llama_template import THINKING
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=THINKING)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    asked: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Think first."}],
+        "max_tokens": 8,
+        "extra_body": {"temperature": 0.0, "top_k": 1},
+    }
+    async with running_server(config) as server, sdk(server) as client:
+        enabled = {"type": "enabled", "budget_tokens": 4}
+        whole = await client.messages.create(**asked, thinking=enabled)
+        assert whole.content[0].type == "thinking" and whole.content[0].thinking
+        assert whole.content[0].signature == ""
+        async with client.messages.stream(**asked, thinking=enabled) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        plain = await client.messages.create(**asked, thinking={"type": "disabled"})
+        assert [b.type for b in plain.content] == ["text"]
+        if len(whole.content) == 1:  # all reasoning (the greedy tiny model never closed it)
+            assert plain.content[0].text == whole.content[0].thinking  # type: ignore[union-attr]
+        assert plain.usage.output_tokens == whole.usage.output_tokens

@@ -24,8 +24,11 @@ no block.
 
 ``usage.input_tokens`` is 0 in ``message_start`` (the prompt is counted once
 the engine has read it) and the real count in ``message_delta``'s usage, which
-the SDKs take as the total; ``output_tokens`` counts every generated token,
-the reasoning's too (as Anthropic counts thinking). ``stop_reason`` is
+the SDKs take as the total. As Anthropic counts them, ``input_tokens`` are the
+prompt tokens the engine had to read and ``cache_read_input_tokens`` those it
+reused from its prefix cache (together the prompt, what ``count_tokens``
+says); ``output_tokens`` counts every generated token, the reasoning's too
+(as Anthropic counts thinking). ``stop_reason`` is
 ``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence`` the
 string that matched) or ``tool_use``.
 """
@@ -94,6 +97,7 @@ class MessageRender:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.input_tokens = 0
+        self.cache_read_input_tokens = 0
         self.output_tokens = 0
         self._begun = False
         self._open = False
@@ -176,7 +180,9 @@ class MessageRender:
         """A message that ran to its end: its block closed, its stop reason and usage."""
         self.stop_reason = stop_reason(done)
         self.stop_sequence = done.stop_sequence
-        self.input_tokens = done.usage.prompt_tokens
+        # Anthropic counts the prompt's cached part apart from the rest.
+        self.cache_read_input_tokens = done.usage.cached_tokens
+        self.input_tokens = done.usage.prompt_tokens - done.usage.cached_tokens
         self.output_tokens = done.usage.completion_tokens
         events = self.begin()
         events += self._close()
@@ -184,7 +190,7 @@ class MessageRender:
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+                "usage": self.usage(),
             }
         )
         events.append({"type": "message_stop"})
@@ -218,5 +224,13 @@ class MessageRender:
             "content": self.content() if self.stop_reason is not None else [],
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict[str, int]:
+        """``usage`` as it stands, in Anthropic's terms."""
+        return {
+            "input_tokens": self.input_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "output_tokens": self.output_tokens,
         }
