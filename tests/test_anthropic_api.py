@@ -131,7 +131,9 @@ def done(reason: str, stop: str | None = None) -> Done:
 
 
 def test_the_events_come_in_anthropics_order() -> None:
-    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    render = MessageRender(
+        parse_body(body(stop_sequences=["##"])), message_id="msg_1", model="fake"
+    )
     events = render.begin() + render.begin() + render.delta("He") + render.delta("llo")
     events += render.end(done("stop", "##"))
     assert [e["type"] for e in events] == [
@@ -346,3 +348,10 @@ def test_the_prompts_cached_part_is_counted_apart_as_anthropic_does() -> None:
     events = render.end(ended)
     usage = {"input_tokens": 2, "cache_read_input_tokens": 5, "output_tokens": 2}
     assert events[-2]["usage"] == usage == render.message()["usage"]
+
+
+def test_a_stop_string_the_request_did_not_give_is_the_end_of_the_turn() -> None:
+    # The llama engine's prompt format without a chat template stops at "\nUser:".
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    events = render.end(done("stop", "\nUser:"))
+    assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}

@@ -63,15 +63,18 @@ def sse(event: dict[str, Any]) -> bytes:
 PING: Final = sse({"type": "ping"})
 
 
-def stop_reason(done: Done) -> str:
-    """Why a message that ran to its end stopped, Anthropic's way."""
+def stop_reason(done: Done, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
+    """Why a message that ran to its end stopped, Anthropic's way, and the
+    stop sequence that ended it. Only one of the request's ``stop_sequences``
+    is one: a stop string the engine added itself (a prompt format's end of
+    turn, when the model has no chat template) is the model ending its turn."""
     if done.reason == "length":
-        return "max_tokens"
+        return "max_tokens", None
     if done.reason == "tool_calls":
-        return "tool_use"
-    if done.stop_sequence is not None:
-        return "stop_sequence"
-    return "end_turn"
+        return "tool_use", None
+    if done.stop_sequence is not None and done.stop_sequence in stop_sequences:
+        return "stop_sequence", done.stop_sequence
+    return "end_turn", None
 
 
 _DELTAS: Final = {
@@ -178,8 +181,7 @@ class MessageRender:
 
     def end(self, done: Done) -> list[dict[str, Any]]:
         """A message that ran to its end: its block closed, its stop reason and usage."""
-        self.stop_reason = stop_reason(done)
-        self.stop_sequence = done.stop_sequence
+        self.stop_reason, self.stop_sequence = stop_reason(done, self.request.stop_sequences)
         # Anthropic counts the prompt's cached part apart from the rest.
         self.cache_read_input_tokens = done.usage.cached_tokens
         self.input_tokens = done.usage.prompt_tokens - done.usage.cached_tokens
