@@ -218,3 +218,45 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
         if len(whole.content) == 1:  # all reasoning (the greedy tiny model never closed it)
             assert plain.content[0].text == whole.content[0].thinking  # type: ignore[union-attr]
         assert plain.usage.output_tokens == whole.usage.output_tokens
+
+
+async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) -> None:
+    """``tool_choice`` ``tool`` (and ``any``) on the llama engine: the call is
+    forced by the engine's grammar, so even the random tiny model makes one,
+    its input valid against the tool's schema, streamed as input_json_delta."""
+    import jsonschema
+    from test_anthropic_tools import WEATHER
+    from test_llama_template import HERMES
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    async with running_server(config) as server, sdk(server) as client:
+        for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+            asked: dict[str, Any] = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": [WEATHER],
+                "tool_choice": choice,
+                "max_tokens": 120,
+                "extra_body": {"temperature": 0.0, "top_k": 1},
+            }
+            whole = await client.messages.create(**asked)
+            calls = [b for b in whole.content if b.type == "tool_use"]
+            assert whole.stop_reason == "tool_use" and len(calls) == 1, whole
+            assert calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
+            jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+            async with client.messages.stream(**asked) as stream:
+                fragments = [
+                    e.delta.partial_json  # type: ignore[union-attr]
+                    async for e in stream
+                    if e.type == "content_block_delta" and e.delta.type == "input_json_delta"  # type: ignore[union-attr]
+                ]
+                final = await stream.get_final_message()
+            assert json.loads("".join(fragments)) == calls[0].input
+            assert [b.input for b in final.content if b.type == "tool_use"] == [calls[0].input]
