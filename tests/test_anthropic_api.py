@@ -11,7 +11,16 @@ import pytest
 from wsserver.anthropic_api import error_body, parse_body, parse_json, to_generate
 from wsserver.anthropic_render import MessageRender, sse
 from wsserver.api_errors import ApiError
-from wsserver.protocol import MAX_STOP_STRINGS, Done, Limits, Message, Timings, Usage
+from wsserver.protocol import (
+    MAX_STOP_STRINGS,
+    CallPart,
+    Done,
+    Limits,
+    Message,
+    Timings,
+    ToolCall,
+    Usage,
+)
 
 LIMITS = Limits(max_tokens=100, max_prompt_chars=50)
 
@@ -64,7 +73,10 @@ def test_refusals_name_the_field() -> None:
         (body(max_tokens=None), "max_tokens: field required"),
         (body(max_tokens=0), "max_tokens"),
         (body(messages=[]), "messages"),
-        (body(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]), "'tool_result'"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image"}]}]),
+            "messages.0.content.0.type: images are not supported",
+        ),
         (
             body(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
             "messages.0.content.0.text",
@@ -74,7 +86,12 @@ def test_refusals_name_the_field() -> None:
         (body(top_p=-1), "top_p"),
         (body(top_k=1.5), "top_k"),
         (body(stream="yes"), "stream"),
-        (body(thinking={"type": "enabled", "budget_tokens": 2000}), "thinking: not supported"),
+        (
+            body(thinking={"type": "enabled", "budget_tokens": 2000}),
+            "thinking.budget_tokens: must be less than max_tokens",
+        ),
+        (body(thinking={"type": "enabled"}), "thinking.budget_tokens: must be an integer"),
+        (body(thinking={"type": "adaptive"}), "thinking: must be"),
         (body(container="c"), "container"),
         (body(frequency=1), "frequency: unknown field"),
         (body(max_tokens=101), "max_tokens: 'max_tokens' exceeds the limit of 100"),
@@ -114,7 +131,9 @@ def done(reason: str, stop: str | None = None) -> Done:
 
 
 def test_the_events_come_in_anthropics_order() -> None:
-    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    render = MessageRender(
+        parse_body(body(stop_sequences=["##"])), message_id="msg_1", model="fake"
+    )
     events = render.begin() + render.begin() + render.delta("He") + render.delta("llo")
     events += render.end(done("stop", "##"))
     assert [e["type"] for e in events] == [
@@ -127,7 +146,11 @@ def test_the_events_come_in_anthropics_order() -> None:
         "message_stop",
     ]
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "##"}
-    assert events[-2]["usage"] == {"input_tokens": 7, "output_tokens": 2}
+    assert events[-2]["usage"] == {
+        "input_tokens": 7,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 2,
+    }
     message = render.message()
     assert message["content"] == [{"type": "text", "text": "Hello"}]
     assert message["stop_reason"] == "stop_sequence"
@@ -143,3 +166,192 @@ def test_a_message_without_text_has_no_block() -> None:
     ended.delta("x")
     ended.end(done("stop"))
     assert ended.message()["stop_reason"] == "end_turn"
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+TOOL_TURNS: list[dict[str, Any]] = [
+    {"role": "user", "content": "weather?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": ""},
+            {"type": "text", "text": "Looking."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+            {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C"},
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_2",
+                "content": [{"type": "text", "text": "no data"}],
+                "is_error": True,
+            },
+            {"type": "text", "text": "and?"},
+        ],
+    },
+]
+
+
+def test_tool_use_and_results_become_the_cores_calls_and_tool_messages() -> None:
+    request = parse_body(
+        body(
+            tools=[WEATHER],
+            tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+            messages=TOOL_TURNS,
+            max_tokens=50,
+            thinking={"type": "enabled", "budget_tokens": 20},
+        )
+    )
+    generate = to_generate(request, "r", Limits())
+    assert generate.messages == (
+        Message("user", "weather?"),
+        Message(
+            "assistant",
+            "Looking.",  # the thinking block is left out, as Anthropic leaves it out
+            (
+                ToolCall("toolu_1", "get_weather", '{"city":"Oslo"}'),
+                ToolCall("toolu_2", "get_weather", '{"city":"Rome"}'),
+            ),
+        ),
+        Message("tool", "4 C", tool_call_id="toolu_1"),
+        Message("tool", "Error: no data", tool_call_id="toolu_2"),
+        Message("user", "and?"),
+    )
+    assert generate.tools is not None
+    assert orjson.loads(generate.tools) == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city.",
+                "parameters": WEATHER["input_schema"],
+            },
+        }
+    ]
+    assert generate.tool_choice == "auto" and generate.parallel_tool_calls is False
+    assert generate.reasoning_format == "auto"
+
+
+def test_tool_choice_and_thinking_map_onto_the_cores_fields() -> None:
+    def generate(**fields: Any) -> Any:
+        return to_generate(parse_body(body(**fields)), "r", Limits())
+
+    forced = generate(tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    assert (forced.tool_choice, forced.tool_name) == ("required", "get_weather")
+    assert generate(tools=[WEATHER], tool_choice={"type": "any"}).tool_choice == "required"
+    assert generate(tools=[WEATHER], tool_choice={"type": "none"}).tool_choice == "none"
+    # Without tools, "auto" and "none" change nothing.
+    plain = generate(tool_choice={"type": "none"}, tools=[])
+    assert plain.tools is None and plain.tool_choice is None
+    assert generate(thinking={"type": "disabled"}).reasoning_format == "none"
+    assert generate().reasoning_format is None  # the server's default
+
+
+def test_bad_tools_and_results_are_400s_naming_the_block() -> None:
+    result = {"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}
+    turns = [*TOOL_TURNS[:2], {"role": "user", "content": [result]}]
+    cases: list[tuple[dict[str, Any], str]] = [
+        (body(messages=turns), "messages.2.content.0.tool_use_id: 'toolu_9' answers no tool_use"),
+        (
+            body(messages=[{"role": "user", "content": [{**result, "tool_use_id": "toolu_1"}]}]),
+            "messages.0.content.0.tool_use_id",
+        ),
+        (
+            body(messages=[TOOL_TURNS[0], {**TOOL_TURNS[1], "role": "user"}]),
+            "messages.1.content.0.type: a 'thinking' block does not belong in a user message",
+        ),
+        (
+            body(tools=[{**WEATHER, "input_schema": {"type": "string"}}]),
+            "tools.0.input_schema.type",
+        ),
+        (body(tools=[{**WEATHER, "input_schema": "{}"}]), "tools.0.input_schema: must be"),
+        (
+            body(tools=[{**WEATHER, "input_schema": {"type": "object", "required": "city"}}]),
+            "tools.0.input_schema.required",
+        ),
+        (body(tools=[{"type": "web_search_20250305", "name": "s"}]), "tools.0.type: server tools"),
+        (body(tools=[WEATHER, WEATHER]), "tools.1.name: 'get_weather' is named twice"),
+        (body(tools=[{**WEATHER, "name": "a b"}]), "tools.0.name"),
+        (body(tools=[WEATHER], tool_choice={"type": "tool", "name": "x"}), "tool_choice.name"),
+        (body(tool_choice={"type": "any"}), "tool_choice: 'any' needs tools"),
+        (body(tools=[WEATHER], tool_choice="auto"), "tool_choice: must be"),
+    ]
+    for obj, named in cases:
+        error = refusal(obj)
+        assert error.status == HTTPStatus.BAD_REQUEST
+        assert named in error.message, error.message
+
+
+def test_thinking_text_and_calls_are_blocks_in_order() -> None:
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    events = render.delta("", reasoning="Let me ")
+    events += render.delta("", reasoning="see.")
+    events += render.delta("Sure.")
+    call = CallPart(0, '{"city":', "call_abc", "get_weather")
+    events += render.delta("", tool_calls=(call, CallPart(0, '"Oslo"}')))
+    events += render.delta("", tool_calls=(CallPart(1, "{}", "call_def", "get_weather"),))
+    events += render.end(done("tool_calls"))
+    shape = [
+        (e["type"], e.get("index"), (e.get("delta") or e.get("content_block") or {}).get("type"))
+        for e in events
+    ]
+    assert shape == [
+        ("message_start", None, None),
+        ("content_block_start", 0, "thinking"),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"),
+        ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("content_block_start", 3, "tool_use"),
+        ("content_block_delta", 3, "input_json_delta"),
+        ("content_block_stop", 3, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    assert events[9]["content_block"] == {
+        "type": "tool_use",
+        "id": "toolu_abc",
+        "name": "get_weather",
+        "input": {},
+    }
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert render.message()["content"] == [
+        {"type": "thinking", "thinking": "Let me see.", "signature": ""},
+        {"type": "text", "text": "Sure."},
+        {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Oslo"}},
+        {"type": "tool_use", "id": "toolu_def", "name": "get_weather", "input": {}},
+    ]
+
+
+def test_the_prompts_cached_part_is_counted_apart_as_anthropic_does() -> None:
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    ended = Done("r", "stop", Usage(7, 2, cached_tokens=5), Timings(0, None, 1, 1))
+    events = render.end(ended)
+    usage = {"input_tokens": 2, "cache_read_input_tokens": 5, "output_tokens": 2}
+    assert events[-2]["usage"] == usage == render.message()["usage"]
+
+
+def test_a_stop_string_the_request_did_not_give_is_the_end_of_the_turn() -> None:
+    # The llama engine's prompt format without a chat template stops at "\nUser:".
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    events = render.end(done("stop", "\nUser:"))
+    assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}

@@ -162,11 +162,11 @@ async def test_count_tokens_is_what_the_message_reports() -> None:
             max_tokens=2,  # type: ignore[arg-type]
         )
         assert counted.input_tokens == reply.usage.input_tokens > 0
-        with pytest.raises(anthropic.BadRequestError, match="tools"):
+        with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.input_schema\.type"):
             await client.messages.count_tokens(
                 model="m",
                 messages=messages,  # type: ignore[arg-type]
-                tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                tools=[{"name": "f", "input_schema": {"type": "string"}}],
             )
 
 
@@ -178,9 +178,15 @@ async def test_bad_input_is_a_clear_400_naming_the_field() -> None:
         }
         cases: list[tuple[dict[str, Any], str]] = [
             ({"max_tokens": None}, "max_tokens"),
-            ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
-            ({"tool_choice": {"type": "auto"}}, "tool_choice"),
-            ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+            (
+                {"tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+                "tools.0.input_schema.type: must be 'object'",
+            ),
+            ({"tool_choice": {"type": "any"}}, "tool_choice: 'any' needs tools"),
+            (
+                {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+                "thinking.budget_tokens: must be less than max_tokens",
+            ),
             ({"extra_body": {"temperature": 1.5}}, "temperature"),
             ({"speed": "fast"}, "speed"),
             ({"stop_sequences": [""]}, "stop_sequences"),

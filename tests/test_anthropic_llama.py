@@ -4,7 +4,9 @@ reports), and a streamed message agrees with the whole one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,9 +17,15 @@ from test_anthropic_http import sdk
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.llama import LlamaBackend
-from wsserver.protocol import Message
+from wsserver.protocol import Message, ToolCall
 
 pytestmark = pytest.mark.llama
+
+
+def prompt_tokens(message: Any) -> int:
+    """The whole prompt of an answer: what the engine read and what it reused."""
+    usage = message.usage
+    return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
 
 
 async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> None:
@@ -57,7 +65,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
             max_tokens=8,
             extra_body=extra,
         )
-        assert whole.usage.input_tokens == counted.input_tokens
+        assert prompt_tokens(whole) == counted.input_tokens
         assert whole.stop_reason in ("max_tokens", "end_turn")
         async with client.messages.stream(
             model="m",
@@ -69,7 +77,11 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
             final = await stream.get_final_message()
         assert [b.text for b in final.content] == [b.text for b in whole.content]  # type: ignore[union-attr]
         assert final.stop_reason == whole.stop_reason
-        assert final.usage.input_tokens == whole.usage.input_tokens
+        assert prompt_tokens(final) == prompt_tokens(whole)
+        # The same prompt again: the engine reused it, and says so as Anthropic does.
+        assert (
+            final.usage.cache_read_input_tokens and final.usage.input_tokens < counted.input_tokens
+        )
         # Greedy, so the same text again: a piece of it as a stop sequence cuts it there.
         text = whole.content[0].text  # type: ignore[union-attr]
         assert len(text) >= 3, text
@@ -84,3 +96,167 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         )
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
         assert cut.content == [] or cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
+
+
+async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -> None:
+    """tool_use and tool_result blocks, tools and a system prompt become the
+    Hermes-style template's tool calls, tool messages and tool list: counted
+    as the engine counts the same conversation in the core's shape."""
+    from test_anthropic_tools import WEATHER
+    from test_llama_template import HERMES
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C", "is_error": True}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, call]},
+        {"role": "user", "content": [result]},
+    ]
+    async with running_server(config) as server, sdk(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        counted = await client.messages.count_tokens(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": WEATHER["name"],
+                    "description": WEATHER["description"],
+                    "parameters": WEATHER["input_schema"],
+                },
+            }
+        ]
+        oracle = GenerationRequest(
+            id="oracle",
+            prompt=None,
+            messages=(
+                Message("system", "be brief"),
+                Message("user", "Weather in Oslo?"),
+                Message(
+                    "assistant",
+                    "Checking.",
+                    (ToolCall("toolu_1", "get_weather", '{"city":"Oslo"}'),),
+                ),
+                Message("tool", "Error: 4 C", tool_call_id="toolu_1"),
+            ),
+            max_tokens=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=1,
+            seed=None,
+            stop=(),
+            tools=json.dumps(tools),
+        )
+        tokens = backend.tokenize_prompt(oracle)
+        assert tokens is not None and counted.input_tokens == len(tokens)
+        without_tools = await client.messages.count_tokens(
+            model="m",
+            system="be brief",
+            messages=messages,  # type: ignore[arg-type]
+        )
+        assert without_tools.input_tokens < counted.input_tokens
+        # The tiny model answers (random text: it calls nothing); streamed and whole agree.
+        asked: dict[str, Any] = {
+            "model": "m",
+            "system": "be brief",
+            "messages": messages,
+            "tools": [WEATHER],
+            "max_tokens": 8,
+            "extra_body": {"temperature": 0.0, "top_k": 1},
+        }
+        whole = await client.messages.create(**asked)
+        assert prompt_tokens(whole) == counted.input_tokens
+        async with client.messages.stream(**asked) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        assert final.stop_reason == whole.stop_reason
+
+
+async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_path: Path) -> None:
+    """The template opens ``<think>`` in the generation prompt: with thinking
+    enabled the model's output is reasoning (a ``thinking`` block), with it
+    disabled the same tokens are text — streamed and whole alike."""
+    from test_llama_template import THINKING
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=THINKING)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    asked: dict[str, Any] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Think first."}],
+        "max_tokens": 8,
+        "extra_body": {"temperature": 0.0, "top_k": 1},
+    }
+    async with running_server(config) as server, sdk(server) as client:
+        enabled = {"type": "enabled", "budget_tokens": 4}
+        whole = await client.messages.create(**asked, thinking=enabled)
+        assert whole.content[0].type == "thinking" and whole.content[0].thinking
+        assert whole.content[0].signature == ""
+        async with client.messages.stream(**asked, thinking=enabled) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        plain = await client.messages.create(**asked, thinking={"type": "disabled"})
+        assert [b.type for b in plain.content] == ["text"]
+        if len(whole.content) == 1:  # all reasoning (the greedy tiny model never closed it)
+            assert plain.content[0].text == whole.content[0].thinking  # type: ignore[union-attr]
+        assert plain.usage.output_tokens == whole.usage.output_tokens
+
+
+async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) -> None:
+    """``tool_choice`` ``tool`` (and ``any``) on the llama engine: the call is
+    forced by the engine's grammar, so even the random tiny model makes one,
+    its input valid against the tool's schema, streamed as input_json_delta."""
+    import jsonschema
+    from test_anthropic_tools import WEATHER
+    from test_llama_template import HERMES
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    async with running_server(config) as server, sdk(server) as client:
+        for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
+            asked: dict[str, Any] = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": [WEATHER],
+                "tool_choice": choice,
+                "max_tokens": 120,
+                "extra_body": {"temperature": 0.0, "top_k": 1},
+            }
+            whole = await client.messages.create(**asked)
+            calls = [b for b in whole.content if b.type == "tool_use"]
+            assert whole.stop_reason == "tool_use" and len(calls) == 1, whole
+            assert calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
+            jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+            async with client.messages.stream(**asked) as stream:
+                fragments = [
+                    e.delta.partial_json  # type: ignore[union-attr]
+                    async for e in stream
+                    if e.type == "content_block_delta" and e.delta.type == "input_json_delta"  # type: ignore[union-attr]
+                ]
+                final = await stream.get_final_message()
+            assert json.loads("".join(fragments)) == calls[0].input
+            assert [b.input for b in final.content if b.type == "tool_use"] == [calls[0].input]

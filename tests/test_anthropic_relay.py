@@ -4,6 +4,8 @@ dialect works on every engine; ``count_tokens`` is refused there by name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anthropic
 import pytest
 from fake_upstream import PIECES, FakeUpstream
@@ -59,3 +61,69 @@ async def test_count_tokens_is_refused_by_name_on_the_relay() -> None:
                 model="m", messages=[{"role": "user", "content": "u"}]
             )
         assert not up.streams
+
+
+async def test_a_think_block_upstream_is_a_thinking_block_and_tools_are_refused_by_name() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        up.pieces = ["<thi", "nk>Let me ", "see.</th", "ink>\n\n", "Hel", "lo"]
+        kwargs: Any = {"model": "m", "messages": [{"role": "user", "content": "u"}]}
+        whole = await client.messages.create(
+            **kwargs, max_tokens=50, thinking={"type": "enabled", "budget_tokens": 20}
+        )
+        assert [
+            (b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in whole.content
+        ] == [
+            ("thinking", "Let me see."),
+            ("text", "Hello"),
+        ]
+        async with client.messages.stream(**kwargs, max_tokens=50) as stream:
+            kinds = [e.delta.type async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        assert kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
+        assert "signature_delta" in kinds
+
+
+async def test_an_upstreams_reasoning_and_tool_calls_are_thinking_and_tool_use_blocks() -> None:
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        up.pieces = ["Checking."]
+        up.reasoning = ["The user wants ", "the weather."]
+        up.tool_call_deltas = [
+            [
+                {
+                    "index": 0,
+                    "id": "call_up_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ],
+            [{"index": 0, "function": {"arguments": '{"city": '}}],
+            [{"index": 0, "function": {"arguments": '"Paris"}'}}],
+        ]
+        weather = {
+            "name": "get_weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+        kwargs: Any = {
+            "model": "m",
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [weather],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        }
+        whole = await client.messages.create(**kwargs)
+        thinking, text, call = whole.content
+        assert thinking.type == "thinking" and thinking.thinking == "The user wants the weather."
+        assert text.type == "text" and text.text == "Checking."
+        assert call.type == "tool_use" and call.name == "get_weather"
+        assert call.id == "toolu_up_1" and call.input == {"city": "Paris"}
+        assert whole.stop_reason == "tool_use"
+        body = up.streams[0].body
+        assert body["tools"][0]["function"]["name"] == "get_weather"
+        assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+        async with client.messages.stream(**kwargs) as stream:
+            kinds = [e.delta.type async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        assert "thinking_delta" in kinds and "input_json_delta" in kinds

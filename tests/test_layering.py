@@ -58,6 +58,7 @@ DIALECTS = {
     "anthropic": {
         "wsserver.aio.anthropic_http",
         "wsserver.anthropic_api",
+        "wsserver.anthropic_content",
         "wsserver.anthropic_render",
     },
     "responses": {
@@ -89,6 +90,7 @@ SANS_IO = [
     "wsserver.responses_render",
     "wsserver.responses_store",
     "wsserver.anthropic_api",
+    "wsserver.anthropic_content",
     "wsserver.anthropic_render",
     "wsserver.models",
     "wsserver.backends.gguf_meta",

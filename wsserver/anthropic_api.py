@@ -9,14 +9,14 @@ the same body, ``max_tokens`` optional (:func:`parse_body` with ``counting``).
 
 **Honour or refuse, never ignore.** Every top-level field is honoured
 (:data:`HONOURED`), accepted only with a value that changes nothing we produce
-(:data:`HARMLESS`: no tools, ``tool_choice`` ``none``, ``thinking``
-``disabled``, …), or refused naming it (:data:`REFUSED`); any other is refused
-as unknown. Content blocks are ``text`` (with an optional ``cache_control``,
-which changes nothing: the engines reuse cached prefixes by themselves); every
-other block type — images, documents, tool use and results, thinking — is
-refused naming where it was. A conversation that ends with an assistant turn
-(a "prefill" the answer would continue) is refused too: the engines would
-start a new turn instead of continuing it.
+(:data:`HARMLESS`: ``service_tier`` ``auto``, a ``cache_control``, …), or
+refused naming it (:data:`REFUSED`); any other is refused as unknown. Content
+blocks, ``tools``, ``tool_choice`` and ``thinking`` are mapped onto the core's
+chat by :mod:`wsserver.anthropic_content` (text, tool use and results,
+thinking; images, documents and server tools are refused naming where they
+were). A conversation that ends with an assistant turn (a "prefill" the
+answer would continue) is refused too: the engines would start a new turn
+instead of continuing it.
 
 **Errors.** The dialect raises :class:`~wsserver.api_errors.ApiError` like
 the other HTTP dialects; :func:`error_body` writes it in Anthropic's shape,
@@ -27,12 +27,20 @@ the other HTTP dialects; :func:`error_body` writes it in Anthropic's shape,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Final
 
 import orjson
 
+from .anthropic_content import (
+    bad_request,
+    parse_messages,
+    parse_thinking,
+    parse_tool_choice,
+    parse_tools,
+    text_of,
+)
 from .api_errors import ApiError
 from .errors import ProtocolError
 from .protocol import Generate, Limits, Message, parse_client_frame
@@ -68,14 +76,14 @@ HONOURED: Final = frozenset(
         "stop_sequences",
         "metadata",
         "stream",
+        "tools",
+        "tool_choice",
+        "thinking",
     }
 )
 
 #: Fields accepted only with values that change nothing we produce.
 HARMLESS: Final[dict[str, Any]] = {
-    "tools": lambda v: isinstance(v, list) and not v,
-    "tool_choice": lambda v: isinstance(v, dict) and v.get("type") == "none",
-    "thinking": lambda v: isinstance(v, dict) and v.get("type") == "disabled",
     "service_tier": lambda v: v in ("auto", "standard_only"),
     "speed": lambda v: v == "standard",
     # Prompt caching: the engines reuse cached prefixes by themselves.
@@ -90,9 +98,6 @@ HARMLESS: Final[dict[str, Any]] = {
 
 #: Fields refused with a reason (when not harmless as given).
 REFUSED: Final[dict[str, str]] = {
-    "tools": "tool use is not supported yet",
-    "tool_choice": "tool use is not supported yet; only {'type': 'none'} is accepted",
-    "thinking": "extended thinking is not supported yet; only {'type': 'disabled'} is accepted",
     "service_tier": "only 'auto' or 'standard_only' is accepted",
     "speed": "only 'standard' is accepted",
     "cache_control": "only {'type': 'ephemeral'} is accepted",
@@ -102,9 +107,6 @@ REFUSED: Final[dict[str, str]] = {
     "output_config": "output configuration (effort, structured output) is not supported yet",
     "output_format": "structured output is not supported yet",
 }
-
-_ROLES: Final = frozenset({"user", "assistant"})
-_TEXT_BLOCK_KEYS: Final = frozenset({"type", "text", "cache_control", "citations"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,12 @@ class MessagesRequest:
     stop_sequences: tuple[str, ...] = ()
     user_id: str | None = None
     stream: bool = False
+    #: The core's function tools (:mod:`wsserver.anthropic_content`), or None.
+    tools: list[dict[str, Any]] | None = None
+    #: ``tool_choice`` and ``parallel_tool_calls`` for the ``generate`` frame.
+    tool_fields: dict[str, Any] = field(default_factory=dict)
+    #: From ``thinking``: ``auto`` (enabled), ``none`` (disabled), None (not given).
+    reasoning_format: str | None = None
 
 
 # ---------------------------------------------------------------- errors
@@ -153,10 +161,6 @@ def error_body(error: ApiError) -> tuple[int, bytes]:
     """An :class:`ApiError` as Anthropic answers it: its status and body."""
     status = anthropic_status(error.status, error.code)
     return status, orjson.dumps(error_object(status, error.message))
-
-
-def bad_request(message: str, param: str | None = None, code: str = "bad_request") -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, message, code, param)
 
 
 # ---------------------------------------------------------------- bodies
@@ -191,8 +195,11 @@ def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesReq
     top_k = given.get("top_k")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise bad_request("top_k: must be an integer >= 0", "top_k")
+    tools = parse_tools(given["tools"]) if "tools" in given else None
+    tool_fields = parse_tool_choice(given["tool_choice"], tools) if "tool_choice" in given else {}
+    thinking = given.get("thinking")
     return MessagesRequest(
-        messages=_messages(given["messages"]),
+        messages=parse_messages(given["messages"]),
         max_tokens=max_tokens,
         model=_string(given, "model"),
         system=_system(given.get("system")),
@@ -202,6 +209,9 @@ def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesReq
         stop_sequences=_stop_sequences(given.get("stop_sequences", [])),
         user_id=_metadata(given.get("metadata", {})),
         stream=stream,
+        tools=tools,
+        tool_fields=tool_fields,
+        reasoning_format=None if thinking is None else parse_thinking(thinking, max_tokens),
     )
 
 
@@ -262,70 +272,21 @@ def _system(value: Any) -> str | None:
         return value or None
     if not isinstance(value, list):
         raise bad_request("system: must be a string or a list of text blocks", "system")
-    return _text_of(value, "system") or None
-
-
-def _messages(value: Any) -> tuple[Message, ...]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages: must be a non-empty list", "messages")
-    turns: list[Message] = []
-    for index, item in enumerate(value):
-        where = f"messages.{index}"
-        if not isinstance(item, dict) or not {"role", "content"} <= set(item) or len(item) > 2:
-            raise bad_request(f"{where}: must be an object with 'role' and 'content'", "messages")
-        role = item["role"]
-        if not isinstance(role, str) or role not in _ROLES:
-            raise bad_request(f"{where}.role: must be 'user' or 'assistant'", "messages")
-        content = item["content"]
-        if isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = _text_of(content, f"{where}.content")
-        else:
-            raise bad_request(f"{where}.content: must be a string or a list of blocks", "messages")
-        if turns and turns[-1].role == role:
-            # Anthropic combines consecutive turns of one role into one.
-            turns[-1] = Message(role=role, content=turns[-1].content + "\n\n" + text)
-        else:
-            turns.append(Message(role=role, content=text))
-    if turns[-1].role == "assistant":
-        raise bad_request(
-            f"messages.{len(value) - 1}: a last assistant turn (prefill, continued by the"
-            " answer) is not supported yet; end with a user turn",
-            "messages",
-        )
-    return tuple(turns)
-
-
-def _text_of(blocks: list[Any], where: str) -> str:
-    texts = []
-    for index, block in enumerate(blocks):
-        at = f"{where}.{index}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind != "text":
-            what = "images" if kind == "image" else f"blocks of type {kind!r}"
-            raise bad_request(
-                f"{at}.type: {what} are not supported (only 'text': this server is text-only,"
-                " and tool use and thinking come later)",
-                where.split(".")[0],
-            )
-        text = block.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"{at}.text: must be a string", where.split(".")[0])
-        for key, item in block.items():
-            if key not in _TEXT_BLOCK_KEYS or (key == "citations" and item):
-                raise bad_request(f"{at}.{key}: not supported", where.split(".")[0])
-        texts.append(text)
-    return "".join(texts)
+    return text_of(value, "system", "system") or None
 
 
 def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Generate:
     """The engine's request: the system prompt, then the conversation."""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": request.system})
-    messages.extend({"role": m.role, "content": m.content} for m in request.messages)
+    messages.extend(m.to_openai() for m in request.messages)
     frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
+    if request.tools is not None:
+        frame["tools"] = request.tools
+        frame.update(request.tool_fields)
+    if request.reasoning_format is not None:
+        frame["reasoning_format"] = request.reasoning_format
     if request.max_tokens is not None:
         frame["max_tokens"] = request.max_tokens
     for name in ("temperature", "top_p", "top_k"):

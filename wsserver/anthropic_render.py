@@ -1,22 +1,36 @@
 """One Messages API answer, rendered (sans-I/O).
 
 A :class:`MessageRender` turns what the request driver gives back — the start,
-each ``delta``'s text, the ``done`` — into Anthropic's stream events and into
-the ``message`` object (the whole body without ``stream``). The order of a
-message's events, each sent as SSE with its ``event:`` name::
+each ``delta``'s reasoning, text and tool call parts, the ``done`` — into
+Anthropic's stream events and into the ``message`` object (the whole body
+without ``stream``). The order of a message's events, each sent as SSE with
+its ``event:`` name::
 
     ping ...                                        (while the request waits)
     message_start                                   (once the engine is ours)
-    content_block_start (text), content_block_delta (text_delta) ...   (first text)
-    content_block_stop
+    per content block, in the order the model wrote them, indices 0, 1, …:
+      content_block_start, content_block_delta ..., content_block_stop
     message_delta (stop_reason, stop_sequence, usage), message_stop
     error                                           (instead, when it failed)
 
+The blocks: ``thinking`` (the reasoning, ``thinking_delta``; closed by a
+``signature_delta`` with :data:`SIGNATURE`, the empty string: nothing is
+signed here, and thinking blocks sent back are not checked), ``text``
+(``text_delta``) and ``tool_use`` (started with its ``id`` — the core's call
+id with ``toolu_`` for ``call_`` — ``name`` and ``input`` ``{}``, then the
+arguments' JSON text as ``input_json_delta`` ``partial_json`` fragments; the
+object's ``input`` is that text parsed). A message that produced nothing has
+no block.
+
 ``usage.input_tokens`` is 0 in ``message_start`` (the prompt is counted once
 the engine has read it) and the real count in ``message_delta``'s usage, which
-the SDKs take as the total. A message that produced no text has no content
-block. ``stop_reason`` is ``end_turn``, ``max_tokens`` or ``stop_sequence``
-(with ``stop_sequence`` the string that matched).
+the SDKs take as the total. As Anthropic counts them, ``input_tokens`` are the
+prompt tokens the engine had to read and ``cache_read_input_tokens`` those it
+reused from its prefix cache (together the prompt, what ``count_tokens``
+says); ``output_tokens`` counts every generated token, the reasoning's too
+(as Anthropic counts thinking). ``stop_reason`` is
+``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence`` the
+string that matched) or ``tool_use``.
 """
 
 from __future__ import annotations
@@ -26,9 +40,18 @@ from typing import Any, Final
 import orjson
 
 from .anthropic_api import MessagesRequest, error_object
-from .protocol import Done
+from .protocol import CallPart, Done
 
-__all__ = ["PING", "MessageRender", "sse", "stop_reason"]
+__all__ = ["PING", "SIGNATURE", "MessageRender", "sse", "stop_reason", "tool_use_id"]
+
+#: A thinking block's ``signature``: nothing is signed here.
+SIGNATURE: Final = ""
+
+
+def tool_use_id(call_id: str | None) -> str:
+    """A call's id as Anthropic writes it (``toolu_…``)."""
+    call_id = call_id or ""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -40,13 +63,26 @@ def sse(event: dict[str, Any]) -> bytes:
 PING: Final = sse({"type": "ping"})
 
 
-def stop_reason(done: Done) -> str:
-    """Why a message that ran to its end stopped, Anthropic's way."""
+def stop_reason(done: Done, stop_sequences: tuple[str, ...]) -> tuple[str, str | None]:
+    """Why a message that ran to its end stopped, Anthropic's way, and the
+    stop sequence that ended it. Only one of the request's ``stop_sequences``
+    is one: a stop string the engine added itself (a prompt format's end of
+    turn, when the model has no chat template) is the model ending its turn."""
     if done.reason == "length":
-        return "max_tokens"
-    if done.stop_sequence is not None:
-        return "stop_sequence"
-    return "end_turn"
+        return "max_tokens", None
+    if done.reason == "tool_calls":
+        return "tool_use", None
+    if done.stop_sequence is not None and done.stop_sequence in stop_sequences:
+        return "stop_sequence", done.stop_sequence
+    return "end_turn", None
+
+
+_DELTAS: Final = {
+    "thinking": "thinking_delta",
+    "text": "text_delta",
+    "tool_use": "input_json_delta",
+}
+_FIELDS: Final = {"thinking": "thinking", "text": "text", "tool_use": "partial_json"}
 
 
 class MessageRender:
@@ -56,17 +92,26 @@ class MessageRender:
         self.request = request
         self.id = message_id
         self.model = model
-        self.text_parts: list[str] = []
+        #: The content blocks so far, each with its text (a tool's input as JSON text).
+        self.blocks: list[dict[str, Any]] = []
+        self._parts: list[list[str]] = []
+        #: The block of each call index of the core's parts.
+        self._calls: dict[int, int] = {}
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.input_tokens = 0
+        self.cache_read_input_tokens = 0
         self.output_tokens = 0
         self._begun = False
-        self._block_open = False
+        self._open = False
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return "".join(
+            "".join(parts)
+            for block, parts in zip(self.blocks, self._parts, strict=True)
+            if block["type"] == "text"
+        )
 
     # ------------------------------------------------------------ events
 
@@ -77,42 +122,77 @@ class MessageRender:
         self._begun = True
         return [{"type": "message_start", "message": self.message()}]
 
-    def delta(self, text: str) -> list[dict[str, Any]]:
-        """One text delta (the message and its text block start before the first)."""
+    def delta(
+        self,
+        text: str,
+        reasoning: str | None = None,
+        tool_calls: tuple[CallPart, ...] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One delta: its reasoning, its text, its call parts, each in its block
+        (the message starts before the first, a block when its kind changes)."""
         events = self.begin()
-        if not self._block_open:
-            self._block_open = True
-            events.append(
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                }
+        if reasoning:
+            events += self._add("thinking", reasoning)
+        if text:
+            events += self._add("text", text)
+        for part in tool_calls or ():
+            if part.name is not None:
+                events += self._close()
+                self._calls[part.index] = len(self.blocks)
+                start = {"type": "tool_use", "id": tool_use_id(part.id), "name": part.name}
+                events += self._start({**start, "input": {}})
+            if part.arguments:
+                events += self._add("tool_use", part.arguments, self._calls[part.index])
+        return events
+
+    def _add(self, kind: str, text: str, index: int | None = None) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if index is None and not (self._open and self.blocks[-1]["type"] == kind):
+            events += self._close()
+            events += self._start(
+                {"type": kind, kind: "", "signature": SIGNATURE}
+                if kind == "thinking"
+                else {"type": kind, kind: ""}
             )
-        self.text_parts.append(text)
-        events.append(
-            {
-                "type": "content_block_delta",
-                "index": 0,
-                "delta": {"type": "text_delta", "text": text},
-            }
-        )
+        at = len(self.blocks) - 1 if index is None else index
+        self._parts[at].append(text)
+        delta = {"type": _DELTAS[kind], _FIELDS[kind]: text}
+        events.append({"type": "content_block_delta", "index": at, "delta": delta})
+        return events
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        self.blocks.append(block)
+        self._parts.append([])
+        self._open = True
+        index = len(self.blocks) - 1
+        return [{"type": "content_block_start", "index": index, "content_block": block}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if not self._open:
+            return []
+        self._open = False
+        index = len(self.blocks) - 1
+        events: list[dict[str, Any]] = []
+        if self.blocks[index]["type"] == "thinking":
+            delta = {"type": "signature_delta", "signature": SIGNATURE}
+            events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        events.append({"type": "content_block_stop", "index": index})
         return events
 
     def end(self, done: Done) -> list[dict[str, Any]]:
         """A message that ran to its end: its block closed, its stop reason and usage."""
-        self.stop_reason = stop_reason(done)
-        self.stop_sequence = done.stop_sequence
-        self.input_tokens = done.usage.prompt_tokens
+        self.stop_reason, self.stop_sequence = stop_reason(done, self.request.stop_sequences)
+        # Anthropic counts the prompt's cached part apart from the rest.
+        self.cache_read_input_tokens = done.usage.cached_tokens
+        self.input_tokens = done.usage.prompt_tokens - done.usage.cached_tokens
         self.output_tokens = done.usage.completion_tokens
         events = self.begin()
-        if self._block_open:
-            events.append({"type": "content_block_stop", "index": 0})
+        events += self._close()
         events.append(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+                "usage": self.usage(),
             }
         )
         events.append({"type": "message_stop"})
@@ -125,17 +205,34 @@ class MessageRender:
 
     # ------------------------------------------------------------ the object
 
+    def content(self) -> list[dict[str, Any]]:
+        """The content blocks, whole."""
+        content = []
+        for block, parts in zip(self.blocks, self._parts, strict=True):
+            text = "".join(parts)
+            if block["type"] == "tool_use":
+                content.append({**block, "input": orjson.loads(text) if text else {}})
+            else:
+                content.append({**block, block["type"]: text})
+        return content
+
     def message(self) -> dict[str, Any]:
-        """The ``message`` object as it stands."""
-        ended = self.stop_reason is not None and self._block_open
-        content = [{"type": "text", "text": self.text}] if ended else []
+        """The ``message`` object as it stands (its content once it ended)."""
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model,
-            "content": content,
+            "content": self.content() if self.stop_reason is not None else [],
             "stop_reason": self.stop_reason,
             "stop_sequence": self.stop_sequence,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens},
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict[str, int]:
+        """``usage`` as it stands, in Anthropic's terms."""
+        return {
+            "input_tokens": self.input_tokens,
+            "cache_read_input_tokens": self.cache_read_input_tokens,
+            "output_tokens": self.output_tokens,
         }

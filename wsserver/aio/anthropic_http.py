@@ -39,6 +39,7 @@ from ..anthropic_api import (
     parse_json,
     to_generate,
 )
+from ..anthropic_content import forced_call_refusal
 from ..anthropic_render import PING, MessageRender, sse
 from ..api_errors import ApiError, status_of
 from ..backends.base import GenerationRequest
@@ -105,7 +106,7 @@ class MessageRun:
     async def write(self, frame: ServerFrame) -> None:
         render, answer = self.render, self._answer
         if isinstance(frame, Delta):
-            events = render.delta(frame.text)
+            events = render.delta(frame.text, frame.reasoning, frame.tool_calls)
             if self._stream:
                 answer.head()
                 await answer.write(b"".join(sse(event) for event in events))
@@ -121,7 +122,11 @@ class MessageRun:
         elif isinstance(frame, Done):
             await self._end(frame)
         elif isinstance(frame, Error):
-            await self._fail(status_of(frame.code), frame.code, frame.message)
+            message = frame.message
+            if self.generate.tool_choice == "required" and "'tool_choice'" in message:
+                # The engine cannot force a call: say so the Messages API's way.
+                message = forced_call_refusal(self.render.model).message
+            await self._fail(status_of(frame.code), frame.code, message)
 
     async def _end(self, done: Done) -> None:
         if done.reason == "cancelled":
