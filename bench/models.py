@@ -213,9 +213,10 @@ def _mib(value: float) -> str:
 def summary_line(r: dict[str, Any]) -> str:
     m = r["median"]
     return (
-        f"TTFT Gemma loaded {m['gemma_loaded']:,.0f} ms, on demand {m['gemma_on_demand']:,.0f} ms, "
-        f"evicting the tiny model {m['gemma_evicting']:,.0f} ms; RSS {_mib(m['rss_both'])} MiB "
-        f"with both → {_mib(m['rss_after_unload'])} MiB after unloading Gemma"
+        f"| several models (section 14) | TTFT Gemma loaded {m['gemma_loaded']:,.0f} ms, "
+        f"on demand {m['gemma_on_demand']:,.0f} ms, after unloading the tiny model "
+        f"{m['gemma_evicting']:,.0f} ms; RSS {_mib(m['rss_both'])} MiB with both → "
+        f"{_mib(m['rss_after_unload'])} MiB after unloading Gemma |"
     )
 
 

@@ -133,7 +133,8 @@ def render(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"**One constrained stream in a batch of 8** (`parallel = 8`; seven streams of "
-        f"{b['tokens']} tokens at temperature 0 beside an eighth that keeps its slot busy; "
+        f"{b['tokens']} tokens at temperature 0 beside an eighth that keeps its slot busy with "
+        "answers as long as part 2's schema answers, with the schema or without it; "
         f"{b['rounds']} round(s)):",
         "",
         "| the eighth stream | the seven's aggregate tok/s | eighth's answers "
@@ -199,19 +200,19 @@ def notes(result: dict[str, Any]) -> list[str]:
             )
         elif name.startswith("JSON schema"):
             why = (
-                "Both engines run llama.cpp's grammar sampler on the same schema; wsserver checks "
-                "the sampled token first and filters the whole candidate list only when the "
-                "grammar rejects it. A gap means that filter runs often (compare the tokens per "
-                "answer) or the per-token Python work around it is larger than llama-server's C++."
+                "Both engines run llama.cpp's grammar sampler on the same schema and check the "
+                "sampled token first; when the grammar rejects it, llama-server asks it about "
+                "the whole vocabulary and wsserver only about the tokens that can pass "
+                "(Candidates.constrain). A gap means the Python work per token around it is "
+                "larger than llama-server's C++ (compare the tokens per answer too)."
             )
         elif name.startswith("one constrained"):
             why = (
-                "The constrained sequence is sampled on the engine's thread between two decodes "
-                "(its candidate list loaded from the logits, the sampled token checked against "
-                "the grammar, the whole list filtered when it is rejected), so the other "
-                "sequences of the batch wait for that work at every step. What would close it: "
-                "less work on that path (fewer full-vocabulary passes per token), or doing it "
-                "while the next batch decodes."
+                "The eighth's answers are as long with the schema as without it, so what is left "
+                "is the grammar's own per-token work on the engine's thread between two decodes "
+                "(the candidate list loaded, the sampled token checked, the few candidates that "
+                "can pass filtered when it is rejected). The engine's counters (`seconds`: "
+                "decode against sample) tell whether the gap is in that work or in the decode."
             )
         else:
             why = "A constrained answer ended by the grammar must always validate: this is a bug."
