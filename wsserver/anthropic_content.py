@@ -194,6 +194,10 @@ def _unknown_keys(block: dict[str, Any], allowed: frozenset[str], at: str) -> No
 
 
 def _tool_use(block: dict[str, Any], at: str) -> ToolCall:
+    # What the SDK's own ToolUseBlock echoes when a response's block is sent
+    # back: a direct call (``caller``) and no toolset — nothing else is accepted.
+    if block.get("caller") in (None, {"type": "direct"}) and block.get("toolset_name") is None:
+        block = {k: v for k, v in block.items() if k not in ("caller", "toolset_name")}
     _unknown_keys(block, _TOOL_USE_KEYS, at)
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not 1 <= len(call_id) <= _ID_MAX:
