@@ -357,3 +357,25 @@ async def test_a_template_that_opens_the_think_block_starts_in_reasoning(tmp_pat
         )
         error = await client.recv()
         assert (error["type"], error["code"]) == ("error", "unsupported_option")
+
+
+#: As Qwen 3's template does, an assistant turn's content is searched for a
+#: think block — which fails on ``content: null``, a call-only turn's content.
+SEARCHES_CONTENT = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.role == 'assistant' and '</think>' in m.content %} (thought){% endif %}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_needs_string_content_gets_an_empty_string_for_a_call_only_turn() -> None:
+    template = ChatTemplate(SEARCHES_CONTENT, bos_token="<s>", eos_token="</s>")
+    assert template.string_content
+    messages = frame(messages=CONVERSATION).messages
+    assert messages is not None
+    prompt = template.render(messages)
+    with_empty = [dict(m, content=m["content"] or "") for m in CONVERSATION]
+    assert prompt == reference_prompt(SEARCHES_CONTENT, with_empty)
+    # A template that takes null content keeps getting it.
+    assert not ChatTemplate(HERMES).string_content

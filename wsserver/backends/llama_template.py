@@ -103,6 +103,15 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRefused(str(message))
 
 
+#: The tool and call :meth:`ChatTemplate._needs_string_content` renders.
+_PROBE_TOOL: Final = {
+    "name": "probe",
+    "description": "A probe.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+}
+_PROBE_CALL: Final = {"name": "probe", "arguments": {"a": "b"}}
+
+
 class _TemplateRefused(Exception):
     """``raise_exception(…)`` in a template."""
 
@@ -144,6 +153,38 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        #: The template cannot take an assistant message of calls alone with
+        #: ``content: null`` (Qwen 3's tests ``in content``): it gets ``""``.
+        self.string_content = False
+        self.string_content = self._needs_string_content()
+
+    def _needs_string_content(self) -> bool:
+        """Whether a tool-call turn renders only with ``""`` as its content (as
+        llama.cpp's template capabilities probe it: render both, compare)."""
+        call = {"id": "call_1", "type": "function", "function": _PROBE_CALL}
+        turns: list[dict[str, Any]] = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+        ]
+
+        def renders(content: Any) -> bool:
+            turns[1]["content"] = content
+            try:
+                self._template.render(
+                    messages=turns,
+                    tools=[{"type": "function", "function": _PROBE_TOOL}],
+                    add_generation_prompt=True,
+                    bos_token=self.bos_token,
+                    eos_token=self.eos_token,
+                    raise_exception=_raise_exception,
+                    strftime_now=_strftime_now,
+                )
+            except Exception:  # whatever a template raises: it cannot take it
+                return False
+            return True
+
+        return not renders(None) and renders("")
 
     def render(
         self,
@@ -155,8 +196,13 @@ class ChatTemplate:
     ) -> str:
         """The prompt; :class:`BackendError` (``bad_request``) if the template fails."""
         variables: dict[str, Any] = dict(extra or {})
+        entries = template_messages(messages)
+        if self.string_content:
+            for entry in entries:
+                if entry.get("content") is None:
+                    entry["content"] = ""
         variables.update(
-            messages=template_messages(messages),
+            messages=entries,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
