@@ -632,3 +632,44 @@ async def test_head_on_a_v1_route_gets_headers_only() -> None:
         assert first.endswith(b"\r\n\r\n")  # headers only
         length = int(first.split(b"Content-Length: ")[1].split(b"\r\n")[0])
         assert length == len(second.split(b"\r\n\r\n", 1)[1]) > 0
+
+
+def _get_on_one_connection(port: int, paths: list[str]) -> list[tuple[int, str, bytes, int]]:
+    """GET each path in turn over one kept-alive HTTP/1.1 connection:
+    (status, content type, body, the socket's file number) each."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout(10))
+    out = []
+    try:
+        for path in paths:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            body = response.read()
+            assert conn.sock is not None
+            out.append(
+                (response.status, response.getheader("Content-Type", ""), body, conn.sock.fileno())
+            )
+    finally:
+        conn.close()
+    return out
+
+
+async def test_a_connection_kept_alive_by_v1_still_gets_the_plain_routes() -> None:
+    # After a /v1 answer the OpenAI handler keeps the connection; the probes,
+    # /metrics and the page asked on it next are answered as on a new one.
+    async with running_server() as server:
+        answers = await asyncio.to_thread(
+            _get_on_one_connection,
+            server.port,
+            ["/v1/models", "/metrics", "/healthz", "/readyz", "/", "/v1/models", "/nope"],
+        )
+    models, metrics, health, ready, page, again, missing = answers
+    assert len({a[3] for a in answers}) == 1  # one connection throughout
+    assert models[0] == 200 and json.loads(models[2])["object"] == "list"
+    assert metrics[0] == 200 and b"wsserver_requests_total" in metrics[2]
+    assert metrics[1].startswith("text/plain")
+    assert (health[0], health[2]) == (200, b"ok\n") and (ready[0], ready[2]) == (200, b"ready\n")
+    assert page[0] == 200 and page[1].startswith("text/html") and b"<html" in page[2].lower()
+    assert again[0] == 200
+    assert missing[0] == 404

@@ -139,6 +139,26 @@ def _respond(http: HttpContext, connection: ServerConnection, request: Request) 
         return response
     if upgrade:
         return None
+    return plain_response(http, request)
+
+
+def plain_answer(
+    http: HttpContext, target: str, headers: list[tuple[str, str]]
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """:func:`plain_response` for a request read elsewhere (status, headers,
+    body), without websockets' own ``Connection`` header."""
+    response = plain_response(http, Request(target, Headers(headers)))
+    kept = [(k, v) for k, v in response.headers.raw_items() if k.lower() != "connection"]
+    return response.status_code, kept, bytes(response.body)
+
+
+def plain_response(http: HttpContext, request: Request) -> Response:
+    """A vetted ``GET``/``HEAD`` of a plain route: the probes, ``/metrics``,
+    the page. Also what an HTTP connection kept alive by the OpenAI handler
+    answers for these paths (:mod:`wsserver.aio.openai_http`)."""
+    path = request.path.split("?", 1)[0]
+    if path == "/healthz":
+        return text_response(HTTPStatus.OK, "ok\n")
     if path == "/metrics":
         return text_response(HTTPStatus.OK, http.metrics.render(), METRICS_CONTENT_TYPE)
     if path == "/readyz":

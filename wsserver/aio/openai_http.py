@@ -77,6 +77,10 @@ MAX_ECHO: Final = 100
 _COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
+#: A plain route's answer for a kept-alive connection (see :attr:`HttpApi.plain`).
+PlainRoute = Callable[[str, Headers], tuple[int, Headers, bytes]]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class HttpApi:
     """What every HTTP connection uses; built once by the server."""
@@ -94,6 +98,10 @@ class HttpApi:
     #: How the routes whose errors are not OpenAI's object write a refusal,
     #: by the same prefixes (Anthropic's Messages API).
     error_bodies: dict[str, ErrorBody] = field(default_factory=dict)
+    #: The plain ``GET`` routes outside ``/v1`` (probes, ``/metrics``, the
+    #: page), for a connection kept alive here that asks for one next:
+    #: ``(path with query, headers) → (status, headers, body)``.
+    plain: PlainRoute | None = None
 
 
 class HttpConnection(asyncio.Protocol):
@@ -419,6 +427,15 @@ class HttpConnection(asyncio.Protocol):
             raise ApiError(
                 HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist", "model_not_found"
             )
+        elif self._http_api.plain is not None and not path.startswith("/v1"):
+            # A keep-alive connection that asked /v1 before stays here: the
+            # routes websockets answers on a new connection are answered here too.
+            if method not in ("GET", "HEAD"):
+                raise _not_allowed(method, "GET, HEAD")
+            target = request.target.decode("ascii", "replace")
+            given = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
+            status, answer_headers, answer = self._http_api.plain(target, given)
+            self._simple(status, answer, [*answer_headers, *extra], content_type=None)
         else:
             raise ApiError(
                 HTTPStatus.NOT_FOUND, f"no route {_clip(method)} {_clip(path)}", "not_found"
@@ -472,13 +489,21 @@ class HttpConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------ helpers
 
-    def _simple(self, status: int, body: bytes, headers: Headers | None = None) -> None:
-        """A whole response (only while one may start)."""
+    def _simple(
+        self,
+        status: int,
+        body: bytes,
+        headers: Headers | None = None,
+        *,
+        content_type: str | None = "application/json",
+    ) -> None:
+        """A whole response (only while one may start); ``content_type`` None:
+        the headers carry their own."""
         if self._lost or self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         all_headers = [("Content-Length", str(len(body))), *(headers or [])]
-        if body:
-            all_headers.insert(0, ("Content-Type", "application/json"))
+        if body and content_type is not None:
+            all_headers.insert(0, ("Content-Type", content_type))
         self.start(status, all_headers)
         request = self._request
         if request is None or request.method != b"HEAD":

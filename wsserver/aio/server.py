@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -38,7 +39,7 @@ from .anthropic_http import PREFIX as MESSAGES_PREFIX
 from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
-from .http import HttpContext, process_request
+from .http import HttpContext, plain_answer, process_request
 from .metrics import Metrics, ModelCollector, Snapshot
 from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
@@ -204,6 +205,7 @@ class Server:
                 MESSAGES_PREFIX: MessagesRoute(self._services),
             },
             error_bodies={MESSAGES_PREFIX: anthropic_error_body},
+            plain=functools.partial(plain_answer, self.http),
         )
 
     @property
