@@ -35,6 +35,7 @@ The default model is loaded when the server starts, with every model marked
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401 - see below
 import contextlib
 import dataclasses
 import logging
@@ -47,6 +48,10 @@ from ..errors import ProtocolError
 from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate
 from .scheduler import Scheduler
+
+# asyncio.to_thread's executor imports concurrent.futures.thread on first use;
+# imported here, a load that starts while a connection flood holds every file
+# descriptor does not fail on opening that module (tests/test_hardening.py).
 
 __all__ = ["Model", "ModelPool", "ModelStats", "machine_budget"]
 
