@@ -176,38 +176,23 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
                 results[name] = await module.run(opts)
             except Exception as exc:
                 results[name] = _failed(exc)
-    if "batched" in sections:
-        opts.log("section batched: the batched llama engine vs llama.cpp's tools")
+    # The llama sections, each of which may skip itself (Skip: a missing tool or model).
+    llama_sections = (
+        ("batched", batched, "the batched llama engine vs llama.cpp's tools"),
+        ("structured", structured, "the sampler chain and JSON schemas (issue 22)"),
+        ("responses", responses, "five turns four ways, and the Responses wire's overhead"),
+        ("models", models, "TTFT loaded, on demand, after an eviction; memory (issue 23)"),
+    )
+    for name, module, what in llama_sections:
+        if name not in sections:
+            continue
+        opts.log(f"section {name}: {what}")
         try:
-            results["batched"] = await batched.run(opts)
+            results[name] = await module.run(opts)
         except Skip as exc:
-            results["batched"] = {"status": "skipped", "reason": str(exc)}
+            results[name] = {"status": "skipped", "reason": str(exc)}
         except Exception as exc:
-            results["batched"] = _failed(exc)
-    if "structured" in sections:
-        opts.log("section structured: the sampler chain and JSON schemas (issue 22)")
-        try:
-            results["structured"] = await structured.run(opts)
-        except Skip as exc:
-            results["structured"] = {"status": "skipped", "reason": str(exc)}
-        except Exception as exc:
-            results["structured"] = _failed(exc)
-    if "responses" in sections:
-        opts.log("section responses: five turns four ways, and the Responses wire's overhead")
-        try:
-            results["responses"] = await responses.run(opts)
-        except Skip as exc:
-            results["responses"] = {"status": "skipped", "reason": str(exc)}
-        except Exception as exc:
-            results["responses"] = _failed(exc)
-    if "models" in sections:
-        opts.log("section models: TTFT loaded, on demand, after an eviction; memory (issue 23)")
-        try:
-            results["models"] = await models.run(opts)
-        except Skip as exc:
-            results["models"] = {"status": "skipped", "reason": str(exc)}
-        except Exception as exc:
-            results["models"] = _failed(exc)
+            results[name] = _failed(exc)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")

@@ -103,8 +103,7 @@ async def _until(http: aiohttp.ClientSession, base: str, name: str, state: str) 
 async def _unloads(http: aiohttp.ClientSession, base: str, name: str) -> int:
     """``wsserver_model_unloads`` for ``name``: counted once its memory is freed
     (``/v1/models`` already says ``unloaded`` while that runs)."""
-    # A connection of its own, as a scraper's.
-    async with aiohttp.ClientSession() as own, own.get(f"{base}/metrics") as resp:
+    async with http.get(f"{base}/metrics") as resp:
         text = await resp.text()
     match = re.search(
         rf'^wsserver_model_unloads_total{{model="{re.escape(name)}"}} (\S+)', text, re.M
