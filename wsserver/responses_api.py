@@ -350,8 +350,12 @@ def to_generate(
 
 def refusal_wording(message: str) -> str:
     """An engine's refusal (``bad_request``, ``unsupported_option``) in the
-    Responses API's names: ``'json_schema'`` is ``text.format`` here."""
-    return message.replace("'json_schema'", "'text.format' (its schema)")
+    Responses API's names (:data:`_PARAMS`): ``'json_schema'`` is
+    ``'text.format'`` here."""
+    for ours, theirs in _PARAMS.items():
+        if ours != theirs:
+            message = message.replace(f"'{ours}'", f"'{theirs}'")
+    return message
 
 
 #: The protocol's field names in its messages → the Responses API's names.
