@@ -90,6 +90,7 @@ def model_entry(model: ModelInfo) -> dict[str, Any]:
         "n_ctx": model.n_ctx,
         "parallel": model.parallel,
         "max_waiting": model.max_waiting,
+        "aliases": list(model.aliases),
     }
 
 
