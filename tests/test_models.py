@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -587,6 +587,69 @@ async def test_a_requests_keep_alive_zero_unloads_its_model_once_idle(
         await client.send({"type": "generate", "id": "bad", "keep_alive": -2, **GREEDY})
         frame = await client.recv()
         assert frame["code"] == "bad_request" and "'keep_alive'" in frame["message"]
+
+
+async def test_keep_alive_zero_on_each_http_api_unloads_its_model_once_answered(
+    ggufs: dict[str, Path],
+) -> None:
+    """Ollama's per-request keep_alive, as an extension of every HTTP dialect:
+    0 unloads the model as soon as the request is done; a bad value is a 400
+    naming the field."""
+    import anthropic
+    import openai
+
+    async with serving(two_models(ggufs)) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        client = openai.AsyncOpenAI(
+            base_url=base + "/v1", api_key="unused", max_retries=0, timeout=timeout(60)
+        )
+        claude = anthropic.AsyncAnthropic(
+            base_url=base, api_key="unused", max_retries=0, timeout=timeout(60)
+        )
+        chat: Any = [{"role": "user", "content": "Hi"}]
+
+        async def beta_state() -> str:
+            listed = await client.models.list()
+            return {m.id: m.model_extra["state"] for m in listed.data}["beta"]  # type: ignore[index]
+
+        asks: dict[str, Callable[[Any], Awaitable[Any]]] = {
+            "chat": lambda keep: client.chat.completions.create(
+                model="beta", messages=chat, max_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "completions": lambda keep: client.completions.create(
+                model="beta", prompt="Hi", max_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "responses": lambda keep: client.responses.create(
+                model="beta", input="Hi", max_output_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "messages": lambda keep: claude.messages.create(
+                model="beta", max_tokens=4, messages=chat, extra_body={"keep_alive": keep}
+            ),
+        }
+        try:
+            for api, ask in asks.items():
+                loads = server.models.models["beta"].loads
+                answer = await ask(0)
+                assert answer.model == "beta", api
+                assert server.models.models["beta"].loads == loads + 1, api
+                async with asyncio.timeout(timeout(10)):
+                    await server.models.wait_state("beta", "unloaded")
+                assert await beta_state() == "unloaded", api
+            # -1: kept (until its memory is needed), and the next request finds it loaded.
+            await asks["chat"](-1)
+            assert await beta_state() == "loaded"
+            for api, ask in asks.items():
+                for bad in (-2, "5m", True):
+                    error: type[Exception] = (
+                        anthropic.BadRequestError if api == "messages" else openai.BadRequestError
+                    )
+                    with pytest.raises(error) as caught:
+                        await ask(bad)
+                    assert "keep_alive" in str(caught.value), (api, bad, caught.value)
+            assert await beta_state() == "loaded"
+        finally:
+            await client.close()
+            await claude.close()
 
 
 async def test_the_python_clients_and_the_cli_chat_choose_the_model(
