@@ -65,7 +65,7 @@ async def _http_round(url: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as http:
         for key, tokens in (("http_ttft_ms", 8), ("http_tokens_per_s", 2000)):
             body = {
-                "model": "any",
+                "model": "fake",  # the fake backend's model
                 "prompt": "ab",
                 "max_tokens": tokens,
                 "stream": True,

@@ -220,8 +220,8 @@ async def _conversation(server: ServerProcess, way: str, tag: str, tokens: int) 
             for number, question in enumerate(QUESTIONS):
                 asked = first if number == 0 else question
                 history.append({"role": "user", "content": asked})
+                # No model: the server's default one.
                 body: dict[str, Any] = {
-                    "model": "m",
                     "max_output_tokens": tokens,
                     "temperature": 0,
                 }
@@ -296,7 +296,7 @@ async def overhead(opts: Options) -> dict[str, Any]:
         name="wsserver-fake-responses",
     ).start(timeout=120)
     runs: dict[str, list[dict[str, Any]]] = {wire: [] for wire in WIRES}
-    body = {"model": "m", "input": "p", "max_output_tokens": tokens}
+    body = {"model": "fake", "input": "p", "max_output_tokens": tokens}
     messages = [{"role": "user", "content": "p"}]
     try:
         async with aiohttp.ClientSession() as http:

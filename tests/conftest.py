@@ -26,6 +26,13 @@ from wsserver.config import Config, load_config
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))
 
+#: The names the tests' servers serve their model under (a request that names
+#: another is refused with ``model_not_found``): the fake backend's, the tiny
+#: GGUF's (its file's stem, :func:`tiny_gguf`) and the default model's.
+FAKE_MODEL = "fake"
+TINY_MODEL = "tiny"
+DEFAULT_MODEL = "gemma-3-270m-q4_k_m"
+
 
 def timeout(units: float = 10.0) -> float:
     """A generous timeout, in scaled units."""

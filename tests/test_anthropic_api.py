@@ -355,3 +355,13 @@ def test_a_stop_string_the_request_did_not_give_is_the_end_of_the_turn() -> None
     render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
     events = render.end(done("stop", "\nUser:"))
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def test_keep_alive_reaches_the_generate_and_a_bad_one_is_named() -> None:
+    assert to_generate(parse_body(body(keep_alive=0)), "r", LIMITS).keep_alive == 0.0
+    assert to_generate(parse_body(body(keep_alive=-1)), "r", LIMITS).keep_alive == -1.0
+    assert to_generate(parse_body(body()), "r", LIMITS).keep_alive is None
+    for bad in (-2, "5m", True):
+        error = refusal(body(keep_alive=bad))
+        assert error.status == HTTPStatus.BAD_REQUEST and error.param == "keep_alive"
+        assert error.message.startswith("keep_alive: "), error.message

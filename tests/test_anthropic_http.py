@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import anthropic
 import pytest
-from conftest import running_server, timeout, wire
+from conftest import FAKE_MODEL, running_server, timeout, wire
 
 from wsserver.aio import Server
 
@@ -61,7 +61,7 @@ async def test_create_whole_and_streamed_give_the_websocket_text() -> None:
         )
         system = [{"type": "text", "text": "be "}, {"type": "text", "text": "kind"}]
         whole = await client.messages.create(
-            model="m",
+            model=FAKE_MODEL,
             system=system,  # type: ignore[arg-type]
             messages=[{"role": "user", "content": [{"type": "text", "text": "tell me"}]}],
             max_tokens=20,
@@ -76,7 +76,7 @@ async def test_create_whole_and_streamed_give_the_websocket_text() -> None:
         assert whole.stop_reason == "max_tokens" and whole.stop_sequence is None
         assert whole.usage.output_tokens == 20 and whole.usage.input_tokens > 0
         async with client.messages.stream(
-            model="m",
+            model=FAKE_MODEL,
             system="be kind",
             messages=USER,
             max_tokens=20,  # type: ignore[arg-type]
@@ -100,7 +100,7 @@ async def test_create_whole_and_streamed_give_the_websocket_text() -> None:
 async def test_raw_sse_has_anthropics_event_names_in_order() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server:
         url = f"http://127.0.0.1:{server.port}/v1/messages"
-        body = {"model": "m", "messages": USER, "max_tokens": 3, "stream": True}
+        body = {"model": FAKE_MODEL, "messages": USER, "max_tokens": 3, "stream": True}
         async with aiohttp.ClientSession() as session:
             async with session.post(
                 url, json=body, headers={"anthropic-version": "2023-06-01"}
@@ -127,7 +127,7 @@ async def test_a_stop_sequence_ends_the_message_and_is_named(tmp_path: Path) -> 
         sdk(server) as client,
     ):
         whole = await client.messages.create(
-            model="m",
+            model=FAKE_MODEL,
             messages=USER,
             max_tokens=50,
             stop_sequences=["zz", ". t"],  # type: ignore[arg-type]
@@ -135,14 +135,14 @@ async def test_a_stop_sequence_ends_the_message_and_is_named(tmp_path: Path) -> 
         assert whole.content[0].text == "one two"  # type: ignore[union-attr]
         assert whole.stop_reason == "stop_sequence" and whole.stop_sequence == ". t"
         async with client.messages.stream(
-            model="m",
+            model=FAKE_MODEL,
             messages=USER,
             max_tokens=50,
             stop_sequences=[". t"],  # type: ignore[arg-type]
         ) as stream:
             final = await stream.get_final_message()
         assert final.stop_reason == "stop_sequence" and final.stop_sequence == ". t"
-        ended = await client.messages.create(model="m", messages=USER, max_tokens=50)  # type: ignore[arg-type]
+        ended = await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=50)  # type: ignore[arg-type]
         assert ended.stop_reason == "end_turn" and ended.stop_sequence is None
         assert ended.content[0].text == "one two. three four. five"  # type: ignore[union-attr]
 
@@ -151,12 +151,12 @@ async def test_count_tokens_is_what_the_message_reports() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
         messages = [{"role": "user", "content": "count these words for me please"}]
         counted = await client.messages.count_tokens(
-            model="m",
+            model=FAKE_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
         )
         reply = await client.messages.create(
-            model="m",
+            model=FAKE_MODEL,
             system="be brief",
             messages=messages,
             max_tokens=2,  # type: ignore[arg-type]
@@ -164,7 +164,7 @@ async def test_count_tokens_is_what_the_message_reports() -> None:
         assert counted.input_tokens == reply.usage.input_tokens > 0
         with pytest.raises(anthropic.BadRequestError, match=r"tools\.0\.input_schema\.type"):
             await client.messages.count_tokens(
-                model="m",
+                model=FAKE_MODEL,
                 messages=messages,  # type: ignore[arg-type]
                 tools=[{"name": "f", "input_schema": {"type": "string"}}],
             )
@@ -208,7 +208,12 @@ async def test_bad_input_is_a_clear_400_naming_the_field() -> None:
             ({"extra_body": {"nonsense": 1}}, "nonsense"),
         ]
         for extra, named in cases:
-            kwargs: dict[str, Any] = {"model": "m", "messages": USER, "max_tokens": 3, **extra}
+            kwargs: dict[str, Any] = {
+                "model": FAKE_MODEL,
+                "messages": USER,
+                "max_tokens": 3,
+                **extra,
+            }
             if kwargs["max_tokens"] is None:
                 del kwargs["max_tokens"]
                 status, body = await post(server, "/v1/messages", kwargs)
@@ -221,7 +226,7 @@ async def test_bad_input_is_a_clear_400_naming_the_field() -> None:
             assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
         # Harmless values are accepted: no tools, tool_choice none, thinking disabled.
         ok = await client.messages.create(
-            model="m",
+            model=FAKE_MODEL,
             messages=USER,  # type: ignore[arg-type]
             max_tokens=3,
             tools=[],
@@ -235,17 +240,17 @@ async def test_a_wrong_key_is_401_in_anthropics_shape_and_x_api_key_works() -> N
     async with running_server(security__auth_token="s3cret") as server:
         async with sdk(server, api_key="wrong") as client:
             with pytest.raises(anthropic.AuthenticationError) as info:
-                await client.messages.create(model="m", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+                await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
         assert info.value.status_code == 401
         assert info.value.body == {
             "type": "error",
             "error": {"type": "authentication_error", "message": "missing or wrong token"},
         }
         async with sdk(server, api_key="s3cret") as client:  # sent as x-api-key
-            reply = await client.messages.create(model="m", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+            reply = await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
             assert reply.stop_reason == "max_tokens"
         async with sdk(server, api_key=None, auth_token="s3cret") as client:  # as a Bearer
-            reply = await client.messages.create(model="m", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+            reply = await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
             assert reply.stop_reason == "max_tokens"
         status, body = await post(server, "/v1/messages/nowhere", {}, **{"x-api-key": "s3cret"})
         assert status == 404 and body["error"]["type"] == "not_found_error"
@@ -260,12 +265,14 @@ async def test_a_full_queue_is_529_overloaded() -> None:
         ) as server,
         sdk(server) as client,
     ):
-        async with client.messages.stream(model="m", messages=USER, max_tokens=100_000) as first:  # type: ignore[arg-type]
+        async with client.messages.stream(
+            model=FAKE_MODEL, messages=USER, max_tokens=100_000
+        ) as first:  # type: ignore[arg-type]
             async for event in first:
                 if event.type == "content_block_delta":
                     break
             with pytest.raises(anthropic.APIStatusError) as info:
-                await client.messages.create(model="m", messages=USER, max_tokens=5)  # type: ignore[arg-type]
+                await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=5)  # type: ignore[arg-type]
         assert info.value.status_code == 529
         assert info.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
         assert info.value.response.headers["retry-after"] == "1"
@@ -282,14 +289,16 @@ async def test_disconnect_mid_prompt_frees_the_model() -> None:
         ) as server,
         sdk(server) as client,
     ):
-        async with client.messages.stream(model="m", messages=long_prompt, max_tokens=10) as stream:  # type: ignore[arg-type]
+        async with client.messages.stream(
+            model=FAKE_MODEL, messages=long_prompt, max_tokens=10
+        ) as stream:  # type: ignore[arg-type]
             async for event in stream:
                 assert event.type == "message_start"  # the engine is ours, the prompt ahead
                 break
         backend: Any = server.backend
         backend.prefill_ms_per_token = 0.0  # the next request's own prompt is instant
         reply = await asyncio.wait_for(
-            client.messages.create(model="m", messages=USER, max_tokens=3),  # type: ignore[arg-type]
+            client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=3),  # type: ignore[arg-type]
             timeout(30),
         )
         assert reply.stop_reason == "max_tokens"
@@ -302,12 +311,14 @@ async def test_a_queued_stream_gets_pings_then_its_message() -> None:
         running_server(backend__fake__tokens_per_s=20.0, backend__fake__parallel=1) as server,
         sdk(server) as client,
     ):
-        async with client.messages.stream(model="m", messages=USER, max_tokens=100_000) as first:  # type: ignore[arg-type]
+        async with client.messages.stream(
+            model=FAKE_MODEL, messages=USER, max_tokens=100_000
+        ) as first:  # type: ignore[arg-type]
             async for event in first:
                 if event.type == "content_block_delta":
                     break
             url = f"http://127.0.0.1:{server.port}/v1/messages"
-            body = {"model": "m", "messages": USER, "max_tokens": 3, "stream": True}
+            body = {"model": FAKE_MODEL, "messages": USER, "max_tokens": 3, "stream": True}
             async with aiohttp.ClientSession() as session, session.post(url, json=body) as second:
                 assert second.status == 200
                 assert await second.content.readline() == b"event: ping\n"
@@ -337,7 +348,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_its_close_is_a
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
         reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
         body = json.dumps(
-            {"model": "m", "messages": USER, "max_tokens": max_tokens, "stream": True}
+            {"model": FAKE_MODEL, "messages": USER, "max_tokens": max_tokens, "stream": True}
         ).encode()
         writer.write(
             b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -358,5 +369,5 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_its_close_is_a
         await asyncio.wait_for(generation.task, timeout(10))
         assert requests_ended(server, "cancelled") == 1
         async with sdk(server) as client:
-            reply = await client.messages.create(model="m", messages=USER, max_tokens=2)  # type: ignore[arg-type]
+            reply = await client.messages.create(model=FAKE_MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
         assert reply.stop_reason == "max_tokens"

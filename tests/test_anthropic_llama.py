@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from conftest import make_config, running_server
+from conftest import TINY_MODEL, make_config, running_server
 from test_anthropic_http import sdk
 
 from wsserver.backends.base import GenerationRequest
@@ -40,7 +40,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         counted = await client.messages.count_tokens(
-            model="m",
+            model=TINY_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
         )
@@ -59,7 +59,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         assert tokens is not None and counted.input_tokens == len(tokens)
         extra = {"temperature": 0.0, "top_k": 1}
         whole = await client.messages.create(
-            model="m",
+            model=TINY_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
             max_tokens=8,
@@ -68,7 +68,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         assert prompt_tokens(whole) == counted.input_tokens
         assert whole.stop_reason in ("max_tokens", "end_turn")
         async with client.messages.stream(
-            model="m",
+            model=TINY_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
             max_tokens=8,
@@ -87,7 +87,7 @@ async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> 
         assert len(text) >= 3, text
         stop = text[1:3]
         cut = await client.messages.create(
-            model="m",
+            model=TINY_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
             max_tokens=8,
@@ -106,7 +106,7 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
     from test_llama_template import HERMES
     from tiny_gguf import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
     config = make_config(
         backend__kind="llama",
         backend__llama__model=str(path),
@@ -124,7 +124,7 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         counted = await client.messages.count_tokens(
-            model="m",
+            model="hermes",
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
             tools=[WEATHER],  # type: ignore[list-item]
@@ -163,14 +163,14 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
         tokens = backend.tokenize_prompt(oracle)
         assert tokens is not None and counted.input_tokens == len(tokens)
         without_tools = await client.messages.count_tokens(
-            model="m",
+            model="hermes",
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
         )
         assert without_tools.input_tokens < counted.input_tokens
         # The tiny model answers (random text: it calls nothing); streamed and whole agree.
         asked: dict[str, Any] = {
-            "model": "m",
+            "model": "hermes",
             "system": "be brief",
             "messages": messages,
             "tools": [WEATHER],
@@ -192,7 +192,7 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
     from test_llama_template import THINKING
     from tiny_gguf import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=THINKING)
+    path = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
     config = make_config(
         backend__kind="llama",
         backend__llama__model=str(path),
@@ -200,7 +200,7 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
         backend__llama__parallel=1,
     )
     asked: dict[str, Any] = {
-        "model": "m",
+        "model": "thinking",
         "messages": [{"role": "user", "content": "Think first."}],
         "max_tokens": 8,
         "extra_body": {"temperature": 0.0, "top_k": 1},
@@ -229,7 +229,7 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
     from test_llama_template import HERMES
     from tiny_gguf import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
     config = make_config(
         backend__kind="llama",
         backend__llama__model=str(path),
@@ -239,7 +239,7 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
     async with running_server(config) as server, sdk(server) as client:
         for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
             asked: dict[str, Any] = {
-                "model": "m",
+                "model": "hermes",
                 "messages": [{"role": "user", "content": "Weather in Oslo?"}],
                 "tools": [WEATHER],
                 "tool_choice": choice,

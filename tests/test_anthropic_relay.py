@@ -18,7 +18,7 @@ TEXT = "".join(PIECES)
 async def test_a_message_goes_upstream_as_a_chat_and_comes_back_whole_and_streamed() -> None:
     async with FakeUpstream() as up, relay(up.url, model="m1") as server, sdk(server) as client:
         whole = await client.messages.create(
-            model="any",
+            model="m1",
             system="be kind",
             messages=[{"role": "user", "content": "u"}],
             max_tokens=50,
@@ -34,7 +34,7 @@ async def test_a_message_goes_upstream_as_a_chat_and_comes_back_whole_and_stream
         ]
         assert stream_request.body["max_tokens"] == 50 and stream_request.body["stop"] == ["zz"]
         async with client.messages.stream(
-            model="any", messages=[{"role": "user", "content": "u"}], max_tokens=50
+            model="m1", messages=[{"role": "user", "content": "u"}], max_tokens=50
         ) as stream:
             deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
             final = await stream.get_final_message()
@@ -45,7 +45,7 @@ async def test_a_stop_sequence_the_relay_cut_is_named() -> None:
     async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
         up.mode = "endless"
         whole = await client.messages.create(
-            model="m",
+            model=up.model,
             messages=[{"role": "user", "content": "u"}],
             max_tokens=50,
             stop_sequences=["ld —"],
@@ -58,7 +58,7 @@ async def test_count_tokens_is_refused_by_name_on_the_relay() -> None:
     async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
         with pytest.raises(anthropic.BadRequestError, match="count_tokens is not available"):
             await client.messages.count_tokens(
-                model="m", messages=[{"role": "user", "content": "u"}]
+                model=up.model, messages=[{"role": "user", "content": "u"}]
             )
         assert not up.streams
 
@@ -66,7 +66,7 @@ async def test_count_tokens_is_refused_by_name_on_the_relay() -> None:
 async def test_a_think_block_upstream_is_a_thinking_block_and_tools_are_refused_by_name() -> None:
     async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
         up.pieces = ["<thi", "nk>Let me ", "see.</th", "ink>\n\n", "Hel", "lo"]
-        kwargs: Any = {"model": "m", "messages": [{"role": "user", "content": "u"}]}
+        kwargs: Any = {"model": up.model, "messages": [{"role": "user", "content": "u"}]}
         whole = await client.messages.create(
             **kwargs, max_tokens=50, thinking={"type": "enabled", "budget_tokens": 20}
         )
@@ -106,7 +106,7 @@ async def test_an_upstreams_reasoning_and_tool_calls_are_thinking_and_tool_use_b
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
         }
         kwargs: Any = {
-            "model": "m",
+            "model": up.model,
             "max_tokens": 50,
             "messages": [{"role": "user", "content": "Weather in Paris?"}],
             "tools": [weather],

@@ -14,7 +14,7 @@ from typing import Any
 import anthropic
 import jsonschema
 import pytest
-from conftest import running_server
+from conftest import DEFAULT_MODEL, FAKE_MODEL, running_server
 from test_anthropic_http import post, sdk
 
 WEATHER: dict[str, Any] = {
@@ -46,7 +46,7 @@ def plain(blocks: list[Any]) -> list[dict[str, Any]]:
 async def test_thinking_text_and_a_call_whole_and_streamed(tmp_path: pathlib.Path) -> None:
     async with running_server(**scripted(tmp_path, SCRIPT)) as server, sdk(server) as client:
         asked: dict[str, Any] = {
-            "model": "m",
+            "model": FAKE_MODEL,
             "messages": USER,
             "max_tokens": 200,
             "tools": [WEATHER],
@@ -92,7 +92,7 @@ async def test_thinking_text_and_a_call_whole_and_streamed(tmp_path: pathlib.Pat
 
         # The follow-up: the assistant's blocks sent back as they came, the result after.
         answer = await client.messages.create(
-            model="m",
+            model=FAKE_MODEL,
             max_tokens=200,
             tools=[WEATHER],
             messages=[
@@ -109,7 +109,7 @@ async def test_thinking_text_and_a_call_whole_and_streamed(tmp_path: pathlib.Pat
 
 async def test_tool_choice_and_thinking_change_the_answer(tmp_path: pathlib.Path) -> None:
     async with running_server(**scripted(tmp_path, SCRIPT)) as server, sdk(server) as client:
-        kwargs: dict[str, Any] = {"model": "m", "messages": USER, "max_tokens": 200}
+        kwargs: dict[str, Any] = {"model": FAKE_MODEL, "messages": USER, "max_tokens": 200}
         # "none": the tools are not offered, the call's text is not parsed.
         unparsed = await client.messages.create(
             **kwargs, tools=[WEATHER], tool_choice={"type": "none"}
@@ -151,7 +151,7 @@ async def test_tool_choice_and_thinking_change_the_answer(tmp_path: pathlib.Path
 async def test_disable_parallel_tool_use_gives_one_call(tmp_path: pathlib.Path) -> None:
     async with running_server(**scripted(tmp_path, TWO_CALLS)) as server, sdk(server) as client:
         kwargs: dict[str, Any] = {
-            "model": "m",
+            "model": FAKE_MODEL,
             "messages": USER,
             "max_tokens": 200,
             "tools": [WEATHER],
@@ -177,7 +177,7 @@ async def test_a_result_for_no_call_is_a_400(tmp_path: pathlib.Path) -> None:
             server,
             "/v1/messages",
             {
-                "model": "m",
+                "model": FAKE_MODEL,
                 "max_tokens": 10,
                 "messages": [
                     *USER,
@@ -203,7 +203,7 @@ async def test_a_named_tool_on_the_default_model_is_a_valid_call_and_its_result_
     options = {"backend__kind": "llama", "backend__llama__n_threads": 1}
     async with running_server(**options) as server, sdk(server) as client:
         asked: dict[str, Any] = {
-            "model": "gemma",
+            "model": DEFAULT_MODEL,
             "messages": USER,
             "max_tokens": 96,
             "tools": [WEATHER],
@@ -221,7 +221,7 @@ async def test_a_named_tool_on_the_default_model_is_a_valid_call_and_its_result_
         jsonschema.validate(calls[0].input, WEATHER["input_schema"])
         assert json.loads("".join(fragments)) == calls[0].input
         follow = await client.messages.create(
-            model="gemma",
+            model=DEFAULT_MODEL,
             max_tokens=24,
             tools=[WEATHER],
             messages=[

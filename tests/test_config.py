@@ -202,3 +202,109 @@ def test_a_model_name_listed_twice_is_refused() -> None:
     env = {"WSSERVER_BACKEND_LLAMA_MODELS": '[{name="a", model="x"}, {name="a", model="y"}]'}
     with pytest.raises(ConfigError, match="'a' is listed twice"):
         load_config(env=env)
+
+
+def test_aliases_are_read_for_each_model_and_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    from wsserver.backends import create_models
+
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[backend.llama]\nmodel = "/m/gemma.gguf"\naliases = ["gpt-4o", "test"]\n'
+        '[[backend.llama.models]]\nname = "tiny"\nmodel = "/m/tiny.gguf"\naliases = ["small"]\n'
+        '[[backend.llama.models]]\nname = "coder"\nmodel = "/m/coder.gguf"\n'
+    )
+    loaded = load_config(path=path, env={})
+    llama = loaded.config.backend.llama
+    assert llama.aliases == ["gpt-4o", "test"]
+    assert [m.aliases for m in llama.models] == [("small",), ()]
+    # A table's settings do not inherit the default model's aliases.
+    assert llama.models[0].settings(llama).aliases == []
+    entries = create_models(loaded.config)
+    assert [(e.name, e.aliases) for e in entries] == [
+        ("gemma", ("gpt-4o", "test")),
+        ("tiny", ("small",)),
+        ("coder", ()),
+    ]
+    assert main(["config", "show", "--config", str(path)]) == 0
+    shown = tomllib.loads(re.sub(r"#.*", "", capsys.readouterr().out))["backend"]
+    assert shown["llama"]["aliases"] == ["gpt-4o", "test"]
+    assert shown["llama"]["models"][0]["aliases"] == ["small"]
+    assert shown["fake"]["aliases"] == [] and shown["openai"]["aliases"] == []
+    fake = load_config(env={}, overrides={"backend.kind": "fake", "backend.fake.aliases": ["m"]})
+    assert [(e.name, e.aliases) for e in create_models(fake.config)] == [("fake", ("m",))]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"backend.llama.aliases": ["bad name"]}, "backend.llama.aliases (from flag): 'bad name'"),
+        ({"backend.llama.aliases": ["a", "a"]}, "backend.llama.aliases (from flag): 'a' is listed"),
+        ({"backend.fake.aliases": [""]}, "backend.fake.aliases (from flag): '' is not a model"),
+        (
+            {"backend.llama.models": [{"name": "a", "model": "x", "aliases": "b"}]},
+            "backend.llama.models[0].aliases (from flag): expected a list of strings",
+        ),
+        (
+            {"backend.kind": "openai", "backend.openai.aliases": ["gpt-4o"]},
+            "backend.openai.aliases (from flag): aliases name backend.openai.model, and none",
+        ),
+    ],
+)
+def test_bad_aliases_are_refused_naming_the_key(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {
+                "backend.llama.model": "/m/gemma.gguf",
+                "backend.llama.aliases": ["small"],
+                "backend.llama.models": [{"name": "a", "model": "x", "aliases": ["small"]}],
+            },
+            "backend.llama.models[0]: the alias 'small' is already a name of model 'gemma'",
+        ),
+        (
+            {
+                "backend.llama.model": "/m/gemma.gguf",
+                "backend.llama.aliases": ["a"],
+                "backend.llama.models": [{"name": "a", "model": "x"}],
+            },
+            "backend.llama.models[0]: the model name 'a' is already an alias of model 'gemma'",
+        ),
+        (
+            {"backend.llama.models": [{"name": "a", "model": "x", "aliases": ["a"]}]},
+            "backend.llama.models[0]: the alias 'a' is the model's own name",
+        ),
+        (
+            {
+                "backend.llama.models": [
+                    {"name": "a", "model": "x"},
+                    {"name": "b", "model": "y", "aliases": ["a"]},
+                ]
+            },
+            "backend.llama.models[1]: the alias 'a' is already a name of model 'a'",
+        ),
+        (
+            {
+                "backend.llama.aliases": ["x"],
+                "backend.llama.models": [{"name": "a", "model": "x"}],
+            },
+            "backend.llama.aliases: they name backend.llama.model, and none is served",
+        ),
+    ],
+)
+def test_an_alias_that_clashes_with_another_name_is_a_config_error(
+    overrides: dict[str, object], message: str
+) -> None:
+    from wsserver.backends import create_models
+
+    config = load_config(env={}, overrides=overrides).config
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        create_models(config)

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from conftest import running_server, wire
+from conftest import FAKE_MODEL, running_server, wire
 from test_openai_http import sdk
 
 from wsserver.backends.fake import fake_vocabulary
@@ -114,23 +114,27 @@ async def test_openai_response_format_streamed_and_not() -> None:
     async with running_server(backend__fake__tokens_per_s=0) as server, sdk(server) as client:
         for seed in range(5):
             whole = await client.chat.completions.create(
-                model="m", messages=messages, seed=seed, response_format=schema_format
+                model=FAKE_MODEL, messages=messages, seed=seed, response_format=schema_format
             )
             validator.validate(json.loads(whole.choices[0].message.content or ""))
             text = ""
             async for chunk in await client.chat.completions.create(
-                model="m", messages=messages, seed=seed, response_format=schema_format, stream=True
+                model=FAKE_MODEL,
+                messages=messages,
+                seed=seed,
+                response_format=schema_format,
+                stream=True,
             ):
                 if chunk.choices:
                     text += chunk.choices[0].delta.content or ""
             assert text == whole.choices[0].message.content
         obj = await client.chat.completions.create(
-            model="m", messages=messages, response_format={"type": "json_object"}
+            model=FAKE_MODEL, messages=messages, response_format={"type": "json_object"}
         )
         assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=messages,
                 response_format={
                     "type": "json_schema",

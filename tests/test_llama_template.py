@@ -266,7 +266,7 @@ def test_check_refuses_before_the_start(hermes: LlamaBackend, tiny_gguf: Path) -
 
 
 async def test_websocket_and_openai_take_tool_conversations(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "h.gguf", chat_template=HERMES)
+    path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
     async with running_server(llama_config(path)) as server, wire(server) as client:
         await client.send(
             {
@@ -293,7 +293,7 @@ async def test_websocket_and_openai_take_tool_conversations(tmp_path: Path) -> N
         )
         try:
             reply = await api.chat.completions.create(
-                model="tiny",
+                model="hermes",
                 messages=CONVERSATION,  # type: ignore[arg-type]
                 tools=[WEATHER],  # type: ignore[list-item]
                 max_tokens=3,
@@ -303,7 +303,7 @@ async def test_websocket_and_openai_take_tool_conversations(tmp_path: Path) -> N
             assert reply.usage is not None and reply.usage.prompt_tokens == n_prompt
             with pytest.raises(openai.BadRequestError) as refused:
                 await api.chat.completions.create(
-                    model="tiny",
+                    model="hermes",
                     messages=[{"role": "tool", "content": "x"}],  # type: ignore[list-item]
                     max_tokens=3,
                 )
@@ -313,7 +313,7 @@ async def test_websocket_and_openai_take_tool_conversations(tmp_path: Path) -> N
 
 
 async def test_template_refusals_reach_both_wires_as_bad_request(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "s.gguf", chat_template=STRICT + "{{ ''.__class__ }}")
+    path = write_tiny_gguf(tmp_path / "strict.gguf", chat_template=STRICT + "{{ ''.__class__ }}")
     async with running_server(llama_config(path)) as server, wire(server) as client:
         messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
         await client.send({"type": "generate", "id": "a", "messages": messages})
@@ -332,7 +332,7 @@ async def test_template_refusals_reach_both_wires_as_bad_request(tmp_path: Path)
         )
         try:
             with pytest.raises(openai.BadRequestError) as refused:
-                await api.chat.completions.create(model="tiny", messages=messages)  # type: ignore[arg-type]
+                await api.chat.completions.create(model="strict", messages=messages)  # type: ignore[arg-type]
             assert refused.value.status_code == 400
             assert "Only user and assistant roles" in str(refused.value)
         finally:

@@ -11,7 +11,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import CLIENT_FRAME, running_server, validate_server_frame, wire
+from conftest import CLIENT_FRAME, FAKE_MODEL, running_server, validate_server_frame, wire
 from fake_upstream import PIECES, FakeUpstream
 from test_openai_backend import gen, relay
 from test_openai_http import sdk
@@ -202,7 +202,7 @@ async def test_the_openai_sdk_parses_chat_and_completion_logprobs() -> None:
     messages = [{"role": "user", "content": "hi"}]
     async with running_server(backend__fake__tokens_per_s=0) as server, sdk(server) as client:
         chat = await client.chat.completions.create(
-            model="m", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2
+            model=FAKE_MODEL, messages=messages, max_tokens=12, logprobs=True, top_logprobs=2
         )
         content = chat.choices[0].logprobs.content
         assert len(content) == chat.usage.completion_tokens == 12
@@ -212,7 +212,12 @@ async def test_the_openai_sdk_parses_chat_and_completion_logprobs() -> None:
         streamed: list[Any] = []
         text = ""
         stream = await client.chat.completions.create(
-            model="m", messages=messages, max_tokens=12, logprobs=True, top_logprobs=2, stream=True
+            model=FAKE_MODEL,
+            messages=messages,
+            max_tokens=12,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
         )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].logprobs is not None:
@@ -221,11 +226,13 @@ async def test_the_openai_sdk_parses_chat_and_completion_logprobs() -> None:
                 text += chunk.choices[0].delta.content or ""
         assert text == chat.choices[0].message.content
         assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
-        plain = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        plain = await client.chat.completions.create(
+            model=FAKE_MODEL, messages=messages, max_tokens=4
+        )
         assert plain.choices[0].logprobs is None
 
         completion = await client.completions.create(
-            model="m", prompt="p", max_tokens=10, logprobs=3
+            model=FAKE_MODEL, prompt="p", max_tokens=10, logprobs=3
         )
         legacy = completion.choices[0].logprobs
         assert legacy is not None and legacy.tokens is not None
@@ -234,7 +241,7 @@ async def test_the_openai_sdk_parses_chat_and_completion_logprobs() -> None:
         assert all(len(top) == 3 for top in legacy.top_logprobs)
         assert legacy.text_offset is not None and legacy.text_offset[0] == 0
         chunks = await client.completions.create(
-            model="m", prompt="p", max_tokens=10, logprobs=3, stream=True
+            model=FAKE_MODEL, prompt="p", max_tokens=10, logprobs=3, stream=True
         )
         tokens: list[str] = []
         async for chunk in chunks:
@@ -244,11 +251,11 @@ async def test_the_openai_sdk_parses_chat_and_completion_logprobs() -> None:
 
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
-                model="m", messages=messages, logprobs=True, top_logprobs=21
+                model=FAKE_MODEL, messages=messages, logprobs=True, top_logprobs=21
             )
         assert "top_logprobs" in str(caught.value)
         with pytest.raises(openai.BadRequestError):
-            await client.completions.create(model="m", prompt="p", logprobs=21)
+            await client.completions.create(model=FAKE_MODEL, prompt="p", logprobs=21)
 
 
 def test_completions_logprobs_must_be_a_count() -> None:

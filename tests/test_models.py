@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -421,27 +421,113 @@ async def test_the_http_apis_choose_the_model_and_refuse_an_unknown_one(
             await claude.close()
 
 
-async def test_one_model_serves_whatever_name_an_sdk_sends(ggufs: dict[str, Path]) -> None:
-    """As today (and as llama-server does): OpenAI SDKs always send a model."""
+async def test_one_model_is_strict_too_and_an_alias_serves_a_hard_coded_name(
+    ggufs: dict[str, Path],
+) -> None:
+    """An unknown name is model_not_found on every wire, with one model as with
+    several, before anything is queued; an alias (``aliases``) is served, and
+    every answer names the model by its own name."""
+    import anthropic
     import openai
 
-    config = make_config(**settings(backend__llama__model=str(ggufs["alpha"])))
+    config = make_config(
+        **settings(backend__llama__model=str(ggufs["alpha"]), backend__llama__aliases=["gpt-4o"])
+    )
     async with serving(config) as server:
+        base = f"http://127.0.0.1:{server.port}"
         client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=timeout(60),
+            base_url=base + "/v1", api_key="unused", max_retries=0, timeout=timeout(60)
         )
+        claude = anthropic.AsyncAnthropic(
+            base_url=base, api_key="unused", max_retries=0, timeout=timeout(60)
+        )
+        chat = [{"role": "user", "content": "Hi"}]
         try:
+            listed = await client.models.list()
+            assert [m.id for m in listed.data] == ["alpha"]
+            assert [m.model_extra["aliases"] for m in listed.data] == [["gpt-4o"]]  # type: ignore[index]
+            assert (await client.models.retrieve("gpt-4o")).id == "alpha"
+            refusals = (
+                client.chat.completions.create(model="gpt-5", messages=chat),  # type: ignore[arg-type]
+                client.completions.create(model="gpt-5", prompt="Hi"),
+                client.responses.create(model="gpt-5", input="Hi"),
+            )
+            for refused in refusals:
+                with pytest.raises(openai.NotFoundError) as caught:
+                    await refused
+                assert caught.value.code == "model_not_found"
+                assert "'gpt-5'" in caught.value.message and "'alpha'" in caught.value.message
+            for call in (
+                claude.messages.create(model="gpt-5", max_tokens=4, messages=chat),  # type: ignore[arg-type]
+                claude.messages.count_tokens(model="gpt-5", messages=chat),  # type: ignore[arg-type]
+            ):
+                with pytest.raises(anthropic.NotFoundError) as missing:
+                    await call
+                assert missing.value.status_code == 404 and "'alpha'" in str(missing.value)
+            assert server.models.models["alpha"].scheduler.waiting == 0
+
             completion = await client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=4)
             assert completion.model == "alpha"
+            reply = await client.chat.completions.create(
+                model="gpt-4o",
+                messages=chat,  # type: ignore[arg-type]
+                max_tokens=4,
+            )
+            assert reply.model == "alpha"
+            response = await client.responses.create(
+                model="gpt-4o", input="Hi", max_output_tokens=4
+            )
+            assert response.model == "alpha"
+            message = await claude.messages.create(model="gpt-4o", max_tokens=4, messages=chat)  # type: ignore[arg-type]
+            assert message.model == "alpha"
+            counted = await claude.messages.count_tokens(model="gpt-4o", messages=chat)  # type: ignore[arg-type]
+            assert counted.input_tokens > 0
+
+            async with client.responses.connect(max_retries=0) as connection:
+                await connection.send({"type": "response.create", "model": "gpt-5", "input": "Hi"})
+                async with asyncio.timeout(timeout(30)):
+                    event = await connection.recv()
+                assert event.type == "error" and event.status == 404
+                assert "'gpt-5'" in event.error.message
+                await connection.send(
+                    {
+                        "type": "response.create",
+                        "model": "gpt-4o",
+                        "input": "Hi",
+                        "max_output_tokens": 4,
+                    }
+                )
+                async with asyncio.timeout(timeout(30)):
+                    async for event in connection:
+                        if event.type in ("response.completed", "response.incomplete"):
+                            assert event.response.model == "alpha"
+                            break
         finally:
             await client.close()
-        # The WebSocket protocol's model is new and optional: a wrong one is refused.
+            await claude.close()
+
         async with wire(server) as ws:
-            await ws.send({"type": "generate", "id": "x", "model": "gpt-4o", "prompt": "Hi"})
-            assert (await ws.recv())["code"] == "model_not_found"
+            assert ws.hello is not None
+            assert [(m["name"], m["aliases"]) for m in ws.hello["models"]] == [
+                ("alpha", ["gpt-4o"])
+            ]
+            await ws.send({"type": "generate", "id": "x", "model": "gpt-5", "prompt": "Hi"})
+            refused_frame = await ws.recv()  # the very next frame: nothing was queued
+            assert (refused_frame["type"], refused_frame["id"]) == ("error", "x")
+            assert refused_frame["code"] == "model_not_found"
+            assert "'alpha'" in refused_frame["message"]
+            # The connection keeps working; the alias is served under the model's name.
+            await ws.send(
+                {"type": "generate", "id": "y", "model": "gpt-4o", "prompt": "Hi", "max_tokens": 4}
+            )
+            _, frames = await ws.done("y", units=30)
+            assert frames[-1]["model"] == "alpha"
+            await ws.send({"type": "restart", "id": "y", "new_id": "z", "model": "gpt-5"})
+            refused_frame = await ws.recv()
+            assert (refused_frame["id"], refused_frame["code"]) == ("z", "model_not_found")
+            await ws.send({"type": "restart", "id": "y", "new_id": "w", "model": "gpt-4o"})
+            _, frames = await ws.done("w", units=30)
+            assert frames[-1]["model"] == "alpha"
 
 
 def rss_bytes() -> int:
@@ -501,6 +587,69 @@ async def test_a_requests_keep_alive_zero_unloads_its_model_once_idle(
         await client.send({"type": "generate", "id": "bad", "keep_alive": -2, **GREEDY})
         frame = await client.recv()
         assert frame["code"] == "bad_request" and "'keep_alive'" in frame["message"]
+
+
+async def test_keep_alive_zero_on_each_http_api_unloads_its_model_once_answered(
+    ggufs: dict[str, Path],
+) -> None:
+    """Ollama's per-request keep_alive, as an extension of every HTTP dialect:
+    0 unloads the model as soon as the request is done; a bad value is a 400
+    naming the field."""
+    import anthropic
+    import openai
+
+    async with serving(two_models(ggufs)) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        client = openai.AsyncOpenAI(
+            base_url=base + "/v1", api_key="unused", max_retries=0, timeout=timeout(60)
+        )
+        claude = anthropic.AsyncAnthropic(
+            base_url=base, api_key="unused", max_retries=0, timeout=timeout(60)
+        )
+        chat: Any = [{"role": "user", "content": "Hi"}]
+
+        async def beta_state() -> str:
+            listed = await client.models.list()
+            return {m.id: m.model_extra["state"] for m in listed.data}["beta"]  # type: ignore[index]
+
+        asks: dict[str, Callable[[Any], Awaitable[Any]]] = {
+            "chat": lambda keep: client.chat.completions.create(
+                model="beta", messages=chat, max_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "completions": lambda keep: client.completions.create(
+                model="beta", prompt="Hi", max_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "responses": lambda keep: client.responses.create(
+                model="beta", input="Hi", max_output_tokens=4, extra_body={"keep_alive": keep}
+            ),
+            "messages": lambda keep: claude.messages.create(
+                model="beta", max_tokens=4, messages=chat, extra_body={"keep_alive": keep}
+            ),
+        }
+        try:
+            for api, ask in asks.items():
+                loads = server.models.models["beta"].loads
+                answer = await ask(0)
+                assert answer.model == "beta", api
+                assert server.models.models["beta"].loads == loads + 1, api
+                async with asyncio.timeout(timeout(10)):
+                    await server.models.wait_state("beta", "unloaded")
+                assert await beta_state() == "unloaded", api
+            # -1: kept (until its memory is needed), and the next request finds it loaded.
+            await asks["chat"](-1)
+            assert await beta_state() == "loaded"
+            for api, ask in asks.items():
+                for bad in (-2, "5m", True):
+                    error: type[Exception] = (
+                        anthropic.BadRequestError if api == "messages" else openai.BadRequestError
+                    )
+                    with pytest.raises(error) as caught:
+                        await ask(bad)
+                    assert "keep_alive" in str(caught.value), (api, bad, caught.value)
+            assert await beta_state() == "loaded"
+        finally:
+            await client.close()
+            await claude.close()
 
 
 async def test_the_python_clients_and_the_cli_chat_choose_the_model(

@@ -233,3 +233,17 @@ def test_fields_that_change_nothing_or_ask_for_nothing_pass() -> None:
         "best_of": 1,
     }
     assert parse_request("completion", orjson.dumps(body), "r", Limits()).generate.prompt == "x"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_keep_alive_reaches_the_generate_and_a_bad_one_is_named(kind: str) -> None:
+    def body(**fields: Any) -> bytes:
+        return chat(**fields) if kind == "chat" else orjson.dumps({"prompt": "p", **fields})
+
+    for given, kept in ((0, 0.0), (30, 30.0), (-1, -1.0), (2.5, 2.5)):
+        api = parse_request(kind, body(keep_alive=given), "r1", LIMITS)  # type: ignore[arg-type]
+        assert api.generate.keep_alive == kept
+    assert parse_request(kind, body(), "r1", LIMITS).generate.keep_alive is None  # type: ignore[arg-type]
+    for bad in (-2, "5m", True, 1e12):
+        error = refused(kind, body(keep_alive=bad))
+        assert error.status == HTTPStatus.BAD_REQUEST and "'keep_alive'" in error.message

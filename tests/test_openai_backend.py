@@ -32,6 +32,9 @@ TEXT = "".join(PIECES)
 async def relay(*urls: str, **options: Any) -> AsyncIterator[Server]:
     """The real server with an openai backend in front of ``urls``."""
     server_overrides = {k: options.pop(k) for k in list(options) if k.startswith("stream__")}
+    if "aliases" in options:
+        server_overrides["backend__openai__aliases"] = options.pop("aliases")
+        server_overrides["backend__openai__model"] = options["model"]
     options.setdefault("max_backoff_s", 0.5)
     backend = OpenAIBackend(urls=list(urls), backoff_s=0.05, **options)
     config = make_config(
@@ -512,7 +515,11 @@ async def test_the_relay_starts_before_its_upstream_and_serves_once_it_answers()
             async with wire(server) as client:
                 await client.send(gen("a"))
                 _, frames = await client.done("a")
-            assert frames[-1]["error"]["code"] == "upstream_unavailable"
+                assert frames[-1]["error"]["code"] == "upstream_unavailable"
+                # A named model cannot be checked before a listing: the same answer.
+                await client.send(gen("n", model="fake-upstream"))
+                _, frames = await client.done("n")
+                assert frames[-1]["error"]["code"] == "upstream_unavailable"
             await up.start(port)
             backend.unready_reason()  # looks again (as /readyz does)
             discovery = backend._discovery
@@ -527,6 +534,39 @@ async def test_the_relay_starts_before_its_upstream_and_serves_once_it_answers()
             assert 'model="fake-upstream"' in "".join(await scrape(server))
     finally:
         await up.stop()
+
+
+async def test_a_configured_model_is_strict_and_its_aliases_reach_it() -> None:
+    import openai
+
+    async with FakeUpstream() as up, relay(up.url, model="m", aliases=["gpt-4o"]) as server:
+        async with wire(server) as client:
+            assert client.hello is not None
+            assert [(m["name"], m["aliases"]) for m in client.hello["models"]] == [
+                ("m", ["gpt-4o"])
+            ]
+            await client.send(gen("a", model="gpt-4o"))
+            text, frames = await client.done("a")
+            assert text == TEXT and frames[-1]["model"] == "m"
+            await client.send(gen("x", model="gpt-5"))
+            refused = await client.recv()
+            assert (refused["type"], refused["code"]) == ("error", "model_not_found")
+        sdk = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+        try:
+            completion = await sdk.completions.create(model="gpt-4o", prompt="p", max_tokens=50)
+            assert completion.model == "m"
+            with pytest.raises(openai.NotFoundError) as caught:
+                await sdk.completions.create(model="gpt-5", prompt="p")
+            assert caught.value.code == "model_not_found"
+        finally:
+            await sdk.close()
+        # The upstream is asked for the configured model, whatever name was used.
+        assert [s.body["model"] for s in up.streams] == ["m", "m"]
 
 
 async def test_two_upstreams_serving_different_models_get_their_own_requests() -> None:

@@ -19,7 +19,7 @@ import aiohttp
 import h11
 import openai
 import pytest
-from conftest import expected_fake_text, running_server, timeout, wire
+from conftest import FAKE_MODEL, expected_fake_text, running_server, timeout, wire
 
 from wsserver.aio import Server
 from wsserver.aio.openai_http import HttpConnection
@@ -76,7 +76,7 @@ async def test_chat_streamed_and_whole_give_the_websocket_text() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
         expected = await ws_text(server, messages=MESSAGES, max_tokens=40, seed=5)
         whole = await client.chat.completions.create(
-            model="whatever",
+            model=FAKE_MODEL,
             messages=MESSAGES,
             max_tokens=40,
             seed=5,  # type: ignore[arg-type]
@@ -86,7 +86,7 @@ async def test_chat_streamed_and_whole_give_the_websocket_text() -> None:
         assert whole.choices[0].finish_reason == "length"
         assert whole.usage is not None and whole.usage.completion_tokens == 40
         stream = await client.chat.completions.create(
-            model="whatever",
+            model=FAKE_MODEL,
             messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=40,
             seed=5,
@@ -112,11 +112,11 @@ async def test_completion_streamed_and_whole_give_the_fake_models_text() -> None
     expected = expected_fake_text("Once upon", 30, seed=9)
     async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
         whole = await client.completions.create(
-            model="m", prompt="Once upon", max_tokens=30, seed=9
+            model=FAKE_MODEL, prompt="Once upon", max_tokens=30, seed=9
         )
         assert whole.choices[0].text == expected
         stream = await client.completions.create(
-            model="m", prompt="Once upon", max_tokens=30, seed=9, stream=True
+            model=FAKE_MODEL, prompt="Once upon", max_tokens=30, seed=9, stream=True
         )
         chunks = [chunk async for chunk in stream]
         assert "".join(c.choices[0].text for c in chunks) == expected
@@ -139,7 +139,7 @@ async def test_breaking_out_of_a_stream_cancels_it_and_the_next_request_starts_a
 
         def abandon_then_ask() -> str | None:
             with client.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=MESSAGES,
                 max_tokens=100_000,
                 stream=True,  # type: ignore[arg-type]
@@ -147,7 +147,7 @@ async def test_breaking_out_of_a_stream_cancels_it_and_the_next_request_starts_a
                 for _chunk in stream:
                     break
             reply = client.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=MESSAGES,
                 max_tokens=3,  # type: ignore[arg-type]
             )
@@ -169,7 +169,7 @@ async def test_a_client_gone_while_queued_leaves_the_queue() -> None:
         sdk(server) as client,
     ):
         first = await client.completions.create(
-            model="m", prompt="a", max_tokens=100_000, stream=True
+            model=FAKE_MODEL, prompt="a", max_tokens=100_000, stream=True
         )
         await first.__anext__()
         async with aiohttp.ClientSession() as raw:
@@ -198,7 +198,7 @@ async def test_a_queued_stream_gets_keep_alives_then_its_text() -> None:
         sdk(server) as client,
     ):
         first = await client.completions.create(
-            model="m", prompt="a", max_tokens=100_000, stream=True
+            model=FAKE_MODEL, prompt="a", max_tokens=100_000, stream=True
         )
         await first.__anext__()
         async with aiohttp.ClientSession() as raw:
@@ -215,7 +215,7 @@ async def test_a_queued_stream_gets_keep_alives_then_its_text() -> None:
 async def test_shutdown_ends_a_running_stream_with_an_error_event_and_closes() -> None:
     async with running_server(backend__fake__tokens_per_s=20.0) as server, sdk(server) as client:
         stream = await client.completions.create(
-            model="m", prompt="a", max_tokens=100_000, stream=True
+            model=FAKE_MODEL, prompt="a", max_tokens=100_000, stream=True
         )
         await stream.__anext__()
         stopping = asyncio.create_task(server.stop(grace=0))
@@ -233,13 +233,13 @@ async def test_shutdown_ends_a_running_stream_with_an_error_event_and_closes() -
 async def test_errors_come_as_the_sdks_exceptions_with_our_messages() -> None:
     async with running_server(server__max_frame_bytes=4096) as server, sdk(server) as client:
         with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
-            await client.chat.completions.create(model="m", messages=MESSAGES, n=2)  # type: ignore[arg-type]
+            await client.chat.completions.create(model=FAKE_MODEL, messages=MESSAGES, n=2)  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError, match="'temperature' must be between 0 and 100"):
-            await client.completions.create(model="m", prompt="x", temperature=500)
+            await client.completions.create(model=FAKE_MODEL, prompt="x", temperature=500)
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             await client.models.retrieve("gpt-17")
         with pytest.raises(openai.APIStatusError, match="exceeds 4096 bytes") as info:
-            await client.completions.create(model="m", prompt="x" * 5000)
+            await client.completions.create(model=FAKE_MODEL, prompt="x" * 5000)
         assert info.value.status_code == 413
         assert isinstance(info.value.body, dict) and info.value.body["code"] == "too_large"
         async with aiohttp.ClientSession() as raw:
@@ -259,10 +259,12 @@ async def test_a_full_queue_is_503_and_a_fast_client_429() -> None:
         ) as server,
         sdk(server) as client,
     ):
-        first = await client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True)
+        first = await client.completions.create(
+            model=FAKE_MODEL, prompt="a", max_tokens=1000, stream=True
+        )
         await first.__anext__()
         with pytest.raises(openai.InternalServerError, match="already waiting") as info:
-            await client.completions.create(model="m", prompt="b", max_tokens=5)
+            await client.completions.create(model=FAKE_MODEL, prompt="b", max_tokens=5)
         assert info.value.status_code == 503
         assert info.value.response.headers["retry-after"] == "1"
         await first.close()
@@ -278,10 +280,10 @@ async def test_the_token_is_required_as_a_bearer() -> None:
     async with running_server(security__auth_token="s3cret") as server:
         async with sdk(server, api_key="wrong") as client:
             with pytest.raises(openai.AuthenticationError, match="missing or wrong token") as info:
-                await client.completions.create(model="m", prompt="a", max_tokens=2)
+                await client.completions.create(model=FAKE_MODEL, prompt="a", max_tokens=2)
             assert info.value.code == "invalid_api_key"
         async with sdk(server, api_key="s3cret") as client:
-            reply = await client.completions.create(model="m", prompt="a", max_tokens=2)
+            reply = await client.completions.create(model=FAKE_MODEL, prompt="a", max_tokens=2)
             assert reply.choices[0].finish_reason == "length"
         refused = server.metrics.registry.get_sample_value(
             "wsserver_handshakes_refused_total", {"reason": "auth"}
@@ -339,7 +341,7 @@ async def test_x_request_id_is_echoed_or_generated_and_names_the_log_lines(
     caplog.set_level(logging.INFO, logger="wsserver")
     async with running_server() as server, sdk(server) as client:
         raw = await client.chat.completions.with_raw_response.create(
-            model="m",
+            model=FAKE_MODEL,
             messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=2,
             extra_headers={"X-Request-ID": "mine-1"},
@@ -347,7 +349,7 @@ async def test_x_request_id_is_echoed_or_generated_and_names_the_log_lines(
         assert raw.headers["x-request-id"] == "mine-1"
         assert raw.parse().id == "chatcmpl-mine-1"
         other = await client.completions.with_raw_response.create(
-            model="m", prompt="a", max_tokens=2, extra_headers={"X-Request-ID": "not valid!"}
+            model=FAKE_MODEL, prompt="a", max_tokens=2, extra_headers={"X-Request-ID": "not valid!"}
         )
         generated = other.headers["x-request-id"]
         assert generated != "not valid!" and len(generated) == 16

@@ -12,7 +12,7 @@ import json
 
 import openai
 import pytest
-from conftest import make_config, running_server, timeout, validate_server_frame, wire
+from conftest import FAKE_MODEL, make_config, running_server, timeout, validate_server_frame, wire
 
 from wsserver.openai_api import parse_request
 from wsserver.pacing import Coalescer
@@ -191,14 +191,14 @@ async def test_openai_sdk_gets_reasoning_content(thinking_text: str) -> None:
         )
         try:
             messages = [{"role": "user", "content": "q"}]
-            reply = await api.chat.completions.create(model="m", messages=messages)  # type: ignore[arg-type]
+            reply = await api.chat.completions.create(model=FAKE_MODEL, messages=messages)  # type: ignore[arg-type]
             message = reply.choices[0].message
             assert message.content == ANSWER
             assert getattr(message, "reasoning_content", None) == REASONING
             assert reply.usage is not None and reply.usage.completion_tokens_details is not None
             assert reply.usage.completion_tokens_details.reasoning_tokens
             stream = await api.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=messages,  # type: ignore[arg-type]
                 stream=True,
                 stream_options={"include_usage": True},

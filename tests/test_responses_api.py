@@ -448,3 +448,16 @@ def test_a_call_cut_by_a_cancel_is_incomplete_and_not_carried_over() -> None:
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": ""},
     )
+
+
+def test_keep_alive_reaches_the_generate_and_a_bad_one_is_named() -> None:
+    for websocket in (False, True):
+        request = parse_body({"input": "hi", "keep_alive": 0}, websocket=websocket)
+        assert to_generate(request, (), "r", LIMITS).keep_alive == 0.0
+    request = parse_body({"input": "hi", "keep_alive": -1})
+    assert to_generate(request, (), "r", LIMITS).keep_alive == -1.0
+    assert to_generate(parse_body({"input": "hi"}), (), "r", LIMITS).keep_alive is None
+    for bad in (-2, "5m", True):
+        with pytest.raises(ApiError) as info:
+            to_generate(parse_body({"input": "hi", "keep_alive": bad}), (), "r", LIMITS)
+        assert info.value.status == 400 and "'keep_alive'" in info.value.message

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import running_server, timeout, wire
+from conftest import FAKE_MODEL, running_server, timeout, wire
 from openai.types.responses import (
     ResponseCompletedEvent,
     ResponseCreatedEvent,
@@ -57,7 +57,7 @@ async def test_async_create_whole_and_streamed_give_the_websocket_text() -> None
     async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
         expected = await ws_text(server, max_tokens=20, **SAME_AS_WS)
         whole = await client.responses.create(
-            model="m",
+            model=FAKE_MODEL,
             input=INPUT,
             instructions="be kind",
             max_output_tokens=20,
@@ -71,7 +71,7 @@ async def test_async_create_whole_and_streamed_give_the_websocket_text() -> None
         assert whole.usage is not None and whole.usage.output_tokens == 20
         assert whole.metadata == {"a": "b"}
         stream = await client.responses.create(
-            model="m", input=INPUT, instructions="be kind", max_output_tokens=20, stream=True
+            model=FAKE_MODEL, input=INPUT, instructions="be kind", max_output_tokens=20, stream=True
         )
         events = [event async for event in stream]
         assert isinstance(events[0], ResponseCreatedEvent)
@@ -85,7 +85,9 @@ async def test_a_response_that_ends_by_itself_is_completed_last() -> None:
         running_server(backend__fake__tokens_per_s=0.0, backend__fake__echo=True) as server,
         sdk(server) as client,
     ):
-        async with client.responses.stream(model="m", input="hi", max_output_tokens=50) as stream:
+        async with client.responses.stream(
+            model=FAKE_MODEL, input="hi", max_output_tokens=50
+        ) as stream:
             events = [event async for event in stream]
             final = await stream.get_final_response()
         assert isinstance(events[-1], ResponseCompletedEvent)
@@ -99,9 +101,9 @@ async def test_sync_client_create_whole_and_streamed() -> None:
         )
 
         def ask() -> tuple[str, list[str]]:
-            whole = client.responses.create(model="m", input="hi", max_output_tokens=6)
+            whole = client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=6)
             with client.responses.create(
-                model="m", input="hi", max_output_tokens=6, stream=True
+                model=FAKE_MODEL, input="hi", max_output_tokens=6, stream=True
             ) as stream:
                 kinds = [event.type for event in stream]
             return whole.output_text, kinds
@@ -128,22 +130,27 @@ async def test_bad_input_is_a_clear_400_and_the_server_stays_usable() -> None:
             ),
         ]
         for extra, named in cases:
-            kwargs: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 3, **extra}
+            kwargs: dict[str, Any] = {
+                "model": FAKE_MODEL,
+                "input": "hi",
+                "max_output_tokens": 3,
+                **extra,
+            }
             with pytest.raises(openai.BadRequestError) as info:
                 await client.responses.create(**kwargs)
             assert named in info.value.message, info.value.message
         with pytest.raises(openai.APIStatusError) as too_large:
-            await client.responses.create(model="m", input="x" * 200_000)
+            await client.responses.create(model=FAKE_MODEL, input="x" * 200_000)
         assert too_large.value.status_code == 413 and "'input'" in too_large.value.message
-        ok = await client.responses.create(model="m", input="hi", max_output_tokens=3)
+        ok = await client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=3)
         assert ok.output_text
 
 
 async def test_previous_response_id_continues_and_get_delete_find_it() -> None:
     async with running_server(backend__fake__tokens_per_s=0.0) as server, sdk(server) as client:
-        first = await client.responses.create(model="m", input="one", max_output_tokens=5)
+        first = await client.responses.create(model=FAKE_MODEL, input="one", max_output_tokens=5)
         second = await client.responses.create(
-            model="m", input="two", previous_response_id=first.id, max_output_tokens=5
+            model=FAKE_MODEL, input="two", previous_response_id=first.id, max_output_tokens=5
         )
         # The second turn saw the whole conversation: the same as sending it all.
         expected = await ws_text(
@@ -163,10 +170,12 @@ async def test_previous_response_id_continues_and_get_delete_find_it() -> None:
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
         with pytest.raises(openai.BadRequestError) as info:
-            await client.responses.create(model="m", input="x", previous_response_id=first.id)
+            await client.responses.create(
+                model=FAKE_MODEL, input="x", previous_response_id=first.id
+            )
         assert info.value.code == "previous_response_not_found"
         unstored = await client.responses.create(
-            model="m", input="x", store=False, max_output_tokens=2
+            model=FAKE_MODEL, input="x", store=False, max_output_tokens=2
         )
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(unstored.id)
@@ -180,7 +189,11 @@ async def test_the_store_is_bounded_by_its_bytes() -> None:
         sdk(server) as client,
     ):
         ids = [
-            (await client.responses.create(model="m", input="x" * 500, max_output_tokens=5)).id
+            (
+                await client.responses.create(
+                    model=FAKE_MODEL, input="x" * 500, max_output_tokens=5
+                )
+            ).id
             for _ in range(8)
         ]
         store = server.responses.store
@@ -194,14 +207,14 @@ async def test_breaking_out_of_a_stream_cancels_it_and_frees_the_engine() -> Non
         sdk(server) as client,
     ):
         stream = await client.responses.create(
-            model="m", input="hi", max_output_tokens=100_000, stream=True
+            model=FAKE_MODEL, input="hi", max_output_tokens=100_000, stream=True
         )
         async for event in stream:
             if event.type == "response.output_text.delta":
                 break
         await stream.close()
         # The next request gets the one slot: the abandoned one was cancelled.
-        reply = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+        reply = await client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=2)
         assert reply.status == "incomplete"
         assert requests_ended(server, "cancelled") == 1
         assert server.producer_threads() == 0

@@ -85,7 +85,7 @@ async def test_function_items_reach_the_models_tools_template(
     from test_llama_template import CONVERSATION, HERMES, WEATHER, reference_prompt
     from tiny_gguf import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path_factory.mktemp("hermes") / "h.gguf", chat_template=HERMES)
+    path = write_tiny_gguf(tmp_path_factory.mktemp("hermes") / "hermes.gguf", chat_template=HERMES)
     weather = {"type": "function", **WEATHER["function"]}  # the Responses shape
     items: list[dict[str, object]] = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -116,7 +116,7 @@ async def test_function_items_reach_the_models_tools_template(
         )
         try:
             whole = await client.responses.create(
-                model="m",
+                model="hermes",
                 instructions="You are terse.",
                 tools=[weather],  # type: ignore[list-item]
                 input=items,  # type: ignore[arg-type]
@@ -126,7 +126,7 @@ async def test_function_items_reach_the_models_tools_template(
             assert whole.usage.input_tokens == prompt_tokens
             # A next turn continues it: the call and its output kept in the chain.
             chained = await client.responses.create(
-                model="m",
+                model="hermes",
                 instructions="You are terse.",
                 tools=[weather],  # type: ignore[list-item]
                 input="Thanks",
@@ -155,7 +155,9 @@ async def test_a_think_block_the_template_opens_is_a_reasoning_item(
     from test_llama_template import THINKING
     from tiny_gguf import write_tiny_gguf
 
-    path = write_tiny_gguf(tmp_path_factory.mktemp("think") / "t.gguf", chat_template=THINKING)
+    path = write_tiny_gguf(
+        tmp_path_factory.mktemp("think") / "thinking.gguf", chat_template=THINKING
+    )
     config = make_config(
         backend__kind="llama",
         backend__llama__model=str(path),
@@ -171,7 +173,7 @@ async def test_a_think_block_the_template_opens_is_a_reasoning_item(
         )
         try:
             stream = await client.responses.create(
-                model="m", input="Hello", max_output_tokens=6, temperature=0, stream=True
+                model="thinking", input="Hello", max_output_tokens=6, temperature=0, stream=True
             )
             events = [event async for event in stream]
         finally:

@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import handlers_finished, running_server, timeout, wire
+from conftest import FAKE_MODEL, handlers_finished, running_server, timeout, wire
 from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
@@ -74,7 +74,7 @@ async def test_three_chained_creates_on_one_socket() -> None:
             for turn in ("one", "two", "three"):
                 body: dict[str, Any] = {
                     "type": "response.create",
-                    "model": "m",
+                    "model": FAKE_MODEL,
                     "input": turn,
                     "max_output_tokens": 4,
                 }
@@ -198,7 +198,7 @@ async def test_closing_the_socket_mid_stream_frees_the_engine() -> None:
             timeout=timeout(30),
         )
         try:
-            reply = await client.responses.create(model="m", input="hi", max_output_tokens=2)
+            reply = await client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=2)
         finally:
             await client.close()
         assert reply.status == "incomplete"

@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import running_server, timeout
+from conftest import FAKE_MODEL, running_server, timeout
 
 from wsserver.aio import Server
 
@@ -105,7 +105,7 @@ async def test_a_call_and_reasoning_over_http_streamed_whole_and_by_the_helper(
     calling: str,
 ) -> None:
     async with running_server(**fake(calling)) as server, sdk(server) as client:
-        whole = await client.responses.create(model="m", input="weather?", tools=[WEATHER])
+        whole = await client.responses.create(model=FAKE_MODEL, input="weather?", tools=[WEATHER])
         assert whole.status == "completed"
         check_output(whole.output)
         assert whole.tools[0].name == "get_weather"  # type: ignore[union-attr]
@@ -115,7 +115,7 @@ async def test_a_call_and_reasoning_over_http_streamed_whole_and_by_the_helper(
         assert 0 < reasoning_tokens < usage.output_tokens
 
         stream = await client.responses.create(
-            model="m", input="weather?", tools=[WEATHER], stream=True
+            model=FAKE_MODEL, input="weather?", tools=[WEATHER], stream=True
         )
         events = [event async for event in stream]
         check_event_order(events)
@@ -140,7 +140,9 @@ async def test_a_call_and_reasoning_over_http_streamed_whole_and_by_the_helper(
         check_output(final.output)
         assert final.usage.output_tokens_details.reasoning_tokens == reasoning_tokens
 
-        async with client.responses.stream(model="m", input="weather?", tools=[WEATHER]) as helper:
+        async with client.responses.stream(
+            model=FAKE_MODEL, input="weather?", tools=[WEATHER]
+        ) as helper:
             async for _ in helper:
                 pass
             accumulated = await helper.get_final_response()
@@ -151,11 +153,11 @@ async def test_a_function_call_output_answers_the_call_via_previous_response_id(
     calling: str,
 ) -> None:
     async with running_server(**fake(calling)) as server, sdk(server) as client:
-        first = await client.responses.create(model="m", input="weather?", tools=[WEATHER])
+        first = await client.responses.create(model=FAKE_MODEL, input="weather?", tools=[WEATHER])
         call = first.output[-1]
         assert call.type == "function_call"
         second = await client.responses.create(
-            model="m",
+            model=FAKE_MODEL,
             previous_response_id=first.id,
             tools=[WEATHER],
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}],
@@ -179,7 +181,7 @@ async def test_a_function_call_output_answers_the_call_via_previous_response_id(
         assert conversation[3]["role"] == "assistant"
         # The same conversation sent as items is accepted as it is.
         resent = await client.responses.create(
-            model="m",
+            model=FAKE_MODEL,
             tools=[WEATHER],
             input=[
                 {"role": "user", "content": "weather?"},
@@ -209,13 +211,13 @@ async def test_tool_fields_are_refused_by_name_or_reach_the_engine(calling: str)
             # Not enforceable by this engine: refused, never hoped for.
             refusals.append(({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"))
         for extra, named in refusals:
-            body: dict[str, Any] = {"model": "m", "input": "weather?", **extra}
+            body: dict[str, Any] = {"model": FAKE_MODEL, "input": "weather?", **extra}
             with pytest.raises(openai.BadRequestError) as info:
                 await client.responses.create(**body)
             assert named in info.value.message, info.value.message
         # tool_choice "none": the tools are not shown, no call is parsed.
         plain = await client.responses.create(
-            model="m", input="weather?", tools=[WEATHER], tool_choice="none"
+            model=FAKE_MODEL, input="weather?", tools=[WEATHER], tool_choice="none"
         )
         assert [item.type for item in plain.output] == ["reasoning", "message"]
         assert "<tool_call>" in plain.output_text

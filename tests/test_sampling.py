@@ -8,7 +8,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import CLIENT_FRAME, running_server, timeout, wire
+from conftest import CLIENT_FRAME, FAKE_MODEL, running_server, timeout, wire
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.errors import ProtocolError
@@ -146,7 +146,7 @@ def test_options_asked_lists_the_stages_given_a_non_neutral_value() -> None:
 
 def test_openai_bodies_map_the_penalties_logit_bias_and_llama_server_extensions() -> None:
     body = {
-        "model": "m",
+        "model": FAKE_MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "presence_penalty": 0.5,
         "frequency_penalty": 0.25,
@@ -165,7 +165,7 @@ def test_openai_bodies_map_the_penalties_logit_bias_and_llama_server_extensions(
 
 
 def test_openai_refuses_a_bad_penalty_with_a_400() -> None:
-    body = {"model": "m", "prompt": "p", "frequency_penalty": 9}
+    body = {"model": FAKE_MODEL, "prompt": "p", "frequency_penalty": 9}
     with pytest.raises(ApiError) as caught:
         parse_request("completion", json.dumps(body).encode(), "x", LIMITS)
     assert caught.value.status == 400 and "frequency_penalty" in caught.value.message

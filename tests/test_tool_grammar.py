@@ -73,7 +73,7 @@ ASK: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def tiny(tmp_path: Path, template: str) -> Path:
-    return write_tiny_gguf(tmp_path / "t.gguf", chat_template=template)
+    return write_tiny_gguf(tmp_path / "tools.gguf", chat_template=template)
 
 
 def test_bad_tools_are_refused_by_name() -> None:
@@ -203,7 +203,7 @@ async def test_every_seed_makes_a_valid_forced_call(
         # its result are accepted and answered.
         async with sdk(server) as client:
             answer = await client.with_options(timeout=timeout(60)).chat.completions.create(
-                model="tiny",
+                model="tools",
                 messages=CONVERSATION,
                 tools=[WEATHER, *TOOLS[1:]],
                 tool_choice={"type": "function", "function": {"name": "get_time"}},

@@ -79,6 +79,8 @@ HONOURED: Final = frozenset(
         "tools",
         "tool_choice",
         "thinking",
+        # An extension (Ollama's): how long the model stays loaded once idle.
+        "keep_alive",
     }
 )
 
@@ -130,6 +132,8 @@ class MessagesRequest:
     tool_fields: dict[str, Any] = field(default_factory=dict)
     #: From ``thinking``: ``auto`` (enabled), ``none`` (disabled), None (not given).
     reasoning_format: str | None = None
+    #: ``keep_alive`` as given (the ``generate`` frame's parser checks it).
+    keep_alive: Any = None
 
 
 # ---------------------------------------------------------------- errors
@@ -212,6 +216,7 @@ def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesReq
         tools=tools,
         tool_fields=tool_fields,
         reasoning_format=None if thinking is None else parse_thinking(thinking, max_tokens),
+        keep_alive=given.get("keep_alive"),
     )
 
 
@@ -295,6 +300,8 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
             frame[name] = value
     if request.stop_sequences:
         frame["stop"] = list(request.stop_sequences)
+    if request.keep_alive is not None:
+        frame["keep_alive"] = request.keep_alive
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:
@@ -304,7 +311,12 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
 
 
 #: The protocol's field names in its messages → the Messages API's names.
-_PARAMS: Final = {"stop": "stop_sequences", "max_tokens": "max_tokens", "messages": "messages"}
+_PARAMS: Final = {
+    "stop": "stop_sequences",
+    "max_tokens": "max_tokens",
+    "messages": "messages",
+    "keep_alive": "keep_alive",
+}
 
 
 def _renamed(error: ApiError) -> ApiError:

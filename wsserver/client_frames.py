@@ -377,8 +377,17 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         value = obj["keep_alive"]
         if value == -1 and not isinstance(value, bool):
             out["keep_alive"] = -1.0
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value <= MAX_KEEP_ALIVE_S  # (NaN fails this too)
+        ):
+            raise fail(
+                f"'keep_alive' must be seconds from 0 to {MAX_KEEP_ALIVE_S:.0f}, "
+                "or -1 (until its memory is needed)"
+            )
         else:
-            out["keep_alive"] = _parse_float(value, "keep_alive", 0.0, MAX_KEEP_ALIVE_S, fail)
+            out["keep_alive"] = float(value)
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 

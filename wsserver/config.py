@@ -166,6 +166,8 @@ class FakeConfig:
     text_file: str = _key("")
     #: Stream each request's prompt (a chat's last user message) back.
     echo: bool = _key(False)
+    #: More names requests may give for its model ("fake").
+    aliases: list[str] = _key([])  # noqa: RUF009 - a default_factory
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +184,14 @@ class LlamaModelConfig:
     overrides: tuple[tuple[str, Any], ...] = ()
     #: Load it when the server starts rather than on its first request.
     preload: bool = False
+    #: More names requests may give for it (clients that hard-code a name).
+    aliases: tuple[str, ...] = ()
 
     def settings(self, base: LlamaConfig) -> LlamaConfig:
-        """``base`` with this model's file and overrides."""
-        return dataclasses.replace(base, model=self.model, models=(), **dict(self.overrides))
+        """``base`` with this model's file and overrides (not the default's aliases)."""
+        return dataclasses.replace(
+            base, model=self.model, models=(), aliases=[], **dict(self.overrides)
+        )
 
 
 #: The ``[backend.llama]`` settings a ``[[backend.llama.models]]`` table may override.
@@ -212,6 +218,9 @@ _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
     model: str = _key("")
+    #: More names requests may give for the default model (clients that
+    #: hard-code one, e.g. "gpt-4o"); each model's table has its own.
+    aliases: list[str] = _key([])  # noqa: RUF009 - a default_factory
     n_ctx: int = _key(4096, low=16, high=1 << 20)
     n_threads: int = _key(0, low=0, high=1024)
     n_batch: int = _key(512, low=1, high=1 << 16)
@@ -259,6 +268,8 @@ class OpenAIConfig:
     #: The model to ask every upstream for ("" = route each request by its
     #: model to an upstream that lists it at /v1/models; none asked: the first listed).
     model: str = _key("")
+    #: More names requests may give for ``model`` (only with a configured ``model``).
+    aliases: list[str] = _key([])  # noqa: RUF009 - a default_factory
     #: Requests at once per upstream; more wait in FIFO order.
     parallel: int = _key(4, low=1, high=4096)
     max_waiting: int = _key(64, low=0, high=100000)
@@ -381,19 +392,37 @@ def _model_tables(name: str, value: Any, source: str) -> tuple[LlamaModelConfig,
         preload = table.get("preload", False)
         if not isinstance(preload, bool):
             raise ConfigError(f"{where}.preload (from {source}): expected bool, got {preload!r}")
+        aliases = _check_aliases(f"{where}.aliases", table.get("aliases", []), source)
         overrides: list[tuple[str, Any]] = []
         for key, setting in table.items():
-            if key in ("name", "model", "preload"):
+            if key in ("name", "model", "preload", "aliases"):
                 continue
             if key not in MODEL_OVERRIDES:
                 raise ConfigError(
                     f"unknown key {where}.{key} in {source} (a model may set name, model, "
-                    f"preload, {', '.join(MODEL_OVERRIDES)})"
+                    f"preload, aliases, {', '.join(MODEL_OVERRIDES)})"
                 )
             path_key = ("backend", "llama", f"models[{index}]", key)
             overrides.append((key, _coerce(path_key, fields[key], setting, source)))
-        models.append(LlamaModelConfig(model_name, path, tuple(overrides), preload))
+        models.append(LlamaModelConfig(model_name, path, tuple(overrides), preload, tuple(aliases)))
     return tuple(models)
+
+
+def _check_aliases(name: str, value: Any, source: str) -> list[str]:
+    """A list of model names: each a valid name, none twice. (A clash with
+    another model's name or alias is found where every name is known:
+    :func:`wsserver.backends.create_models`.)"""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{name} (from {source}): expected a list of strings, got {value!r}")
+    for alias in value:
+        if not _MODEL_NAME_RE.fullmatch(alias):
+            raise ConfigError(
+                f"{name} (from {source}): {alias[:140]!r} is not a model name (1-128 characters "
+                "of A-Z a-z 0-9 and . _ : + / -, starting with a letter or digit)"
+            )
+        if value.count(alias) > 1:
+            raise ConfigError(f"{name} (from {source}): {alias!r} is listed twice")
+    return value
 
 
 def _flatten(
@@ -469,6 +498,16 @@ def load_config(
             "use 1-512 characters of A-Z a-z 0-9 and !#$%&'*+-.^_`|~"
         )
     _check_urls(config.backend.openai.urls, sources[("backend", "openai", "urls")])
+    for section in ("fake", "llama", "openai"):
+        key = ("backend", section, "aliases")
+        _check_aliases(".".join(key), getattr(config.backend, section).aliases, sources[key])
+    openai = config.backend.openai
+    if openai.aliases and not openai.model:
+        raise ConfigError(
+            f"backend.openai.aliases (from {sources[('backend', 'openai', 'aliases')]}): "
+            "aliases name backend.openai.model, and none is set (without it, requests "
+            "name the models the upstreams list)"
+        )
     llama = config.backend.llama
     if llama.cache_type_v != "f16" and llama.flash_attn == "off":
         raise ConfigError(
@@ -545,5 +584,7 @@ def _toml_value(value: Any) -> str:
         pairs = [("name", value.name), ("model", value.model), *value.overrides]
         if value.preload:
             pairs.append(("preload", True))
+        if value.aliases:
+            pairs.append(("aliases", list(value.aliases)))
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in pairs) + "}"
     return repr(value)

@@ -38,6 +38,8 @@ class ModelInfo:
     parallel: int = 0
     #: Requests that may wait for it before ``overloaded``.
     max_waiting: int = 0
+    #: More names requests may give for it (its configured ``aliases``).
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

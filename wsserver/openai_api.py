@@ -90,6 +90,7 @@ def model_entry(model: ModelInfo) -> dict[str, Any]:
         "n_ctx": model.n_ctx,
         "parallel": model.parallel,
         "max_waiting": model.max_waiting,
+        "aliases": list(model.aliases),
     }
 
 
@@ -191,8 +192,14 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         frame["tools"] = given["tools"]
     frame.update(_tool_choice(given))
     frame.update(_logprobs(kind, given))
-    # llama-server's extensions, then OpenAI's way to ask for JSON.
-    for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
+    # llama-server's extensions (and Ollama's keep_alive), then OpenAI's way to ask for JSON.
+    for name in (
+        "grammar",
+        "json_schema",
+        "chat_template_kwargs",
+        "reasoning_format",
+        "keep_alive",
+    ):
         if name in given:
             frame[name] = given[name]
     if "response_format" in given:

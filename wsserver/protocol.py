@@ -357,15 +357,26 @@ class _Models(_Optional):
     def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
         value = getattr(frame, self.key)
         if value is not None:
-            out[self.key] = [{n: getattr(m, n) for n in self._NAMES} for m in value]
+            out[self.key] = [_model_object(m) for m in value]
 
     def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
         value = obj.get(self.key)
         into[self.key] = (
-            None
-            if value is None
-            else tuple(ModelInfo(**{k: v for k, v in m.items() if k in self._NAMES}) for m in value)
+            None if value is None else tuple(_read_model(m, self._NAMES) for m in value)
         )
+
+
+def _read_model(obj: dict[str, Any], names: tuple[str, ...]) -> ModelInfo:
+    known: dict[str, Any] = {k: v for k, v in obj.items() if k in names}
+    if "aliases" in known:
+        known["aliases"] = tuple(known["aliases"])
+    return ModelInfo(**known)
+
+
+def _model_object(model: ModelInfo) -> dict[str, Any]:
+    out = {f.name: getattr(model, f.name) for f in fields(ModelInfo)}
+    out["aliases"] = list(model.aliases)
+    return out
 
 
 def _call_part(part: CallPart) -> dict[str, Any]:

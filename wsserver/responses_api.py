@@ -70,6 +70,8 @@ HONOURED: Final = frozenset(
         "tool_choice",
         "parallel_tool_calls",
         "text",
+        # An extension (Ollama's): how long the model stays loaded once idle.
+        "keep_alive",
     }
 )
 
@@ -145,6 +147,8 @@ class ResponsesRequest:
     #: output to follow (None: plain text).
     text_format: Mapping[str, Any] = field(default_factory=lambda: {"type": "text"})
     json_schema: Any = None
+    #: ``keep_alive`` as given (the ``generate`` frame's parser checks it).
+    keep_alive: Any = None
 
 
 def parse_json(body: bytes | str) -> dict[str, Any]:
@@ -191,6 +195,7 @@ def parse_body(obj: Mapping[str, Any], *, websocket: bool = False) -> ResponsesR
         tool_choice=parse_choice(given.get("tool_choice")),
         parallel_tool_calls=parallel,
         stream_id=_string(given, "stream_id") if websocket else None,
+        keep_alive=given.get("keep_alive"),
         **_text_format(given.get("text", {})),
     )
 
@@ -326,6 +331,8 @@ def to_generate(
         frame["top_p"] = request.top_p
     if request.json_schema is not None:
         frame["json_schema"] = request.json_schema
+    if request.keep_alive is not None:
+        frame["keep_alive"] = request.keep_alive
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:

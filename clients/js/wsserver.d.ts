@@ -150,6 +150,8 @@ export interface ModelInfo {
   /** Requests it runs at once (0 = no limit). */
   parallel: number;
   max_waiting: number;
+  /** More names requests may give for it (its configured `aliases`). Absent from a server before it. */
+  aliases?: string[];
 }
 
 export interface QueuedFrame {

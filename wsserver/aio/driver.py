@@ -143,12 +143,16 @@ class RequestDriver:
             )
             try:
                 # An unknown model is refused here, before anything is queued;
-                # the request then carries the model's name (``done`` says it).
-                model = self.services.models.resolve(asked.model, asked.id)
+                # the request then carries the name its model is served under
+                # (an alias's canonical name): ``done`` says it.
+                model, name = self.services.models.lookup(asked.model, asked.id)
                 if isinstance(frame, Generate):
-                    name = frame.model if frame.model is not None else model.name
                     frame = asked = dataclasses.replace(frame, model=name)
-                elif "model" not in frame.overrides:
+                elif "model" in frame.overrides:
+                    overrides = {**frame.overrides, "model": name}
+                    frame = dataclasses.replace(frame, overrides=overrides)
+                    asked = dataclasses.replace(asked, model=name)
+                else:
                     model = self.services.models.resolve(self._restarted_model(frame), asked.id)
                 check = model.backend.check
                 if input_size(asked) > CHECK_INLINE_BYTES:

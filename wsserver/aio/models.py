@@ -90,6 +90,8 @@ class Model:
 
     def __init__(self, spec: ModelEntry) -> None:
         self.backend = spec.backend
+        #: More names requests may give for it (its configured ``aliases``).
+        self.aliases = spec.aliases
         self.keep_alive_s = spec.keep_alive_s
         self.preload = spec.preload
         self.scheduler = Scheduler(spec.backend.slots, spec.backend.max_waiting, ready=False)
@@ -129,6 +131,7 @@ class Model:
             n_ctx=getattr(self.backend, "n_ctx", None),
             parallel=self.backend.slots,
             max_waiting=self.backend.max_waiting,
+            aliases=self.aliases,
         )
 
     def _set(self, state: str) -> None:
@@ -145,6 +148,10 @@ class ModelPool:
             raise ValueError("a server serves at least one model")
         self.models: dict[str, Model] = {spec.name: Model(spec) for spec in specs}
         self.default = next(iter(self.models.values()))
+        #: Each alias → its model (create_models refused any clash).
+        self.aliases: dict[str, Model] = {
+            alias: model for model in self.models.values() for alias in model.aliases
+        }
         self.budget = budget if budget > 0 else machine_budget()
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing = False
@@ -174,17 +181,36 @@ class ModelPool:
 
     def resolve(self, name: str | None, request_id: str | None = None) -> Model:
         """The model a request names (``None``: the default), or ``model_not_found``."""
+        return self.lookup(name, request_id)[0]
+
+    def lookup(self, name: str | None, request_id: str | None = None) -> tuple[Model, str]:
+        """The model a request names and the name it is served under: its
+        canonical name for an alias (``done`` and each HTTP answer say it),
+        the name asked for a model an engine chooses itself (an upstream's).
+
+        ``None`` is the default model. Any other name is strict, with one model
+        as with several: one the server does not serve raises
+        ``model_not_found`` (each HTTP dialect answers 404 in its own error
+        shape) before anything is queued; clients that hard-code a name are
+        served through ``aliases`` in the configuration."""
         if name is None:
-            return self.default
-        model = self.models.get(name)
+            return self.default, self.default.name
+        model = self.models.get(name) or self.aliases.get(name)
         if model is not None:
-            return model
+            return model, model.name
         for candidate in self.models.values():
             served = candidate.backend.served_models()
-            if served and name in served:
-                return candidate
+            if served is None:
+                continue
+            if name in served:
+                return candidate, name
+            if not served and len(self.models) == 1:
+                # An engine that chooses among its upstreams' models and has
+                # heard from none yet: it cannot tell, and refuses the request
+                # itself (upstream_unavailable) rather than call the name unknown.
+                return candidate, name
         if len(self.models) == 1 and name == self.default.backend.model_name:
-            return self.default  # an engine that learnt its model's name after loading
+            return self.default, name  # an engine that learnt its model's name after loading
         listed = ", ".join(repr(n) for n in self.names()[:20])
         raise ProtocolError(
             "model_not_found",
@@ -193,18 +219,9 @@ class ModelPool:
         )
 
     def for_api(self, generate: Generate, asked: str | None) -> tuple[Generate, Model]:
-        """An OpenAI-style request's frame with its model filled in.
-
-        Their SDKs always send a ``model``: with a single model, whatever name
-        they send is served by it (as llama-server does); with several, the
-        name must be one of them — an unknown one raises ``model_not_found``,
-        which each dialect answers with 404 in its own error shape."""
-        names = self.names()
-        if len(names) == 1:
-            model, name = self.default, names[0]
-        else:
-            model = self.resolve(asked, generate.id)
-            name = asked if asked is not None else model.name
+        """An HTTP dialect's frame with its model filled in (:meth:`lookup`):
+        the name it is served under, so that the answer names it."""
+        model, name = self.lookup(asked, generate.id)
         return dataclasses.replace(generate, model=name), model
 
     @property

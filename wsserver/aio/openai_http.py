@@ -413,14 +413,15 @@ class HttpConnection(asyncio.Protocol):
             self.completion = completion
             await completion.run()
         elif path == "/v1/models" or (
-            path.startswith("/v1/models/") and path[11:] in models.models
+            path.startswith("/v1/models/")
+            and (path[11:] in models.models or path[11:] in models.aliases)
         ):
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, "GET")
             if path == "/v1/models":
                 body = models_body(models.infos())
             else:
-                body = models_body([models.models[path[11:]].info()], single=True)
+                body = models_body([models.resolve(path[11:]).info()], single=True)
             self._simple(HTTPStatus.OK, body, extra)
         elif path.startswith("/v1/models/"):
             name = _clip(path[11:])

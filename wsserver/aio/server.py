@@ -29,7 +29,7 @@ from websockets.typing import Subprotocol
 
 from .. import __version__
 from ..anthropic_api import error_body as anthropic_error_body
-from ..backends import Backend, ModelEntry, create_models
+from ..backends import Backend, ModelEntry, create_models, default_aliases
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
@@ -108,7 +108,7 @@ class Server:
     def __init__(self, config: Config, backend: Backend | None = None) -> None:
         self.config = config
         entries = (
-            [ModelEntry(backend.model_name, backend)]
+            [ModelEntry(backend.model_name, backend, aliases=default_aliases(config))]
             if backend is not None
             else create_models(config)
         )

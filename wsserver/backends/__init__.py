@@ -21,6 +21,7 @@ __all__ = [
     "TokenSink",
     "create_backend",
     "create_models",
+    "default_aliases",
 ]
 
 
@@ -32,6 +33,8 @@ class ModelEntry:
     backend: Backend
     keep_alive_s: float = 0.0
     preload: bool = False
+    #: More names requests may give for it (``aliases`` in its configuration).
+    aliases: tuple[str, ...] = ()
 
 
 def create_models(config: Config) -> list[ModelEntry]:
@@ -41,23 +44,33 @@ def create_models(config: Config) -> list[ModelEntry]:
     else is listed: the default model's package), then each
     ``[[backend.llama.models]]`` table, then the ``*.gguf`` files of
     ``backend.llama.models_dir`` (by name). Any other backend serves one model.
+    Every name and alias is unique: a clash is a :class:`ConfigError`.
     """
     if config.backend.kind != "llama":
         backend = create_backend(config)
-        return [ModelEntry(backend.model_name, backend)]
+        entry = ModelEntry(backend.model_name, backend, aliases=default_aliases(config))
+        _check_names([entry], f"backend.{config.backend.kind}.aliases")
+        return [entry]
     from .llama import LlamaBackend
 
     llama = config.backend.llama
     entries: list[ModelEntry] = []
     paths: dict[str, str] = {}
 
-    def add(name: str, settings: LlamaConfig, preload: bool, where: str) -> None:
+    def add(
+        name: str,
+        settings: LlamaConfig,
+        preload: bool,
+        where: str,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
         if name in paths:
             taken = paths[name] or "the default model"
             raise ConfigError(f"{where}: the model name {name!r} is already taken (by {taken})")
         paths[name] = settings.model
         backend = LlamaBackend.from_config(settings, name=name)
-        entries.append(ModelEntry(name, backend, settings.keep_alive_s, preload))
+        entries.append(ModelEntry(name, backend, settings.keep_alive_s, preload, aliases))
+        _check_names(entries, where)
 
     dir_files: list[Path] = []
     if llama.models_dir:
@@ -68,16 +81,53 @@ def create_models(config: Config) -> list[ModelEntry]:
     if llama.model or not (llama.models or dir_files):
         default = LlamaBackend.from_config(llama)
         paths[default.model_name] = llama.model
-        entries.append(ModelEntry(default.model_name, default, llama.keep_alive_s, True))
+        aliases = tuple(llama.aliases)
+        entries.append(ModelEntry(default.model_name, default, llama.keep_alive_s, True, aliases))
+        _check_names(entries, "backend.llama.aliases")
+    elif llama.aliases:
+        raise ConfigError(
+            "backend.llama.aliases: they name backend.llama.model, and none is served "
+            "(give each [[backend.llama.models]] table its own aliases)"
+        )
     for index, table in enumerate(llama.models):
-        add(table.name, table.settings(llama), table.preload, f"backend.llama.models[{index}]")
+        where = f"backend.llama.models[{index}]"
+        add(table.name, table.settings(llama), table.preload, where, table.aliases)
     for path in dir_files:
         taken = paths.get(path.stem)
         if taken is not None and taken and Path(taken).resolve() == path.resolve():
             continue  # the same file, listed by name too
-        settings = dataclasses.replace(llama, model=str(path), models=())
+        settings = dataclasses.replace(llama, model=str(path), models=(), aliases=[])
         add(path.stem, settings, False, f"backend.llama.models_dir {path}")
     return entries
+
+
+def default_aliases(config: Config) -> tuple[str, ...]:
+    """The configured backend's ``aliases`` for its default model."""
+    backend = config.backend
+    if backend.kind == "fake":
+        return tuple(backend.fake.aliases)
+    if backend.kind == "openai":
+        return tuple(backend.openai.aliases)
+    return tuple(backend.llama.aliases)
+
+
+def _check_names(entries: list[ModelEntry], where: str) -> None:
+    """The last entry's name and aliases clash with no earlier name or alias
+    (nor its own name: an alias is another name)."""
+    *earlier, last = entries
+    taken = {name: entry.name for entry in earlier for name in (entry.name, *entry.aliases)}
+    if last.name in taken:
+        raise ConfigError(
+            f"{where}: the model name {last.name!r} is already an alias of "
+            f"model {taken[last.name]!r}"
+        )
+    for alias in last.aliases:
+        if alias == last.name:
+            raise ConfigError(f"{where}: the alias {alias!r} is the model's own name")
+        if alias in taken:
+            raise ConfigError(
+                f"{where}: the alias {alias!r} is already a name of model {taken[alias]!r}"
+            )
 
 
 def create_backend(config: Config) -> Backend:

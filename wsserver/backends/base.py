@@ -309,8 +309,10 @@ class Backend(abc.ABC):
     def served_models(self) -> dict[str, bool] | None:
         """The models this engine chooses among itself, by the request's
         ``model`` (:attr:`GenerationRequest.model`), each with whether it can
-        be served now; ``None``: one model, :attr:`model_name`. Called on the
-        event loop (the openai backend: what its upstreams list)."""
+        be served now; ``None``: one model, :attr:`model_name`; ``{}``: it
+        chooses itself but knows none yet (any name is passed to it, and it
+        refuses what it cannot serve). Called on the event loop (the openai
+        backend: what its upstreams list)."""
         return None
 
     def memory_estimate(self) -> int:

@@ -243,7 +243,7 @@ class OpenAIBackend(Backend):
         for upstream in self.upstreams:
             for model in upstream.models:
                 served[model] = served.get(model, False) or upstream.healthy
-        return served or None
+        return served
 
     async def _fetch_listing(self, upstream: Upstream) -> bool:
         """Ask one upstream's ``/v1/models``; whether it answered with a listing."""
