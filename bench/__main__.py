@@ -1,7 +1,7 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
-                    upstream batched resume structured responses models]
+                    upstream batched resume structured responses models freeze]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
                     [--baseline REF]
 
@@ -28,6 +28,7 @@ from . import (
     batched,
     cancel,
     ceiling,
+    freeze,
     idle,
     models,
     openai_sse,
@@ -59,6 +60,7 @@ ALIASES = {
     "12": "structured",
     "13": "responses",
     "14": "models",
+    "15": "freeze",
 }
 
 
@@ -182,6 +184,7 @@ async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
         ("structured", structured, "the sampler chain and JSON schemas (issue 22)"),
         ("responses", responses, "five turns four ways, and the Responses wire's overhead"),
         ("models", models, "TTFT loaded, on demand, after an eviction; memory (issue 23)"),
+        ("freeze", freeze, "a long prompt beside three decoding streams (issue 28)"),
     )
     for name, module, what in llama_sections:
         if name not in sections:

@@ -1,19 +1,19 @@
 """Section 10: the batched llama engine, side by side with llama.cpp's own tools.
 
-Default model, temperature 0, distinct prompts (no shared prefix), one run;
-contenders alternate at every point so drift on this noisy machine hits all:
+Default model, temperature 0, distinct prompts (no shared prefix);
+contenders alternate in every round (``--repeats``, default 2; medians) so
+drift on this noisy machine hits all:
 
 * **Aggregate decode tokens/s** at N = 1, 2, 4, 8, 16 concurrent streams of
-  128 tokens: wsserver with ``parallel = N`` (N WebSocket connections, each
-  token counted when its frame arrives), ``llama-server -np N`` (N concurrent
-  streamed ``/completion`` requests), and ``llama-batched-bench``'s S_TG for
-  ``-npl N`` — the ceiling: one ``llama_decode`` per step over N sequences,
-  no sampling, no server. Rate = completion tokens / (last end - first send).
-* **The others' gap while a long prompt is ingested:** three wsserver streams
-  decode; a fourth request brings ~3,000 prompt tokens. Per ``prefill_chunk``:
-  the decoding streams' worst gap between delta frames during the ingest
-  (frames unpaced: ``flush_ms = 0``), their median gap before it, and the long
-  request's time to first token.
+  128 tokens: wsserver with ``parallel = N`` at its defaults (pacing on;
+  N WebSocket connections, completion tokens from the done frames), the same
+  with flash attention on, ``llama-server -np N`` at its defaults (flash
+  attention ``auto``; N concurrent streamed ``/completion`` requests), and
+  ``llama-batched-bench``'s S_TG for ``-npl N`` with flash attention off and
+  on — the ceiling: one ``llama_decode`` per step over N sequences, no
+  sampling, no server. Rate = completion tokens / (last end - first send).
+* **The others' gap while a long prompt is ingested:** section 15
+  (``bench/freeze.py``).
 * **Prompt cache:** time to first token of turn 1 and turn 5 of a chat whose
   history starts at ~2,000 tokens (the next turn's prompt = history + answer +
   new message), and the prompt tokens each turn decoded.
@@ -22,15 +22,14 @@ contenders alternate at every point so drift on this noisy machine hits all:
 
 llama.cpp's tools come from ``scripts/llama-tools`` (built once into a
 cache from llama-cpp-python's sdist, ~15-20 minutes on 2 cores; never in the
-test suite). Without them those columns read "not measured". Flash attention
-is off everywhere (``-fa off``), as in wsserver and llama-cpp-python.
+test suite). Without them those columns read "not measured". ``llama-bench``
+and the in-process run keep flash attention off, as llama-cpp-python does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import statistics
@@ -50,7 +49,6 @@ STREAMS = (1, 2, 4, 8, 16)
 TOKENS = 128
 #: Per sequence: a short prompt + 128 tokens fit; 16 x 1,024 cells stay small.
 N_CTX = 1024
-CHUNKS = (32, 64, 128)
 TIMES = "\u00d7"
 
 
@@ -82,10 +80,13 @@ def _ws_server(
     *,
     root: Path = ROOT,
     name: str = "wsserver",
+    paced: bool = False,
     **extra: Any,
 ) -> ServerProcess:
-    """wsserver on the llama engine, frames unpaced; ``root``: the tree it runs from
-    (this checkout, or a ``--baseline`` export)."""
+    """wsserver on the llama engine, frames unpaced unless ``paced`` (its
+    defaults); ``root``: the tree it runs from (this checkout, or a
+    ``--baseline`` export)."""
+    pacing = {} if paced else {"stream.flush_ms": 0.0, "stream.flush_tokens": 1}
     return ServerProcess(
         {
             "backend.kind": "llama",
@@ -95,8 +96,7 @@ def _ws_server(
             "backend.llama.parallel": parallel,
             "limits.max_tokens": 4096,
             "limits.max_prompt_chars": 1_000_000,
-            "stream.flush_ms": 0.0,
-            "stream.flush_tokens": 1,
+            **pacing,
             **extra,
         },
         name=f"{name}-p{parallel}",
@@ -153,8 +153,9 @@ async def _ws_stream(
         await ws.close()
 
 
-async def ws_aggregate(model: str, threads: int, n: int) -> dict[str, Any]:
-    server = await _ws_server(model, threads, n).start(timeout=300)
+async def ws_aggregate(model: str, threads: int, n: int, **extra: Any) -> dict[str, Any]:
+    """N streams at wsserver's defaults (pacing on): tokens from the done frames."""
+    server = await _ws_server(model, threads, n, paced=True, **extra).start(timeout=300)
     try:
         # One request first: the model's pages are warm for every contender.
         await _ws_stream(server.url, "warm", "Warm up.", 8, time.perf_counter())
@@ -211,9 +212,10 @@ async def _sse_completion(port: int, prompt: str, t0: float) -> dict[str, Any]:
 
 
 async def server_aggregate(tools: Path, model: str, threads: int, n: int) -> dict[str, Any]:
+    """llama-server as a user runs it: its defaults (flash attention ``auto``)."""
     port = free_port()
     args = [str(tools / "llama-server"), "-m", model, "-np", str(n), "-c", str(N_CTX * n)]
-    args += ["-t", str(threads), "-fa", "off", "--port", str(port), "--host", "127.0.0.1"]
+    args += ["-t", str(threads), "--port", str(port), "--host", "127.0.0.1"]
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -247,12 +249,12 @@ async def _wait_health(port: int, timeout: float = 300) -> None:
     raise RuntimeError("llama-server did not become healthy")
 
 
-def batched_bench(tools: Path, model: str, threads: int) -> dict[int, float]:
-    """S_TG tokens/s per N from one ``llama-batched-bench`` run."""
+def batched_bench(tools: Path, model: str, threads: int, fa: str) -> dict[int, float]:
+    """S_TG tokens/s per N from one ``llama-batched-bench`` run (``fa``: on/off)."""
     npl = ",".join(str(n) for n in STREAMS)
     args = [str(tools / "llama-batched-bench"), "-m", model, "-c", str(N_CTX * max(STREAMS))]
     args += ["-b", "2048", "-ub", "512", "-npp", "16", "-ntg", str(TOKENS), "-npl", npl]
-    args += ["-t", str(threads), "-fa", "off", "--output-format", "jsonl"]
+    args += ["-t", str(threads), "-fa", fa, "--output-format", "jsonl"]
     out = subprocess.run(args, capture_output=True, text=True, timeout=3600, check=True)
     rates: dict[int, float] = {}
     for line in (out.stdout + out.stderr).splitlines():
@@ -269,49 +271,6 @@ def llama_bench_tg(tools: Path, model: str, threads: int) -> float | None:
     out = subprocess.run(args, capture_output=True, text=True, timeout=3600, check=True)
     rows = json.loads(out.stdout)
     return float(rows[0]["avg_ts"]) if rows else None
-
-
-# ------------------------------------------------------------------ the others' gap
-
-
-async def ingest_gap(model: str, threads: int, chunk: int, long_prompt: str) -> dict[str, Any]:
-    server = await _ws_server(
-        model, threads, 4, n_ctx=4096, **{"backend.llama.prefill_chunk": chunk}
-    ).start(timeout=300)
-    try:
-        t0 = time.perf_counter()
-        done = asyncio.Event()
-        ready = [asyncio.Event() for _ in range(3)]
-        decoding = [
-            asyncio.create_task(
-                _ws_stream(server.url, f"d{i}", p, 3000, t0, stop_on=done, decoding=ready[i])
-            )
-            for i, p in enumerate(prompts(3, f"gap{chunk}"))
-        ]
-        for event in ready:  # the three streams are decoding
-            await event.wait()
-        long = await _ws_stream(server.url, "long", long_prompt, 1, t0)
-        await asyncio.sleep(0.5)  # sleep-ok: a little of the decoding after the ingest
-        done.set()
-        runs = await asyncio.gather(*decoding)
-    finally:
-        await server.stop()
-    start, first = long["sent"], long["arrivals"][0] if long["arrivals"] else long["sent"]
-    during: list[float] = []
-    before: list[float] = []
-    for r in runs:
-        a = r["arrivals"]
-        for x, y in itertools.pairwise(a):
-            if y > start and x < first:
-                during.append(y - x)
-            elif y <= start:
-                before.append(y - x)
-    return {
-        "chunk": chunk,
-        "gap_before_ms": statistics.median(before) * 1000 if before else None,
-        "gap_max_during_ms": max(during) * 1000 if during else None,
-        "long_ttft_ms": (first - start) * 1000,
-    }
 
 
 # ------------------------------------------------------------------ chat turns
@@ -354,14 +313,38 @@ async def run(opts: Options) -> dict[str, Any]:
     streams = (1, 4) if opts.quick else STREAMS
     tools = None if opts.quick else await asyncio.to_thread(tools_dir)
     opts.log(f"  llama.cpp tools: {tools or 'not available'}")
-    result: dict[str, Any] = {"status": "ok", "threads": threads, "tokens": TOKENS, "rows": []}
-    ceiling = await asyncio.to_thread(batched_bench, tools, model, threads) if tools else {}
+    repeats = 1 if opts.quick else (opts.repeats or 2)
+    result: dict[str, Any] = {
+        "status": "ok",
+        "threads": threads,
+        "tokens": TOKENS,
+        "repeats": repeats,
+        "rows": [],
+    }
+    ceilings = {}
+    if tools:
+        for fa in ("off", "on"):
+            ceilings[fa] = await asyncio.to_thread(batched_bench, tools, model, threads, fa)
     for n in streams:
-        opts.log(f"  {n} stream(s)")
-        row: dict[str, Any] = {"streams": n, "batched_bench": ceiling.get(n)}
-        row["wsserver"] = await ws_aggregate(model, threads, n)
-        if tools is not None:
-            row["llama_server"] = await server_aggregate(tools, model, threads, n)
+        row: dict[str, Any] = {
+            "streams": n,
+            "batched_bench": ceilings.get("off", {}).get(n),
+            "batched_bench_fa": ceilings.get("on", {}).get(n),
+        }
+        rounds: dict[str, list[dict[str, Any]]] = {}
+        for r in range(repeats):  # alternating rounds: drift hits every contender
+            opts.log(f"  {n} stream(s), round {r + 1}")
+            rounds.setdefault("wsserver", []).append(await ws_aggregate(model, threads, n))
+            if not opts.quick:
+                rounds.setdefault("wsserver_fa", []).append(
+                    await ws_aggregate(model, threads, n, **{"backend.llama.flash_attn": "on"})
+                )
+            if tools is not None:
+                rounds.setdefault("llama_server", []).append(
+                    await server_aggregate(tools, model, threads, n)
+                )
+        for name, runs in rounds.items():
+            row[name] = _median_run(runs)
         result["rows"].append(row)
     from .contenders import InProcess
 
@@ -374,19 +357,24 @@ async def run(opts: Options) -> dict[str, Any]:
         }
         from .lineup import long_prompt
 
-        text, n_long = long_prompt(inproc, 1, 3000)
         history, n_hist = long_prompt(inproc, 2, 2000)
     finally:
         inproc.close()
     result["single_p4"] = await _single(model, threads)
     if tools is not None:
         result["llama_bench_tg"] = await asyncio.to_thread(llama_bench_tg, tools, model, threads)
-    chunks = (64,) if opts.quick else CHUNKS
-    result["long_prompt_tokens"] = n_long
-    result["gaps"] = [await ingest_gap(model, threads, c, text) for c in chunks]
     result["history_tokens"] = n_hist
     result["turns"] = await chat_turns(model, threads, history)
     return result
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median rate (its TTFT and decode figures with it)."""
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    out = dict(ranked[len(ranked) // 2])
+    out["rounds"] = [r["tok_s"] for r in runs]
+    out["tok_s"] = statistics.median(r["tok_s"] for r in runs)
+    return out
 
 
 async def _single(model: str, threads: int) -> dict[str, Any]:
@@ -412,20 +400,26 @@ def _decode_rate(r: dict[str, Any]) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"Default model, {result['threads']} thread(s) everywhere, {result['tokens']} tokens per "
-        "stream, temperature 0, flash attention off; measured on a shared, noisy 2-core machine "
-        "(ratios side by side in one run mean more than absolute rates).",
+        "stream, temperature 0. wsserver at its defaults (pacing on: frames merge tokens; "
+        "tokens counted from the done frames), with flash attention off (its default) and on; "
+        "llama-server at its defaults (flash attention `auto`); `llama-batched-bench` S_TG (no "
+        "sampling, no server) with flash attention off and on. Each rate is the median of "
+        f"{result.get('repeats', 1)} alternating round(s).",
         "",
-        "| streams | wsserver tok/s | llama-server -np N | batched-bench S_TG (ceiling) "
-        "| vs llama-server | vs ceiling | wsserver TTFT ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| streams | wsserver tok/s | wsserver fa on | llama-server -np N | ceiling fa off "
+        "| ceiling fa on | vs llama-server | fa on vs llama-server | vs ceiling (same fa) "
+        "| fa on vs ceiling | wsserver TTFT ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         ws = row["wsserver"]["tok_s"]
+        wf = (row.get("wsserver_fa") or {}).get("tok_s")
         ls = (row.get("llama_server") or {}).get("tok_s")
-        cb = row.get("batched_bench")
+        cb, cf = row.get("batched_bench"), row.get("batched_bench_fa")
         lines.append(
-            f"| {row['streams']} | {fmt(ws)} | {fmt(ls)} | {fmt(cb)} | "
-            f"{fmt(ratio(ws, ls), 2, TIMES)} | {fmt(ratio(ws, cb), 2, TIMES)} | "
+            f"| {row['streams']} | {fmt(ws)} | {fmt(wf)} | {fmt(ls)} | {fmt(cb)} | {fmt(cf)} | "
+            f"{fmt(ratio(ws, ls), 2, TIMES)} | {fmt(ratio(wf, ls), 2, TIMES)} | "
+            f"{fmt(ratio(ws, cb), 2, TIMES)} | {fmt(ratio(wf, cf), 2, TIMES)} | "
             f"{fmt(row['wsserver']['ttft_ms'])} |"
         )
     lines += ["", *_targets(result)]
@@ -444,18 +438,8 @@ def render(result: dict[str, Any]) -> str:
         f"→ wsserver {fmt(ratio(first.get('tok_s'), tg), 2, TIMES)} of llama-bench, "
         f"{fmt(ratio(first.get('tok_s'), inproc.get('tok_s')), 2, TIMES)} of in-process.",
         "",
-        f"A {result['long_prompt_tokens']}-token prompt arriving while three streams decode "
-        "(wsserver, `parallel = 4`):",
-        "",
-        "| prefill_chunk | others' median gap before, ms | others' worst gap during ingest, ms "
-        "| long prompt's TTFT, ms |",
-        "|---:|---:|---:|---:|",
+        "The others' gap while a long prompt is ingested: section 15 (the freeze table).",
     ]
-    for g in result["gaps"]:
-        lines.append(
-            f"| {g['chunk']} | {fmt(g['gap_before_ms'])} | {fmt(g['gap_max_during_ms'])} | "
-            f"{fmt(g['long_ttft_ms'], 0)} |"
-        )
     lines += [
         "",
         f"Chat turns on a {result['history_tokens']}-token history (each turn's prompt = "
@@ -515,11 +499,13 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
 
-    for n in (4, 8):
+    for n in STREAMS:
         row = rows.get(n) or {}
+        if not row:
+            continue
         ws = (row.get("wsserver") or {}).get("tok_s")
         line(
-            f">= 1.0{TIMES} llama-server at {n} streams",
+            f">= 1.0{TIMES} llama-server at {n} stream(s)",
             ratio(ws, (row.get("llama_server") or {}).get("tok_s")),
             1.0,
         )
@@ -528,7 +514,11 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         for r in result["rows"]
         if r.get("batched_bench")
     ]
-    line(f">= 0.9{TIMES} the batched-bench ceiling (worst N)", min(worst) if worst else None, 0.9)
+    line(
+        f">= 0.95{TIMES} the batched-bench ceiling, same flash attention (worst N)",
+        min(worst) if worst else None,
+        0.95,
+    )
     decode = (rows.get(1) or {}).get("wsserver", {}).get("decode") or {}
     line(
         f">= 0.95{TIMES} llama-bench tg{result['tokens']}, one stream",

@@ -13,6 +13,7 @@ from . import (
     batched,
     cancel,
     ceiling,
+    freeze,
     idle,
     models,
     openai_sse,
@@ -58,6 +59,10 @@ SECTIONS = {
         "14. Several models: time to first token loaded, on demand and after an eviction; "
         "memory before and after an unload",
         models,
+    ),
+    "freeze": (
+        "15. The freeze table: a long prompt arrives while three streams decode (issue 28)",
+        freeze,
     ),
 }
 

@@ -259,8 +259,32 @@ def test_quick_batched_engine_bench_runs(tmp_path: Path, bench_model: str | None
     turns = result["turns"]
     assert [t["turn"] for t in turns] == [1, 2, 3, 4, 5]
     assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in itertools.pairwise(turns))
-    assert result["gaps"] and result["gaps"][0]["gap_max_during_ms"] is not None
     assert "## 10. The batched llama engine" in out.read_text()
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_freeze_bench_measures_the_others_during_an_ingest(
+    tmp_path: Path, bench_model: str | None
+) -> None:
+    """Section 15 on the tiny model: a long prompt went in while three streams
+    decoded, and they kept receiving tokens meanwhile (none was frozen out)."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--sections", "15", "--out", str(out)]
+    command += ["--model", str(bench_model), "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.with_suffix(".json").read_text())["results"]["freeze"]
+    assert result["status"] == "ok", result
+    (row,) = result["rows"]
+    assert row["prompt_tokens"] >= 250
+    assert row["others_tokens"] >= 1  # the three streams went on during the ingest
+    assert row["gap_worst_ms"] is not None and row["work_tok_s"] > 0  # timing-ok: measured
+    assert "## 15. The freeze table" in out.read_text()
 
 
 @pytest.mark.timeout(int(150 * UNIT))

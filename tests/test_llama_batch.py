@@ -99,8 +99,8 @@ def test_seeded_sampling_in_a_batch_is_reproducible(
 def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     batched: LlamaBackend, alone: LlamaBackend
 ) -> None:
-    """A long prompt admitted while another sequence decodes is prefilled
-    ``prefill_chunk`` tokens per step beside it; neither text changes."""
+    """A long prompt admitted while another sequence decodes is prefilled in
+    chunks beside it, each within the step's time budget; neither text changes."""
     short = request("Once upon a time", id="short", max_tokens=300)
     long = request("world hello " * 300, id="long", max_tokens=16)
     expected = texts_alone(alone, [short, long])
@@ -108,12 +108,17 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     sink = RecordingSink(lambda s: started.set() if s.tokens == 3 else None)
     first = Running(batched, short, sink=sink)
     assert started.wait(timeout(10))
+    engine = batched.engine
+    assert engine is not None
+    engine.step_log.clear()
     at_submit = sink.tokens
     seen: list[int] = []
+    steps: list[tuple[int, int, int, float]] = []
 
     class Watching(RecordingSink):
         def prompt_processed(self, prompt_tokens: int) -> None:
             seen.append(sink.tokens)  # how far the short stream got meanwhile
+            steps.extend(engine.step_log)  # the engine thread, which alone appends
             super().prompt_processed(prompt_tokens)
 
     second = Running(batched, long, sink=Watching())
@@ -123,10 +128,33 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     n_prompt = prompt_tokens(batched, long)
     assert stats is not None and n_prompt is not None
     assert stats.reused + stats.decoded == n_prompt
-    # The short stream got a token in every step of the long prompt's
-    # ingestion: prefill_chunk tokens a step, beside its decode.
-    chunks = -(-stats.decoded // batched.prefill_chunk)
-    assert seen and seen[0] >= at_submit + chunks - 1
+    assert sum(p for _, p, _, _ in steps) == stats.decoded  # the log covers the ingestion
+    mixed = [(d, p, share) for d, p, share, _ in steps if p and d]
+    # Every step of the ingestion while the short stream decoded carried its
+    # token beside a chunk no larger than the budget's share at that step.
+    assert mixed and all(p <= share for _, p, share in mixed)
+    assert seen and seen[0] >= at_submit + len(mixed) - 1
+
+
+def test_a_fixed_prefill_chunk_when_the_budget_is_off(tiny_gguf: Path) -> None:
+    """``prefill_budget = 0``: every step beside a decoding stream takes
+    ``prefill_chunk`` prompt tokens (the last one what is left)."""
+    with loaded(tiny_gguf, parallel=2, n_ctx=LONG_CTX, prefill_budget=0.0, prefill_chunk=24) as b:
+        engine = b.engine
+        assert engine is not None
+        started = threading.Event()
+        sink = RecordingSink(lambda s: started.set() if s.tokens == 2 else None)
+        first = Running(b, request("Once upon a time", id="short", max_tokens=200), sink=sink)
+        assert started.wait(timeout(10))
+        engine.step_log.clear()
+        long = request("world hello " * 100, id="long", max_tokens=4)
+        Running(b, long).wait()
+        first.wait()
+        stats = b.request_stats("long")
+        assert stats is not None
+        chunks = [p for d, p, _, _ in engine.step_log if p and d]
+        assert sum(chunks) == stats.decoded > 24
+        assert chunks[:-1] == [24] * (len(chunks) - 1) and 0 < chunks[-1] <= 24
 
 
 # ---------------------------------------------------------------- slow readers

@@ -200,6 +200,7 @@ MODEL_OVERRIDES = (
     "n_threads",
     "n_batch",
     "prefill_chunk",
+    "prefill_budget",
     "parallel",
     "max_waiting",
     "chat_template_file",
@@ -238,7 +239,11 @@ class LlamaConfig:
     use_mmap: bool = _key(True)
     #: Lock the weights in RAM (no swapping; may need a raised RLIMIT_MEMLOCK).
     use_mlock: bool = _key(False)
-    #: Prompt tokens per step while other sequences are decoding (their pause).
+    #: While other sequences decode, a step carrying prompt tokens lasts at
+    #: most this many times their decode-only step (their pause; the prompt
+    #: gets the rest of the machine). 0 = a fixed ``prefill_chunk`` instead.
+    prefill_budget: float = _key(2.0, low=0.0, high=1000.0)
+    #: Prompt tokens per step while others decode, when ``prefill_budget`` is 0.
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)
     max_waiting: int = _key(64, low=0, high=100000)

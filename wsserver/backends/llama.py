@@ -141,6 +141,7 @@ class LlamaBackend(Backend):
         n_threads: int = 0,
         n_batch: int = 512,
         prefill_chunk: int = 64,
+        prefill_budget: float = 2.0,
         parallel: int = 4,
         max_waiting: int = 64,
         abort_check: str = "native",
@@ -163,6 +164,7 @@ class LlamaBackend(Backend):
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.n_batch = n_batch
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget
         self.parallel = parallel
         self.slots = parallel
         self.max_waiting = max_waiting
@@ -200,6 +202,7 @@ class LlamaBackend(Backend):
             n_threads=config.n_threads,
             n_batch=config.n_batch,
             prefill_chunk=config.prefill_chunk,
+            prefill_budget=config.prefill_budget,
             parallel=config.parallel,
             max_waiting=config.max_waiting,
             chat_template_file=config.chat_template_file,
@@ -245,7 +248,7 @@ class LlamaBackend(Backend):
         size_mb = path.stat().st_size / 1e6
         log.info(
             "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "
-            "%d thread(s), batch %d (micro-batch %d), prefill chunk %d, flash attention %s, "
+            "%d thread(s), batch %d (micro-batch %d), prefill %s, flash attention %s, "
             "KV cache %s/%s, GPU layers %d",
             path,
             size_mb,
@@ -254,7 +257,11 @@ class LlamaBackend(Backend):
             self.n_threads,
             self.n_batch,
             self.n_ubatch,
-            self.prefill_chunk,
+            (
+                f"budget {self.prefill_budget:g}x a decode step"
+                if self.prefill_budget > 0
+                else f"chunk {self.prefill_chunk} tokens"
+            ),
             self.flash_attn,
             self.cache_type_k,
             self.cache_type_v,
@@ -288,6 +295,7 @@ class LlamaBackend(Backend):
             parallel=self.parallel,
             n_batch=self.n_batch,
             prefill_chunk=self.prefill_chunk,
+            prefill_budget=self.prefill_budget,
             prepare=self._prompt,
             piece=self._piece,
             read_piece=self._read_piece,

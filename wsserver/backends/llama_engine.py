@@ -27,9 +27,10 @@ One step:
    logits start the completion.
 3. **One batch.** The next token of every decoding sequence whose text was
    delivered, plus prompt tokens of prefilling sequences, oldest first, up to
-   a budget: ``prefill_chunk`` while anyone else is decoding (so a long prompt
-   does not freeze the others: their gap is one chunk's compute), ``n_batch``
-   when no one is. A sequence whose last text its channel refused
+   a share: while anyone else is decoding, what fits in a time budget (a step
+   lasts at most ``prefill_budget`` times their decode-only step, from the
+   engine's own measurements: :mod:`.llama_budget`), so a long prompt does
+   not freeze the others; ``n_batch`` when no one is. A sequence whose last text its channel refused
    (``Sink.offer`` → False: a slow client) sits out, holding that one token's
    text, until ``when_room`` fires — its memory stays bounded by its channel,
    the others keep their pace.
@@ -69,6 +70,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,7 @@ from ..logs import context
 from ..protocol import DoneReason
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .llama_budget import PrefillBudget
 from .llama_context import (
     AbortFlag,
     Batch,
@@ -120,6 +123,7 @@ class BatchEngine:
         n_batch: int,
         prefill_chunk: int,
         prepare: Prepare,
+        prefill_budget: float = 2.0,
         piece: Callable[[int], bytes],
         read_piece: Callable[[int], bytes] | None = None,
         tokenize_text: Callable[[str], list[int]] | None = None,
@@ -131,7 +135,10 @@ class BatchEngine:
         #: Prompt + completion per sequence: what was asked, within what llama.cpp made.
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
         self.n_batch = n_batch
-        self.prefill_chunk = max(1, min(prefill_chunk, n_batch))
+        #: Prompt tokens per step while others decode (see :mod:`.llama_budget`).
+        self.budget = PrefillBudget(
+            prefill_budget, n_batch, fixed=max(1, min(prefill_chunk, n_batch))
+        )
         self._prepare = prepare
         self._piece = piece
         self._tokenize_text = tokenize_text
@@ -170,6 +177,9 @@ class BatchEngine:
             "grammar_tokens_asked": 0,
         }
         self.request_stats: dict[str, RequestStats] = {}
+        #: The latest steps, oldest first: (decoding sequences, prompt tokens,
+        #: the prompt's share, seconds in ``llama_decode``) — for tests and the bench.
+        self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=4 * _STATS_KEPT)
         #: Called on the engine thread just before a request's first prompt
         #: tokens are decoded, with its ID and prompt length (the abort flag is
         #: armed for it by then). For tests and metrics; quick, must not raise.
@@ -407,7 +417,7 @@ class BatchEngine:
                 assert job.seq is not None and job.next_token is not None
                 index = batch.add(job.next_token, len(job.seq.tokens), job.seq.index, True)
                 plan.append((job, 1, index))
-            budget = self.prefill_chunk if decoding else self.n_batch
+            share = budget = self.budget.share(len(decoding)) if self._prefilling() else 0
             first_chunks: list[Job] = []
             for job in self._jobs:
                 remaining = len(job.prompt) - job.fed
@@ -439,6 +449,10 @@ class BatchEngine:
         status = llama_cpp.llama_decode(self.ctx, batch.ready())
         decoded = time.perf_counter()
         self.seconds["decode"] += decoded - started
+        if status == 0:
+            prompt_tokens = batch.n - len(decoding)
+            self.budget.observe(len(decoding), prompt_tokens, decoded - started)
+            self.step_log.append((len(decoding), prompt_tokens, share, decoded - started))
         with self._cond:
             for job, _, _ in plan:
                 job.in_flight = False
@@ -476,6 +490,9 @@ class BatchEngine:
             if index >= 0 and not job.cancelled:
                 self._sample(job, index)
         self.seconds["sample"] += time.perf_counter() - decoded
+
+    def _prefilling(self) -> bool:
+        return any(j.fed < len(j.prompt) and not j.cancelled for j in self._jobs)
 
     def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler

@@ -1,0 +1,89 @@
+"""The prefill budget: how many prompt tokens a step takes beside decoding
+sequences, from the step durations the engine measured (sans-I/O: the
+durations are given here; tests/test_llama_batch.py runs it in the engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wsserver.backends.llama_budget import PrefillBudget
+
+MS = 0.001
+
+
+def ingest(budget: PrefillBudget, decode_s: float, token_s: float, steps: int) -> list[int]:
+    """Shares over ``steps`` mixed steps on a machine where a step costs
+    ``decode_s`` plus ``token_s`` per prompt token; the step durations go back
+    to the budget as the engine reports them."""
+    shares = []
+    for _ in range(steps):
+        share = budget.share(3)
+        shares.append(share)
+        budget.observe(3, share, decode_s + share * token_s)
+    return shares
+
+
+def test_nobody_decoding_the_prompt_takes_whole_batches() -> None:
+    budget = PrefillBudget(2.0, n_batch=512)
+    assert budget.share(0) == 512
+
+
+def test_the_share_fills_the_budget_from_measured_costs() -> None:
+    budget = PrefillBudget(2.0, n_batch=512)
+    budget.observe(3, 0, 50 * MS)  # the three streams' step alone
+    budget.observe(0, 512, 512 * 1.5 * MS)  # an earlier prompt, alone: optimistic
+    shares = ingest(budget, 50 * MS, 2 * MS, steps=8)
+    # (2.0 - 1) x 50 ms of room at 2 ms a token: 25 tokens, once measured;
+    # never a step over the budget, not even the first from the optimistic figure.
+    assert shares[-1] == 25
+    assert all(50 * MS + s * 2 * MS <= 2.0 * 50 * MS * 1.34 for s in shares)
+    assert shares[0] == 33  # 50 ms / 1.5 ms: the prompt-only estimate, then corrected
+
+
+@pytest.mark.parametrize("factor", [1.5, 2.0, 3.0, 5.0])
+def test_the_step_lasts_at_most_factor_times_the_decode_step(factor: float) -> None:
+    budget = PrefillBudget(factor, n_batch=512)
+    budget.observe(3, 0, 47 * MS)
+    budget.observe(0, 64, 64 * 2 * MS)
+    for share in ingest(budget, 47 * MS, 2.7 * MS, steps=12)[2:]:
+        assert 47 * MS + share * 2.7 * MS <= factor * 47 * MS + 1e-9
+        assert 47 * MS + (share + 1) * 2.7 * MS > factor * 47 * MS  # and uses it
+
+
+def test_the_share_follows_a_prompt_token_growing_dearer_with_its_position() -> None:
+    """Attention reads every earlier cell: at the prompt's end a token costs
+    more than at its start, and the chunks shrink to keep the step's time."""
+    budget = PrefillBudget(2.0, n_batch=512)
+    budget.observe(3, 0, 50 * MS)
+    budget.observe(0, 100, 100 * 2 * MS)
+    early = ingest(budget, 50 * MS, 2 * MS, steps=6)[-1]
+    late = ingest(budget, 50 * MS, 4.6 * MS, steps=12)[-1]
+    assert early == 25 and late == 10
+
+
+def test_one_quick_step_does_not_make_the_next_one_huge() -> None:
+    budget = PrefillBudget(2.0, n_batch=512)
+    budget.observe(3, 0, 50 * MS)
+    budget.observe(0, 100, 100 * 2 * MS)
+    ingest(budget, 50 * MS, 2 * MS, steps=6)
+    budget.observe(3, 25, 40 * MS)  # noise: shorter than the decode step alone
+    assert budget.share(3) <= 2 * 25 + 8
+
+
+def test_unmeasured_then_fixed_chunk() -> None:
+    """Before any measurement, and with the budget off (factor 0), the share
+    is the fixed chunk (``prefill_chunk``), within ``n_batch``."""
+    assert PrefillBudget(2.0, n_batch=512, fixed=64).share(3) == 64
+    off = PrefillBudget(0.0, n_batch=512, fixed=48)
+    off.observe(3, 0, 50 * MS)
+    off.observe(3, 48, 500 * MS)
+    assert off.share(3) == 48
+    assert PrefillBudget(0.0, n_batch=16, fixed=48).share(1) == 16
+
+
+def test_a_decode_count_not_yet_measured_uses_the_nearest() -> None:
+    budget = PrefillBudget(2.0, n_batch=512)
+    budget.observe(2, 0, 40 * MS)
+    budget.observe(0, 100, 100 * 2 * MS)
+    assert budget.decode_time(3) == pytest.approx(40 * MS)
+    assert budget.share(3) == 20

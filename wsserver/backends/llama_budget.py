@@ -1,0 +1,109 @@
+"""How many prompt tokens one step may take while other sequences decode.
+
+A long prompt shares the machine with the sequences that are decoding: each
+step carries their next tokens and a chunk of the prompt, and their next
+token comes only when the step ends. :class:`PrefillBudget` sizes that chunk
+by time, not by a token count: the step should last ``factor`` times a
+decode-only step of the same sequences (2.0: the prompt gets about half the
+machine, the others' gap at most doubles). A fixed token count cannot do
+that: a prompt token's cost grows with its position (attention reads every
+earlier cell; measured here on the default model, 2 threads: ~2 ms at
+position 0, ~4.6 ms at position 2,900), and differs between models and
+machines.
+
+It learns from the steps it is told about (:meth:`PrefillBudget.observe`):
+
+* the decode-only step's duration, per number of decoding sequences;
+* a prompt token's cost in a mixed step: the step's duration beyond the
+  decode-only one, per prompt token. Moving averages that follow the prompt's
+  position from step to step; until a mixed step was seen, a prompt-only
+  step's cost per token stands in (optimistic: large batches are cheaper per
+  token — the next mixed step corrects it).
+
+Sans-I/O: durations come from the caller (the engine's timer around
+``llama_decode``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PrefillBudget"]
+
+#: Weight of the newest observation in the moving averages: a prompt token's
+#: cost follows the prompt's position, so recent steps count most.
+TOKEN_WEIGHT = 0.5
+DECODE_WEIGHT = 0.25
+
+
+@dataclass
+class PrefillBudget:
+    """See the module docstring. ``factor`` 0 turns the budget off: every
+    step then takes ``fixed`` prompt tokens (the old ``prefill_chunk``)."""
+
+    factor: float
+    n_batch: int
+    fixed: int = 64
+    #: Decode-only step seconds by the number of decoding sequences.
+    decode_s: dict[int, float] = field(default_factory=dict)
+    #: Seconds one prompt token adds to a mixed step (None: not seen yet).
+    token_s: float | None = None
+    #: A prompt token's cost in a prompt-only step, the first estimate.
+    alone_s: float | None = None
+    #: The last budgeted share (its growth from step to step is capped).
+    last_share: int = 0
+
+    def share(self, decoding: int) -> int:
+        """Prompt tokens the next step may take beside ``decoding`` sequences'
+        tokens (all of ``n_batch`` when none decode)."""
+        if decoding == 0:
+            return self.n_batch
+        if self.factor <= 0:
+            return max(1, min(self.fixed, self.n_batch))
+        decode = self.decode_time(decoding)
+        per_token = self.token_s if self.token_s is not None else self.alone_s
+        if decode is None or per_token is None or per_token <= 0:
+            return max(1, min(self.fixed, self.n_batch))
+        room = (self.factor - 1.0) * decode
+        share = max(1, min(self.n_batch, int(room / per_token)))
+        if self.last_share:  # one quick step (noise) must not make the next one huge
+            share = min(share, 2 * self.last_share + 8)
+        self.last_share = share
+        return share
+
+    def decode_time(self, decoding: int) -> float | None:
+        """The decode-only step's duration for ``decoding`` sequences: measured,
+        or scaled from the nearest measured count (a step's cost grows with
+        its tokens, slowly: the weights are read once for all of them)."""
+        if decoding in self.decode_s:
+            return self.decode_s[decoding]
+        if not self.decode_s:
+            return None
+        nearest = min(self.decode_s, key=lambda n: abs(n - decoding))
+        return self.decode_s[nearest]
+
+    def observe(self, decoding: int, prompt: int, seconds: float) -> None:
+        """A step of ``decoding`` sequences' tokens and ``prompt`` prompt tokens
+        took ``seconds`` in ``llama_decode``."""
+        if prompt == 0:
+            if decoding > 0:
+                old = self.decode_s.get(decoding)
+                self.decode_s[decoding] = (
+                    seconds if old is None else old + DECODE_WEIGHT * (seconds - old)
+                )
+            return
+        if decoding == 0:
+            per = seconds / prompt
+            self.alone_s = (
+                per if self.alone_s is None else self.alone_s + TOKEN_WEIGHT * (per - self.alone_s)
+            )
+            return
+        decode = self.decode_time(decoding)
+        if decode is None:
+            return
+        per = max(seconds - decode, 0.0) / prompt
+        if self.alone_s is not None:  # noise can make a step look free; no token is
+            per = max(per, 0.5 * self.alone_s)
+        self.token_s = (
+            per if self.token_s is None else self.token_s + TOKEN_WEIGHT * (per - self.token_s)
+        )
