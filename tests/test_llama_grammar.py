@@ -24,7 +24,7 @@ from test_llama_backend import RecordingSink, Running, loaded, request, run  # n
 
 from wsserver.backends.base import CancelEvent  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.backends.llama_grammar import GrammarCache  # noqa: E402
+from wsserver.backends.llama_grammar import GrammarCache, utf8_needed  # noqa: E402
 from wsserver.errors import BackendError, ProtocolError  # noqa: E402
 from wsserver.protocol import Generate  # noqa: E402
 
@@ -283,6 +283,45 @@ def test_a_schema_the_grammar_would_not_enforce_is_refused_by_name() -> None:
     # What it does enforce passes: lengths on a plain string, formats it knows.
     fine = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
     assert unenforced(fine) == [] and schema_to_gbnf(json.dumps(fine))
+
+
+@pytest.mark.parametrize(
+    ("text", "passes"),
+    [
+        ('"caf\\u00e9 \\n \\uFFFD"', True),
+        ('"\\uD81e"', False),  # an unpaired surrogate: orjson refuses it (so did a tool call)
+        ('"\\udfff"', False),
+        ('"a\nb"', False),  # a raw control character
+        ('"\U0001f600"', True),  # beyond the BMP, as itself
+    ],
+)
+def test_a_schema_string_holds_only_what_strict_json_parsers_accept(
+    backend: LlamaBackend, text: str, passes: bool
+) -> None:
+    """The grammar of a JSON string, fed byte by byte: what it lets through
+    parses with orjson (as our tool-call and schema checks do)."""
+    import orjson
+
+    engine = backend.engine
+    assert engine is not None
+    grammar = engine.grammars.instance(grammar=None, json_schema='{"type": "string"}')
+    candidates = engine._candidates
+    try:
+        accepted = True
+        inside = 0
+        for byte in text.encode():
+            token = int(candidates.probe_tokens[byte])
+            assert token >= 0, f"the tiny vocabulary has a token for byte {byte:#x}"
+            if not candidates.accepts(grammar, token, inside=inside > 0):
+                accepted = False
+                break
+            llama_cpp.llama_sampler_accept(grammar, token)
+            inside = utf8_needed(inside, bytes([byte]))
+    finally:
+        llama_cpp.llama_sampler_free(grammar)
+    assert accepted == passes, text
+    if passes:
+        orjson.loads(text)
 
 
 async def test_an_unenforceable_schema_is_refused_before_start_on_both_wires(

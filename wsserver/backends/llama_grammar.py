@@ -52,6 +52,9 @@ DEFAULT_CACHE_BYTES = 4 << 20
 
 _LOOSE_CHAR = 'char ::= [^"\\\\] |'
 _STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
+_HEX = "[0-9a-fA-F]"
+_ANY_ESCAPE = f'"u" {_HEX} {_HEX} {_HEX} {_HEX}'
+_NO_SURROGATE = f'"u" ([0-9a-cA-Ce-fE-F] {_HEX} {_HEX} {_HEX} | [dD] [0-7] {_HEX} {_HEX})'
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 #: The prefix table's row and column for "no byte there" (an empty text, a one-byte text).
 _NO_BYTE = 256
@@ -156,8 +159,11 @@ def schema_to_gbnf(schema: str) -> str:
             f"'json_schema' could not be compiled to a grammar: {detail}", code="bad_request"
         ) from None
     # The converter llama-cpp-python ships lets a JSON string hold raw control
-    # characters, which no JSON parser accepts; llama.cpp's own excludes them.
-    return gbnf.replace(_LOOSE_CHAR, _STRICT_CHAR)
+    # characters, which no JSON parser accepts (llama.cpp's own excludes
+    # them), and a \u escape of a UTF-16 surrogate, which strict parsers
+    # (orjson, and so our tool-call checks) refuse when it is unpaired: a
+    # character beyond the BMP is written as itself instead.
+    return gbnf.replace(_LOOSE_CHAR, _STRICT_CHAR).replace(_ANY_ESCAPE, _NO_SURROGATE)
 
 
 class GrammarCache:
