@@ -33,7 +33,10 @@ of the request's tools) first, then its ``arguments`` as JSON text, in
 fragments of at most :data:`FRAGMENT_CHARS`. A call that is not valid JSON,
 names no known tool, or whose arguments are not a JSON object is an
 :attr:`ToolSplit.error`, never passed off as a call; the parser then takes
-nothing more.
+nothing more. The one call released unfinished is one the output was cut
+off in (``max_tokens``: :meth:`ToolCallParser.flush` with ``cut``): its name
+and its arguments' text so far, as OpenAI reports such a call — the answer's
+``length`` says it is cut, and its arguments do not parse.
 """
 
 from __future__ import annotations
@@ -192,14 +195,21 @@ class ToolCallParser:
             pass
         return self._result(content, calls)
 
-    def flush(self) -> ToolSplit:
-        """The end of the output: release or judge what was held back."""
+    def flush(self, *, cut: bool = False) -> ToolSplit:
+        """The end of the output: release or judge what was held back.
+
+        ``cut``: the output was cut off (``max_tokens``). A call it cut short
+        is then released as far as it got — its name, and its arguments'
+        text so far, which is not valid JSON — instead of being an error; a
+        cut before the call's name leaves nothing to release."""
         content: list[str] = []
         calls: list[CallPart] = []
         if not self._done:
             held, self._buffer = self._buffer, ""
             if self._call_kind is None:
                 self._release(held, content)
+            elif cut and (self._call_kind != "json" or '"tool_call' in held or '"name"' in held):
+                self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
                 content.append(held)  # JSON that never looked like a call: the answer
             elif _json_extent(held) > 0 and _HERMES_END.startswith(
@@ -325,12 +335,60 @@ class ToolCallParser:
             part = self._check(item)
             if part is None:
                 return
-            name, arguments, call_id = part
-            index = self._made
-            self._made += 1
-            calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
-            for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
-                calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
+            self._emit(*part, calls)
+
+    def _emit(self, name: str, arguments: str, call_id: str, calls: list[CallPart]) -> None:
+        """Release a call: its first part, then its arguments in fragments."""
+        index = self._made
+        self._made += 1
+        calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
+        for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
+            calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
+
+    def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
+        """The calls in ``held``, text cut off by ``max_tokens``: those it holds
+        whole are checked and released as usual; the one it cut short is
+        released with its arguments' text so far (which does not parse: the
+        wire says the output was cut, and clients see why the arguments do
+        not parse). A call cut before its name is complete is not released."""
+        position = 0
+        while (named := _NAME.search(held, position)) is not None:
+            if self._max_calls is not None and self._made >= self._max_calls:
+                return
+            try:
+                name = orjson.loads(f'"{named.group(1)}"')
+            except orjson.JSONDecodeError:
+                self._fail("the model's tool call is not valid JSON")
+                return
+            if not self._known(name):
+                return
+            opened = _ARGUMENTS.match(held, named.end())
+            if opened is None:
+                self._emit(name, "", self._new_id(), calls)  # cut before its arguments
+                return
+            start = opened.end()
+            extent = _json_extent(held[start:])
+            whole: Any = None
+            if extent > 0:
+                try:
+                    whole = orjson.loads(held[start : start + extent])
+                except orjson.JSONDecodeError:
+                    extent = -1
+            if extent < 0:
+                self._emit(name, held[start:], self._new_id(), calls)
+                return
+            part = self._check({"name": name, "arguments": whole})
+            if part is None:
+                return
+            self._emit(*part, calls)
+            position = start + extent
+
+    def _known(self, name: str) -> bool:
+        """Whether ``name`` is one of the request's tools (failing if not)."""
+        if self._names is not None and name not in self._names:
+            self._fail(f"the model called {name[:64]!r}, which is not one of the request's tools")
+            return False
+        return True
 
     def _check(self, item: Any) -> tuple[str, str, str] | None:
         """A call's name, arguments (JSON text) and id; None after failing."""
@@ -338,8 +396,7 @@ class ToolCallParser:
             self._fail(f"the model's tool call names no function: {_excerpt(str(item))}")
             return None
         name: str = item["name"]
-        if self._names is not None and name not in self._names:
-            self._fail(f"the model called {name[:64]!r}, which is not one of the request's tools")
+        if not self._known(name):
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):
@@ -366,6 +423,9 @@ def _held_back(text: str, openers: dict[str, _Kind]) -> int:
 
 
 _CLOSERS: Final = {"{": "}", "[": "]"}
+#: A call's name, and what opens its arguments after it (in text cut short).
+_NAME: Final = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS: Final = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 def _json_extent(text: str) -> int:
