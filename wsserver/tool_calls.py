@@ -16,11 +16,13 @@ tells formats apart (:func:`detect_syntax`):
   ``{"response": "…"}`` or a bare call object;
 * ``any`` — all of the above (an engine without a template: the fake);
 * ``relay`` — calls an upstream server already parsed and streamed as
-  OpenAI's ``tool_calls``: the relay writes them into the text as
-  :data:`RELAY_MARKER` and a JSON array (:func:`relay_call_text`), so that
-  they take the same path as every engine's calls (paced, numbered,
-  replayed) while the upstream's content is left exactly as it was (no
-  model syntax is looked for in it).
+  OpenAI's ``tool_calls``: the relay writes each part into the text as it
+  arrives, as :data:`RELAY_MARKER` and a JSON object
+  (:func:`relay_part_text`), so that they take the same path as every
+  engine's calls (paced, numbered, replayed) while the upstream's content is
+  left exactly as it was (no model syntax is looked for in it). Those parts
+  are released at once, as they came — the arguments' fragments too — and
+  each call's joined arguments are checked at the end.
 
 :class:`ToolCallParser` works on final text, after
 :class:`~wsserver.reasoning.ReasoningSplitter`, like it: piece by piece, and
@@ -59,7 +61,7 @@ __all__ = [
     "ToolSplit",
     "detect_syntax",
     "new_call_id",
-    "relay_call_text",
+    "relay_part_text",
 ]
 
 Syntax = Literal["hermes", "llama3", "mistral", "generic", "any", "relay"]
@@ -95,15 +97,19 @@ def detect_syntax(template: str | None) -> Syntax:
     return "generic"
 
 
-def relay_call_text(calls: list[tuple[str | None, str, str]]) -> str:
-    """Calls an upstream made — ``(id, name, arguments as JSON text)`` — as the
-    text the ``relay`` syntax reads back: the same ids, names and arguments."""
-    items = [
-        # A call without arguments may come with none at all ("").
-        {"name": name, "arguments": arguments or "{}", **({"id": call_id} if call_id else {})}
-        for call_id, name, arguments in calls
-    ]
-    return RELAY_MARKER + orjson.dumps(items).decode()
+def relay_part_text(
+    index: int, arguments: str, call_id: str | None = None, name: str | None = None
+) -> str:
+    """A part of a call an upstream streamed — its ``index``, the
+    ``arguments`` text it adds, and for a call's first part its ``id`` (if
+    the upstream gave one) and ``name`` — as the text the ``relay`` syntax
+    reads back."""
+    part: dict[str, Any] = {"index": index, "arguments": arguments}
+    if name is not None:
+        part["name"] = name
+        if call_id:
+            part["id"] = call_id
+    return RELAY_MARKER + orjson.dumps(part).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +132,7 @@ class ToolSplit:
     error: str | None = None
 
 
-_Kind = Literal["hermes", "mistral", "json"]
+_Kind = Literal["hermes", "mistral", "json", "relay"]
 _WS = " \t\r\n"
 
 
@@ -144,6 +150,7 @@ class ToolCallParser:
         "_names",
         "_new_id",
         "_openers",
+        "_relayed",
         "_start_json",
     )
 
@@ -165,7 +172,7 @@ class ToolCallParser:
         if syntax in ("llama3", "any"):
             openers[_PYTHON_TAG] = "json"
         if syntax == "relay":
-            openers[RELAY_MARKER] = "mistral"  # a JSON array of calls, as Mistral's
+            openers[RELAY_MARKER] = "relay"  # a JSON object: one part of a call
         self._openers = openers
         #: A JSON call may open the output (after whitespace).
         self._start_json = syntax in ("llama3", "generic", "any")
@@ -178,6 +185,8 @@ class ToolCallParser:
         self._made = 0
         self._done = False
         self._error: str | None = None
+        #: Relayed calls: the upstream's index → [our index (-1: dropped), name, arguments].
+        self._relayed: dict[int, list[Any]] = {}
 
     @property
     def calls_made(self) -> int:
@@ -208,6 +217,7 @@ class ToolCallParser:
             held, self._buffer = self._buffer, ""
             if self._call_kind is None:
                 self._release(held, content)
+                self._end_relayed(calls, cut)
             elif cut and (self._call_kind != "json" or '"tool_call' in held or '"name"' in held):
                 self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
@@ -274,8 +284,8 @@ class ToolCallParser:
     def _release(self, text: str, content: list[str]) -> None:
         if not text:
             return
-        if self._made and not text.strip():
-            return  # whitespace between calls
+        if self._made and not text.strip() and RELAY_MARKER not in self._openers:
+            return  # whitespace between a model's calls (an upstream's content is kept)
         self._at_start = False
         content.append(text)
 
@@ -294,6 +304,9 @@ class ToolCallParser:
                 rest = after[len(_HERMES_END) :]
         self._buffer = rest
         self._call_kind = None
+        if kind == "relay":
+            self._relay_part(body, calls)
+            return True
         self._call(body, kind, content, calls)
         if self._max_calls is not None and self._made >= self._max_calls:
             self._done = True  # one call asked for: what follows is not read
@@ -344,6 +357,61 @@ class ToolCallParser:
         calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
         for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
             calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
+
+    def _relay_part(self, body: str, calls: list[CallPart]) -> None:
+        """One part of a call an upstream streamed: released as it came."""
+        part = orjson.loads(body)  # the relay wrote it: valid JSON
+        upstream: int = part["index"]
+        arguments: str = part["arguments"]
+        call = self._relayed.get(upstream)
+        if call is None:
+            name = part.get("name")
+            if self._max_calls is not None and self._made >= self._max_calls:
+                self._relayed[upstream] = [-1, name, ""]  # one call asked for: not read
+                return
+            if not name:
+                self._fail(f"the upstream's tool call names no function: {_excerpt(body)}")
+                return
+            if not self._known(name):
+                return
+            call = self._relayed[upstream] = [self._made, name, ""]
+            self._made += 1
+            calls.append(
+                CallPart(
+                    call[0], arguments[:FRAGMENT_CHARS], part.get("id") or self._new_id(), name
+                )
+            )
+            arguments_left = arguments[FRAGMENT_CHARS:]
+        else:
+            arguments_left = arguments
+        if call[0] < 0:
+            return
+        call[2] += arguments
+        for start in range(0, len(arguments_left), FRAGMENT_CHARS):
+            calls.append(CallPart(call[0], arguments_left[start : start + FRAGMENT_CHARS]))
+
+    def _end_relayed(self, calls: list[CallPart], cut: bool) -> None:
+        """The relayed calls are complete: check their joined arguments (not
+        the last one's if the output was cut short); a call that came with
+        no arguments at all gets ``{}``."""
+        made = [call for call in self._relayed.values() if call[0] >= 0]
+        for number, (index, name, arguments) in enumerate(made):
+            if not arguments:
+                if not (cut and number == len(made) - 1):
+                    calls.append(CallPart(index, "{}"))
+                continue
+            if cut and number == len(made) - 1:
+                return
+            try:
+                value = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                self._fail(f"the arguments of the upstream's call to {name!r} are not valid JSON")
+                return
+            if not isinstance(value, dict):
+                self._fail(
+                    f"the arguments of the upstream's call to {name!r} are not a JSON object"
+                )
+                return
 
     def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
         """The calls in ``held``, text cut off by ``max_tokens``: those it holds
