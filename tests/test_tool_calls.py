@@ -257,3 +257,31 @@ def test_the_syntax_is_read_from_the_template() -> None:
     assert detect_syntax("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"
     with pytest.raises(ValueError, match="unknown tool call syntax"):
         ToolCallParser("xml")  # type: ignore[arg-type]
+
+
+RESPONSE = '  {"response": "Hi \\u00e9 \\ud83d\\ude00 \\"q\\" 日本\\n"}'
+
+
+@pytest.mark.parametrize("syntax", ["generic", "any", "llama3"])
+def test_a_generic_answer_streams_as_its_string_comes(syntax: Syntax) -> None:
+    decoded = 'Hi é 😀 "q" 日本\n'
+    data = RESPONSE.encode()
+    for cut in range(1, len(data)):
+        assert run(syntax, data, [cut]) == (decoded, [], []), cut
+    # Fed a byte at a time: the answer comes out as it is written, not at the end.
+    parser = ToolCallParser(syntax, names=NAMES)
+    assembler = TextAssembler()
+    seen: list[str] = []
+    for position in range(len(data)):
+        seen.append(parser.feed(assembler.feed(data[position : position + 1])).content)
+    seen.append(parser.feed(assembler.flush()).content + parser.flush().content)
+    assert "".join(seen) == decoded
+    assert sum(1 for piece in seen if piece) > 10
+    assert seen[-1] == "" and seen[-2] == ""  # nothing waited for the closing brace
+    # Cut off inside the string: what came is the answer, no error.
+    half = RESPONSE[: RESPONSE.index("日")].encode()
+    assert run(syntax, half, [], cut=True) == ('Hi é 😀 "q" ', [], [])
+
+
+def test_what_follows_a_generic_answer_is_text() -> None:
+    assert run("generic", b'{"response": "a", "x": 1}', [])[0] == 'a, "x": 1}'

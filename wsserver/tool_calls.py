@@ -30,7 +30,10 @@ it holds back exactly what may still become a call — ``"<tool_c"`` at the
 end of content, leading whitespace and ``{`` where a JSON call may begin — so
 a marker split anywhere is still found and released text is never taken back.
 Text before a call is content; once a call begins its text is not content.
-A call is released once its JSON is complete and checked: its ``name`` (one
+The generic answer ``{"response": "…"}`` is content as its string comes,
+decoded piece by piece (:class:`~wsserver.json_text.StringDecoder`), not
+once its JSON closes. A call is released once its JSON is complete and
+checked: its ``name`` (one
 of the request's tools) first, then its ``arguments`` as JSON text, in
 fragments of at most :data:`FRAGMENT_CHARS`. A call that is not valid JSON,
 names no known tool, or whose arguments are not a JSON object is an
@@ -51,6 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
+
+from .json_text import StringDecoder, json_extent
 
 __all__ = [
     "FRAGMENT_CHARS",
@@ -140,6 +145,7 @@ class ToolCallParser:
     """Splits a stream of text into content and tool calls."""
 
     __slots__ = (
+        "_answer",
         "_at_start",
         "_buffer",
         "_call_kind",
@@ -187,6 +193,8 @@ class ToolCallParser:
         self._error: str | None = None
         #: Relayed calls: the upstream's index → [our index (-1: dropped), name, arguments].
         self._relayed: dict[int, list[Any]] = {}
+        #: Inside the string of a generic ``{"response": "…"}``: its decoder.
+        self._answer: StringDecoder | None = None
 
     @property
     def calls_made(self) -> int:
@@ -215,18 +223,20 @@ class ToolCallParser:
         calls: list[CallPart] = []
         if not self._done:
             held, self._buffer = self._buffer, ""
-            if self._call_kind is None:
+            if self._answer is not None:
+                pass  # an answer's string cut short (what it decided is out), or its "}" missing
+            elif self._call_kind is None:
                 self._release(held, content)
                 self._end_relayed(calls, cut)
             elif cut and (self._call_kind != "json" or '"tool_call' in held or '"name"' in held):
                 self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
                 content.append(held)  # JSON that never looked like a call: the answer
-            elif _json_extent(held) > 0 and _HERMES_END.startswith(
-                held[_json_extent(held) :].strip(_WS)
+            elif json_extent(held) > 0 and _HERMES_END.startswith(
+                held[json_extent(held) :].strip(_WS)
             ):
                 # A model that ended without (all of) the closing tag: the call is whole.
-                self._call(held[: _json_extent(held)], self._call_kind, content, calls)
+                self._call(held[: json_extent(held)], self._call_kind, content, calls)
             else:
                 self._fail("the model's tool call was cut off before its end")
         self._done = True
@@ -247,6 +257,8 @@ class ToolCallParser:
         """One move on the buffer; whether another may follow."""
         if self._done or not self._buffer:
             return False
+        if self._answer is not None:
+            return self._step_answer(content)
         if self._call_kind is not None:
             return self._step_call(content, calls)
         buffer = self._buffer
@@ -289,10 +301,37 @@ class ToolCallParser:
         self._at_start = False
         content.append(text)
 
+    def _step_answer(self, content: list[str]) -> bool:
+        """Inside a generic ``{"response": "…"}``: its string's text is content
+        as it comes; then its closing brace is taken."""
+        assert self._answer is not None
+        if not self._answer.closed:
+            text, end = self._answer.feed(self._buffer)
+            if text:
+                content.append(text)
+            if end is None:
+                self._buffer = ""
+                return False
+            self._buffer = self._buffer[end:]
+        rest = self._buffer.lstrip(_WS)
+        if not rest:
+            return False  # the brace may still come
+        self._answer = None
+        # More than the response in the object: what follows is the model's text.
+        self._buffer = rest[1:] if rest[0] == "}" else rest
+        return True
+
     def _step_call(self, content: list[str], calls: list[CallPart]) -> bool:
         kind = self._call_kind
         buffer = self._buffer
-        extent = _json_extent(buffer)
+        if kind == "json" and (opened := _RESPONSE.match(buffer)) is not None:
+            # llama.cpp's generic answer: its text streams, decoded as it comes.
+            self._call_kind = None
+            self._at_start = False
+            self._answer = StringDecoder()
+            self._buffer = buffer[opened.end() :]
+            return True
+        extent = json_extent(buffer)
         if extent < 0:
             return False
         body, rest = buffer[:extent], buffer[extent:]
@@ -435,7 +474,7 @@ class ToolCallParser:
                 self._emit(name, "", self._new_id(), calls)  # cut before its arguments
                 return
             start = opened.end()
-            extent = _json_extent(held[start:])
+            extent = json_extent(held[start:])
             whole: Any = None
             if extent > 0:
                 try:
@@ -490,36 +529,11 @@ def _held_back(text: str, openers: dict[str, _Kind]) -> int:
     return 0
 
 
-_CLOSERS: Final = {"{": "}", "[": "]"}
+#: What opens llama.cpp's generic answer, ``{"response": "…"}``, up to its string.
+_RESPONSE: Final = re.compile(r'\{\s*"response"\s*:\s*"')
 #: A call's name, and what opens its arguments after it (in text cut short).
 _NAME: Final = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _ARGUMENTS: Final = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def _json_extent(text: str) -> int:
-    """The length of the JSON object or array that opens ``text`` (after
-    whitespace), or -1 while it is incomplete."""
-    depth = 0
-    in_string = escaped = False
-    for position, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth <= 0:
-                return position + 1
-        elif depth == 0 and char not in _WS:
-            return position + 1  # not JSON: the parse of this much fails
-    return -1
 
 
 _SPACES = re.compile(r"\s+")
