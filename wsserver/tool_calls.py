@@ -22,7 +22,8 @@ tells formats apart (:func:`detect_syntax`):
   engine's calls (paced, numbered, replayed) while the upstream's content is
   left exactly as it was (no model syntax is looked for in it). Those parts
   are released at once, as they came — the arguments' fragments too — and
-  each call's joined arguments are checked at the end.
+  each call's joined arguments are checked at the end
+  (:class:`~wsserver.tool_relay.RelayedCalls`).
 
 :class:`ToolCallParser` works on final text, after
 :class:`~wsserver.reasoning.ReasoningSplitter`, like it: piece by piece, and
@@ -33,9 +34,9 @@ Text before a call is content; once a call begins its text is not content.
 The generic answer ``{"response": "…"}`` is content as its string comes,
 decoded piece by piece (:class:`~wsserver.json_text.StringDecoder`), not
 once its JSON closes. A call is released once its JSON is complete and
-checked: its ``name`` (one
-of the request's tools) first, then its ``arguments`` as JSON text, in
-fragments of at most :data:`FRAGMENT_CHARS`. A call that is not valid JSON,
+checked: its ``name`` (one of the request's tools) first, then its
+``arguments`` as JSON text, in fragments of at most :data:`FRAGMENT_CHARS`
+(:mod:`wsserver.call_parts`). A call that is not valid JSON,
 names no known tool, or whose arguments are not a JSON object is an
 :attr:`ToolSplit.error`, never passed off as a call; the parser then takes
 nothing more. The one call released unfinished is one the output was cut
@@ -47,15 +48,15 @@ and its arguments' text so far, as OpenAI reports such a call — the answer's
 from __future__ import annotations
 
 import re
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
 
+from .call_parts import FRAGMENT_CHARS, CallPart, call_parts, new_call_id, unknown_tool
 from .json_text import StringDecoder, json_extent
+from .tool_relay import RELAY_MARKER, RelayedCalls, relay_part_text
 
 __all__ = [
     "FRAGMENT_CHARS",
@@ -71,22 +72,11 @@ __all__ = [
 
 Syntax = Literal["hermes", "llama3", "mistral", "generic", "any", "relay"]
 SYNTAXES: Final = ("hermes", "llama3", "mistral", "generic", "any", "relay")
-#: The most argument text one :class:`CallPart` carries.
-FRAGMENT_CHARS: Final = 4096
 
 _HERMES: Final = "<tool_call>"
 _HERMES_END: Final = "</tool_call>"
 _MISTRAL: Final = "[TOOL_CALLS]"
 _PYTHON_TAG: Final = "<|python_tag|>"
-_ALPHABET: Final = string.ascii_letters + string.digits
-#: Opens the calls a relay writes into its text (a private-use character, which
-#: no upstream's content is expected to hold).
-RELAY_MARKER: Final = "\ue000"
-
-
-def new_call_id() -> str:
-    """A fresh call id, in OpenAI's shape (``call_`` and 24 letters/digits)."""
-    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
 
 
 def detect_syntax(template: str | None) -> Syntax:
@@ -100,31 +90,6 @@ def detect_syntax(template: str | None) -> Syntax:
     if _PYTHON_TAG in template or ("<|start_header_id|>" in template and "ipython" in template):
         return "llama3"
     return "generic"
-
-
-def relay_part_text(
-    index: int, arguments: str, call_id: str | None = None, name: str | None = None
-) -> str:
-    """A part of a call an upstream streamed — its ``index``, the
-    ``arguments`` text it adds, and for a call's first part its ``id`` (if
-    the upstream gave one) and ``name`` — as the text the ``relay`` syntax
-    reads back."""
-    part: dict[str, Any] = {"index": index, "arguments": arguments}
-    if name is not None:
-        part["name"] = name
-        if call_id:
-            part["id"] = call_id
-    return RELAY_MARKER + orjson.dumps(part).decode()
-
-
-@dataclass(frozen=True, slots=True)
-class CallPart:
-    """A piece of call ``index``: its first part has ``id`` and ``name``."""
-
-    index: int
-    arguments: str = ""
-    id: str | None = None
-    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +121,7 @@ class ToolCallParser:
         "_names",
         "_new_id",
         "_openers",
-        "_relayed",
+        "_relay",
         "_start_json",
     )
 
@@ -191,8 +156,12 @@ class ToolCallParser:
         self._made = 0
         self._done = False
         self._error: str | None = None
-        #: Relayed calls: the upstream's index → [our index (-1: dropped), name, arguments].
-        self._relayed: dict[int, list[Any]] = {}
+        #: The calls an upstream streamed (the ``relay`` syntax).
+        self._relay = (
+            RelayedCalls(names=names, max_calls=self._max_calls, new_id=new_id)
+            if syntax == "relay"
+            else None
+        )
         #: Inside the string of a generic ``{"response": "…"}``: its decoder.
         self._answer: StringDecoder | None = None
 
@@ -227,7 +196,11 @@ class ToolCallParser:
                 pass  # an answer's string cut short (what it decided is out), or its "}" missing
             elif self._call_kind is None:
                 self._release(held, content)
-                self._end_relayed(calls, cut)
+                if self._relay is not None:
+                    parts, error = self._relay.end(cut=cut)
+                    calls.extend(parts)
+                    if error is not None:
+                        self._fail(error)
             elif cut and (self._call_kind != "json" or '"tool_call' in held or '"name"' in held):
                 self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
@@ -391,66 +364,17 @@ class ToolCallParser:
 
     def _emit(self, name: str, arguments: str, call_id: str, calls: list[CallPart]) -> None:
         """Release a call: its first part, then its arguments in fragments."""
-        index = self._made
+        calls.extend(call_parts(self._made, arguments, call_id, name))
         self._made += 1
-        calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
-        for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
-            calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
 
     def _relay_part(self, body: str, calls: list[CallPart]) -> None:
         """One part of a call an upstream streamed: released as it came."""
-        part = orjson.loads(body)  # the relay wrote it: valid JSON
-        upstream: int = part["index"]
-        arguments: str = part["arguments"]
-        call = self._relayed.get(upstream)
-        if call is None:
-            name = part.get("name")
-            if self._max_calls is not None and self._made >= self._max_calls:
-                self._relayed[upstream] = [-1, name, ""]  # one call asked for: not read
-                return
-            if not name:
-                self._fail(f"the upstream's tool call names no function: {_excerpt(body)}")
-                return
-            if not self._known(name):
-                return
-            call = self._relayed[upstream] = [self._made, name, ""]
-            self._made += 1
-            calls.append(
-                CallPart(
-                    call[0], arguments[:FRAGMENT_CHARS], part.get("id") or self._new_id(), name
-                )
-            )
-            arguments_left = arguments[FRAGMENT_CHARS:]
-        else:
-            arguments_left = arguments
-        if call[0] < 0:
-            return
-        call[2] += arguments
-        for start in range(0, len(arguments_left), FRAGMENT_CHARS):
-            calls.append(CallPart(call[0], arguments_left[start : start + FRAGMENT_CHARS]))
-
-    def _end_relayed(self, calls: list[CallPart], cut: bool) -> None:
-        """The relayed calls are complete: check their joined arguments (not
-        the last one's if the output was cut short); a call that came with
-        no arguments at all gets ``{}``."""
-        made = [call for call in self._relayed.values() if call[0] >= 0]
-        for number, (index, name, arguments) in enumerate(made):
-            if not arguments:
-                if not (cut and number == len(made) - 1):
-                    calls.append(CallPart(index, "{}"))
-                continue
-            if cut and number == len(made) - 1:
-                return
-            try:
-                value = orjson.loads(arguments)
-            except orjson.JSONDecodeError:
-                self._fail(f"the arguments of the upstream's call to {name!r} are not valid JSON")
-                return
-            if not isinstance(value, dict):
-                self._fail(
-                    f"the arguments of the upstream's call to {name!r} are not a JSON object"
-                )
-                return
+        assert self._relay is not None
+        parts, error = self._relay.part(body)
+        calls.extend(parts)
+        self._made = self._relay.made
+        if error is not None:
+            self._fail(error)
 
     def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
         """The calls in ``held``, text cut off by ``max_tokens``: those it holds
@@ -492,10 +416,10 @@ class ToolCallParser:
 
     def _known(self, name: str) -> bool:
         """Whether ``name`` is one of the request's tools (failing if not)."""
-        if self._names is not None and name not in self._names:
-            self._fail(f"the model called {name[:64]!r}, which is not one of the request's tools")
-            return False
-        return True
+        refused = unknown_tool(name, self._names)
+        if refused is not None:
+            self._fail(refused)
+        return refused is None
 
     def _check(self, item: Any) -> tuple[str, str, str] | None:
         """A call's name, arguments (JSON text) and id; None after failing."""

@@ -27,7 +27,7 @@ its reasoning (``delta.reasoning_content`` or ``delta.reasoning``) between
 then sees the block in the answer, as llama-server's ``none`` shows it — and
 its ``delta.tool_calls``, each part written as it arrives (once its call's
 name is known: an upstream that sends the name late has the parts before it
-gathered) as :func:`~wsserver.tool_calls.relay_part_text` (the ``relay``
+gathered) as :func:`~wsserver.tool_relay.relay_part_text` (the ``relay``
 syntax: the upstream's ids, names and argument fragments, its content left
 as it was) — a call's fragments reach the client as fragments, paced like
 text, not gathered into one.
@@ -44,7 +44,7 @@ from ..protocol import DoneReason
 from ..reasoning import CLOSE, OPEN
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
-from ..tool_calls import relay_part_text
+from ..tool_relay import relay_part_text
 from .base import CancelEvent, Outcome, Sink
 from .openai_wire import DONE, ToolDelta, UpstreamError, parse_chunk
 
