@@ -196,12 +196,7 @@ class ToolCallParser:
                 pass  # an answer's string cut short (what it decided is out), or its "}" missing
             elif self._call_kind is None:
                 self._release(held, content)
-                if self._relay is not None:
-                    parts, error = self._relay.end(cut=cut)
-                    calls.extend(parts)
-                    if error is not None:
-                        self._fail(error)
-            elif cut and (self._call_kind != "json" or '"tool_call' in held or '"name"' in held):
+            elif cut and self._cut_call_in(held):
                 self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
                 content.append(held)  # JSON that never looked like a call: the answer
@@ -212,6 +207,12 @@ class ToolCallParser:
                 self._call(held[: json_extent(held)], self._call_kind, content, calls)
             else:
                 self._fail("the model's tool call was cut off before its end")
+        if self._relay is not None and not self._done:
+            # An upstream's calls: each one's joined arguments are checked now.
+            parts, error = self._relay.end(cut=cut)
+            calls.extend(parts)
+            if error is not None:
+                self._fail(error)
         self._done = True
         return self._result(content, calls)
 
@@ -375,6 +376,13 @@ class ToolCallParser:
         self._made = self._relay.made
         if error is not None:
             self._fail(error)
+
+    def _cut_call_in(self, held: str) -> bool:
+        """Whether ``held``, cut off inside a call, holds a model's call (a
+        JSON output may also be an answer that only looks like one)."""
+        if self._call_kind == "json":
+            return '"tool_call' in held or '"name"' in held
+        return self._call_kind in ("hermes", "mistral")  # (a relay writes whole parts)
 
     def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
         """The calls in ``held``, text cut off by ``max_tokens``: those it holds
