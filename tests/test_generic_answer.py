@@ -22,6 +22,9 @@ from test_openai_http import sdk
 # A hang guard on the real model under load, not a speed bound.
 pytestmark = [pytest.mark.llama, pytest.mark.model, pytest.mark.timeout(600)]  # timing-ok
 
+#: The default model's name (HTTP requests name the model they want).
+MODEL = "gemma-3-270m-q4_k_m"
+
 TOOLS: list[Any] = [
     {
         "type": "function",
@@ -50,7 +53,7 @@ async def test_the_generic_answer_streams_as_content() -> None:
     async with model_server() as server, sdk(server) as client:
         client = client.with_options(timeout=timeout(120))
         common: Any = dict(
-            model="m", messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", temperature=0
         )
         whole = await client.chat.completions.create(**common, max_tokens=64)
         choice = whole.choices[0]

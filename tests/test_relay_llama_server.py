@@ -54,6 +54,8 @@ TOOLS: list[Any] = [
         },
     }
 ]
+#: The name llama-server gives the model (and wsserver serves it under).
+MODEL = "gemma-jinja"
 ASKED: dict[str, Any] = {
     "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
     "tools": TOOLS,
@@ -95,6 +97,8 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--port",
             "0",  # it says which port it took, once the model is loaded
             "--no-webui",
+            "--alias",
+            MODEL,  # the name it lists, which wsserver serves
             "--jinja",
             "--chat-template-file",
             str(template),
@@ -165,7 +169,7 @@ async def test_llama_servers_streamed_calls_reach_clients_in_fragments(upstream:
         async with sdk(server) as openai_client:
             openai_client = openai_client.with_options(timeout=timeout(60))
             streamed: list[str] = []
-            async with openai_client.chat.completions.stream(model="m", **ASKED) as stream:
+            async with openai_client.chat.completions.stream(model=MODEL, **ASKED) as stream:
                 async for event in stream:
                     if event.type == "tool_calls.function.arguments.delta" and event.index == 0:
                         streamed.append(event.arguments_delta)

@@ -250,7 +250,7 @@ async def test_the_openai_api_gets_them_unchanged_in_meaning() -> None:
             base_url=base_url(server), api_key="x", max_retries=0, timeout=timeout(30)
         )
         try:
-            common: Any = dict(model="m", messages=HISTORY, tools=[WEATHER, TIME])
+            common: Any = dict(model=up.model, messages=HISTORY, tools=[WEATHER, TIME])
             whole = await client.chat.completions.create(**common)
             message = whole.choices[0].message
             assert whole.choices[0].finish_reason == "tool_calls"
@@ -283,7 +283,7 @@ async def test_the_openai_api_gets_them_unchanged_in_meaning() -> None:
             # llama-server's "none" shows it.
             up.tool_call_deltas = []
             plain = await client.chat.completions.create(
-                model="m", messages=HISTORY, extra_body={"reasoning_format": "none"}
+                model=up.model, messages=HISTORY, extra_body={"reasoning_format": "none"}
             )
             assert plain.choices[0].message.content == (
                 "<think>" + "".join(REASONING) + "</think>" + "".join(CONTENT)

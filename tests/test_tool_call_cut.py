@@ -29,6 +29,9 @@ from wsserver_client import Client
 # A hang guard on the real model under load, not a speed bound.
 pytestmark = [pytest.mark.llama, pytest.mark.model, pytest.mark.timeout(600)]  # timing-ok
 
+#: The default model's name (HTTP requests name the model they want).
+MODEL = "gemma-3-270m-q4_k_m"
+
 WEATHER: Any = {
     "type": "object",
     "properties": {
@@ -56,7 +59,7 @@ async def test_a_call_cut_by_max_tokens_ends_with_length_on_every_wire() -> None
     async with model_server() as server, sdk(server) as client:
         client = client.with_options(timeout=timeout(120))
         common: Any = dict(
-            model="m", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0
         )
         whole = await client.chat.completions.create(**common, max_tokens=96)
         assert whole.choices[0].finish_reason == "tool_calls"
@@ -92,7 +95,7 @@ async def test_a_call_cut_by_max_tokens_ends_with_length_on_every_wire() -> None
 
         # The Responses API: incomplete, for max_output_tokens; the call item too.
         response = await client.responses.create(
-            model="m",
+            model=MODEL,
             input="What is the weather in Paris?",
             tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}],
             tool_choice={"type": "function", "name": "get_weather"},
@@ -150,7 +153,7 @@ async def test_a_call_cut_by_max_tokens_ends_with_length_on_every_wire() -> None
             timeout=timeout(120),
         ) as claude:
             asked: Any = dict(
-                model="m",
+                model=MODEL,
                 messages=MESSAGES,
                 max_tokens=short,
                 # (This SDK no longer takes temperature; the API still does.)
