@@ -74,6 +74,11 @@ class FakeUpstream:
         #: Chat only: ``delta.tool_calls`` lists streamed after the pieces, one
         #: per chunk; the stream then ends with ``finish_reason: "tool_calls"``.
         self.tool_call_deltas: list[list[dict[str, Any]]] = []
+        #: Park before sending ``tool_call_deltas[hold_calls_at]`` (``calls_held``
+        #: is set) until ``release_calls`` is set: what came before must get through.
+        self.hold_calls_at: int | None = None
+        self.calls_held = asyncio.Event()
+        self.release_calls = asyncio.Event()
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
@@ -194,7 +199,10 @@ class FakeUpstream:
             await response.write_eof()
             return response
         calls = self.tool_call_deltas if chat else []
-        for parts in calls:
+        for number, parts in enumerate(calls):
+            if number == self.hold_calls_at:
+                self.calls_held.set()
+                await self.release_calls.wait()
             await self._event(response, stream, _chat({"tool_calls": parts}))
         finish: dict[str, Any] = (
             {

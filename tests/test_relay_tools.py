@@ -18,7 +18,7 @@ from test_openai_backend import relay
 from test_openai_http import base_url
 
 from wsserver.backends.openai_wire import ToolDelta, UpstreamError, parse_chunk
-from wsserver.tool_calls import ToolCallParser, relay_call_text
+from wsserver.tool_calls import ToolCallParser, relay_part_text
 
 WEATHER: Any = {
     "type": "function",
@@ -92,29 +92,87 @@ def test_the_chunk_parser_reads_reasoning_and_call_parts() -> None:
             parse_chunk(json.dumps({"choices": [{"index": 0, "delta": bad}]}))
 
 
-def test_relayed_calls_read_back_the_same() -> None:
-    """What the relay writes, the ``relay`` parser reads back, split anywhere."""
-    text = "So: " + relay_call_text(
-        [("call_a", "get_weather", '{"city": "Tōkyō 😀"}'), (None, "get_time", "")]
+def test_relayed_parts_read_back_the_same_as_they_come() -> None:
+    """What the relay writes, the ``relay`` parser reads back, split anywhere:
+    each part as it came (the argument fragments too), the upstream's ids,
+    names and argument text; a call without arguments gets ``{}``."""
+    text = (
+        "So: "
+        + relay_part_text(0, "", "call_a", "get_weather")
+        + relay_part_text(0, '{"city": ')
+        + " and "
+        + relay_part_text(0, '"Tōkyō 😀"}')
+        + relay_part_text(1, "", None, "get_time")
     )
     for cut in range(1, len(text)):
         parser = ToolCallParser("relay", names=frozenset({"get_weather", "get_time"}))
         parts = [parser.feed(text[:cut]), parser.feed(text[cut:]), parser.flush()]
-        assert "".join(p.content for p in parts) == "So: "
+        assert "".join(p.content for p in parts) == "So:  and "
         calls = [c for p in parts for c in p.calls]
-        assert (calls[0].index, calls[0].id, calls[0].name, calls[0].arguments) == (
-            0,
-            "call_a",
-            "get_weather",
-            '{"city":"Tōkyō 😀"}',
-        )
-        assert (calls[1].name, calls[1].arguments) == ("get_time", "{}")
-        assert calls[1].id is not None and calls[1].id.startswith("call_")
+        assert [(c.index, c.id, c.name, c.arguments) for c in calls[:3]] == [
+            (0, "call_a", "get_weather", ""),
+            (0, None, None, '{"city": '),
+            (0, None, None, '"Tōkyō 😀"}'),
+        ]
+        assert (calls[3].index, calls[3].name, calls[3].arguments) == (1, "get_time", "")
+        assert calls[3].id is not None and calls[3].id.startswith("call_")
+        assert (calls[4].index, calls[4].arguments) == (1, "{}")
         assert not any(p.error for p in parts)
+    # The first fragment is released before the rest was written.
+    parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+    early = parser.feed(relay_part_text(0, '{"ci', "c", "get_weather"))
+    assert [c.arguments for c in early.calls] == ['{"ci']
+    # Joined arguments that are not a JSON object are reported at the end
+    # (unless the output was cut off: then they are as far as they got).
+    for arguments, error in (('{"ci', "not valid JSON"), ("[1]", "not a JSON object")):
+        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
+        assert error in (parser.flush().error or "")
+        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
+        assert parser.flush(cut=True).error is None
+    # A call without a name, or with one not in the tools, is refused.
+    for name, error in (("", "names no function"), ("rm", "'rm', which is not")):
+        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        split = parser.feed(relay_part_text(0, "{}", "c", name))
+        assert split.calls == () and error in (split.error or "")
     # Content with Hermes syntax in it stays content: only the marker opens a call.
     parser = ToolCallParser("relay", names=frozenset({"f"}))
     hermes = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parser.feed(hermes).content + parser.flush().content == hermes
+
+
+async def test_a_relayed_calls_fragments_reach_the_client_as_they_arrive() -> None:
+    """The upstream parks after its call's first argument fragment: that
+    fragment reaches the client meanwhile (it is not gathered until the call
+    ends), and the fragments join to the upstream's arguments."""
+    async with FakeUpstream() as up, relay(up.url) as server:
+        scripted(up)
+        up.hold_calls_at = 2  # after '{"city": ', before '"Paris"}'
+        async with wire(server) as client:
+            await client.send(
+                {"type": "generate", "id": "f", "messages": HISTORY, "tools": [WEATHER, TIME]}
+            )
+
+            def fragments() -> list[str]:
+                return [
+                    p["arguments"]
+                    for f in client.frames
+                    if f["type"] == "delta"
+                    for p in f.get("tool_calls", ())
+                    if p["index"] == 0 and p["arguments"]
+                ]
+
+            await client.until(lambda _: fragments() == ['{"city": '])
+            assert up.calls_held.is_set()
+            up.release_calls.set()
+            _, frames = await client.done("f")
+        assert fragments() == ['{"city": ', '"Paris"}']
+        parts = [p for f in frames if f["type"] == "delta" for p in f.get("tool_calls", ())]
+        joined = "".join(p["arguments"] for p in parts if p["index"] == 0)
+        upstream = "".join(c[0]["function"]["arguments"] for c in CALLS if c[0]["index"] == 0)
+        assert joined == upstream == '{"city": "Paris"}'
+        assert frames[-1]["reason"] == "tool_calls"
 
 
 async def test_websocket_gets_the_upstreams_reasoning_and_calls() -> None:
@@ -136,12 +194,13 @@ async def test_websocket_gets_the_upstreams_reasoning_and_calls() -> None:
         assert "".join(f.get("reasoning", "") for f in deltas) == "".join(REASONING)
         assert text == "".join(CONTENT)
         parts = [p for f in deltas for p in f.get("tool_calls", ())]
-        assert [(p["index"], p.get("id"), p.get("name")) for p in parts] == [
+        assert [(p["index"], p.get("id"), p.get("name")) for p in parts if "name" in p] == [
             (0, "call_up_1", "get_weather"),
             (1, "call_up_2", "get_time"),
         ]
-        assert json.loads(parts[0]["arguments"]) == {"city": "Paris"}
-        assert json.loads(parts[1]["arguments"]) == {}
+        # The fragments came as the upstream sent them.
+        assert [p["arguments"] for p in parts if p["index"] == 0] == ["", '{"city": ', '"Paris"}']
+        assert "".join(p["arguments"] for p in parts if p["index"] == 1) == "{}"
         assert frames[-1]["reason"] == "tool_calls"
         assert frames[-1]["usage"]["reasoning_tokens"] == len(REASONING)
         # What the upstream was asked: the tools, the choice and the history.
@@ -205,10 +264,14 @@ async def test_the_openai_api_gets_them_unchanged_in_meaning() -> None:
                 ("call_up_1", "get_weather", {"city": "Paris"}),
                 ("call_up_2", "get_time", {}),
             ]
+            fragments: list[str] = []
             async with client.chat.completions.stream(**common) as stream:
-                async for _ in stream:
-                    pass
+                async for event in stream:
+                    if event.type == "tool_calls.function.arguments.delta" and event.index == 0:
+                        fragments.append(event.arguments_delta)
                 streamed = await stream.get_final_completion()
+            # The upstream's fragments, as it sent them (not gathered into one).
+            assert [f for f in fragments if f] == ['{"city": ', '"Paris"}']
             calls = streamed.choices[0].message.tool_calls
             assert calls is not None
             assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [
@@ -240,6 +303,10 @@ async def test_an_upstream_call_that_is_not_json_is_reported() -> None:
                 {"type": "generate", "id": "b", "messages": HISTORY, "tools": [WEATHER]}
             )
             _, frames = await client.done("b")
+        # Its parts went as they came; at its end the request says the call is
+        # not JSON, rather than letting it pass as a call.
         assert frames[-1]["reason"] == "error"
         assert frames[-1]["error"]["code"] == "invalid_tool_call"
-        assert not [p for f in frames if f["type"] == "delta" for p in f.get("tool_calls", ())]
+        assert "not valid JSON" in frames[-1]["error"]["message"]
+        parts = [p for f in frames if f["type"] == "delta" for p in f.get("tool_calls", ())]
+        assert "".join(p["arguments"] for p in parts) == '{"ci'

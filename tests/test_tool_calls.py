@@ -29,9 +29,10 @@ def ids() -> itertools.count[int]:
 
 
 def run(
-    syntax: Syntax, data: bytes, cuts: list[int], **options: object
+    syntax: Syntax, data: bytes, cuts: list[int], *, cut: bool = False, **options: object
 ) -> tuple[str, list[tuple[str, str, str]], list[str]]:
-    """Feed ``data`` cut at ``cuts``; content, (id, name, arguments) per call, errors."""
+    """Feed ``data`` cut at ``cuts``; content, (id, name, arguments) per call,
+    errors. ``cut``: the output ends as cut off by ``max_tokens``."""
     counter = ids()
     assembler = TextAssembler()
     parser = ToolCallParser(
@@ -45,7 +46,7 @@ def run(
     errors: list[str] = []
     pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     splits = [parser.feed(assembler.feed(piece)) for piece in pieces]
-    splits += [parser.feed(assembler.flush()), parser.flush()]
+    splits += [parser.feed(assembler.flush()), parser.flush(cut=cut)]
     for split in splits:
         content.append(split.content)
         parts.extend(split.calls)
@@ -166,6 +167,65 @@ def test_malformed_calls_are_errors_at_every_split(syntax: Syntax, text: str, er
         assert calls == [] and len(errors) == 1 and error in errors[0], (cut, errors)
 
 
+@pytest.mark.parametrize(
+    ("syntax", "text", "content", "calls"),
+    [
+        # Cut inside the arguments: the call as far as it got.
+        (
+            "hermes",
+            'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+            "Hi ",
+            [("call_0", "get_weather", '{"city": "Par')],
+        ),
+        # Cut before the arguments: the name alone.
+        ("hermes", '<tool_call>{"name": "add", "argu', "", [("call_0", "add", "")]),
+        # Cut before the name is whole: nothing to release (and no error).
+        ("hermes", '<tool_call>{"name": "ad', "", []),
+        # The generic envelope, one call and several; whole calls stay checked.
+        (
+            "generic",
+            '{"tool_call": {"name": "add", "arguments": {"a": 1, "b"',
+            "",
+            [("call_0", "add", '{"a": 1, "b"')],
+        ),
+        (
+            "generic",
+            '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}, '
+            '{"name": "get_weather", "arguments": {"ci',
+            "",
+            [("call_0", "add", '{"a":1}'), ("call_1", "get_weather", '{"ci')],
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}',
+            "",
+            [("call_0", "add", '{"a":1}')],
+        ),
+        (
+            "llama3",
+            '{"name": "add", "parameters": {"a": [1, ',
+            "",
+            [("call_0", "add", '{"a": [1, ')],
+        ),
+    ],
+)
+def test_a_call_cut_by_max_tokens_is_released_as_far_as_it_got(
+    syntax: Syntax, text: str, content: str, calls: list[tuple[str, str, str]]
+) -> None:
+    data = text.encode()
+    for position in range(1, len(data)):
+        assert run(syntax, data, [position], cut=True) == (content, calls, []), position
+    # The same text ended by the model itself is a malformed call.
+    if calls and "arguments" in text:
+        assert run(syntax, data, [])[2], text
+
+
+def test_a_cut_call_to_an_unknown_function_is_still_an_error() -> None:
+    data = b'<tool_call>{"name": "rm", "arguments": {"pa'
+    _, calls, errors = run("hermes", data, [], cut=True)
+    assert calls == [] and len(errors) == 1 and "'rm', which is not" in errors[0]
+
+
 def test_a_call_without_its_closing_tag_is_whole() -> None:
     assert run("hermes", b'<tool_call>{"name": "add", "arguments": {}}', []) == (
         "",
@@ -197,3 +257,31 @@ def test_the_syntax_is_read_from_the_template() -> None:
     assert detect_syntax("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"
     with pytest.raises(ValueError, match="unknown tool call syntax"):
         ToolCallParser("xml")  # type: ignore[arg-type]
+
+
+RESPONSE = '  {"response": "Hi \\u00e9 \\ud83d\\ude00 \\"q\\" 日本\\n"}'
+
+
+@pytest.mark.parametrize("syntax", ["generic", "any", "llama3"])
+def test_a_generic_answer_streams_as_its_string_comes(syntax: Syntax) -> None:
+    decoded = 'Hi é 😀 "q" 日本\n'
+    data = RESPONSE.encode()
+    for cut in range(1, len(data)):
+        assert run(syntax, data, [cut]) == (decoded, [], []), cut
+    # Fed a byte at a time: the answer comes out as it is written, not at the end.
+    parser = ToolCallParser(syntax, names=NAMES)
+    assembler = TextAssembler()
+    seen: list[str] = []
+    for position in range(len(data)):
+        seen.append(parser.feed(assembler.feed(data[position : position + 1])).content)
+    seen.append(parser.feed(assembler.flush()).content + parser.flush().content)
+    assert "".join(seen) == decoded
+    assert sum(1 for piece in seen if piece) > 10
+    assert seen[-1] == "" and seen[-2] == ""  # nothing waited for the closing brace
+    # Cut off inside the string: what came is the answer, no error.
+    half = RESPONSE[: RESPONSE.index("日")].encode()
+    assert run(syntax, half, [], cut=True) == ('Hi é 😀 "q" ', [], [])
+
+
+def test_what_follows_a_generic_answer_is_text() -> None:
+    assert run("generic", b'{"response": "a", "x": 1}', [])[0] == 'a, "x": 1}'

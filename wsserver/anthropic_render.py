@@ -19,8 +19,10 @@ signed here, and thinking blocks sent back are not checked), ``text``
 (``text_delta``) and ``tool_use`` (started with its ``id`` — the core's call
 id with ``toolu_`` for ``call_`` — ``name`` and ``input`` ``{}``, then the
 arguments' JSON text as ``input_json_delta`` ``partial_json`` fragments; the
-object's ``input`` is that text parsed). A message that produced nothing has
-no block.
+object's ``input`` is that text parsed — or ``{}`` for a call that
+``max_tokens`` cut short, whose text does not parse: ``stop_reason``
+``max_tokens`` says so, and the streamed fragments are as far as it got). A
+message that produced nothing has no block.
 
 ``usage.input_tokens`` is 0 in ``message_start`` (the prompt is counted once
 the engine has read it) and the real count in ``message_delta``'s usage, which
@@ -211,7 +213,7 @@ class MessageRender:
         for block, parts in zip(self.blocks, self._parts, strict=True):
             text = "".join(parts)
             if block["type"] == "tool_use":
-                content.append({**block, "input": orjson.loads(text) if text else {}})
+                content.append({**block, "input": _input(text)})
             else:
                 content.append({**block, block["type"]: text})
         return content
@@ -236,3 +238,13 @@ class MessageRender:
             "cache_read_input_tokens": self.cache_read_input_tokens,
             "output_tokens": self.output_tokens,
         }
+
+
+def _input(text: str) -> Any:
+    """A ``tool_use`` block's ``input``: its arguments' JSON text parsed; ``{}``
+    for none, or for a call cut short by ``max_tokens`` (its text does not
+    parse; ``stop_reason`` is ``max_tokens``)."""
+    try:
+        return orjson.loads(text) if text else {}
+    except orjson.JSONDecodeError:
+        return {}

@@ -16,11 +16,14 @@ tells formats apart (:func:`detect_syntax`):
   ``{"response": "…"}`` or a bare call object;
 * ``any`` — all of the above (an engine without a template: the fake);
 * ``relay`` — calls an upstream server already parsed and streamed as
-  OpenAI's ``tool_calls``: the relay writes them into the text as
-  :data:`RELAY_MARKER` and a JSON array (:func:`relay_call_text`), so that
-  they take the same path as every engine's calls (paced, numbered,
-  replayed) while the upstream's content is left exactly as it was (no
-  model syntax is looked for in it).
+  OpenAI's ``tool_calls``: the relay writes each part into the text as it
+  arrives, as :data:`RELAY_MARKER` and a JSON object
+  (:func:`relay_part_text`), so that they take the same path as every
+  engine's calls (paced, numbered, replayed) while the upstream's content is
+  left exactly as it was (no model syntax is looked for in it). Those parts
+  are released at once, as they came — the arguments' fragments too — and
+  each call's joined arguments are checked at the end
+  (:class:`~wsserver.tool_relay.RelayedCalls`).
 
 :class:`ToolCallParser` works on final text, after
 :class:`~wsserver.reasoning.ReasoningSplitter`, like it: piece by piece, and
@@ -28,24 +31,32 @@ it holds back exactly what may still become a call — ``"<tool_c"`` at the
 end of content, leading whitespace and ``{`` where a JSON call may begin — so
 a marker split anywhere is still found and released text is never taken back.
 Text before a call is content; once a call begins its text is not content.
-A call is released once its JSON is complete and checked: its ``name`` (one
-of the request's tools) first, then its ``arguments`` as JSON text, in
-fragments of at most :data:`FRAGMENT_CHARS`. A call that is not valid JSON,
+The generic answer ``{"response": "…"}`` is content as its string comes,
+decoded piece by piece (:class:`~wsserver.json_text.StringDecoder`), not
+once its JSON closes. A call is released once its JSON is complete and
+checked: its ``name`` (one of the request's tools) first, then its
+``arguments`` as JSON text, in fragments of at most :data:`FRAGMENT_CHARS`
+(:mod:`wsserver.call_parts`). A call that is not valid JSON,
 names no known tool, or whose arguments are not a JSON object is an
 :attr:`ToolSplit.error`, never passed off as a call; the parser then takes
-nothing more.
+nothing more. The one call released unfinished is one the output was cut
+off in (``max_tokens``: :meth:`ToolCallParser.flush` with ``cut``): its name
+and its arguments' text so far, as OpenAI reports such a call — the answer's
+``length`` says it is cut, and its arguments do not parse.
 """
 
 from __future__ import annotations
 
 import re
-import secrets
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
+
+from .call_parts import FRAGMENT_CHARS, CallPart, call_parts, new_call_id, unknown_tool
+from .json_text import StringDecoder, json_extent
+from .tool_relay import RELAY_MARKER, RelayedCalls, relay_part_text
 
 __all__ = [
     "FRAGMENT_CHARS",
@@ -56,27 +67,16 @@ __all__ = [
     "ToolSplit",
     "detect_syntax",
     "new_call_id",
-    "relay_call_text",
+    "relay_part_text",
 ]
 
 Syntax = Literal["hermes", "llama3", "mistral", "generic", "any", "relay"]
 SYNTAXES: Final = ("hermes", "llama3", "mistral", "generic", "any", "relay")
-#: The most argument text one :class:`CallPart` carries.
-FRAGMENT_CHARS: Final = 4096
 
 _HERMES: Final = "<tool_call>"
 _HERMES_END: Final = "</tool_call>"
 _MISTRAL: Final = "[TOOL_CALLS]"
 _PYTHON_TAG: Final = "<|python_tag|>"
-_ALPHABET: Final = string.ascii_letters + string.digits
-#: Opens the calls a relay writes into its text (a private-use character, which
-#: no upstream's content is expected to hold).
-RELAY_MARKER: Final = "\ue000"
-
-
-def new_call_id() -> str:
-    """A fresh call id, in OpenAI's shape (``call_`` and 24 letters/digits)."""
-    return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
 
 
 def detect_syntax(template: str | None) -> Syntax:
@@ -92,27 +92,6 @@ def detect_syntax(template: str | None) -> Syntax:
     return "generic"
 
 
-def relay_call_text(calls: list[tuple[str | None, str, str]]) -> str:
-    """Calls an upstream made — ``(id, name, arguments as JSON text)`` — as the
-    text the ``relay`` syntax reads back: the same ids, names and arguments."""
-    items = [
-        # A call without arguments may come with none at all ("").
-        {"name": name, "arguments": arguments or "{}", **({"id": call_id} if call_id else {})}
-        for call_id, name, arguments in calls
-    ]
-    return RELAY_MARKER + orjson.dumps(items).decode()
-
-
-@dataclass(frozen=True, slots=True)
-class CallPart:
-    """A piece of call ``index``: its first part has ``id`` and ``name``."""
-
-    index: int
-    arguments: str = ""
-    id: str | None = None
-    name: str | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class ToolSplit:
     """What a piece of text became: content, then call parts (either may be empty)."""
@@ -123,7 +102,7 @@ class ToolSplit:
     error: str | None = None
 
 
-_Kind = Literal["hermes", "mistral", "json"]
+_Kind = Literal["hermes", "mistral", "json", "relay"]
 _WS = " \t\r\n"
 
 
@@ -131,6 +110,7 @@ class ToolCallParser:
     """Splits a stream of text into content and tool calls."""
 
     __slots__ = (
+        "_answer",
         "_at_start",
         "_buffer",
         "_call_kind",
@@ -141,6 +121,7 @@ class ToolCallParser:
         "_names",
         "_new_id",
         "_openers",
+        "_relay",
         "_start_json",
     )
 
@@ -162,7 +143,7 @@ class ToolCallParser:
         if syntax in ("llama3", "any"):
             openers[_PYTHON_TAG] = "json"
         if syntax == "relay":
-            openers[RELAY_MARKER] = "mistral"  # a JSON array of calls, as Mistral's
+            openers[RELAY_MARKER] = "relay"  # a JSON object: one part of a call
         self._openers = openers
         #: A JSON call may open the output (after whitespace).
         self._start_json = syntax in ("llama3", "generic", "any")
@@ -175,6 +156,14 @@ class ToolCallParser:
         self._made = 0
         self._done = False
         self._error: str | None = None
+        #: The calls an upstream streamed (the ``relay`` syntax).
+        self._relay = (
+            RelayedCalls(names=names, max_calls=self._max_calls, new_id=new_id)
+            if syntax == "relay"
+            else None
+        )
+        #: Inside the string of a generic ``{"response": "…"}``: its decoder.
+        self._answer: StringDecoder | None = None
 
     @property
     def calls_made(self) -> int:
@@ -192,23 +181,38 @@ class ToolCallParser:
             pass
         return self._result(content, calls)
 
-    def flush(self) -> ToolSplit:
-        """The end of the output: release or judge what was held back."""
+    def flush(self, *, cut: bool = False) -> ToolSplit:
+        """The end of the output: release or judge what was held back.
+
+        ``cut``: the output was cut off (``max_tokens``). A call it cut short
+        is then released as far as it got — its name, and its arguments'
+        text so far, which is not valid JSON — instead of being an error; a
+        cut before the call's name leaves nothing to release."""
         content: list[str] = []
         calls: list[CallPart] = []
         if not self._done:
             held, self._buffer = self._buffer, ""
-            if self._call_kind is None:
+            if self._answer is not None:
+                pass  # an answer's string cut short (what it decided is out), or its "}" missing
+            elif self._call_kind is None:
                 self._release(held, content)
+            elif cut and self._cut_call_in(held):
+                self._cut_calls(held, calls)
             elif self._call_kind == "json" and '"name"' not in held:
                 content.append(held)  # JSON that never looked like a call: the answer
-            elif _json_extent(held) > 0 and _HERMES_END.startswith(
-                held[_json_extent(held) :].strip(_WS)
+            elif json_extent(held) > 0 and _HERMES_END.startswith(
+                held[json_extent(held) :].strip(_WS)
             ):
                 # A model that ended without (all of) the closing tag: the call is whole.
-                self._call(held[: _json_extent(held)], self._call_kind, content, calls)
+                self._call(held[: json_extent(held)], self._call_kind, content, calls)
             else:
                 self._fail("the model's tool call was cut off before its end")
+        if self._relay is not None and not self._done:
+            # An upstream's calls: each one's joined arguments are checked now.
+            parts, error = self._relay.end(cut=cut)
+            calls.extend(parts)
+            if error is not None:
+                self._fail(error)
         self._done = True
         return self._result(content, calls)
 
@@ -227,6 +231,8 @@ class ToolCallParser:
         """One move on the buffer; whether another may follow."""
         if self._done or not self._buffer:
             return False
+        if self._answer is not None:
+            return self._step_answer(content)
         if self._call_kind is not None:
             return self._step_call(content, calls)
         buffer = self._buffer
@@ -264,15 +270,42 @@ class ToolCallParser:
     def _release(self, text: str, content: list[str]) -> None:
         if not text:
             return
-        if self._made and not text.strip():
-            return  # whitespace between calls
+        if self._made and not text.strip() and RELAY_MARKER not in self._openers:
+            return  # whitespace between a model's calls (an upstream's content is kept)
         self._at_start = False
         content.append(text)
+
+    def _step_answer(self, content: list[str]) -> bool:
+        """Inside a generic ``{"response": "…"}``: its string's text is content
+        as it comes; then its closing brace is taken."""
+        assert self._answer is not None
+        if not self._answer.closed:
+            text, end = self._answer.feed(self._buffer)
+            if text:
+                content.append(text)
+            if end is None:
+                self._buffer = ""
+                return False
+            self._buffer = self._buffer[end:]
+        rest = self._buffer.lstrip(_WS)
+        if not rest:
+            return False  # the brace may still come
+        self._answer = None
+        # More than the response in the object: what follows is the model's text.
+        self._buffer = rest[1:] if rest[0] == "}" else rest
+        return True
 
     def _step_call(self, content: list[str], calls: list[CallPart]) -> bool:
         kind = self._call_kind
         buffer = self._buffer
-        extent = _json_extent(buffer)
+        if kind == "json" and (opened := _RESPONSE.match(buffer)) is not None:
+            # llama.cpp's generic answer: its text streams, decoded as it comes.
+            self._call_kind = None
+            self._at_start = False
+            self._answer = StringDecoder()
+            self._buffer = buffer[opened.end() :]
+            return True
+        extent = json_extent(buffer)
         if extent < 0:
             return False
         body, rest = buffer[:extent], buffer[extent:]
@@ -284,6 +317,9 @@ class ToolCallParser:
                 rest = after[len(_HERMES_END) :]
         self._buffer = rest
         self._call_kind = None
+        if kind == "relay":
+            self._relay_part(body, calls)
+            return True
         self._call(body, kind, content, calls)
         if self._max_calls is not None and self._made >= self._max_calls:
             self._done = True  # one call asked for: what follows is not read
@@ -325,12 +361,73 @@ class ToolCallParser:
             part = self._check(item)
             if part is None:
                 return
-            name, arguments, call_id = part
-            index = self._made
-            self._made += 1
-            calls.append(CallPart(index, arguments[:FRAGMENT_CHARS], call_id, name))
-            for start in range(FRAGMENT_CHARS, len(arguments), FRAGMENT_CHARS):
-                calls.append(CallPart(index, arguments[start : start + FRAGMENT_CHARS]))
+            self._emit(*part, calls)
+
+    def _emit(self, name: str, arguments: str, call_id: str, calls: list[CallPart]) -> None:
+        """Release a call: its first part, then its arguments in fragments."""
+        calls.extend(call_parts(self._made, arguments, call_id, name))
+        self._made += 1
+
+    def _relay_part(self, body: str, calls: list[CallPart]) -> None:
+        """One part of a call an upstream streamed: released as it came."""
+        assert self._relay is not None
+        parts, error = self._relay.part(body)
+        calls.extend(parts)
+        self._made = self._relay.made
+        if error is not None:
+            self._fail(error)
+
+    def _cut_call_in(self, held: str) -> bool:
+        """Whether ``held``, cut off inside a call, holds a model's call (a
+        JSON output may also be an answer that only looks like one)."""
+        if self._call_kind == "json":
+            return '"tool_call' in held or '"name"' in held
+        return self._call_kind in ("hermes", "mistral")  # (a relay writes whole parts)
+
+    def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
+        """The calls in ``held``, text cut off by ``max_tokens``: those it holds
+        whole are checked and released as usual; the one it cut short is
+        released with its arguments' text so far (which does not parse: the
+        wire says the output was cut, and clients see why the arguments do
+        not parse). A call cut before its name is complete is not released."""
+        position = 0
+        while (named := _NAME.search(held, position)) is not None:
+            if self._max_calls is not None and self._made >= self._max_calls:
+                return
+            try:
+                name = orjson.loads(f'"{named.group(1)}"')
+            except orjson.JSONDecodeError:
+                self._fail("the model's tool call is not valid JSON")
+                return
+            if not self._known(name):
+                return
+            opened = _ARGUMENTS.match(held, named.end())
+            if opened is None:
+                self._emit(name, "", self._new_id(), calls)  # cut before its arguments
+                return
+            start = opened.end()
+            extent = json_extent(held[start:])
+            whole: Any = None
+            if extent > 0:
+                try:
+                    whole = orjson.loads(held[start : start + extent])
+                except orjson.JSONDecodeError:
+                    extent = -1
+            if extent < 0:
+                self._emit(name, held[start:], self._new_id(), calls)
+                return
+            part = self._check({"name": name, "arguments": whole})
+            if part is None:
+                return
+            self._emit(*part, calls)
+            position = start + extent
+
+    def _known(self, name: str) -> bool:
+        """Whether ``name`` is one of the request's tools (failing if not)."""
+        refused = unknown_tool(name, self._names)
+        if refused is not None:
+            self._fail(refused)
+        return refused is None
 
     def _check(self, item: Any) -> tuple[str, str, str] | None:
         """A call's name, arguments (JSON text) and id; None after failing."""
@@ -338,8 +435,7 @@ class ToolCallParser:
             self._fail(f"the model's tool call names no function: {_excerpt(str(item))}")
             return None
         name: str = item["name"]
-        if self._names is not None and name not in self._names:
-            self._fail(f"the model called {name[:64]!r}, which is not one of the request's tools")
+        if not self._known(name):
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):
@@ -365,33 +461,11 @@ def _held_back(text: str, openers: dict[str, _Kind]) -> int:
     return 0
 
 
-_CLOSERS: Final = {"{": "}", "[": "]"}
-
-
-def _json_extent(text: str) -> int:
-    """The length of the JSON object or array that opens ``text`` (after
-    whitespace), or -1 while it is incomplete."""
-    depth = 0
-    in_string = escaped = False
-    for position, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth <= 0:
-                return position + 1
-        elif depth == 0 and char not in _WS:
-            return position + 1  # not JSON: the parse of this much fails
-    return -1
+#: What opens llama.cpp's generic answer, ``{"response": "…"}``, up to its string.
+_RESPONSE: Final = re.compile(r'\{\s*"response"\s*:\s*"')
+#: A call's name, and what opens its arguments after it (in text cut short).
+_NAME: Final = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS: Final = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 _SPACES = re.compile(r"\s+")

@@ -333,7 +333,8 @@ class Generation:
         if self.reasoning is not None:
             self._add_split(coalescer, self.reasoning.flush(), 0)
         if self.tools is not None:
-            self._add_calls(coalescer, self.tools.flush())
+            # Cut off by max_tokens: a call cut short is released as far as it got.
+            self._add_calls(coalescer, self.tools.flush(cut=item.outcome.reason == "length"))
         return item
 
     def _add_split(

@@ -25,10 +25,12 @@ the tool call parser in the pipeline: paced, numbered, replayed on resume):
 its reasoning (``delta.reasoning_content`` or ``delta.reasoning``) between
 ``<think>`` and ``</think>`` — with ``reasoning_format: "none"`` the client
 then sees the block in the answer, as llama-server's ``none`` shows it — and
-its ``delta.tool_calls``, gathered per call and written whole once the next
-call, the end or the stream's end shows the call complete, as
-:func:`~wsserver.tool_calls.relay_call_text` (the ``relay`` syntax: the
-upstream's ids, names and arguments, its content left as it was).
+its ``delta.tool_calls``, each part written as it arrives (once its call's
+name is known: an upstream that sends the name late has the parts before it
+gathered) as :func:`~wsserver.tool_relay.relay_part_text` (the ``relay``
+syntax: the upstream's ids, names and argument fragments, its content left
+as it was) — a call's fragments reach the client as fragments, paced like
+text, not gathered into one.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ..protocol import DoneReason
 from ..reasoning import CLOSE, OPEN
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
-from ..tool_calls import relay_call_text
+from ..tool_relay import relay_part_text
 from .base import CancelEvent, Outcome, Sink
 from .openai_wire import DONE, ToolDelta, UpstreamError, parse_chunk
 
@@ -96,9 +98,9 @@ class Relay:
         self.cached_tokens: int | None = None
         #: Inside the ``<think>`` block written for the upstream's reasoning.
         self.thinking = False
-        #: The upstream's tool calls by index: [id, name, arguments so far].
+        #: The upstream's tool calls by index: [id, name, arguments not yet written].
         self.calls: dict[int, list[str]] = {}
-        #: Indexes of the calls already written, and the parts not yet counted.
+        #: Indexes of the calls whose first part was written, and the parts not yet counted.
         self.calls_written: set[int] = set()
         self.call_parts = 0
 
@@ -192,33 +194,38 @@ class Relay:
 
     async def _gather_calls(self, parts: tuple[ToolDelta, ...]) -> None:
         for part in parts:
-            if part.index not in self.calls:
-                # A new call: those before it are complete.
-                await self._write_calls(below=part.index)
-                self.calls[part.index] = ["", "", ""]
-            call = self.calls[part.index]
+            call = self.calls.setdefault(part.index, ["", "", ""])
             call[0] = call[0] or part.id or ""
             call[1] = call[1] or part.name or ""
             call[2] += part.arguments
             self.call_parts += 1
             self.pieces += 1
             self.tokens += 1
+            if call[1]:
+                await self._write_call(part.index)
 
-    async def _write_calls(self, below: int | None = None) -> None:
-        """Write the gathered calls (with an index below ``below``) not yet written."""
-        ready = sorted(
-            i for i in self.calls if i not in self.calls_written and (below is None or i < below)
-        )
-        if not ready:
+    async def _write_call(self, index: int) -> None:
+        """Write what call ``index`` gathered: its first part (id, name and
+        the arguments so far), or the arguments that came since."""
+        call_id, name, arguments = self.calls[index]
+        first = index not in self.calls_written
+        if not first and not arguments:
             return
         tail = self.assembler.flush()  # content held back for a stop string goes first
         if tail:
             await self.offer(tail, 0)
-        self.calls_written.update(ready)
+        self.calls_written.add(index)
+        call_id_out, name_out = (call_id or None, name) if first else (None, None)
+        self.calls[index][2] = ""
         tokens, self.call_parts = self.call_parts, 0
-        calls = [self.calls[i] for i in ready]
-        text = relay_call_text([(call_id or None, name, args) for call_id, name, args in calls])
-        await self.offer(text, tokens)
+        await self.offer(relay_part_text(index, arguments, call_id_out, name_out), tokens)
+
+    async def _write_calls(self) -> None:
+        """At the end: the calls never named go as they are (the parser
+        refuses a call without a name)."""
+        for index in sorted(self.calls):
+            if index not in self.calls_written:
+                await self._write_call(index)
 
     async def end(self) -> Outcome:
         await self._end_reasoning()

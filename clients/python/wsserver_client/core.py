@@ -108,7 +108,8 @@ class ToolCall:
     :attr:`parsed_arguments` is that text parsed (``None`` while it does not
     parse), :attr:`arguments_error` why it does not parse (``None`` when it
     does): the server checks a call before it sends it, so an error here means
-    an incomplete call (the request was cancelled mid-call) or a server that
+    an incomplete call (the request was cancelled mid-call, or cut off by
+    ``max_tokens``: ``done`` reason ``length``) or a server that
     does not check (a relay's upstream, an older server).
     """
 
