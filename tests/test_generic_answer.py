@@ -70,8 +70,9 @@ async def test_the_generic_answer_streams_as_content() -> None:
             if chunk.choices and chunk.choices[0].delta.content:
                 deltas.append(chunk.choices[0].delta.content)
         assert "".join(deltas) == answer
-        # The first text goes at once, the rest a decode step or more later.
-        assert len(deltas) >= 2, deltas
+        # How many deltas is the pacing's (and the machine's) business: that
+        # the text is released as it comes is the parser's, proven byte by
+        # byte in test_tool_calls.py, and by the cut below.
 
         # Cut before the string closes: the answer so far, decoded — the
         # text was released as it came, not held for the closing quote.
