@@ -413,20 +413,33 @@ class BatchEngine:
                 for j in self._jobs
                 if j.next_token is not None and not j.outbox and not j.waiting_room
             ]
-            for job in decoding:
-                assert job.seq is not None and job.next_token is not None
-                index = batch.add(job.next_token, len(job.seq.tokens), job.seq.index, True)
-                plan.append((job, 1, index))
+            # Each sequence's part of the step: its next token, or a chunk of its prompt.
+            parts: list[tuple[Job, int]] = [(job, 1) for job in decoding]
             share = budget = self.budget.share(len(decoding)) if self._prefilling() else 0
             first_chunks: list[Job] = []
             for job in self._jobs:
                 remaining = len(job.prompt) - job.fed
                 if remaining <= 0 or budget <= 0 or job.cancelled:
                     continue
-                assert job.seq is not None
                 take = min(remaining, budget)
                 budget -= take
+                parts.append((job, take))
+                job.in_flight = True
+                if not job.started:
+                    job.started = True
+                    first_chunks.append(job)
+            # In sequence order: with one KV stream per sequence llama.cpp keeps
+            # tokens in one micro-batch only while each next sequence id is the
+            # last + 1, in batch order; admission order would split a step into
+            # several passes over the weights once sequences are reused.
+            parts.sort(key=lambda part: part[0].seq.index if part[0].seq is not None else -1)
+            for job, take in parts:
+                assert job.seq is not None
                 start = len(job.seq.tokens)
+                if job.fed >= len(job.prompt):
+                    assert job.next_token is not None
+                    plan.append((job, 1, batch.add(job.next_token, start, job.seq.index, True)))
+                    continue
                 index = -1
                 for k in range(take):
                     last = job.fed + k == len(job.prompt) - 1
@@ -434,10 +447,6 @@ class BatchEngine:
                     if last:
                         index = i
                 plan.append((job, take, index))
-                job.in_flight = True
-                if not job.started:
-                    job.started = True
-                    first_chunks.append(job)
         if not plan:
             return
         if self.on_prefill is not None:
