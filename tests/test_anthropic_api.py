@@ -355,3 +355,15 @@ def test_a_stop_string_the_request_did_not_give_is_the_end_of_the_turn() -> None
     render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
     events = render.end(done("stop", "\nUser:"))
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def test_message_start_carries_the_engines_count_of_the_prompt() -> None:
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    render.prompt_counted(7, 5)
+    start = render.delta("Hi")[0]
+    assert start["type"] == "message_start"
+    assert start["message"]["usage"] == {
+        "input_tokens": 2,
+        "cache_read_input_tokens": 5,
+        "output_tokens": 0,
+    }

@@ -112,9 +112,9 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     seen: list[int] = []
 
     class Watching(RecordingSink):
-        def prompt_processed(self, prompt_tokens: int) -> None:
+        def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
             seen.append(sink.tokens)  # how far the short stream got meanwhile
-            super().prompt_processed(prompt_tokens)
+            super().prompt_processed(prompt_tokens, cached_tokens)
 
     second = Running(batched, long, sink=Watching())
     assert second.wait()[1].text == expected[1]

@@ -206,8 +206,9 @@ class CancelEvent(threading.Event):
 class TokenSink(Protocol):
     """What a blocking ``generate`` needs of its sink (see :class:`Sink`)."""
 
-    def prompt_processed(self, prompt_tokens: int) -> None:
-        """Report the prompt's token count once it is known. Never blocks."""
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """Report the prompt's token count once it is known (and how many of
+        them came from the engine's prefix cache, if it knows). Never blocks."""
 
     def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """Hand over final text for ``tokens`` generated tokens; block while full.

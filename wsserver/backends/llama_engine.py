@@ -468,7 +468,7 @@ class BatchEngine:
                 job.stats.decoded += fed
                 self.stats["prompt_tokens_decoded"] += fed
                 if job.fed == len(job.prompt) and not job.cancelled:
-                    job.sink.prompt_processed(len(job.prompt))
+                    job.sink.prompt_processed(len(job.prompt), job.stats.reused)
             else:
                 assert job.next_token is not None
                 job.seq.tokens.append(job.next_token)
