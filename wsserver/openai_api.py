@@ -192,9 +192,18 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     frame.update(_tool_choice(given))
     frame.update(_logprobs(kind, given))
     # llama-server's extensions, then OpenAI's way to ask for JSON.
-    for name in ("grammar", "json_schema", "chat_template_kwargs", "reasoning_format"):
+    for name in (
+        "grammar",
+        "json_schema",
+        "chat_template_kwargs",
+        "reasoning_format",
+        "reasoning_budget_tokens",
+    ):
         if name in given:
             frame[name] = given[name]
+    if "thinking_budget_tokens" in given and "reasoning_budget_tokens" not in given:
+        # llama-server reads either name (reasoning_budget_tokens first).
+        frame["reasoning_budget_tokens"] = given["thinking_budget_tokens"]
     if "response_format" in given:
         schema = _response_format(given["response_format"])
         if schema is not None:
