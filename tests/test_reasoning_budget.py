@@ -1,13 +1,13 @@
 """A reasoning budget: ``reasoning_budget_tokens`` on the WebSocket
-``generate`` and the OpenAI chat API (llama-server's per-request name). Once
-the think block holds that many tokens and is still open, the engine writes
-the close tag as the sequence's next tokens instead of sampling, and the
-model goes on with its answer.
+``generate`` and the OpenAI chat API (llama-server's per-request name),
+Anthropic's ``thinking.budget_tokens``. Once the think block holds that many
+tokens and is still open, the engine writes the close tag as the sequence's
+next tokens instead of sampling, and the model goes on with its answer.
 
 The core's counter (wsserver/reasoning.py) plain; the field on every wire and
 upstream; the fake engine over a WebSocket; the real llama.cpp engine on a tiny
 GGUF whose template opens the think block (per sequence, in one batch with a
-request that has no budget).
+request that has no budget); and the official ``anthropic`` SDK on it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import orjson
 import pytest
 from conftest import running_server, wire
 
+from wsserver.anthropic_api import parse_body, to_generate
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.fake import FakeBackend
 from wsserver.backends.openai_wire import request_body
@@ -107,13 +108,50 @@ def test_the_relay_sends_the_budget_as_llama_servers_field() -> None:
     assert "reasoning_budget_tokens" not in orjson.loads(request_body(plain, "up")[1])
 
 
-def test_an_engine_that_cannot_end_a_block_refuses_the_budget_by_name() -> None:
-    class Unbounded(FakeBackend):
-        honours = frozenset({"tools"})
+def test_anthropics_budget_is_the_cores() -> None:
+    body = {"messages": CHAT, "max_tokens": 50, "thinking": {"type": "enabled", "budget_tokens": 9}}
+    frame = to_generate(parse_body(body), "m", Limits())
+    assert frame.reasoning_budget_tokens == 9 and frame.reasoning_format == "auto"
+    disabled = {**body, "thinking": {"type": "disabled"}}
+    assert to_generate(parse_body(disabled), "m", Limits()).reasoning_budget_tokens is None
 
+
+class Unbounded(FakeBackend):
+    """An engine that cannot end a think block early."""
+
+    honours = frozenset({"tools"})
+
+
+def test_an_engine_that_cannot_end_a_block_refuses_the_budget_by_name() -> None:
     with pytest.raises(ProtocolError, match="'reasoning_budget_tokens' is not supported") as info:
         Unbounded().check(generate(messages=CHAT, reasoning_budget_tokens=5))
     assert info.value.code == "unsupported_option"
+
+
+async def test_the_messages_api_names_thinking_budget_tokens_in_that_refusal() -> None:
+    import anthropic
+    from conftest import make_config
+    from test_anthropic_http import sdk
+
+    from wsserver.aio import Server
+
+    server = Server(make_config(), backend=Unbounded())
+    await server.start()
+    try:
+        await server.wait_ready()
+        async with sdk(server) as client:
+            with pytest.raises(anthropic.BadRequestError) as info:
+                await client.messages.create(
+                    model="m",
+                    messages=CHAT,  # type: ignore[arg-type]
+                    max_tokens=20,
+                    thinking={"type": "enabled", "budget_tokens": 5},
+                )
+        error = info.value.body["error"]  # type: ignore[index]
+        assert error["type"] == "invalid_request_error"
+        assert "'thinking.budget_tokens' is not supported" in error["message"]
+    finally:
+        await server.stop(grace=0)
 
 
 # ---------------------------------------------------------------- the fake engine
@@ -199,3 +237,46 @@ def test_the_engine_forces_the_close_per_sequence(thinking: Any) -> None:
     # Budget 0: the block is closed before anything is sampled.
     _, zero = Running(thinking, chat_request("zero", reasoning_budget=0)).wait()
     assert "".join(zero.pieces).startswith(forced)
+
+
+@llama
+async def test_the_anthropic_sdk_gets_a_thinking_block_within_its_budget(
+    thinking_gguf: pathlib.Path,
+) -> None:
+    from conftest import make_config
+    from test_anthropic_http import sdk
+
+    from wsserver.backends.llama import LlamaBackend
+
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(thinking_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    asked: dict[str, Any] = {
+        "model": "m",
+        "messages": CHAT,
+        "max_tokens": 40,
+        "extra_body": {"temperature": 0.0, "top_k": 1},
+    }
+    budget = 6
+    async with running_server(config) as server, sdk(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        enabled = {"type": "enabled", "budget_tokens": budget}
+        whole = await client.messages.create(**asked, thinking=enabled)
+        assert [b.type for b in whole.content] == ["thinking", "text"], whole
+        thought = whole.content[0].thinking  # type: ignore[union-attr]
+        assert whole.content[1].text  # type: ignore[union-attr]
+        assert 0 < len(backend._tokenize_text(thought)) <= budget
+        async with client.messages.stream(**asked, thinking=enabled) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        # Without a budget (thinking left to the server's default) the same greedy
+        # thought goes on: longer than the budget, and the cut one is its start.
+        unbounded = await client.messages.create(**asked)
+        assert [b.type for b in unbounded.content] == ["thinking"]
+        long_thought = unbounded.content[0].thinking  # type: ignore[union-attr]
+        assert long_thought.startswith(thought)
+        assert len(backend._tokenize_text(long_thought)) > budget

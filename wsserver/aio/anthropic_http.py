@@ -38,6 +38,7 @@ from ..anthropic_api import (
     error_object,
     parse_body,
     parse_json,
+    refusal_wording,
     to_generate,
 )
 from ..anthropic_content import forced_call_refusal
@@ -124,7 +125,7 @@ class MessageRun:
         elif isinstance(frame, Done):
             await self._end(frame)
         elif isinstance(frame, Error):
-            message = frame.message
+            message = refusal_wording(frame.message)
             if self.generate.tool_choice == "required" and "'tool_choice'" in message:
                 # The engine cannot force a call: say so the Messages API's way.
                 message = forced_call_refusal(self.render.model).message
