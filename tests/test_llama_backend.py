@@ -61,6 +61,7 @@ class RecordingSink:
         #: The log-probabilities offered with the pieces (requests that asked).
         self.logprobs: list[Any] = []
         self.prompt_tokens: int | None = None
+        self.cached_tokens = 0
         self.outcome: Any = None
         self.capacity = capacity
         #: Offers refused because the sink was full; set on the first.
@@ -70,8 +71,9 @@ class RecordingSink:
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] = []
 
-    def prompt_processed(self, prompt_tokens: int) -> None:
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
 
     def emit(self, text: str, tokens: int = 1, logprobs: tuple[Any, ...] = ()) -> None:
         raise AssertionError("a batched engine never blocks in emit")

@@ -55,7 +55,13 @@ async def test_hello_describes_server_and_limits() -> None:
         assert hello["model"] == "fake"
         assert hello["limits"]["max_tokens"] == server.config.limits.max_tokens
         # What the page needs to leave out what the engine would refuse.
-        assert hello["honours"] == ["json_schema", "logit_bias", "logprobs", "tools"]
+        assert hello["honours"] == [
+            "json_schema",
+            "logit_bias",
+            "logprobs",
+            "reasoning_budget_tokens",
+            "tools",
+        ]
 
 
 async def test_stream_delivers_the_exact_text_in_order() -> None:

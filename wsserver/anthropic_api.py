@@ -57,6 +57,7 @@ __all__ = [
     "error_object",
     "parse_body",
     "parse_json",
+    "refusal_wording",
     "to_generate",
 ]
 
@@ -134,6 +135,8 @@ class MessagesRequest:
     reasoning_format: str | None = None
     #: ``keep_alive`` as given (the ``generate`` frame's parser checks it).
     keep_alive: Any = None
+    #: ``thinking.budget_tokens`` (enabled only): the core's ``reasoning_budget_tokens``.
+    reasoning_budget: int | None = None
 
 
 # ---------------------------------------------------------------- errors
@@ -217,6 +220,7 @@ def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesReq
         tool_fields=tool_fields,
         reasoning_format=None if thinking is None else parse_thinking(thinking, max_tokens),
         keep_alive=given.get("keep_alive"),
+        reasoning_budget=None if thinking is None else thinking.get("budget_tokens"),
     )
 
 
@@ -292,6 +296,8 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
         frame.update(request.tool_fields)
     if request.reasoning_format is not None:
         frame["reasoning_format"] = request.reasoning_format
+    if request.reasoning_budget is not None:
+        frame["reasoning_budget_tokens"] = request.reasoning_budget
     if request.max_tokens is not None:
         frame["max_tokens"] = request.max_tokens
     for name in ("temperature", "top_p", "top_k"):
@@ -316,7 +322,18 @@ _PARAMS: Final = {
     "max_tokens": "max_tokens",
     "messages": "messages",
     "keep_alive": "keep_alive",
+    "reasoning_budget_tokens": "thinking.budget_tokens",
 }
+
+
+def refusal_wording(message: str) -> str:
+    """An engine's refusal (``bad_request``, ``unsupported_option``) in the
+    Messages API's names (:data:`_PARAMS`): ``'reasoning_budget_tokens'`` is
+    ``'thinking.budget_tokens'`` here."""
+    for ours, theirs in _PARAMS.items():
+        if ours != theirs:
+            message = message.replace(f"'{ours}'", f"'{theirs}'")
+    return message
 
 
 def _renamed(error: ApiError) -> ApiError:

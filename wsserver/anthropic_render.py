@@ -24,12 +24,15 @@ object's ``input`` is that text parsed — or ``{}`` for a call that
 ``max_tokens`` says so, and the streamed fragments are as far as it got). A
 message that produced nothing has no block.
 
-``usage.input_tokens`` is 0 in ``message_start`` (the prompt is counted once
-the engine has read it) and the real count in ``message_delta``'s usage, which
-the SDKs take as the total. As Anthropic counts them, ``input_tokens`` are the
-prompt tokens the engine had to read and ``cache_read_input_tokens`` those it
-reused from its prefix cache (together the prompt, what ``count_tokens``
-says); ``output_tokens`` counts every generated token, the reasoning's too
+``message_start`` waits for the engine's count of the prompt
+(:meth:`MessageRender.prompt_counted`, once it has read it) and goes out with
+the first block — never later than the first token, which comes after the
+prompt — so its ``usage`` has the real input counts; an engine that counts
+the prompt only at the end (an upstream's usage) leaves them 0 there.
+``message_delta``'s usage has them again, which the SDKs take as the total.
+As Anthropic counts them, ``input_tokens`` are the prompt tokens the engine
+had to read and ``cache_read_input_tokens`` those it reused from its prefix
+cache (together the prompt, what ``count_tokens`` says); ``output_tokens`` counts every generated token, the reasoning's too
 (as Anthropic counts thinking). ``stop_reason`` is
 ``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence`` the
 string that matched) or ``tool_use``.
@@ -116,6 +119,11 @@ class MessageRender:
         )
 
     # ------------------------------------------------------------ events
+
+    def prompt_counted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """The engine counted the prompt: ``message_start``'s usage has it."""
+        self.cache_read_input_tokens = cached_tokens
+        self.input_tokens = prompt_tokens - cached_tokens
 
     def begin(self) -> list[dict[str, Any]]:
         """``message_start`` (once)."""

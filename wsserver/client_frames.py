@@ -135,6 +135,10 @@ class Generate:
     parallel_tool_calls: bool | None = None
     #: ``none`` | ``auto`` (wsserver.reasoning); None: the server's default.
     reasoning_format: str | None = None
+    #: At most this many tokens inside the think block, then the engine
+    #: closes it and the model answers (llama-server's per-request
+    #: ``reasoning_budget_tokens``; 0: close it at once). None: no budget.
+    reasoning_budget_tokens: int | None = None
     #: Report each generated token's log-probability (``delta.logprobs``),
     #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
     logprobs: bool | None = None
@@ -256,6 +260,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "parallel_tool_calls",
         "chat_template_kwargs",
         "reasoning_format",
+        "reasoning_budget_tokens",
         "logprobs",
         "top_logprobs",
         "model",
@@ -276,8 +281,8 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
         raise ProtocolError(
             "bad_request", "give exactly one of 'prompt' and 'messages'", request_id
         )
-    for name in ("tools", "chat_template_kwargs"):
-        if has_prompt and name in options:
+    for name in ("tools", "chat_template_kwargs", "reasoning_budget_tokens"):
+        if has_prompt and options.get(name) is not None:
             raise ProtocolError(
                 "bad_request", f"'{name}' needs 'messages', not 'prompt'", request_id
             )
@@ -323,6 +328,12 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         if obj["reasoning_format"] not in ("none", "auto"):
             raise fail('\'reasoning_format\' must be "none" or "auto"')
         out["reasoning_format"] = obj["reasoning_format"]
+    if "reasoning_budget_tokens" in obj:
+        value = obj["reasoning_budget_tokens"]
+        if not _is_int(value) or value < -1:
+            raise fail("'reasoning_budget_tokens' must be an integer >= 0 (-1: no budget)")
+        # -1 is llama-server's "unrestricted": the same as leaving it out.
+        out["reasoning_budget_tokens"] = None if value == -1 else value
     if "chat_template_kwargs" in obj:
         out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
     chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))

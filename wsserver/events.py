@@ -88,6 +88,8 @@ class PromptCounted:
 
     id: str
     prompt_tokens: int
+    #: Of them, taken from the engine's prefix cache (0: none, or not known yet).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

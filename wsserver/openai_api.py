@@ -199,9 +199,13 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         "chat_template_kwargs",
         "reasoning_format",
         "keep_alive",
+        "reasoning_budget_tokens",
     ):
         if name in given:
             frame[name] = given[name]
+    if "thinking_budget_tokens" in given and "reasoning_budget_tokens" not in given:
+        # llama-server reads either name (reasoning_budget_tokens first).
+        frame["reasoning_budget_tokens"] = given["thinking_budget_tokens"]
     if "response_format" in given:
         schema = _response_format(given["response_format"])
         if schema is not None:

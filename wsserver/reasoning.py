@@ -16,6 +16,13 @@ and nothing it released is ever taken back. The block opens only at the start
 of the output (after whitespace); after it closes, everything is answer, and
 the whitespace between the close and the answer is dropped, as llama-server
 drops it.
+
+:class:`ReasoningBudget` counts a sequence's tokens inside its think block
+for an engine that bounds it (``reasoning_budget_tokens``; Anthropic's
+``thinking.budget_tokens``): once the block holds ``budget`` tokens and is
+still open, the engine writes :data:`FORCED_CLOSE` as the next tokens instead
+of sampling, and the model goes on with its answer (llama-server's reasoning
+budget).
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = ["CLOSE", "OPEN", "REASONING_FORMATS", "ReasoningSplitter", "Split", "opens_reasoning"]
+__all__ = [
+    "CLOSE",
+    "FORCED_CLOSE",
+    "OPEN",
+    "REASONING_FORMATS",
+    "ReasoningBudget",
+    "ReasoningSplitter",
+    "Split",
+    "opens_reasoning",
+]
 
 OPEN: Final = "<think>"
 CLOSE: Final = "</think>"
 REASONING_FORMATS: Final = ("none", "auto")
+#: What an engine writes to end a think block whose budget is spent: the close
+#: tag and the blank line that templates put before the answer (Qwen 3's own
+#: empty block is ``<think>\n\n</think>\n\n``).
+FORCED_CLOSE: Final = CLOSE + "\n\n"
 
 _State = Literal["start", "reasoning", "answer"]
 
@@ -115,3 +135,37 @@ class ReasoningSplitter:
             self._state = "answer"
             return Split(answer=held)
         return Split()
+
+
+class ReasoningBudget:
+    """Counts one sequence's tokens inside its think block against a budget.
+
+    The engine calls :meth:`feed` once per token it produced, with the final
+    text that token released (``""`` while text is held back), and asks
+    :meth:`exhausted` before it samples the next one. The token that opens the
+    block is not counted, nor the one that closes it; everything between is
+    (the first tokens of a close tag split across several too, as they look
+    like thought until it completes), so the block's text is at most
+    ``budget`` tokens. It never takes back what
+    it counted, and once the block closed it is done (answer text costs one
+    comparison a token). Only a request that asked for a budget has one.
+    """
+
+    __slots__ = ("_splitter", "budget", "spent")
+
+    def __init__(self, budget: int, *, opened: bool = False) -> None:
+        self.budget = budget
+        self.spent = 0
+        self._splitter = ReasoningSplitter(opened=opened)
+
+    def feed(self, text: str) -> None:
+        """One token was produced, releasing ``text``."""
+        was_open = self._splitter.in_reasoning
+        if text:
+            self._splitter.feed(text)
+        if was_open and self._splitter.in_reasoning:
+            self.spent += 1
+
+    def exhausted(self) -> bool:
+        """The block is open and holds ``budget`` tokens: close it now."""
+        return self.spent >= self.budget and self._splitter.in_reasoning

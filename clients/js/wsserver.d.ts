@@ -100,6 +100,9 @@ export interface GenerateParams {
   chat_template_kwargs?: Record<string, unknown>;
   /** "auto": a think block comes as `reasoning`, apart from `text`; "none": left in `text`. */
   reasoning_format?: "none" | "auto";
+  /** Integer >= 0: at most this many tokens inside the think block, then the
+   * engine closes it and the model answers; -1 = no budget. With `messages` only. */
+  reasoning_budget_tokens?: number;
   /** Each `delta` carries its tokens' log-probabilities (`DeltaFrame.logprobs`). */
   logprobs?: boolean;
   /** Integer in [0, 20]: alternatives per token; only with `logprobs: true`. Default 0. */

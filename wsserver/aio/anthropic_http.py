@@ -9,7 +9,8 @@ accepted as ``x-api-key`` too):
   every request runs (FIFO queue, paced deltas, bounded memory behind a slow
   reader, disconnect = cancel even mid-prompt). With ``stream``, Anthropic's
   events as SSE (:mod:`wsserver.anthropic_render`), the head written when the
-  request starts or waits, a ``ping`` event while it waits (and every
+  request starts or waits, ``message_start`` once the engine counted the
+  prompt (with the first block), a ``ping`` event while it waits (and every
   :data:`~wsserver.aio.http_answer.KEEPALIVE_S` while nothing else is sent);
   without, the ``message`` object as the body.
 * ``POST /v1/messages/count_tokens`` — ``{"input_tokens": n}`` for the same
@@ -37,6 +38,7 @@ from ..anthropic_api import (
     error_object,
     parse_body,
     parse_json,
+    refusal_wording,
     to_generate,
 )
 from ..anthropic_content import forced_call_refusal
@@ -87,6 +89,7 @@ class MessageRun:
             session=Session(restart_bytes=0),
             generations=generations,
             on_gone=on_gone,
+            on_prompt=lambda event: render.prompt_counted(event.prompt_tokens, event.cached_tokens),
         )
 
     async def run(self) -> None:
@@ -111,10 +114,10 @@ class MessageRun:
                 answer.head()
                 await answer.write(b"".join(sse(event) for event in events))
         elif isinstance(frame, Started):
-            events = render.begin()
+            # The head now (the SDK's stream returns while the prompt is read);
+            # message_start once the prompt's count is known (render.delta).
             if self._stream:
                 answer.head()
-                await answer.write(b"".join(sse(event) for event in events))
         elif isinstance(frame, Queued):
             if self._stream:
                 answer.head()
@@ -122,7 +125,7 @@ class MessageRun:
         elif isinstance(frame, Done):
             await self._end(frame)
         elif isinstance(frame, Error):
-            message = frame.message
+            message = refusal_wording(frame.message)
             if self.generate.tool_choice == "required" and "'tool_choice'" in message:
                 # The engine cannot force a call: say so the Messages API's way.
                 message = forced_call_refusal(self.render.model).message

@@ -52,6 +52,7 @@ class Piece:
 @dataclass(frozen=True, slots=True)
 class PromptDone:
     prompt_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +91,8 @@ class Channel:
 
     # ------------------------------------------------------------ engine side
 
-    def prompt_processed(self, prompt_tokens: int) -> None:
-        self._put_control(PromptDone(prompt_tokens))
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        self._put_control(PromptDone(prompt_tokens, cached_tokens))
 
     def end(self, outcome: Outcome) -> None:
         with self._room:

@@ -43,6 +43,7 @@ from ..events import (
     ModelGranted,
     Outcome,
     ProducerExited,
+    PromptCounted,
     QueuePosition,
     Report,
     TextProduced,
@@ -110,6 +111,7 @@ class RequestDriver:
         generations: dict[str, Generation] | None = None,
         on_gone: Callable[[Generation], None] | None = None,
         client: str | None = None,
+        on_prompt: Callable[[PromptCounted], None] | None = None,
     ) -> None:
         self.services = services
         #: The client's address, for the caps on detached requests.
@@ -125,6 +127,9 @@ class RequestDriver:
         self._resumes = resumes
         self._resumable_default = services.config.stream.resumable
         self._on_gone = on_gone
+        #: Told the prompt's count as the engine reports it (a dialect that
+        #: writes it before the end: the Messages API's ``message_start``).
+        self._on_prompt = on_prompt
         self._loop = asyncio.get_running_loop()
 
     # ------------------------------------------------------------ the client's side
@@ -218,6 +223,8 @@ class RequestDriver:
         """A report that sends nothing (the prompt count)."""
         effects = self.session.handle(event, self._loop.time())
         assert not effects, effects
+        if self._on_prompt is not None and isinstance(event, PromptCounted):
+            self._on_prompt(event)
 
     def queued(self, request_id: str, position: int, loading: bool = False) -> None:
         """The scheduler's callback: a waiting request's position changed

@@ -328,7 +328,7 @@ class Generation:
             self._add_split(coalescer, split, item.tokens, item.logprobs)
             return None
         if isinstance(item, PromptDone):
-            self.owner.note(PromptCounted(self.request.id, item.prompt_tokens))
+            self.owner.note(PromptCounted(self.request.id, item.prompt_tokens, item.cached_tokens))
             return None
         if self.reasoning is not None:
             self._add_split(coalescer, self.reasoning.flush(), 0)

@@ -131,6 +131,9 @@ class GenerationRequest:
     tool_name: str | None = None
     #: At most one call when False.
     parallel_tool_calls: bool | None = None
+    #: Tokens allowed inside the think block before the engine closes it
+    #: (``reasoning_budget_tokens``); None: no budget.
+    reasoning_budget: int | None = None
     #: Log-probabilities asked for: how many alternatives per token (0-20);
     #: ``None``: none (the engine computes nothing for them).
     logprobs: int | None = None
@@ -162,6 +165,7 @@ class GenerationRequest:
             tool_choice="required" if frame.tool_choice == "required" else None,
             tool_name=frame.tool_name,
             parallel_tool_calls=frame.parallel_tool_calls,
+            reasoning_budget=frame.reasoning_budget_tokens,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
             model=frame.model,
         )
@@ -206,8 +210,9 @@ class CancelEvent(threading.Event):
 class TokenSink(Protocol):
     """What a blocking ``generate`` needs of its sink (see :class:`Sink`)."""
 
-    def prompt_processed(self, prompt_tokens: int) -> None:
-        """Report the prompt's token count once it is known. Never blocks."""
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        """Report the prompt's token count once it is known (and how many of
+        them came from the engine's prefix cache, if it knows). Never blocks."""
 
     def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         """Hand over final text for ``tokens`` generated tokens; block while full.
@@ -338,6 +343,16 @@ class Backend(abc.ABC):
                 "unsupported_option",
                 f"'{name}' is not supported by this server's engine ({self.model_name}); "
                 "leave it out or give its neutral value",
+                frame.id,
+            )
+        if (
+            frame.reasoning_budget_tokens is not None
+            and "reasoning_budget_tokens" not in self.honours
+        ):
+            raise ProtocolError(
+                "unsupported_option",
+                f"'reasoning_budget_tokens' is not supported by this server's engine "
+                f"({self.model_name}): it cannot end a think block early",
                 frame.id,
             )
         if frame.tool_choice == "required" and "tool_choice" not in self.honours:

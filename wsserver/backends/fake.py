@@ -33,6 +33,12 @@ words of its vocabulary at :data:`~wsserver.logprobs.LOGPROB_FLOOR`
 (OpenAI's "never"). The shapes, counts and pacing are real; the numbers
 are the honest ones for a model that cannot choose.
 
+**Reasoning budget** (``reasoning_budget_tokens``): counted as the llama
+engine counts it; once spent inside an open think block, the fake writes the
+close tag's tokens (:data:`~wsserver.reasoning.FORCED_CLOSE`) and goes on
+with its text after its own close tag — the answer a model gives once its
+thinking is cut short.
+
 Timing is simulated with waits on the request's cancel event, so a cancel
 interrupts both the simulated prefill and the pause between tokens at once.
 """
@@ -45,13 +51,14 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import orjson
 
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
 from ..protocol import DoneReason, Generate
+from ..reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
 from ..sampling import LogitBias
 from ..textstream import TextAssembler
 from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
@@ -218,6 +225,29 @@ class FakeTokenStream:
         return pieces
 
 
+def within_budget(tokens: Iterable[bytes], budget: ReasoningBudget) -> Iterator[bytes]:
+    """``tokens`` under a reasoning budget (the caller feeds it each token's
+    text before asking for the next): once it is spent, the close tag's
+    tokens, then the text after the script's own close tag."""
+    source = iter(tokens)
+    for token in source:
+        if budget.exhausted():
+            yield from text_tokens(FORCED_CLOSE)
+            # Skip the rest of the script's think block (the model moved on).
+            seen, close = token, CLOSE.encode()
+            while close not in seen:
+                following = next(source, None)
+                if following is None:
+                    return
+                seen += following
+            rest = seen[seen.index(close) + len(close) :].lstrip()
+            if rest:
+                yield rest
+            yield from source
+            return
+        yield token
+
+
 def fake_logprob(token: bytes, top: int) -> TokenLogprob:
     """The fake's entry for a token it emitted (see the module docstring)."""
     alternatives = [TopLogprob(token_text(token), 0.0, token)]
@@ -248,7 +278,9 @@ def json_document(schema: str, rng: random.Random) -> str:
 class FakeBackend(ThreadedBackend):
     """Deterministic fake model with a configurable speed."""
 
-    honours = frozenset({"logprobs", "logit_bias", "json_schema", "tools"})
+    honours = frozenset(
+        {"logprobs", "logit_bias", "json_schema", "tools", "reasoning_budget_tokens"}
+    )
 
     def __init__(
         self,
@@ -328,6 +360,10 @@ class FakeBackend(ThreadedBackend):
         else:
             tokens = fake_tokens(request)
         fixed = self.echo or self._text_tokens is not None or request.json_schema is not None
+        budget = None
+        if request.reasoning_budget is not None:
+            budget = ReasoningBudget(request.reasoning_budget)
+            tokens = within_budget(tokens, budget)
         ended: DoneReason = "stop" if fixed else "length"
         for token in tokens:
             if produced >= request.max_tokens:
@@ -341,6 +377,8 @@ class FakeBackend(ThreadedBackend):
                 raise GenerationCancelled(request.id)
             produced += 1
             text = assembler.feed(token)
+            if budget is not None:
+                budget.feed(text)
             if request.logprobs is not None:
                 sink.emit(text, 1, (fake_logprob(token, request.logprobs),))
             else:

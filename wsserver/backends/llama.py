@@ -45,7 +45,7 @@ from llama_cpp._internals import LlamaModel
 from ..config import LlamaConfig
 from ..errors import CONTEXT_LENGTH_EXCEEDED, BackendError, ModelLoadError, ProtocolError
 from ..protocol import Generate, Message
-from ..reasoning import opens_reasoning
+from ..reasoning import FORCED_CLOSE, opens_reasoning
 from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
@@ -130,8 +130,9 @@ def _default_model_path() -> Path:
 class LlamaBackend(Backend):
     """Serves a GGUF model through llama.cpp: one context, ``parallel`` sequences."""
 
-    #: Every stage option, and forced tool calls (a grammar from the tools).
-    honours = frozenset(NEUTRAL) | {"tool_choice"}
+    #: Every stage option, forced tool calls (a grammar from the tools) and a
+    #: reasoning budget (the engine closes the think block).
+    honours = frozenset(NEUTRAL) | {"tool_choice", "reasoning_budget_tokens"}
 
     def __init__(
         self,
@@ -301,6 +302,8 @@ class LlamaBackend(Backend):
             read_piece=self._read_piece,
             tokenize_text=self._tokenize_text,
             native_abort=native,
+            reasoning_close=self._close_tokens(),
+            opens_reasoning=self.opens_reasoning,
         )
         self.engine.on_prefill = self._on_prefill
         if native and not self.engine.flag.native:
@@ -381,6 +384,22 @@ class LlamaBackend(Backend):
 
     def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self._model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+
+    def _close_tokens(self) -> tuple[int, ...]:
+        """The tokens that end a think block whose budget is spent: exactly
+        :data:`~wsserver.reasoning.FORCED_CLOSE`, special tokens parsed (a
+        template's own ``</think>`` token if the vocabulary has one). A
+        tokenizer that puts a space before a text (SentencePiece's prefix) is
+        given the text after a newline, and the tokens of the newline dropped."""
+        target = FORCED_CLOSE.encode()
+        tokens = self._tokenize(FORCED_CLOSE, add_bos=False)
+        if b"".join(self._read_piece(t) for t in tokens) == target:
+            return tuple(tokens)
+        after = self._tokenize("\n" + FORCED_CLOSE, add_bos=False)
+        for start in range(1, len(after)):
+            if b"".join(self._read_piece(t) for t in after[start:]) == target:
+                return tuple(after[start:])
+        return tuple(tokens)  # the prefix and all: the close is still in it
 
     def _tokenize_text(self, text: str) -> list[int]:
         """Plain text's tokens (no BOS, special tokens not parsed): a logit bias's text."""

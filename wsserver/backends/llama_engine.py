@@ -42,6 +42,18 @@ One step:
    :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
    a stop string, ``max_tokens`` or the sequence's full context end it.
 
+Reasoning budget
+----------------
+A request with ``reasoning_budget`` counts its tokens inside the think block
+(:class:`~wsserver.reasoning.ReasoningBudget`; whether the prompt opened the
+block is the backend's ``opens_reasoning``). When the block holds that many
+and is still open, the sequence's next tokens are the close tag's
+(``reasoning_close``: :data:`~wsserver.reasoning.FORCED_CLOSE` tokenized),
+taken instead of sampled, one per step like any token — decoded, written to
+the text stream (so the core's reasoning split sees the close) and counted as
+completion tokens — and then the model samples its answer. A request without
+a budget pays one ``is None`` test per token.
+
 Cancel during a decode
 ----------------------
 A cancel whose request has *prompt* tokens in the decode in flight raises the
@@ -81,6 +93,7 @@ from ..errors import BackendError
 from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import DoneReason
+from ..reasoning import ReasoningBudget
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_budget import PrefillBudget
@@ -128,6 +141,8 @@ class BatchEngine:
         read_piece: Callable[[int], bytes] | None = None,
         tokenize_text: Callable[[str], list[int]] | None = None,
         native_abort: bool = True,
+        reasoning_close: tuple[int, ...] = (),
+        opens_reasoning: Callable[[GenerationRequest], bool] | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -142,6 +157,10 @@ class BatchEngine:
         self._prepare = prepare
         self._piece = piece
         self._tokenize_text = tokenize_text
+        #: The tokens that close a think block whose budget is spent, and
+        #: whether a request's prompt opened the block (see the module docstring).
+        self.reasoning_close = reasoning_close
+        self._opens_reasoning = opens_reasoning
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.grammars = GrammarCache(vocab)
         self.logprobs = LogprobReader(self.n_vocab, piece)
@@ -358,6 +377,9 @@ class BatchEngine:
             for token in prompt[max(0, len(prompt) - window) :]:
                 llama_cpp.llama_sampler_accept(history, token)
         job.assembler = TextAssembler(stops)
+        if request.reasoning_budget is not None and self.reasoning_close:
+            opened = self._opens_reasoning is not None and self._opens_reasoning(request)
+            job.budget = ReasoningBudget(request.reasoning_budget, opened=opened)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
         job.stats.sequence = seq.index
@@ -491,7 +513,7 @@ class BatchEngine:
                 job.stats.decoded += fed
                 self.stats["prompt_tokens_decoded"] += fed
                 if job.fed == len(job.prompt) and not job.cancelled:
-                    job.sink.prompt_processed(len(job.prompt))
+                    job.sink.prompt_processed(len(job.prompt), job.stats.reused)
             else:
                 assert job.next_token is not None
                 job.seq.tokens.append(job.next_token)
@@ -506,7 +528,12 @@ class BatchEngine:
     def _sample(self, job: Job, index: int) -> None:
         assembler = job.assembler
         assert assembler is not None
-        if job.argmax:
+        budget = job.budget
+        if budget is not None and not job.forced and budget.exhausted():
+            job.forced.extend(self.reasoning_close)
+        if job.forced:
+            token = self._force(job)
+        elif job.argmax:
             # What the greedy sampler picks (the first of the highest logits),
             # without writing a 262,144-entry candidate list first.
             logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
@@ -529,7 +556,10 @@ class BatchEngine:
                 # (which sampling read but did not change).
                 logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
                 entries = (self.logprobs.entry(logits, token, job.request.logprobs),)
-            job.outbox.append((assembler.feed(self._piece(token)), 1, entries))
+            text = assembler.feed(self._piece(token))
+            job.outbox.append((text, 1, entries))
+            if budget is not None:
+                budget.feed(text)
             if assembler.stopped:
                 job.ending = Outcome(
                     "stop",
@@ -543,6 +573,18 @@ class BatchEngine:
             else:
                 job.next_token = token
         self._deliver(job)
+
+    def _force(self, job: Job) -> int:
+        """The next of the close tag's tokens, in place of a sampled one. The
+        sampler chains see it as if sampled (their penalty and DRY history);
+        a grammar does not, as it constrains the answer, not the think block."""
+        token = job.forced.popleft()
+        if job.pre is not None:
+            llama_cpp.llama_sampler_accept(job.pre, token)
+        if job.sampler is not None:
+            llama_cpp.llama_sampler_accept(job.sampler, token)
+        job.stats.forced += 1
+        return token
 
     def _sample_constrained(self, job: Job, index: int) -> int | None:
         """Sample, then let the grammar check the token; when it rejects it,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..logprobs import TokenLogprob
+from ..reasoning import ReasoningBudget
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 
@@ -25,6 +26,8 @@ class RequestStats:
     decoded: int = 0
     sequence: int = -1
     aborted: bool = False
+    #: Tokens written instead of sampled to close a think block (its budget spent).
+    forced: int = 0
 
 
 @dataclass(eq=False)
@@ -75,6 +78,10 @@ class Job:
     in_flight: bool = False
     started: bool = False
     on_cancel: Callable[[], None] | None = None
+    #: The request's reasoning budget (None: none asked, nothing counted), and
+    #: the close tag's tokens still to write instead of sampling once it is spent.
+    budget: ReasoningBudget | None = None
+    forced: deque[int] = field(default_factory=deque)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -116,8 +116,9 @@ class OpenAIBackend(Backend):
     """Relays each request to one of ``urls`` (see the module docstring)."""
 
     #: Every option is forwarded to the upstream, which honours or refuses it
-    #: (``tool_choice`` too: "required" and a named function).
-    honours = frozenset(NEUTRAL) | {"tool_choice"}
+    #: (``tool_choice`` too: "required" and a named function; a reasoning
+    #: budget as llama-server's ``reasoning_budget_tokens``, docs/upstream.md).
+    honours = frozenset(NEUTRAL) | {"tool_choice", "reasoning_budget_tokens"}
 
     def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
         """The upstream parses its model's calls and streams them as

@@ -99,6 +99,10 @@ def request_body(request: GenerationRequest, model: str) -> tuple[str, bytes]:
                 )
             if request.parallel_tool_calls is not None:
                 body["parallel_tool_calls"] = request.parallel_tool_calls
+        if request.reasoning_budget is not None:
+            # llama-server's per-request budget (its --reasoning-budget for one
+            # request): the upstream must honour it (docs/upstream.md).
+            body["reasoning_budget_tokens"] = request.reasoning_budget
         if request.chat_template_kwargs is not None:
             # llama-server's extension (vLLM and SGLang take it too).
             body["chat_template_kwargs"] = orjson.loads(request.chat_template_kwargs)

@@ -110,6 +110,7 @@ class ClientBase(Generic[S]):
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool | None = None,
         reasoning_format: Literal["none", "auto"] | None = None,
+        reasoning_budget_tokens: int | None = None,
         model: str | None = None,
         **params: Any,
     ) -> S:
@@ -117,7 +118,8 @@ class ClientBase(Generic[S]):
         :meth:`events` for the reasoning and tool calls too.
 
         ``tools`` (OpenAI's function tools), ``tool_choice``,
-        ``parallel_tool_calls`` and ``reasoning_format`` go to the server as
+        ``parallel_tool_calls``, ``reasoning_format`` and
+        ``reasoning_budget_tokens`` (at most that many tokens of thought) go to the server as
         given (docs/protocol.md, ``generate``), like every other keyword
         argument; one left at ``None`` is not sent (the server's default).
         ``model``: one of ``hello.models``' names (default: the client's
@@ -129,6 +131,7 @@ class ClientBase(Generic[S]):
             "tool_choice": tool_choice,
             "parallel_tool_calls": parallel_tool_calls,
             "reasoning_format": reasoning_format,
+            "reasoning_budget_tokens": reasoning_budget_tokens,
         }
         params.update({k: v for k, v in chat_options.items() if v is not None})
         if self.resumable:
