@@ -164,7 +164,7 @@ async def test_count_tokens_is_what_the_message_reports() -> None:
         assert counted.input_tokens == reply.usage.input_tokens > 0
         # A stream says it from its first event on, as Anthropic clients show it.
         async with client.messages.stream(
-            model="m",
+            model=FAKE_MODEL,
             system="be brief",
             messages=messages,  # type: ignore[arg-type]
             max_tokens=2,

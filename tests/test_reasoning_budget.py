@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
-from conftest import running_server, wire
+from conftest import FAKE_MODEL, running_server, wire
 
 from wsserver.anthropic_api import parse_body, to_generate
 from wsserver.backends.base import GenerationRequest
@@ -142,7 +142,7 @@ async def test_the_messages_api_names_thinking_budget_tokens_in_that_refusal() -
         async with sdk(server) as client:
             with pytest.raises(anthropic.BadRequestError) as info:
                 await client.messages.create(
-                    model="m",
+                    model=FAKE_MODEL,
                     messages=CHAT,  # type: ignore[arg-type]
                     max_tokens=20,
                     thinking={"type": "enabled", "budget_tokens": 5},
@@ -191,7 +191,7 @@ def thinking_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from test_llama_template import THINKING
     from tiny_gguf import write_tiny_gguf
 
-    return write_tiny_gguf(tmp_path_factory.mktemp("think") / "t.gguf", chat_template=THINKING)
+    return write_tiny_gguf(tmp_path_factory.mktemp("think") / "thinking.gguf", chat_template=THINKING)
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +255,7 @@ async def test_the_anthropic_sdk_gets_a_thinking_block_within_its_budget(
         backend__llama__parallel=1,
     )
     asked: dict[str, Any] = {
-        "model": "m",
+        "model": "thinking",
         "messages": CHAT,
         "max_tokens": 40,
         "extra_body": {"temperature": 0.0, "top_k": 1},
