@@ -191,7 +191,9 @@ def thinking_gguf(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     from test_llama_template import THINKING
     from tiny_gguf import write_tiny_gguf
 
-    return write_tiny_gguf(tmp_path_factory.mktemp("think") / "thinking.gguf", chat_template=THINKING)
+    return write_tiny_gguf(
+        tmp_path_factory.mktemp("think") / "thinking.gguf", chat_template=THINKING
+    )
 
 
 @pytest.fixture(scope="module")
