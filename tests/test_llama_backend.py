@@ -144,7 +144,8 @@ def has_chat_template(backend: LlamaBackend) -> bool:
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:
     """A fresh llama-cpp-python context, without its stdout/stderr juggling."""
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=1, verbose=True)
+        # Flash attention as the engine's default ("auto": on, on a CPU).
+        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=1, flash_attn=True, verbose=True)
     llm.verbose = False
     return llm
 

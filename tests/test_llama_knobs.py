@@ -39,7 +39,7 @@ KNOBS = (
 def test_the_knobs_are_configuration_keys_shown_with_their_defaults() -> None:
     loaded_config = load_config(env={})
     llama = loaded_config.config.backend.llama
-    assert (llama.n_ubatch, llama.n_gpu_layers, llama.flash_attn) == (0, 0, "off")
+    assert (llama.n_ubatch, llama.n_gpu_layers, llama.flash_attn) == (0, 0, "auto")
     assert (llama.cache_type_k, llama.cache_type_v, llama.use_mmap, llama.use_mlock) == (
         "f16",
         "f16",
@@ -61,7 +61,13 @@ def test_the_knobs_are_configuration_keys_shown_with_their_defaults() -> None:
 @pytest.mark.parametrize(
     ("env", "named"),
     [
-        ({"WSSERVER_BACKEND_LLAMA_CACHE_TYPE_V": "q4_0"}, "flash_attn"),
+        (
+            {
+                "WSSERVER_BACKEND_LLAMA_CACHE_TYPE_V": "q4_0",
+                "WSSERVER_BACKEND_LLAMA_FLASH_ATTN": "off",
+            },
+            "flash_attn",
+        ),
         ({"WSSERVER_BACKEND_LLAMA_CACHE_TYPE_K": "q5_1"}, "cache_type_k"),
         ({"WSSERVER_BACKEND_LLAMA_FLASH_ATTN": "yes"}, "flash_attn"),
         ({"WSSERVER_BACKEND_LLAMA_N_GPU_LAYERS": "-2"}, "n_gpu_layers"),

@@ -45,7 +45,10 @@ def backend(tiny_gguf: Path) -> Iterator[LlamaBackend]:
 def reference(tiny_gguf: Path) -> Iterator[Any]:
     """llama-cpp-python's own Llama, keeping every position's logits (its logprobs need them)."""
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        llm = llama_cpp.Llama(str(tiny_gguf), n_ctx=512, n_threads=1, logits_all=True, verbose=True)
+        # Flash attention as the engine's default ("auto": on, on a CPU).
+        llm = llama_cpp.Llama(
+            str(tiny_gguf), n_ctx=512, n_threads=1, logits_all=True, flash_attn=True, verbose=True
+        )
     llm.verbose = False
     yield llm
     llm.close()

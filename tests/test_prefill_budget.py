@@ -81,9 +81,19 @@ def test_unmeasured_then_fixed_chunk() -> None:
     assert PrefillBudget(0.0, n_batch=16, fixed=48).share(1) == 16
 
 
-def test_a_decode_count_not_yet_measured_uses_the_nearest() -> None:
-    budget = PrefillBudget(2.0, n_batch=512)
+def test_a_decode_count_not_yet_measured_uses_a_neighbour_or_the_fixed_chunk() -> None:
+    """A decode step of one sequence says little about one of sixteen: sized by
+    it, every mixed step looked dear, and the chunks shrank to a token each
+    (16 requests arriving together waited 4.7 s for their first token)."""
+    budget = PrefillBudget(2.0, n_batch=512, fixed=64)
     budget.observe(2, 0, 40 * MS)
     budget.observe(0, 100, 100 * 2 * MS)
     assert budget.decode_time(3) == pytest.approx(40 * MS)
     assert budget.share(3) == 20
+    assert budget.decode_time(16) is None
+    assert budget.share(16) == 64
+    # A mixed step of an unmeasured count teaches nothing about a prompt token.
+    before = budget.token_s
+    budget.observe(16, 64, 900 * MS)
+    assert budget.token_s == before
+    assert budget.share(16) == 64

@@ -230,7 +230,7 @@ class LlamaConfig:
     #: Layers offloaded to the GPU (with a GPU build of llama.cpp; -1 = all).
     n_gpu_layers: int = _key(0, low=-1, high=1 << 20)
     #: Flash attention: "on", "off", or "auto" (llama.cpp decides per device).
-    flash_attn: str = _key("off", choices=("auto", "on", "off"))
+    flash_attn: str = _key("auto", choices=("auto", "on", "off"))
     #: KV cache element types (llama-server's --cache-type-k/-v); a quantized
     #: V cache needs flash attention.
     cache_type_k: str = _key("f16", choices=("f16", "q8_0", "q4_0"))

@@ -149,7 +149,7 @@ class LlamaBackend(Backend):
         chat_template_file: str = "",
         n_ubatch: int = 0,
         n_gpu_layers: int = 0,
-        flash_attn: str = "off",
+        flash_attn: str = "auto",
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         use_mmap: bool = True,

@@ -20,6 +20,11 @@ It learns from the steps it is told about (:meth:`PrefillBudget.observe`):
   step's cost per token stands in (optimistic: large batches are cheaper per
   token — the next mixed step corrects it).
 
+Until the decode-only step of (about) that many sequences was measured, a
+step takes the fixed chunk (``prefill_chunk``), as without a budget: many
+short prompts arriving together get their first tokens quickly, and the
+budget takes over once the batch has settled.
+
 Sans-I/O: durations come from the caller (the engine's timer around
 ``llama_decode``); nothing here reads a clock.
 """
@@ -63,6 +68,7 @@ class PrefillBudget:
         decode = self.decode_time(decoding)
         per_token = self.token_s if self.token_s is not None else self.alone_s
         if decode is None or per_token is None or per_token <= 0:
+            # Nothing to size by yet: the fixed chunk, as without a budget.
             return max(1, min(self.fixed, self.n_batch))
         room = (self.factor - 1.0) * decode
         share = max(1, min(self.n_batch, int(room / per_token)))
@@ -72,15 +78,17 @@ class PrefillBudget:
         return share
 
     def decode_time(self, decoding: int) -> float | None:
-        """The decode-only step's duration for ``decoding`` sequences: measured,
-        or scaled from the nearest measured count (a step's cost grows with
-        its tokens, slowly: the weights are read once for all of them)."""
-        if decoding in self.decode_s:
-            return self.decode_s[decoding]
-        if not self.decode_s:
-            return None
-        nearest = min(self.decode_s, key=lambda n: abs(n - decoding))
-        return self.decode_s[nearest]
+        """The decode-only step's duration for ``decoding`` sequences: measured
+        for that count or one next to it (a step's cost grows slowly with its
+        tokens: the weights are read once for all of them), else unknown.
+        Not extrapolated further: a step of 16 sequences estimated from one
+        of a single sequence would be far too short, every step after it
+        would look dear, and the chunks would shrink to a token each (seen:
+        16 requests arriving together waited 4.7 s for their first token)."""
+        for near in (decoding, decoding - 1, decoding + 1):
+            if near in self.decode_s:
+                return self.decode_s[near]
+        return None
 
     def observe(self, decoding: int, prompt: int, seconds: float) -> None:
         """A step of ``decoding`` sequences' tokens and ``prompt`` prompt tokens

@@ -188,8 +188,9 @@ def new_context(
     own cells. ``swa_full = True`` (the default, kept explicitly): models with
     sliding-window attention (Gemma 3) keep every cell in their SWA layers too,
     which is what makes reusing a cached prefix at any length correct.
-    Flash attention is off by default, as in ``llama_cpp.Llama`` (the same
-    kernels give the same logits as ``create_completion``); ``flash_attn``,
+    Flash attention is ``auto`` in the configuration (llama-server's default;
+    on, on a CPU: faster here, docs/install.md); ``off`` here, as in
+    ``llama_cpp.Llama``, for direct callers; ``flash_attn``,
     ``cache_type_k`` and ``cache_type_v`` are the configuration's names
     (:data:`FLASH_ATTN`, :data:`CACHE_TYPES`).
     """
