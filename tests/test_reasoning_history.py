@@ -1,6 +1,7 @@
 """An assistant message's reasoning in the conversation (sans-I/O): the
-WebSocket ``messages[].reasoning`` and OpenAI's ``reasoning_content`` land on
-the core's :class:`~wsserver.chat_input.Message`; templates and upstreams get it as
+WebSocket ``messages[].reasoning``, OpenAI's ``reasoning_content`` and
+Anthropic's ``thinking`` blocks of the tool-use loop in progress (earlier
+turns' dropped) land on the core's :class:`~wsserver.chat_input.Message`; templates and upstreams get it as
 ``reasoning_content`` (llama.cpp's name), the plain-text fallback leaves it out.
 
 The llama engine's rendering and count of it are in
@@ -15,6 +16,8 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME
 
+from wsserver.anthropic_api import parse_body as anthropic_body
+from wsserver.anthropic_api import to_generate as anthropic_generate
 from wsserver.api_errors import ApiError
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.openai_wire import request_body
@@ -148,6 +151,107 @@ def test_the_openai_api_names_reasoning_content_when_refusing_it(
         openai_messages(message)
     assert caught.value.status == 400 and caught.value.param == "messages"
     assert words in caught.value.message
+
+
+# ---------------------------------------------------------------- Anthropic
+
+
+def anthropic_messages(messages: list[dict[str, Any]]) -> tuple[Message, ...]:
+    body = {"model": "m", "max_tokens": 50, "messages": messages}
+    generated = anthropic_generate(anthropic_body(body), "r", Limits()).messages
+    assert generated is not None
+    return generated
+
+
+def thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": "sig"}
+
+
+def tool_use(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": "ls", "input": {"path": "."}}
+
+
+def tool_result(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": call_id, "content": "main.py"}
+
+
+def test_anthropic_keeps_the_thinking_of_the_tool_use_loop_in_progress() -> None:
+    messages = anthropic_messages(
+        [
+            {"role": "user", "content": "Fix the bug"},
+            {"role": "assistant", "content": [thinking("First, the layout."), tool_use("c1")]},
+            {"role": "user", "content": [tool_result("c1")]},
+            # Interleaved thinking: two blocks in one turn, joined.
+            {
+                "role": "assistant",
+                "content": [
+                    thinking("Now main.py."),
+                    {"type": "redacted_thinking", "data": "opaque"},
+                    {"type": "text", "text": "Reading."},
+                    thinking("And its test."),
+                    tool_use("c2"),
+                ],
+            },
+            {"role": "user", "content": [tool_result("c2")]},
+        ]
+    )
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert messages[1].reasoning == "First, the layout."
+    assert messages[3].reasoning == "Now main.py.\n\nAnd its test."  # redacted: dropped
+    assert messages[3].content == "Reading."
+    # To the engine it is the frame's `reasoning`, to templates `reasoning_content`.
+    assert messages[1].to_openai()["reasoning_content"] == "First, the layout."
+
+
+def test_anthropic_drops_the_thinking_of_turns_before_the_last_user_text() -> None:
+    earlier = [
+        {"role": "user", "content": "Fix the bug"},
+        {"role": "assistant", "content": [thinking("Old loop."), tool_use("c1")]},
+        {"role": "user", "content": [tool_result("c1")]},
+        {
+            "role": "assistant",
+            "content": [thinking("Old answer."), {"type": "text", "text": "Done."}],
+        },
+    ]
+    # A new question: every turn before it is an earlier turn.
+    messages = anthropic_messages([*earlier, {"role": "user", "content": "Thanks. Now?"}])
+    assert all(m.reasoning is None for m in messages)
+    # Tool results with text also start a new turn (the user said something).
+    with_text = anthropic_messages(
+        [
+            {"role": "user", "content": "Fix the bug"},
+            {"role": "assistant", "content": [thinking("Loop."), tool_use("c1")]},
+            {"role": "user", "content": [tool_result("c1"), {"type": "text", "text": "Also X."}]},
+        ]
+    )
+    assert all(m.reasoning is None for m in with_text)
+    # The new turn's own loop keeps its thinking, the earlier ones' stays out.
+    loop = anthropic_messages(
+        [
+            *earlier,
+            {"role": "user", "content": "Now the other bug"},
+            {"role": "assistant", "content": [thinking("New loop."), tool_use("c9")]},
+            {"role": "user", "content": [tool_result("c9")]},
+        ]
+    )
+    assert [m.reasoning for m in loop if m.role == "assistant"] == [None, None, "New loop."]
+
+
+def test_anthropic_reasoning_counts_against_the_prompt_limit() -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 50,
+        "messages": [
+            {"role": "user", "content": "Fix"},
+            {"role": "assistant", "content": [thinking("t" * 40), tool_use("c1")]},
+            {"role": "user", "content": [tool_result("c1")]},
+        ],
+    }
+    # 24 characters of text, call and result, and 40 of thinking.
+    anthropic_generate(anthropic_body(body), "r", Limits(max_prompt_chars=64))
+    with pytest.raises(ApiError) as caught:
+        anthropic_generate(anthropic_body(body), "r", Limits(max_prompt_chars=63))
+    assert caught.value.status == 413 and "exceed 63 characters" in caught.value.message
 
 
 # ---------------------------------------------------------------- rendering
