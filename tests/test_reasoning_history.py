@@ -1,7 +1,8 @@
 """An assistant message's reasoning in the conversation (sans-I/O): the
-WebSocket ``messages[].reasoning``, OpenAI's ``reasoning_content`` and
+WebSocket ``messages[].reasoning``, OpenAI's ``reasoning_content``,
 Anthropic's ``thinking`` blocks of the tool-use loop in progress (earlier
-turns' dropped) land on the core's :class:`~wsserver.chat_input.Message`; templates and upstreams get it as
+turns' dropped) and the Responses API's ``reasoning`` items all land on the
+core's :class:`~wsserver.chat_input.Message`; templates and upstreams get it as
 ``reasoning_content`` (llama.cpp's name), the plain-text fallback leaves it out.
 
 The llama engine's rendering and count of it are in
@@ -9,6 +10,7 @@ tests/test_llama_template.py and tests/test_anthropic_llama.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -23,7 +25,21 @@ from wsserver.backends.base import GenerationRequest
 from wsserver.backends.openai_wire import request_body
 from wsserver.errors import ProtocolError
 from wsserver.openai_api import parse_request
-from wsserver.protocol import Generate, Limits, Message, ToolCall, parse_client_frame
+from wsserver.protocol import (
+    CallPart,
+    Done,
+    Generate,
+    Limits,
+    Message,
+    Timings,
+    ToolCall,
+    Usage,
+    parse_client_frame,
+)
+from wsserver.responses_api import ResponsesRequest
+from wsserver.responses_api import parse_body as responses_body
+from wsserver.responses_api import to_generate as responses_generate
+from wsserver.responses_render import ResponseRender
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path":"."}'}}
 LS = ToolCall("c1", "ls", '{"path":"."}')
@@ -252,6 +268,109 @@ def test_anthropic_reasoning_counts_against_the_prompt_limit() -> None:
     with pytest.raises(ApiError) as caught:
         anthropic_generate(anthropic_body(body), "r", Limits(max_prompt_chars=63))
     assert caught.value.status == 413 and "exceed 63 characters" in caught.value.message
+
+
+# ---------------------------------------------------------------- Responses
+
+
+def responses_messages(items: list[dict[str, Any]]) -> tuple[Message, ...]:
+    generated = responses_generate(responses_body({"input": items}), (), "r", Limits()).messages
+    assert generated is not None
+    return generated
+
+
+def reasoning_item(text: str, *, summary: str = "") -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [{"type": "summary_text", "text": summary}] if summary else [],
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+    }
+
+
+def function_call(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": "ls", "arguments": "{}"}
+
+
+def test_responses_reasoning_items_attach_to_the_assistant_message_after_them() -> None:
+    messages = responses_messages(
+        [
+            {"role": "user", "content": "Fix the bug"},
+            reasoning_item("First, the layout."),
+            function_call("c1"),
+            {"type": "function_call_output", "call_id": "c1", "output": "main.py"},
+            # Only a summary: the summary is the text.
+            reasoning_item("", summary="Reading main.py."),
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Reading."}]},
+            reasoning_item("Then its test."),
+            function_call("c2"),
+            {"type": "function_call_output", "call_id": "c2", "output": "ok"},
+        ]
+    )
+    assert [(m.role, m.reasoning) for m in messages] == [
+        ("user", None),
+        ("assistant", "First, the layout."),
+        ("tool", None),
+        ("assistant", "Reading main.py.\n\nThen its test."),  # one message: text, then a call
+        ("tool", None),
+    ]
+    assert [c.id for c in messages[3].tool_calls] == ["c2"]
+
+
+def test_responses_reasoning_that_no_assistant_item_follows_is_dropped() -> None:
+    messages = responses_messages(
+        [
+            {"role": "user", "content": "a"},
+            reasoning_item("lost"),
+            {"role": "user", "content": "b"},
+            reasoning_item("", summary=""),
+        ]
+    )
+    assert all(m.reasoning is None for m in messages)
+
+
+def test_a_previous_response_keeps_its_reasoning_only_while_the_loop_goes_on() -> None:
+    request = ResponsesRequest(input=({"role": "user", "content": "q"},))
+    done = Done(
+        id="r",
+        reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+        timings=Timings(queued_ms=0.0, ttft_ms=1.0, total_ms=2.0, tokens_per_s=1.0),
+    )
+    calling = ResponseRender(request, response_id="resp_a", model="m")
+    calling.delta("", reasoning="Call ls.")
+    calling.delta("", tool_calls=(CallPart(0, "{}", "c1", "ls"),))
+    calling.end(dataclasses.replace(done, reason="tool_calls"))
+    # Its function_call_output comes next: the loop goes on, with its reasoning.
+    assert calling.conversation(())[-1]["reasoning"] == "Call ls."
+    answering = ResponseRender(request, response_id="resp_b", model="m")
+    answering.delta("", reasoning="Easy.")
+    answering.delta("Done.")
+    answering.end(done)
+    # An answer ends the turn: templates would drop its reasoning, so it is not kept.
+    assert answering.conversation(())[-1] == {"role": "assistant", "content": "Done."}
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        ({"type": "reasoning", "summary": "x"}, "input[0].summary must be a list"),
+        (
+            {"type": "reasoning", "summary": [], "content": [{"type": "output_text", "text": "x"}]},
+            "input[0].content[0] must be {'type': 'reasoning_text'",
+        ),
+        (
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]},
+            "input[0].summary[0] must be",
+        ),
+    ],
+)
+def test_responses_bad_reasoning_items_are_refused_naming_them(
+    item: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ApiError) as caught:
+        responses_body({"input": [item]})
+    assert caught.value.status == 400 and words in caught.value.message
 
 
 # ---------------------------------------------------------------- rendering
