@@ -589,7 +589,7 @@ export declare class GenerationStream
   restart(overrides?: Partial<GenerateParams>, options?: RequestOptions): GenerationStream;
   /** Read to the end. */
   result(): Promise<{ text: string; reasoning: string; toolCalls: ToolCall[]; done: DoneFrame }>;
-  /** The answer as the next request's assistant message (text and `tool_calls`, no reasoning). */
+  /** The answer as the next request's assistant message (text and `tool_calls`; with calls, its `reasoning`). */
   message(): ChatMessage;
   [Symbol.asyncIterator](): AsyncIterator<string>;
 }
