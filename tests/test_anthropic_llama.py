@@ -220,6 +220,77 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
         assert plain.content[0].text.startswith(whole.content[0].thinking)  # type: ignore[union-attr]
 
 
+async def test_the_thinking_of_a_tool_use_loop_is_in_the_prompt_and_counted(
+    tmp_path: Path,
+) -> None:
+    """Under a Qwen-3-like template the thinking of the tool-use loop in
+    progress is rendered as a think block (llama.cpp's ``reasoning_content``):
+    ``count_tokens`` counts it, and the message's usage agrees; once the user
+    asks again, that thinking is an earlier turn's and is left out."""
+    from test_llama_template import QWEN3_REASONING, reference_prompt
+    from tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "qwen3.gguf", chat_template=QWEN3_REASONING)
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
+    thought = "The user wants Paris: call get_weather."
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    question = {"role": "user", "content": "Weather in Paris?"}
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}],
+    }
+    thinking = {"type": "thinking", "thinking": thought, "signature": ""}
+    loop = [question, {"role": "assistant", "content": [thinking, call]}, result]
+    bare = [question, {"role": "assistant", "content": [call]}, result]
+    later = [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Rome?"}]
+    # The prompt llama.cpp would render: the call-only turn with reasoning_content.
+    expected = reference_prompt(
+        QWEN3_REASONING,
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": thought,
+                "tool_calls": [
+                    {
+                        "id": "toolu_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
+        ],
+    )
+    assert f"<think>\n{thought}\n</think>" in expected
+    async with running_server(config) as server, sdk(server) as client:
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+
+        async def count(messages: list[dict[str, Any]]) -> int:
+            counted = await client.messages.count_tokens(model="qwen3", messages=messages)  # type: ignore[arg-type]
+            return counted.input_tokens
+
+        with_thinking = await count(loop)
+        assert with_thinking == len(backend._tokenize(expected, add_bos=False))
+        assert with_thinking > await count(bare)
+        # The next turn: the loop's thinking is an earlier turn's, left out.
+        assert await count([*loop, *later]) == await count([*bare, *later])
+        whole = await client.messages.create(
+            model="qwen3",
+            messages=loop,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_body={"temperature": 0.0, "top_k": 1},
+        )
+        assert prompt_tokens(whole) == with_thinking
+
+
 async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) -> None:
     """``tool_choice`` ``tool`` (and ``any``) on the llama engine: the call is
     forced by the engine's grammar, so even the random tiny model makes one,

@@ -129,3 +129,39 @@ async def test_an_upstreams_reasoning_and_tool_calls_are_thinking_and_tool_use_b
             final = await stream.get_final_message()
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
         assert "thinking_delta" in kinds and "input_json_delta" in kinds
+
+
+async def test_the_tool_use_loops_thinking_goes_upstream_as_reasoning_content() -> None:
+    """llama-server hands an assistant message's ``reasoning_content`` to its
+    chat template: the thinking of the loop in progress reaches it so, an
+    earlier turn's does not."""
+    call = {"type": "tool_use", "id": "toolu_1", "name": "ls", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "main.py"}
+    tools = [{"name": "ls", "input_schema": {"type": "object"}}]
+    async with FakeUpstream() as up, relay(up.url) as server, sdk(server) as client:
+        loop: list[dict[str, Any]] = [
+            {"role": "user", "content": "Fix the bug"},
+            {
+                "role": "assistant",
+                "content": [{"type": "thinking", "thinking": "Look first.", "signature": ""}, call],
+            },
+            {"role": "user", "content": [result]},
+        ]
+        for messages in (
+            loop,
+            [
+                *loop,
+                {"role": "assistant", "content": "Done."},
+                {"role": "user", "content": "Next?"},
+            ],
+        ):
+            await client.messages.create(
+                model=up.model,
+                messages=messages,  # type: ignore[arg-type]
+                tools=tools,  # type: ignore[list-item]
+                max_tokens=50,
+            )
+        in_loop, later = (stream.body["messages"][1] for stream in up.streams)
+        assert in_loop["reasoning_content"] == "Look first." and in_loop["content"] is None
+        assert in_loop["tool_calls"][0]["id"] == "toolu_1"
+        assert "reasoning_content" not in later

@@ -256,6 +256,8 @@ def test_reasoning_text_and_call_parts_become_typed_events_in_order() -> None:
     result = request.finished_result()
     assert result.tool_calls == [weather, total] and result.reasoning == "Hmm, rain?"
     assert result.message()["content"] == "Sure."
+    # The loop goes on: its reasoning goes back with the calls.
+    assert result.message()["reasoning"] == "Hmm, rain?"
     assert result.message()["tool_calls"][0] == {
         "id": "call_1",
         "type": "function",

@@ -102,6 +102,7 @@ async def test_a_tool_result_goes_back_in_the_next_turn() -> None:
         first = await client.generate(messages=chat(SCRIPT), tools=TOOLS).result()
         message = first.message()
         assert message["role"] == "assistant" and message["content"] == "Let me check. "
+        assert message["reasoning"] == REASONING  # the loop goes on, with its reasoning
         assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
         assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
             "city": "Tōkyō",

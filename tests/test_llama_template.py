@@ -379,3 +379,70 @@ def test_a_template_that_needs_string_content_gets_an_empty_string_for_a_call_on
     assert prompt == reference_prompt(SEARCHES_CONTENT, with_empty)
     # A template that takes null content keeps getting it.
     assert not ChatTemplate(HERMES).string_content
+
+
+#: Qwen 3's handling of reasoning, condensed: an assistant message's
+#: ``reasoning_content`` (else a think block in its content) is rendered as
+#: ``<think>…</think>`` only after the last user query — the tool-use loop in
+#: progress — and earlier turns' is left out; like Qwen 3's, it looks for a
+#: think block ``in`` the content (so a call-only turn needs ``""``).
+QWEN3_REASONING = """{%- set ns = namespace(last_query=messages|length - 1, multi_step=true) %}
+{%- for m in messages[::-1] %}{% set i = messages|length - 1 - loop.index0 %}
+{%- if ns.multi_step and m.role == 'user' %}{% set ns.multi_step = false %}{% set ns.last_query = i %}{% endif %}
+{%- endfor %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}
+{%- set content = m.content %}{% set reasoning = '' %}
+{%- if m.reasoning_content is defined and m.reasoning_content is not none %}{% set reasoning = m.reasoning_content %}
+{%- elif '</think>' in m.content %}{% set reasoning = m.content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = m.content.split('</think>')[-1] %}{% endif %}
+{%- if loop.index0 > ns.last_query and reasoning %}<|im_start|>assistant
+<think>
+{{ reasoning.strip() }}
+</think>
+
+{{ content }}{% else %}<|im_start|>assistant
+{{ content }}{% endif %}
+{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+#: A tool-use loop in progress: the assistant thought, called, got the result.
+LOOP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning": "The user wants Paris: call get_weather.",
+        "tool_calls": CONVERSATION[2]["tool_calls"],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+def test_the_reasoning_of_the_loop_in_progress_reaches_the_template() -> None:
+    template = ChatTemplate(QWEN3_REASONING, bos_token="<s>", eos_token="</s>")
+    assert template.string_content  # a call-only turn gets "" (not null)
+    messages = frame(messages=LOOP).messages
+    assert messages is not None
+    prompt = template.render(messages)
+    # The template's own rendering, given llama.cpp's reasoning_content.
+    as_llama_cpp = [
+        {k: v for k, v in m.items() if k != "reasoning"}
+        | ({"reasoning_content": m["reasoning"], "content": ""} if "reasoning" in m else {})
+        for m in LOOP
+    ]
+    assert prompt == reference_prompt(QWEN3_REASONING, as_llama_cpp)
+    assert "<think>\nThe user wants Paris: call get_weather.\n</think>\n\n<tool_call>" in prompt
+    # Once the user asks again the loop is over: its reasoning is left out.
+    later = frame(messages=[*LOOP, {"role": "user", "content": "And Rome?"}]).messages
+    assert later is not None
+    assert "The user wants Paris" not in template.render(later)
+    # Without reasoning the turn is the plain call-only turn.
+    bare = frame(messages=[{k: v for k, v in m.items() if k != "reasoning"} for m in LOOP])
+    assert bare.messages is not None and "<think>" not in template.render(bare.messages)

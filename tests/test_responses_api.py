@@ -398,12 +398,14 @@ def test_reasoning_text_and_two_calls_are_items_in_order() -> None:
     assert first["id"].startswith("fc_") and reasoning["id"].startswith("rs_")
     assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
     assert final["tools"] == [WEATHER]
-    # The next turn continues with the text and both calls as one assistant message.
+    # The next turn continues with the text and both calls as one assistant
+    # message, and its reasoning: the tool-use loop goes on.
     assert render.conversation(()) == (
         {"role": "user", "content": "q"},
         {
             "role": "assistant",
             "content": "Checking.",
+            "reasoning": "hmm",
             "tool_calls": [
                 {
                     "id": "call_a",

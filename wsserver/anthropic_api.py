@@ -289,7 +289,7 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
     messages: list[dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": request.system})
-    messages.extend(m.to_openai() for m in request.messages)
+    messages.extend(m.to_frame() for m in request.messages)
     frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
     if request.tools is not None:
         frame["tools"] = request.tools

@@ -15,9 +15,13 @@ other and checks every block, naming it Anthropic's way
   or text blocks; with ``is_error`` the text is prefixed ``Error: `` (the
   chat shape has no error flag, and the model should know). A user turn's
   tool results come first, then its text as a user message;
-* ``thinking`` and ``redacted_thinking`` (assistant) — accepted and left out
-  of the prompt, as Anthropic leaves earlier turns' thinking out of the
-  context; nothing checks their ``signature``;
+* ``thinking`` (assistant) — the turn's reasoning (the blocks of a turn
+  joined by a blank line) **only in the tool-use loop in progress**: the
+  assistant turns after the last user turn that carries text (the ones its
+  ``tool_result`` blocks answer), as Anthropic keeps that thinking in the
+  context and leaves earlier turns' out; earlier turns' are accepted and
+  dropped. ``redacted_thinking`` (encrypted, unreadable here) is always
+  dropped; nothing checks a ``signature``;
 * anything else (images, documents, server tools' blocks) is refused.
 
 ``tools`` become the core's function tools (``input_schema`` as
@@ -89,11 +93,13 @@ class _Turn:
     texts: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     results: list[Message] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
 
-    def messages(self) -> list[Message]:
+    def messages(self, *, keep_thinking: bool) -> list[Message]:
         text = "\n\n".join(self.texts)
         if self.role == "assistant":
-            return [Message("assistant", text, tuple(self.calls))]
+            reasoning = "\n\n".join(self.thinking) if keep_thinking else ""
+            return [Message("assistant", text, tuple(self.calls), reasoning=reasoning or None)]
         tail = [Message("user", text)] if self.texts or not self.results else []
         return [*self.results, *tail]
 
@@ -127,7 +133,16 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
             " answer) is not supported yet; end with a user turn",
             "messages",
         )
-    return tuple(message for turn in turns for message in turn.messages())
+    # The tool-use loop in progress starts after the last user turn with text:
+    # its assistant turns keep their thinking, earlier turns' is dropped.
+    start = max(
+        (i for i, turn in enumerate(turns) if turn.role == "user" and turn.texts), default=-1
+    )
+    return tuple(
+        message
+        for index, turn in enumerate(turns)
+        for message in turn.messages(keep_thinking=index > start)
+    )
 
 
 def _blocks(blocks: list[Any], where: str, turn: _Turn, answerable: set[str]) -> None:
@@ -144,7 +159,9 @@ def _blocks(blocks: list[Any], where: str, turn: _Turn, answerable: set[str]) ->
         elif kind == "tool_result" and turn.role == "user":
             turn.results.append(_tool_result(block, at, answerable))
         elif kind in ("thinking", "redacted_thinking") and turn.role == "assistant":
-            _thinking_block(block, at)
+            thinking = _thinking_block(block, at)
+            if thinking:
+                turn.thinking.append(thinking)
         elif kind in ("tool_use", "tool_result", "thinking", "redacted_thinking"):
             raise bad_request(
                 f"{at}.type: a {kind!r} block does not belong in a {turn.role} message",
@@ -231,10 +248,13 @@ def _tool_result(block: dict[str, Any], at: str, answerable: set[str]) -> Messag
     return Message("tool", ERROR_PREFIX + content if is_error else content, tool_call_id=call_id)
 
 
-def _thinking_block(block: dict[str, Any], at: str) -> None:
+def _thinking_block(block: dict[str, Any], at: str) -> str | None:
+    """A ``thinking`` block's text; None for ``redacted_thinking`` (encrypted)."""
     name = "thinking" if block["type"] == "thinking" else "data"
-    if not isinstance(block.get(name), str):
+    value = block.get(name)
+    if not isinstance(value, str):
         raise bad_request(f"{at}.{name}: must be a string", "messages")
+    return value if name == "thinking" else None
 
 
 # ---------------------------------------------------------------- tools

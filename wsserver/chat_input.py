@@ -2,10 +2,14 @@
 
 The ``generate`` frame's ``messages`` are OpenAI's chat messages: roles
 ``system``, ``developer``, ``user``, ``assistant`` (which may carry
-``tool_calls`` instead of text: ``content`` null) and ``tool`` (a call's
-result, naming it by ``tool_call_id``). ``tools`` are OpenAI's function
-tools; ``chat_template_kwargs`` are extra variables for the model's chat
-template (``enable_thinking``, say). An engine renders them (the llama
+``tool_calls`` instead of text: ``content`` null, and the model's
+``reasoning`` before its answer) and ``tool`` (a call's result, naming it by
+``tool_call_id``). An assistant's reasoning goes to chat templates and
+upstreams as ``reasoning_content``, llama.cpp's name: templates that know it
+(Qwen 3's) show it for the turn in progress — the assistant messages after
+the last user query, a tool-use loop's — and leave earlier turns' out.
+``tools`` are OpenAI's function tools; ``chat_template_kwargs`` are extra
+variables for the model's chat template (``enable_thinking``, say). An engine renders them (the llama
 engine through the GGUF's template) or relays them; one that can do neither
 refuses them (:data:`wsserver.sampling.NEUTRAL`).
 
@@ -79,9 +83,19 @@ class Message:
     tool_call_id: str | None = None
     #: OpenAI's optional participant (or, on a ``tool`` message, function) name.
     name: str | None = None
+    #: An assistant's reasoning (its think block), None when it has none.
+    reasoning: str | None = None
 
     def to_openai(self) -> dict[str, Any]:
-        """The message in OpenAI's shape (what templates and upstreams read)."""
+        """The message in OpenAI's shape (what templates and upstreams read):
+        the reasoning as ``reasoning_content``, llama.cpp's name."""
+        out = self.to_frame()
+        if self.reasoning is not None:
+            out["reasoning_content"] = out.pop("reasoning")
+        return out
+
+    def to_frame(self) -> dict[str, Any]:
+        """The message as the ``generate`` frame's ``messages`` take it."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             if not self.content:
@@ -98,14 +112,19 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning
         return out
 
     def size(self) -> int:
         """Characters of input this message carries (for the prompt limit)."""
-        return len(self.content) + sum(len(c.name) + len(c.arguments) for c in self.tool_calls)
+        calls = sum(len(c.name) + len(c.arguments) for c in self.tool_calls)
+        return len(self.content) + calls + len(self.reasoning or "")
 
 
-_MESSAGE_KEYS: Final = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
+_MESSAGE_KEYS: Final = frozenset(
+    {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning"}
+)
 
 
 def parse_messages(value: Any, *, max_messages: int, fail: Fail) -> tuple[Message, ...]:
@@ -121,7 +140,7 @@ def _message(item: Any, where: str, fail: Fail) -> Message:
     if not isinstance(item, dict) or "role" not in item or not set(item) <= _MESSAGE_KEYS:
         raise fail(
             f"{where} must be an object with 'role' and 'content' "
-            "(and, as OpenAI's, 'tool_calls', 'tool_call_id', 'name')"
+            "(and, as OpenAI's, 'tool_calls', 'tool_call_id', 'name'; 'reasoning')"
         )
     role = item["role"]
     # isinstance first: ``in`` on a frozenset hashes, and a list is unhashable.
@@ -146,7 +165,14 @@ def _message(item: Any, where: str, fail: Fail) -> Message:
     name = item.get("name")
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 256):
         raise fail(f"{where}.name must be a string of 1 to 256 characters")
-    return Message(role, content or "", calls, call_id, name)
+    reasoning = item.get("reasoning")
+    if reasoning is not None:
+        if role != "assistant":
+            raise fail(f"{where}.reasoning: only an assistant message carries reasoning")
+        if not isinstance(reasoning, str):
+            raise fail(f"{where}.reasoning must be a string")
+    # "" is no reasoning: a template would show an empty think block for it.
+    return Message(role, content or "", calls, call_id, name, reasoning or None)
 
 
 def _tool_calls(value: Any, where: str, fail: Fail) -> tuple[ToolCall, ...]:

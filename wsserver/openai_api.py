@@ -9,7 +9,8 @@ parser (:func:`~wsserver.protocol.parse_client_frame`), so an HTTP request
 meets the same limits, with the same messages, as a WebSocket one. What the
 protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
-``developer`` role, ``n`` (1 only), ``stream`` and ``stream_options``,
+``developer`` role, an assistant's ``reasoning_content`` (the frame's
+``reasoning``), ``n`` (1 only), ``stream`` and ``stream_options``,
 completions' legacy ``logprobs`` (a count; chat's ``logprobs`` and
 ``top_logprobs`` are the frame's own). The
 sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
@@ -310,6 +311,18 @@ def _messages(value: Any) -> Any:
         for name in ("tool_calls", "tool_call_id", "name"):
             if message.get(name) is not None:
                 entry[name] = message[name]
+        # An assistant's reasoning, by llama-server's (and DeepSeek's) name.
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            if mapped != "assistant":
+                raise _bad(
+                    f"messages[{index}].reasoning_content: only an assistant message carries"
+                    " reasoning",
+                    "messages",
+                )
+            if not isinstance(reasoning, str):
+                raise _bad(f"messages[{index}].reasoning_content must be a string", "messages")
+            entry["reasoning"] = reasoning
         content = message.get("content")
         if content is not None or "tool_calls" not in entry:
             entry["content"] = _content(content, index)

@@ -4,9 +4,13 @@
 ``output_text``) parts; ``function_call`` items (a call the model made: the
 assistant message's ``tool_calls``, consecutive calls joined into one
 message) and ``function_call_output`` items (its result: a ``tool`` message
-naming the ``call_id``); ``reasoning`` items are accepted and not shown to the
-model, as a ``previous_response_id`` chain does not show earlier reasoning.
-Every other item or part type is refused naming it.
+naming the ``call_id``); a ``reasoning`` item's text (its ``content``
+``reasoning_text`` parts, else its ``summary`` parts) is the ``reasoning`` of
+the assistant message or ``function_call`` that follows it — the core hands
+it to chat templates, which show it for the turn in progress (a tool-use
+loop) and leave earlier turns' out; one that nothing of the assistant's
+follows is dropped, and so is ``encrypted_content`` (nothing here can read
+it). Every other item or part type is refused naming it.
 
 **Tools.** Function tools in the Responses shape (``name`` at the top level)
 become the core's OpenAI function tools (:func:`wsserver.chat_input.parse_tools`
@@ -60,13 +64,19 @@ def parse_input(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list):
         raise bad_request("'input' must be a string or a list of items", "input")
     messages: list[dict[str, Any]] = []
+    #: Reasoning items' texts not yet attached to an assistant message.
+    reasoning: list[str] = []
     for index, item in enumerate(value):
         where = f"input[{index}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item, where))
+            message = _message(item, where)
+            if message["role"] == "assistant":
+                _attach(message, reasoning)
+            reasoning.clear()
+            messages.append(message)
         elif kind == "function_call":
             call = _function_call(item, where)
             last = messages[-1] if messages else None
@@ -76,11 +86,18 @@ def parse_input(value: Any) -> tuple[Message, ...]:
                 if not last["content"]:
                     last["content"] = None
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                last = {"role": "assistant", "content": None, "tool_calls": [call]}
+                messages.append(last)
+            _attach(last, reasoning)
+            reasoning.clear()
         elif kind == "function_call_output":
             messages.append(_function_output(item, where))
+            reasoning.clear()
         elif kind == "reasoning":
             _only(item, where, _REASONING_KEYS)
+            text = _reasoning_text(item, where)
+            if text:
+                reasoning.append(text)
         else:
             raise bad_request(
                 f"{where}: items of type {kind!r} are not supported (only 'message',"
@@ -103,6 +120,36 @@ def _only(item: Mapping[str, Any], where: str, keys: frozenset[str]) -> None:
     for key in item:
         if key not in keys:
             raise bad_request(f"{where}: unknown field {key!r}", "input")
+
+
+def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its summary."""
+    for name, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(name)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad_request(f"{where}.{name} must be a list of {part_type!r} parts", "input")
+        texts = []
+        for index, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            text = part.get("text") if isinstance(part, dict) else None
+            if kind != part_type or not isinstance(text, str):
+                raise bad_request(
+                    f"{where}.{name}[{index}] must be {{'type': {part_type!r}, 'text': …}}",
+                    "input",
+                )
+            texts.append(text)
+        if texts:
+            return "".join(texts) if name == "content" else "\n\n".join(texts)
+    return ""
+
+
+def _attach(message: dict[str, Any], reasoning: list[str]) -> None:
+    """Give an assistant message the reasoning items that preceded it."""
+    if reasoning:
+        texts = [message["reasoning"]] if "reasoning" in message else []
+        message["reasoning"] = "\n\n".join([*texts, *reasoning])
 
 
 def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:

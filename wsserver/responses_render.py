@@ -359,10 +359,13 @@ class ResponseRender:
     def conversation(self, history: tuple[Message, ...]) -> tuple[Message, ...]:
         """What a next turn's ``previous_response_id`` continues: the earlier
         conversation, this input and this output as one assistant message —
-        its text and its whole calls (instructions are not carried over, as
-        OpenAI's are not; nor is the reasoning, as chat templates drop earlier
-        turns'; nor a call cut short by a cancel, whose arguments may not be
-        JSON yet)."""
+        its text and its whole calls, and with calls its reasoning (the next
+        turn's ``function_call_output`` items continue this tool-use loop,
+        whose reasoning chat templates show, as OpenAI keeps it; an answer
+        without calls ends the turn, and templates drop an ended turn's
+        reasoning, so it is not kept). Instructions are not carried over, as
+        OpenAI's are not; nor is a call cut short by a cancel, whose arguments
+        may not be JSON yet."""
         calls = [
             {
                 "id": item.call_id,
@@ -377,6 +380,9 @@ class ResponseRender:
             answer["tool_calls"] = calls
             if not answer["content"]:
                 answer["content"] = None
+            reasoning = "".join(item.text for item in self.items if item.kind == "reasoning")
+            if reasoning:
+                answer["reasoning"] = reasoning
         return (*history, *self.request.input, answer)
 
 

@@ -24,6 +24,12 @@ export interface ChatMessage {
   /** Required on a `tool` message: the call it answers. */
   tool_call_id?: string;
   name?: string;
+  /**
+   * An assistant message's reasoning before its answer (its think block): send
+   * it back in a tool-use loop so that the chat template shows it (Qwen 3's
+   * does for the messages after the last user message).
+   */
+  reasoning?: string | null;
 }
 
 /** OpenAI's function tool: `parameters` is a JSON Schema of an object. */
@@ -583,7 +589,7 @@ export declare class GenerationStream
   restart(overrides?: Partial<GenerateParams>, options?: RequestOptions): GenerationStream;
   /** Read to the end. */
   result(): Promise<{ text: string; reasoning: string; toolCalls: ToolCall[]; done: DoneFrame }>;
-  /** The answer as the next request's assistant message (text and `tool_calls`, no reasoning). */
+  /** The answer as the next request's assistant message (text and `tool_calls`; with calls, its `reasoning`). */
   message(): ChatMessage;
   [Symbol.asyncIterator](): AsyncIterator<string>;
 }

@@ -376,14 +376,19 @@ export class GenerationStream extends Emitter {
 
   /**
    * The answer as the assistant message of a chat's next request: its text
-   * (`null` beside tool calls when there is none) and its `tool_calls`. The
-   * reasoning is left out, as chat templates expect.
+   * (`null` beside tool calls when there is none), its `tool_calls` and, with
+   * calls, its `reasoning`: the tool-use loop goes on, and chat templates show
+   * that turn's reasoning (an answer without calls ends the turn, whose
+   * reasoning templates leave out).
    *
    * @returns {import("./wsserver.d.ts").ChatMessage}
    */
   message() {
     if (this.toolCalls.length === 0) return { role: "assistant", content: this.text };
-    return { role: "assistant", content: this.text || null, tool_calls: this.toolCalls.map((call) => call.toMessage()) };
+    /** @type {import("./wsserver.d.ts").ChatMessage} */
+    const message = { role: "assistant", content: this.text || null, tool_calls: this.toolCalls.map((call) => call.toMessage()) };
+    if (this.reasoning) message.reasoning = this.reasoning;
+    return message;
   }
 
   /** @returns {AsyncIterableIterator<string>} */

@@ -111,6 +111,7 @@ test("result() and message(): the calls go back with their results in the next t
     assertTheCalls(first.toolCalls);
     const message = stream.message();
     assert.equal(message.content, "Let me check. ");
+    assert.equal(message.reasoning, REASONING); // the loop goes on, with its reasoning
     assert.deepEqual(message.tool_calls?.[1], {
       id: first.toolCalls[1].id,
       type: "function",

@@ -195,15 +195,20 @@ class RequestResult:
 
     def message(self) -> dict[str, Any]:
         """The answer as the assistant message of a chat's next request:
-        ``content`` (``None`` beside tool calls when there is no text) and its
-        ``tool_calls``. The reasoning is left out, as chat templates expect."""
+        ``content`` (``None`` beside tool calls when there is no text), its
+        ``tool_calls`` and, with calls, its ``reasoning``: the tool-use loop
+        goes on, and chat templates show that turn's reasoning (an answer
+        without calls ends the turn, whose reasoning templates leave out)."""
         if not self.tool_calls:
             return {"role": "assistant", "content": self.text}
-        return {
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": self.text or None,
             "tool_calls": [call.message() for call in self.tool_calls],
         }
+        if self.reasoning:
+            message["reasoning"] = self.reasoning
+        return message
 
 
 class Request:
