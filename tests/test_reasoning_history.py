@@ -145,6 +145,9 @@ def test_the_openai_api_takes_reasoning_content_on_an_assistant_message() -> Non
     # null is "not given", as everywhere in OpenAI's API.
     (plain,) = openai_messages({"role": "assistant", "content": "a", "reasoning_content": None})
     assert plain.reasoning is None
+    # vLLM's and OpenRouter's name for it is honoured too (never ignored).
+    (other,) = openai_messages({"role": "assistant", "content": "a", "reasoning": "Look."})
+    assert other.reasoning == "Look."
 
 
 @pytest.mark.parametrize(
@@ -157,6 +160,14 @@ def test_the_openai_api_takes_reasoning_content_on_an_assistant_message() -> Non
         (
             {"role": "assistant", "content": "x", "reasoning_content": 3},
             "messages[0].reasoning_content must be a string",
+        ),
+        (
+            {"role": "user", "content": "x", "reasoning": "r"},
+            "messages[0].reasoning: only an assistant message carries reasoning",
+        ),
+        (
+            {"role": "assistant", "content": "x", "reasoning": "a", "reasoning_content": "b"},
+            "messages[0]: reasoning_content and reasoning differ",
         ),
     ],
 )

@@ -311,18 +311,25 @@ def _messages(value: Any) -> Any:
         for name in ("tool_calls", "tool_call_id", "name"):
             if message.get(name) is not None:
                 entry[name] = message[name]
-        # An assistant's reasoning, by llama-server's (and DeepSeek's) name.
-        reasoning = message.get("reasoning_content")
-        if reasoning is not None:
+        # An assistant's reasoning, by llama-server's (and DeepSeek's) name, or
+        # by vLLM's and OpenRouter's (``reasoning``); both given must agree.
+        given = {
+            k: message[k] for k in ("reasoning_content", "reasoning") if message.get(k) is not None
+        }
+        for key, reasoning in given.items():
             if mapped != "assistant":
                 raise _bad(
-                    f"messages[{index}].reasoning_content: only an assistant message carries"
-                    " reasoning",
+                    f"messages[{index}].{key}: only an assistant message carries reasoning",
                     "messages",
                 )
             if not isinstance(reasoning, str):
-                raise _bad(f"messages[{index}].reasoning_content must be a string", "messages")
-            entry["reasoning"] = reasoning
+                raise _bad(f"messages[{index}].{key} must be a string", "messages")
+        if len(set(given.values())) > 1:
+            raise _bad(
+                f"messages[{index}]: reasoning_content and reasoning differ (give one)", "messages"
+            )
+        if given:
+            entry["reasoning"] = next(iter(given.values()))
         content = message.get("content")
         if content is not None or "tool_calls" not in entry:
             entry["content"] = _content(content, index)
