@@ -64,7 +64,8 @@ def run(
     return "".join(content), [(c[0], c[1], c[2]) for c in calls.values()], errors
 
 
-WEATHER = '{"city":"Paris","unit":"°C"}'
+#: A call's arguments are the model's own JSON text, as it wrote them.
+WEATHER = '{"city": "Paris", "unit": "°C"}'
 
 CASES: list[tuple[Syntax, str, str, list[tuple[str, str, str]]]] = [
     (
@@ -75,7 +76,7 @@ CASES: list[tuple[Syntax, str, str, list[tuple[str, str, str]]]] = [
         "Let me look 日本. ",
         [
             ("call_0", "get_weather", WEATHER),
-            ("call_1", "add", '{"a":1,"b":"}</tool_call>"}'),
+            ("call_1", "add", '{"a": 1, "b": "}</tool_call>"}'),
         ],
     ),
     (
@@ -89,20 +90,36 @@ CASES: list[tuple[Syntax, str, str, list[tuple[str, str, str]]]] = [
         ' \n{"type": "function", "name": "add", "parameters": {"a": 1}}; '
         '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}',
         "",
-        [("call_0", "add", '{"a":1}'), ("call_1", "get_weather", WEATHER)],
+        [("call_0", "add", '{"a": 1}'), ("call_1", "get_weather", WEATHER)],
     ),
     (
         "mistral",
-        'Sure [x] 😀[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
-        '"unit": "°C"}, "id": "abc123XYZ"}, {"name": "add", "arguments": "{\\"a\\": 2}"}]',
+        'Sure [x] 😀[TOOL_CALLS] [{"id": "abc123XYZ", "name": "get_weather", "arguments": '
+        '{"city": "Paris", "unit": "°C"}}, {"name": "add", "arguments": "{\\"a\\": 2}"}]',
         "Sure [x] 😀",
+        # The id the model gives before the name is the call's; arguments
+        # written as a JSON string go out whole once the call ends, as JSON.
         [("abc123XYZ", "get_weather", WEATHER), ("call_0", "add", '{"a":2}')],
+    ),
+    (
+        # An id after the name comes too late for the call's first part.
+        "mistral",
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abc123XYZ"}]',
+        "",
+        [("call_0", "add", '{"a": 1}')],
+    ),
+    (
+        # Arguments before the name wait for it, then go out at once.
+        "hermes",
+        '<tool_call>{"arguments": {"a": [1, "x"]}, "name": "add"}</tool_call>',
+        "",
+        [("call_0", "add", '{"a": [1, "x"]}')],
     ),
     (
         "generic",
         '{"tool_calls": [{"name": "add", "arguments": {"a": [1, {"b": "]}"}]}}]}',
         "",
-        [("call_0", "add", '{"a":[1,{"b":"]}"}]}')],
+        [("call_0", "add", '{"a": [1, {"b": "]}"}]}')],
     ),
     ("generic", '{"response": "Just text é"}', "Just text é", []),
     ("generic", '{"tool_call": {"name": "add", "arguments": {}}}', "", [("call_0", "add", "{}")]),
@@ -143,7 +160,7 @@ def test_content_is_released_as_it_comes_and_markers_are_held() -> None:
     assert parser.feed("Hello <tool_c").content == "Hello "
     assert parser.feed("all>{").content == ""  # inside a call: not content
     split = parser.feed('"name": "add", "arguments": {"a": 1}}</tool_call>')
-    assert split.calls[0].name == "add" and split.calls[0].arguments == '{"a":1}'
+    assert split.calls[0].name == "add" and split.calls[0].arguments == '{"a": 1}'
     assert split.calls[0].id is not None and split.calls[0].id.startswith("call_")
 
 
@@ -164,7 +181,9 @@ def test_malformed_calls_are_errors_at_every_split(syntax: Syntax, text: str, er
     data = text.encode()
     for cut in range(1, len(data)):
         _, calls, errors = run(syntax, data, [cut])
-        assert calls == [] and len(errors) == 1 and error in errors[0], (cut, errors)
+        assert len(errors) == 1 and error in errors[0], (cut, errors)
+        # What went out before the error is the call's start, as the model wrote it.
+        assert all(name == "add" and arguments in text for _, name, arguments in calls), calls
 
 
 @pytest.mark.parametrize(
@@ -193,13 +212,13 @@ def test_malformed_calls_are_errors_at_every_split(syntax: Syntax, text: str, er
             '{"tool_calls": [{"name": "add", "arguments": {"a": 1}}, '
             '{"name": "get_weather", "arguments": {"ci',
             "",
-            [("call_0", "add", '{"a":1}'), ("call_1", "get_weather", '{"ci')],
+            [("call_0", "add", '{"a": 1}'), ("call_1", "get_weather", '{"ci')],
         ),
         (
             "mistral",
             '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}',
             "",
-            [("call_0", "add", '{"a":1}')],
+            [("call_0", "add", '{"a": 1}')],
         ),
         (
             "llama3",
@@ -285,3 +304,112 @@ def test_a_generic_answer_streams_as_its_string_comes(syntax: Syntax) -> None:
 
 def test_what_follows_a_generic_answer_is_text() -> None:
     assert run("generic", b'{"response": "a", "x": 1}', [])[0] == 'a, "x": 1}'
+
+
+#: Calls whose arguments (an object, after the name) stream as they are written:
+#: (name, arguments), or (the model's id, name, arguments).
+STREAMED: list[tuple[Syntax, str, list[tuple[str, ...]]]] = [
+    (
+        "hermes",
+        'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n'
+        '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": "}</tool_call>"}}'
+        "</tool_call>",
+        [("get_weather", WEATHER), ("add", '{"a": 1, "b": "}</tool_call>"}')],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}; '
+        '{"type": "function", "name": "add", "parameters": {"a": [1, {"b": "\\"]}"}]}}',
+        [("get_weather", WEATHER), ("add", '{"a": [1, {"b": "\\"]}"}]}')],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abc123XYZ"}, '
+        '{"id": "def456UVW", "name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]',
+        [("add", '{"a": 1}'), ("def456UVW", "get_weather", WEATHER)],
+    ),
+    (
+        "generic",
+        '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}}',
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "generic",
+        '{"tool_calls": [{"name": "add", "arguments": {"a": {"b": [true, null, -1.5e3]}}}, '
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]}',
+        [("add", '{"a": {"b": [true, null, -1.5e3]}}'), ("get_weather", WEATHER)],
+    ),
+    (
+        "any",
+        'ok [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}]',
+        [("get_weather", WEATHER)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("syntax", "text", "calls"), STREAMED)
+def test_a_models_call_streams_as_its_json_comes(
+    syntax: Syntax, text: str, calls: list[tuple[str, ...]]
+) -> None:
+    """Fed a byte at a time, each call's first part (id, name) goes out once
+    its name is read — before its arguments are complete — and its arguments
+    follow in many fragments that join to exactly the model's JSON text."""
+    parser = ToolCallParser(syntax, names=NAMES)
+    assembler = TextAssembler()
+    data = text.encode()
+    feeds: list[tuple[CallPart, ...]] = []
+    for position in range(len(data)):
+        split = parser.feed(assembler.feed(data[position : position + 1]))
+        assert split.error is None
+        feeds.append(split.calls)
+    feeds.append(parser.feed(assembler.flush()).calls + parser.flush().calls)
+    assert feeds[-1] == ()  # nothing waited for the end
+    for index, call in enumerate(calls):
+        *given, name, arguments = call
+        at = [
+            (feed, part)
+            for feed, parts in enumerate(feeds)
+            for part in parts
+            if part.index == index
+        ]
+        first_feed, first = at[0]
+        assert first.name == name and first.id is not None
+        assert first.id == given[0] if given else first.id.startswith("call_")
+        assert all(part.name is None and part.id is None for _, part in at[1:])
+        assert "".join(part.arguments for _, part in at) == arguments
+        fragments = [feed for feed, part in at if part.arguments]
+        assert len(fragments) > len(arguments) // 2  # a byte or so at a time
+        assert first_feed < fragments[-1]  # the name went out before the arguments ended
+        assert orjson.loads(arguments) == orjson.loads("".join(p.arguments for _, p in at))
+    assert parser.calls_made == len(calls)
+
+
+def test_arguments_before_the_name_wait_for_it() -> None:
+    parser = ToolCallParser("hermes", names=NAMES)
+    assert parser.feed('<tool_call>{"arguments": {"a": 1}, ').calls == ()
+    split = parser.feed('"name": "ad')
+    assert split.calls == () and split.error is None
+    parts = parser.feed('d", "id": "x"}</tool_call>').calls
+    assert [(p.index, p.name, p.arguments) for p in parts] == [(0, "add", '{"a": 1}')]
+    assert parts[0].id is not None and parts[0].id != "x"  # the id came after the name
+
+
+def test_past_the_one_call_asked_for_nothing_streams() -> None:
+    text = (
+        '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    )
+    data = text.encode()
+    for cut in range(1, len(data)):
+        assert run("mistral", data, [cut], parallel=False) == (
+            "",
+            [("call_0", "add", '{"a": 1}')],
+            [],
+        )
+
+
+def test_a_call_after_a_generic_answer_is_read_afresh() -> None:
+    text = '{"response": "Hi"} then <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    data = text.encode()
+    for cut in range(1, len(data)):
+        assert run("any", data, [cut]) == ("Hi then ", [("call_0", "add", '{"a": 1}')], []), cut
