@@ -12,6 +12,9 @@ import itertools
 import orjson
 import pytest
 
+from wsserver.backends.llama_template import ChatTemplate
+from wsserver.chat_input import Message, ToolCall
+from wsserver.errors import BackendError
 from wsserver.textstream import TextAssembler
 from wsserver.tool_calls import (
     FRAGMENT_CHARS,
@@ -374,7 +377,8 @@ def test_a_models_call_streams_as_its_json_comes(
         ]
         first_feed, first = at[0]
         assert first.name == name and first.id is not None
-        assert first.id == given[0] if given else first.id.startswith("call_")
+        fresh = len(first.id) == 9 if syntax == "mistral" else first.id.startswith("call_")
+        assert first.id == given[0] if given else fresh
         assert all(part.name is None and part.id is None for _, part in at[1:])
         assert "".join(part.arguments for _, part in at) == arguments
         fragments = [feed for feed, part in at if part.arguments]
@@ -413,3 +417,43 @@ def test_a_call_after_a_generic_answer_is_read_afresh() -> None:
     data = text.encode()
     for cut in range(1, len(data)):
         assert run("any", data, [cut]) == ("Hi then ", [("call_0", "add", '{"a": 1}')], []), cut
+
+
+#: The id check of Mistral's own templates (Mistral 7B v0.3, Nemo), with what
+#: they write of a call and its result.
+MISTRAL_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}[TOOL_CALLS][
+{%- for call in message.tool_calls %}
+{%- if not call.id is defined or call.id is not string or call.id|length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+{%- endif %}
+{{- {"name": call.function.name, "arguments": call.function.arguments, "id": call.id}|tojson }}
+{%- endfor %}]</s>
+{%- elif message.role == "tool" %}[TOOL_RESULTS]{"call_id": "{{ message.tool_call_id }}"}
+{%- else %}[INST]{{ message.content }}[/INST]{% endif %}
+{%- endfor %}"""
+
+
+def test_mistral_calls_get_ids_its_template_takes_back() -> None:
+    """A streamed call cannot wait for the id Mistral writes after the
+    arguments: the fresh id is in Mistral's shape, so that the call and its
+    result render in the next turn's prompt."""
+    parser = ToolCallParser("mistral", names=NAMES)
+    text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abc123XYZ"}]'
+    parts = parser.feed(text).calls + parser.flush().calls
+    call_id = parts[0].id
+    assert call_id is not None and len(call_id) == 9 and call_id.isalnum()
+    history = [
+        Message("user", "add"),
+        Message("assistant", "", (ToolCall(call_id, "add", parts[0].arguments),)),
+        Message("tool", "2", tool_call_id=call_id),
+    ]
+    prompt = ChatTemplate(MISTRAL_TEMPLATE).render(history)
+    assert f'"id":"{call_id}"' in prompt.replace(" ", "")
+    # OpenAI's shape elsewhere — which this template refuses.
+    hermes_id = ToolCallParser("hermes").feed('<tool_call>{"name": "f"}</tool_call>').calls[0].id
+    assert hermes_id is not None and hermes_id.startswith("call_")
+    with pytest.raises(BackendError, match="length 9"):
+        ChatTemplate(MISTRAL_TEMPLATE).render(
+            [history[0], Message("assistant", "", (ToolCall(hermes_id, "add", "{}"),))]
+        )

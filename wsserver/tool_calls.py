@@ -60,7 +60,14 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .call_parts import FRAGMENT_CHARS, CallPart, call_parts, new_call_id, unknown_tool
+from .call_parts import (
+    FRAGMENT_CHARS,
+    CallPart,
+    call_parts,
+    new_call_id,
+    new_mistral_call_id,
+    unknown_tool,
+)
 from .call_stream import Arguments, CallStream, Ended, Found, Named
 from .json_text import StringDecoder, json_extent
 from .tool_relay import RELAY_MARKER, RelayedCalls, relay_part_text
@@ -140,10 +147,13 @@ class ToolCallParser:
         *,
         names: frozenset[str] | None = None,
         parallel: bool = True,
-        new_id: Callable[[], str] = new_call_id,
+        new_id: Callable[[], str] | None = None,
     ) -> None:
         if syntax not in SYNTAXES:
             raise ValueError(f"unknown tool call syntax {syntax!r}")
+        if new_id is None:
+            # A fresh id in the shape the model's template takes back.
+            new_id = new_mistral_call_id if syntax == "mistral" else new_call_id
         openers: dict[str, _Kind] = {}
         if syntax in ("hermes", "any"):
             openers[_HERMES] = "hermes"
