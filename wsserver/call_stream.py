@@ -162,9 +162,9 @@ class CallStream:
         call = self._calls[-1] if self._calls else None
         if call is not None and call.depth == depth:
             self._calls.pop()
-            if call.named or (depth > 0 or self._kind != "json"):
-                # (The generic format's outer object without a name is not a
-                # call: the parser reads it whole.)
+            # (The generic format's outer object without a name is not a
+            # call: the parser reads it whole.)
+            if call.named or depth > 0 or self._kind != "json":
                 if not call.named:
                     self.found += 1
                 self._release(call, event.end, found)
