@@ -8,9 +8,12 @@ the content and the calls; malformed calls are errors, never calls.
 from __future__ import annotations
 
 import itertools
+import json
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from wsserver.backends.llama_template import ChatTemplate
 from wsserver.chat_input import Message, ToolCall
@@ -457,3 +460,55 @@ def test_mistral_calls_get_ids_its_template_takes_back() -> None:
         ChatTemplate(MISTRAL_TEMPLATE).render(
             [history[0], Message("assistant", "", (ToolCall(hermes_id, "add", "{}"),))]
         )
+
+
+_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**6), 10**6),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(alphabet='ab"\\}]{[:,é😀\n<>/', max_size=8),
+)
+_VALUE = st.recursive(
+    _LEAF,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+_WRAPS = {
+    "hermes": "Hi <tool_call>\n{}\n</tool_call>",
+    "llama3": "<|python_tag|>{}",
+    "mistral": "Hi [TOOL_CALLS][{}]",
+    "generic": '{{"tool_call": {}}}',
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    syntax=st.sampled_from(sorted(_WRAPS)),
+    arguments=st.dictionaries(st.text(max_size=6), _VALUE, max_size=4),
+    spacing=st.sampled_from([(", ", ": ", None), (",", ":", None), (",", ": ", 2)]),
+    ascii_only=st.booleans(),
+    cuts=st.lists(st.integers(1, 10_000), max_size=8),
+)
+def test_any_arguments_stream_as_the_models_exact_text(
+    syntax: Syntax,
+    arguments: dict[str, object],
+    spacing: tuple[str, str, int | None],
+    ascii_only: bool,
+    cuts: list[int],
+) -> None:
+    """Whatever JSON the arguments hold, however it is spaced and split:
+    the call's fragments join to exactly the text the model wrote."""
+    item, key, indent = spacing
+    text = json.dumps(arguments, separators=(item, key), indent=indent, ensure_ascii=ascii_only)
+    args_key = "parameters" if syntax == "llama3" else "arguments"
+    call = f'{{"name": "add", "{args_key}": {text}}}'
+    data = _WRAPS[syntax].format(call).encode()
+    points = sorted({cut for cut in cuts if cut < len(data)})
+    content, calls, errors = run(syntax, data, points)
+    assert errors == []
+    assert calls == [("call_0", "add", text)]
+    assert content == ("Hi " if syntax in ("hermes", "mistral") else "")
+    assert json.loads(calls[0][2]) == arguments
