@@ -114,6 +114,30 @@ async def test_required_and_named_calls_over_the_openai_sdk() -> None:
             (c.function.name, json.loads(c.function.arguments)) for c in calls
         ]
 
+        # The raw chunks: each call's first part has its id and name, and its
+        # arguments' fragments join to exactly the text of the non-streamed
+        # call (the model's own JSON, streamed as it was written). How many
+        # fragments is not asserted: a loaded sender merges them; the parser's
+        # byte-by-byte test (test_tool_calls) proves they go out as they come.
+        heads: list[tuple[int, str]] = []
+        fragments: dict[int, list[str]] = {}
+        finish = None
+        async for chunk in await client.chat.completions.create(**common, stream=True):
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                for part in choice.delta.tool_calls or ():
+                    if part.id is not None:
+                        assert part.type == "function" and part.function is not None
+                        heads.append((part.index, str(part.function.name)))
+                    if part.function is not None and part.function.arguments:
+                        fragments.setdefault(part.index, []).append(part.function.arguments)
+        assert finish == "tool_calls"
+        assert heads == [(index, call.function.name) for index, call in enumerate(calls)]
+        for index, call in enumerate(calls):
+            joined = "".join(fragments[index])
+            assert joined == call.function.arguments
+            jsonschema.Draft202012Validator(TIME).validate(json.loads(joined))
+
         # The follow-up turn: the call and its result go back; the model answers.
         follow = await client.chat.completions.create(
             model=DEFAULT_MODEL,

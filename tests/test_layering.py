@@ -80,6 +80,7 @@ SANS_IO = [
     "wsserver.tool_calls",
     "wsserver.tool_relay",
     "wsserver.call_parts",
+    "wsserver.call_stream",
     "wsserver.json_text",
     "wsserver.sse",
     "wsserver.security",

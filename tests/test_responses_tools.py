@@ -25,7 +25,7 @@ OUTPUT = (
     f"<think>{THOUGHT}</think>Checking. <tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Tōkyō"}}\n</tool_call>'
 )
-ARGUMENTS = '{"city":"Tōkyō"}'
+ARGUMENTS = '{"city": "Tōkyō"}'
 WEATHER = {
     "type": "function",
     "name": "get_weather",

@@ -17,7 +17,14 @@ import string
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["FRAGMENT_CHARS", "CallPart", "call_parts", "new_call_id", "unknown_tool"]
+__all__ = [
+    "FRAGMENT_CHARS",
+    "CallPart",
+    "call_parts",
+    "new_call_id",
+    "new_mistral_call_id",
+    "unknown_tool",
+]
 
 #: The most argument text one :class:`CallPart` carries.
 FRAGMENT_CHARS: Final = 4096
@@ -28,6 +35,15 @@ _ALPHABET: Final = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """A fresh call id, in OpenAI's shape (``call_`` and 24 letters/digits)."""
     return "call_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+def new_mistral_call_id() -> str:
+    """A fresh call id in Mistral's shape: 9 letters/digits. Mistral's chat
+    templates refuse any other id when the call comes back in the history
+    (``raise_exception("Tool call IDs should be alphanumeric strings with
+    length 9!")``), and a streamed call cannot wait for the id the model
+    writes after its arguments."""
+    return "".join(secrets.choice(_ALPHABET) for _ in range(9))
 
 
 @dataclass(frozen=True, slots=True)

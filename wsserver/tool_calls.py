@@ -33,20 +33,26 @@ a marker split anywhere is still found and released text is never taken back.
 Text before a call is content; once a call begins its text is not content.
 The generic answer ``{"response": "…"}`` is content as its string comes,
 decoded piece by piece (:class:`~wsserver.json_text.StringDecoder`), not
-once its JSON closes. A call is released once its JSON is complete and
-checked: its ``name`` (one of the request's tools) first, then its
-``arguments`` as JSON text, in fragments of at most :data:`FRAGMENT_CHARS`
-(:mod:`wsserver.call_parts`). A call that is not valid JSON,
-names no known tool, or whose arguments are not a JSON object is an
-:attr:`ToolSplit.error`, never passed off as a call; the parser then takes
-nothing more. The one call released unfinished is one the output was cut
-off in (``max_tokens``: :meth:`ToolCallParser.flush` with ``cut``): its name
-and its arguments' text so far, as OpenAI reports such a call — the answer's
+once its JSON closes. A model's call streams as its JSON is written
+(:class:`~wsserver.call_stream.CallStream` follows it): its first part — id
+and ``name``, one of the request's tools — as soon as the name is read, then
+the raw text of its ``arguments`` object as it comes, in fragments of at
+most :data:`FRAGMENT_CHARS` (:mod:`wsserver.call_parts`) that join to
+exactly the model's JSON text. When the call's JSON ends it is checked
+whole, as it always was: a call that is not valid JSON, names no known tool,
+or whose arguments are not a JSON object is an :attr:`ToolSplit.error` —
+after the parts already released, as for a relayed call — never passed off
+as a call; the parser then takes nothing more. Arguments written as a JSON
+string (holding the object) are released at the call's end, whole, as JSON.
+A call the output was cut off in (``max_tokens``:
+:meth:`ToolCallParser.flush` with ``cut``) is as far as it got — its name
+and its arguments' text so far, as OpenAI reports such a call: the answer's
 ``length`` says it is cut, and its arguments do not parse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +60,15 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .call_parts import FRAGMENT_CHARS, CallPart, call_parts, new_call_id, unknown_tool
+from .call_parts import (
+    FRAGMENT_CHARS,
+    CallPart,
+    call_parts,
+    new_call_id,
+    new_mistral_call_id,
+    unknown_tool,
+)
+from .call_stream import Arguments, CallStream, Ended, Found, Named
 from .json_text import StringDecoder, json_extent
 from .tool_relay import RELAY_MARKER, RelayedCalls, relay_part_text
 
@@ -116,6 +130,7 @@ class ToolCallParser:
         "_call_kind",
         "_done",
         "_error",
+        "_live",
         "_made",
         "_max_calls",
         "_names",
@@ -123,6 +138,7 @@ class ToolCallParser:
         "_openers",
         "_relay",
         "_start_json",
+        "_stream",
     )
 
     def __init__(
@@ -131,10 +147,13 @@ class ToolCallParser:
         *,
         names: frozenset[str] | None = None,
         parallel: bool = True,
-        new_id: Callable[[], str] = new_call_id,
+        new_id: Callable[[], str] | None = None,
     ) -> None:
         if syntax not in SYNTAXES:
             raise ValueError(f"unknown tool call syntax {syntax!r}")
+        if new_id is None:
+            # A fresh id in the shape the model's template takes back.
+            new_id = new_mistral_call_id if syntax == "mistral" else new_call_id
         openers: dict[str, _Kind] = {}
         if syntax in ("hermes", "any"):
             openers[_HERMES] = "hermes"
@@ -164,6 +183,11 @@ class ToolCallParser:
         )
         #: Inside the string of a generic ``{"response": "…"}``: its decoder.
         self._answer: StringDecoder | None = None
+        #: Inside a model's call: its JSON as it comes, and the index of the
+        #: call that went out and is being read (None: none; -1: one not
+        #: released, past the calls asked for).
+        self._stream: CallStream | None = None
+        self._live: int | None = None
 
     @property
     def calls_made(self) -> int:
@@ -197,14 +221,14 @@ class ToolCallParser:
             elif self._call_kind is None:
                 self._release(held, content)
             elif cut and self._cut_call_in(held):
-                self._cut_calls(held, calls)
-            elif self._call_kind == "json" and '"name"' not in held:
+                self._cut_call(calls)
+            elif self._call_kind == "json" and '"name"' not in held and not self._named():
                 content.append(held)  # JSON that never looked like a call: the answer
             elif json_extent(held) > 0 and _HERMES_END.startswith(
                 held[json_extent(held) :].strip(_WS)
             ):
                 # A model that ended without (all of) the closing tag: the call is whole.
-                self._call(held[: json_extent(held)], self._call_kind, content, calls)
+                self._body_end(held[: json_extent(held)], self._call_kind, content, calls)
             else:
                 self._fail("the model's tool call was cut off before its end")
         if self._relay is not None and not self._done:
@@ -226,6 +250,7 @@ class ToolCallParser:
         self._error = message
         self._done = True
         self._buffer = ""
+        self._stream = None
 
     def _step(self, content: list[str], calls: list[CallPart]) -> bool:
         """One move on the buffer; whether another may follow."""
@@ -304,8 +329,20 @@ class ToolCallParser:
             self._at_start = False
             self._answer = StringDecoder()
             self._buffer = buffer[opened.end() :]
+            self._stream = None  # (it read the answer's start: no call)
             return True
-        extent = json_extent(buffer)
+        if kind == "relay":
+            extent = json_extent(buffer)
+        else:
+            # A model's call: its parts go out as its JSON comes.
+            if self._stream is None:
+                assert kind is not None
+                self._stream = CallStream(kind)
+            for found in self._stream.feed(buffer):
+                self._found(found, calls)
+                if self._done:
+                    return False
+            extent = self._stream.end
         if extent < 0:
             return False
         body, rest = buffer[:extent], buffer[extent:]
@@ -320,13 +357,70 @@ class ToolCallParser:
         if kind == "relay":
             self._relay_part(body, calls)
             return True
-        self._call(body, kind, content, calls)
+        self._body_end(body, kind, content, calls)
         if self._max_calls is not None and self._made >= self._max_calls:
             self._done = True  # one call asked for: what follows is not read
             self._buffer = ""
         # After a JSON call, more may follow (";"-separated, Llama 3.x).
         self._at_start = kind == "json" and self._start_json
         return True
+
+    def _found(self, found: Found, calls: list[CallPart]) -> None:
+        """What the call's JSON told so far: a call's name, more of its
+        arguments, or its end."""
+        if isinstance(found, Named):
+            if self._max_calls is not None and self._made >= self._max_calls:
+                self._live = -1  # one call asked for: this one is not read
+            elif self._known(found.name):
+                self._live = self._made
+                self._made += 1
+                calls.append(CallPart(self._live, "", found.call_id or self._new_id(), found.name))
+        elif isinstance(found, Arguments):
+            if self._live is not None and self._live >= 0:
+                _add_arguments(self._live, found.text, calls)
+        else:
+            self._ended(found, calls)
+
+    def _ended(self, ended: Ended, calls: list[CallPart]) -> None:
+        """A call object ended: checked as a whole call always was; its
+        arguments go out now if they did not stream."""
+        live, self._live = self._live, None
+        if live == -1 or (
+            live is None and self._max_calls is not None and self._made >= self._max_calls
+        ):
+            return  # past the calls asked for
+        try:
+            item = orjson.loads(ended.text)
+        except orjson.JSONDecodeError:
+            self._fail(f"the model's tool call is not valid JSON: {_excerpt(ended.text)}")
+            return
+        checked = self._check(item)
+        if checked is None:
+            return
+        name, arguments, given = checked
+        if live is None:
+            self._emit(name, arguments, given or self._new_id(), calls)
+        elif not ended.streamed:
+            _add_arguments(live, arguments, calls)
+
+    def _named(self) -> bool:
+        """Whether the call being read was named."""
+        return self._stream is not None and self._stream.named
+
+    def _body_end(
+        self, body: str, kind: _Kind | None, content: list[str], calls: list[CallPart]
+    ) -> None:
+        """A model's call JSON ended: the calls in it went out as they came;
+        it must still be valid JSON as a whole. JSON with no call object in
+        it is read whole (the generic format's answer, or text)."""
+        stream, self._stream = self._stream, None
+        if stream is None or not stream.found:
+            self._call(body, kind, content, calls)
+            return
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError:
+            self._fail(f"the model's tool call is not valid JSON: {_excerpt(body)}")
 
     def _call(
         self, body: str, kind: _Kind | None, content: list[str], calls: list[CallPart]
@@ -361,7 +455,7 @@ class ToolCallParser:
             part = self._check(item)
             if part is None:
                 return
-            self._emit(*part, calls)
+            self._emit(part[0], part[1], part[2] or self._new_id(), calls)
 
     def _emit(self, name: str, arguments: str, call_id: str, calls: list[CallPart]) -> None:
         """Release a call: its first part, then its arguments in fragments."""
@@ -381,46 +475,19 @@ class ToolCallParser:
         """Whether ``held``, cut off inside a call, holds a model's call (a
         JSON output may also be an answer that only looks like one)."""
         if self._call_kind == "json":
-            return '"tool_call' in held or '"name"' in held
+            return '"tool_call' in held or '"name"' in held or self._named()
         return self._call_kind in ("hermes", "mistral")  # (a relay writes whole parts)
 
-    def _cut_calls(self, held: str, calls: list[CallPart]) -> None:
-        """The calls in ``held``, text cut off by ``max_tokens``: those it holds
-        whole are checked and released as usual; the one it cut short is
-        released with its arguments' text so far (which does not parse: the
-        wire says the output was cut, and clients see why the arguments do
-        not parse). A call cut before its name is complete is not released."""
-        position = 0
-        while (named := _NAME.search(held, position)) is not None:
-            if self._max_calls is not None and self._made >= self._max_calls:
-                return
-            try:
-                name = orjson.loads(f'"{named.group(1)}"')
-            except orjson.JSONDecodeError:
-                self._fail("the model's tool call is not valid JSON")
-                return
-            if not self._known(name):
-                return
-            opened = _ARGUMENTS.match(held, named.end())
-            if opened is None:
-                self._emit(name, "", self._new_id(), calls)  # cut before its arguments
-                return
-            start = opened.end()
-            extent = json_extent(held[start:])
-            whole: Any = None
-            if extent > 0:
-                try:
-                    whole = orjson.loads(held[start : start + extent])
-                except orjson.JSONDecodeError:
-                    extent = -1
-            if extent < 0:
-                self._emit(name, held[start:], self._new_id(), calls)
-                return
-            part = self._check({"name": name, "arguments": whole})
-            if part is None:
-                return
-            self._emit(*part, calls)
-            position = start + extent
+    def _cut_call(self, calls: list[CallPart]) -> None:
+        """The output was cut off inside a call's JSON: the calls it held
+        whole went out checked, the one it cut short went out as far as it
+        got — its arguments' text so far, which does not parse (the wire
+        says the output was cut, and clients see why the arguments do not
+        parse). Only arguments written as a JSON string, which do not
+        stream, go out now. A call cut before its name is complete has no
+        part to release."""
+        if self._stream is not None and self._live is not None and self._live >= 0:
+            _add_arguments(self._live, self._stream.cut_arguments(), calls)
 
     def _known(self, name: str) -> bool:
         """Whether ``name`` is one of the request's tools (failing if not)."""
@@ -429,8 +496,9 @@ class ToolCallParser:
             self._fail(refused)
         return refused is None
 
-    def _check(self, item: Any) -> tuple[str, str, str] | None:
-        """A call's name, arguments (JSON text) and id; None after failing."""
+    def _check(self, item: Any) -> tuple[str, str, str | None] | None:
+        """A call's name, arguments (JSON text) and id (if it has one); None
+        after failing."""
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             self._fail(f"the model's tool call names no function: {_excerpt(str(item))}")
             return None
@@ -448,8 +516,22 @@ class ToolCallParser:
             self._fail(f"the arguments of the model's call to {name!r} are not a JSON object")
             return None
         given = item.get("id")
-        call_id = given if isinstance(given, str) and given else self._new_id()
+        call_id = given if isinstance(given, str) and given else None
         return name, orjson.dumps(arguments).decode(), call_id
+
+
+def _add_arguments(index: int, text: str, calls: list[CallPart]) -> None:
+    """More arguments of call ``index``: joined to its last part if that is
+    the last of ``calls`` (up to :data:`FRAGMENT_CHARS`), else new parts."""
+    while text:
+        last = calls[-1] if calls else None
+        if last is not None and last.index == index and len(last.arguments) < FRAGMENT_CHARS:
+            room = FRAGMENT_CHARS - len(last.arguments)
+            calls[-1] = dataclasses.replace(last, arguments=last.arguments + text[:room])
+        else:
+            room = FRAGMENT_CHARS
+            calls.append(CallPart(index, text[:room]))
+        text = text[room:]
 
 
 def _held_back(text: str, openers: dict[str, _Kind]) -> int:
@@ -463,9 +545,6 @@ def _held_back(text: str, openers: dict[str, _Kind]) -> int:
 
 #: What opens llama.cpp's generic answer, ``{"response": "…"}``, up to its string.
 _RESPONSE: Final = re.compile(r'\{\s*"response"\s*:\s*"')
-#: A call's name, and what opens its arguments after it (in text cut short).
-_NAME: Final = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGUMENTS: Final = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 _SPACES = re.compile(r"\s+")

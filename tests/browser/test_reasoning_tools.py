@@ -155,7 +155,8 @@ def test_reasoning_streams_collapsed_and_the_call_is_a_card(
                 "type": "function",
                 "function": {
                     "name": "get_weather",
-                    "arguments": json.dumps(ARGUMENTS, ensure_ascii=False, separators=(",", ":")),
+                    # The model's own JSON text (as script() wrote it).
+                    "arguments": json.dumps(ARGUMENTS, ensure_ascii=False),
                 },
             }
         ],
