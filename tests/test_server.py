@@ -568,12 +568,13 @@ async def test_slow_reader_bounds_memory_blocks_producer_and_loses_nothing() -> 
             )
             fast_text, fast_frames = await fast.done("fast", units=120)
         assert slow_text == fast_text == expected_fake_text("stall", max_tokens)
-        # While it was stuck, deltas merged: the slow reader got fewer, larger frames.
+        # While it was stuck, deltas merged: the channel's 64 pieces (each a
+        # token's non-empty text) left in one frame once it read again. (Not
+        # compared with the fast reader's frames: at an unlimited rate those
+        # merge too, the more so on a loaded machine — that comparison raced.)
         slow_deltas = [f for f in frames if f["type"] == "delta"]
-        fast_deltas = [f for f in fast_frames if f["type"] == "delta"]
-        assert (
-            max(len(f["text"]) for f in slow_deltas) > max(len(f["text"]) for f in fast_deltas) / 2
-        )
+        assert max(len(f["text"]) for f in slow_deltas) >= 64
+        assert fast_frames[-1]["reason"] == "length"
 
 
 async def test_a_stalled_client_does_not_hold_the_model_hostage() -> None:
