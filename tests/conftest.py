@@ -11,9 +11,12 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
+import re
 import socket
+import subprocess
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +225,35 @@ async def handlers_finished(server: Server, units: float = 20.0) -> None:
     if handlers:
         await asyncio.wait(handlers, timeout=timeout(units))
     assert not server.connections, "connection handlers did not finish"
+
+
+@contextlib.contextmanager
+def listening_at(process: subprocess.Popen[str], pattern: str, what: str) -> Iterator[str]:
+    """A server process started with ``--port 0``: yields the base URL its log
+    line matching ``pattern`` (one group, the URL) names, plus ``/v1``, and
+    stops it afterwards. Its log (the one pipe ``process`` was given) is read
+    on a thread to the end, so the pipe never fills."""
+    stream = process.stdout if process.stdout is not None else process.stderr
+    assert stream is not None, "the process's log must be a pipe"
+    lines: queue.Queue[str] = queue.Queue()
+
+    def drain() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        while True:
+            line = lines.get(timeout=timeout(120))
+            assert line, f"{what} exited before it listened"
+            match = re.search(pattern, line)
+            if match:
+                break
+        yield match.group(1) + "/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout(10))
+        reader.join(timeout(10))
+        stream.close()

@@ -20,18 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import queue
-import re
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import running_server, timeout, wire
+from conftest import listening_at, running_server, timeout, wire
 
 pytest.importorskip("llama_cpp.server.app")
 
@@ -65,30 +62,10 @@ def llama_cpp_server(model: Path, n_ctx: int = 512) -> Iterator[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def drain() -> None:  # keeps the pipe from filling, and reports each line
-        assert process.stderr is not None
-        for line in process.stderr:
-            lines.put(line)
-        lines.put("")
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        while True:
-            line = lines.get(timeout=timeout(120))
-            assert line, "llama_cpp.server exited before it listened"
-            match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
-            if match:
-                break
-        yield match.group(1) + "/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout(10))
-        reader.join(timeout(10))
-        assert process.stderr is not None
-        process.stderr.close()
+    with listening_at(
+        process, r"Uvicorn running on (http://127\.0\.0\.1:\d+)", "llama_cpp.server"
+    ) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import subprocess
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +31,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import running_server, timeout, wire
+from conftest import listening_at, running_server, timeout, wire
 from test_llama_template import HERMES
 from test_openai_http import sdk
 
@@ -107,30 +104,8 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stderr=subprocess.STDOUT,  # its log, where it says it listens
         text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def drain() -> None:  # keeps the pipe from filling, and reports each line
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.put(line)
-        lines.put("")
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        while True:
-            line = lines.get(timeout=timeout(120))
-            assert line, "llama-server exited before it listened"
-            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            if match:
-                break
-        yield match.group(1) + "/v1"
-    finally:
-        process.terminate()
-        process.wait(timeout(10))
-        reader.join(timeout(10))
-        assert process.stdout is not None
-        process.stdout.close()
+    with listening_at(process, r"listening on (http://127\.0\.0\.1:\d+)", "llama-server") as url:
+        yield url
 
 
 def upstream_answer(url: str) -> dict[str, Any]:
