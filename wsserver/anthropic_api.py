@@ -41,7 +41,7 @@ from .anthropic_content import (
     parse_tools,
     text_of,
 )
-from .api_errors import ApiError
+from .api_errors import ApiError, in_dialect_names
 from .errors import ProtocolError
 from .protocol import Generate, Limits, Message, parse_client_frame
 
@@ -330,10 +330,7 @@ def refusal_wording(message: str) -> str:
     """An engine's refusal (``bad_request``, ``unsupported_option``) in the
     Messages API's names (:data:`_PARAMS`): ``'reasoning_budget_tokens'`` is
     ``'thinking.budget_tokens'`` here."""
-    for ours, theirs in _PARAMS.items():
-        if ours != theirs:
-            message = message.replace(f"'{ours}'", f"'{theirs}'")
-    return message
+    return in_dialect_names(message, _PARAMS)
 
 
 def _renamed(error: ApiError) -> ApiError:

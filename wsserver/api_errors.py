@@ -71,6 +71,17 @@ class ApiError(Exception):
         return error_body(self.status, self.message, self.code, self.param)
 
 
+def in_dialect_names(message: str, names: dict[str, str]) -> str:
+    """An engine's refusal (``bad_request``, ``unsupported_option``) with each
+    quoted core field name (``'json_schema'``) replaced by the dialect's own
+    (``names``: core → dialect), for the dialects whose fields are named
+    differently from the core's."""
+    for ours, theirs in names.items():
+        if ours != theirs:
+            message = message.replace(f"'{ours}'", f"'{theirs}'")
+    return message
+
+
 def error_object(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
     """The ``error`` member: message, type (from the status), param, code."""
     kind = _TYPES.get(status, "server_error")

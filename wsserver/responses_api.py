@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import orjson
 
-from .api_errors import ApiError
+from .api_errors import ApiError, in_dialect_names
 from .errors import ProtocolError
 from .protocol import Generate, Limits, parse_client_frame
 from .responses_items import (
@@ -359,10 +359,7 @@ def refusal_wording(message: str) -> str:
     """An engine's refusal (``bad_request``, ``unsupported_option``) in the
     Responses API's names (:data:`_PARAMS`): ``'json_schema'`` is
     ``'text.format'`` here."""
-    for ours, theirs in _PARAMS.items():
-        if ours != theirs:
-            message = message.replace(f"'{ours}'", f"'{theirs}'")
-    return message
+    return in_dialect_names(message, _PARAMS)
 
 
 #: The protocol's field names in its messages → the Responses API's names.
