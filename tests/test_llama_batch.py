@@ -113,17 +113,16 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     engine.step_log.clear()
     at_submit = sink.tokens
     seen: list[int] = []
-    steps: list[tuple[int, int, int, float]] = []
 
     class Watching(RecordingSink):
         def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
             seen.append(sink.tokens)  # how far the short stream got meanwhile
-            steps.extend(engine.step_log)  # the engine thread, which alone appends
             super().prompt_processed(prompt_tokens, cached_tokens)
 
     second = Running(batched, long, sink=Watching())
     assert second.wait()[1].text == expected[1]
     assert first.wait()[1].text == expected[0]
+    steps = list(engine.step_log)  # both done: the engine thread appends no more
     stats = batched.request_stats("long")
     n_prompt = prompt_tokens(batched, long)
     assert stats is not None and n_prompt is not None

@@ -20,17 +20,26 @@ It learns from the steps it is told about (:meth:`PrefillBudget.observe`):
   step's cost per token stands in (optimistic: large batches are cheaper per
   token — the next mixed step corrects it).
 
+The budget is a bound, not an average: the room a step leaves the prompt is
+cut by :data:`MARGIN` times the mean miss of the last mixed steps' predicted
+durations, so a step that runs long by the machine's usual scatter still ends
+within it (on a quiet machine a couple of milliseconds; never more than half
+the room, so a prompt still moves on a machine too noisy to keep the bound).
+
 Until the decode-only step of (about) that many sequences was measured, a
 step takes the fixed chunk (``prefill_chunk``), as without a budget: many
 short prompts arriving together get their first tokens quickly, and the
 budget takes over once the batch has settled.
 
-Sans-I/O: durations come from the caller (the engine's timer around
-``llama_decode``); nothing here reads a clock.
+Sans-I/O: durations come from the caller — the engine times the whole step,
+what the decoding sequences wait for between two tokens (the last step's
+tokens delivered, the batch built, decoded and sampled), not ``llama_decode``
+alone; nothing here reads a clock.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 __all__ = ["PrefillBudget"]
@@ -39,6 +48,15 @@ __all__ = ["PrefillBudget"]
 #: cost follows the prompt's position, so recent steps count most.
 TOKEN_WEIGHT = 0.5
 DECODE_WEIGHT = 0.25
+#: The budget is a bound, not an average: a mixed step's room is cut by this
+#: many times the mean miss of the last :data:`MISSES` mixed steps' predicted
+#: durations (the machine's noise, and the estimate trailing a cost that
+#: grows), so a step that runs long by the usual amount still ends within it.
+MARGIN = 3.0
+MISSES = 16
+#: ... but never below this part of the room: on a machine so noisy that the
+#: bound cannot be kept, the prompt must still move.
+MIN_ROOM = 0.5
 
 
 @dataclass
@@ -57,6 +75,10 @@ class PrefillBudget:
     alone_s: float | None = None
     #: The last budgeted share (its growth from step to step is capped).
     last_share: int = 0
+    #: How far the last mixed steps' durations were from their prediction, seconds.
+    misses: deque[float] = field(default_factory=lambda: deque(maxlen=MISSES))
+    #: (decode-only step, per prompt token) the last share was sized by.
+    _sized_by: tuple[float, float] | None = None
 
     def share(self, decoding: int) -> int:
         """Prompt tokens the next step may take beside ``decoding`` sequences'
@@ -71,11 +93,18 @@ class PrefillBudget:
             # Nothing to size by yet: the fixed chunk, as without a budget.
             return max(1, min(self.fixed, self.n_batch))
         room = (self.factor - 1.0) * decode
-        share = max(1, min(self.n_batch, int(room / per_token)))
+        room = max(room - MARGIN * self.miss_s, MIN_ROOM * room)
+        share = max(1, min(self.n_batch, int(room / per_token + 1e-6)))
         if self.last_share:  # one quick step (noise) must not make the next one huge
             share = min(share, 2 * self.last_share + 8)
         self.last_share = share
+        self._sized_by = (decode, per_token)
         return share
+
+    @property
+    def miss_s(self) -> float:
+        """The mean miss of the last mixed steps' predicted durations (0: none yet)."""
+        return sum(self.misses) / len(self.misses) if self.misses else 0.0
 
     def decode_time(self, decoding: int) -> float | None:
         """The decode-only step's duration for ``decoding`` sequences: measured
@@ -92,7 +121,10 @@ class PrefillBudget:
 
     def observe(self, decoding: int, prompt: int, seconds: float) -> None:
         """A step of ``decoding`` sequences' tokens and ``prompt`` prompt tokens
-        took ``seconds`` in ``llama_decode``."""
+        took ``seconds``."""
+        sized_by, self._sized_by = self._sized_by, None
+        if prompt and decoding and sized_by is not None:
+            self.misses.append(abs(seconds - (sized_by[0] + prompt * sized_by[1])))
         if prompt == 0:
             if decoding > 0:
                 old = self.decode_s.get(decoding)

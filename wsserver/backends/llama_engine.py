@@ -286,10 +286,14 @@ class BatchEngine:
                 self._leave(job)
             else:
                 self._admit(job)
+        # A step as the decoding sequences see it: the last step's tokens go
+        # out, the next batch is built, decoded and sampled. Admission (a new
+        # prompt's tokenization) happens once, not every step: left out.
+        begun = time.perf_counter()
         for job in list(self._jobs):
             if (job.outbox or job.ending) and not job.waiting_room:
                 self._deliver(job)
-        self._decode_step()
+        self._decode_step(begun)
 
     # ------------------------------------------------------------ admission
 
@@ -424,7 +428,7 @@ class BatchEngine:
 
     # ------------------------------------------------------------ one step
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, begun: float) -> None:
         batch = self._batch
         batch.clear()
         plan: list[tuple[Job, int, int]] = []  # job, tokens fed, logits index or -1
@@ -480,10 +484,7 @@ class BatchEngine:
         status = llama_cpp.llama_decode(self.ctx, batch.ready())
         decoded = time.perf_counter()
         self.seconds["decode"] += decoded - started
-        if status == 0:
-            prompt_tokens = batch.n - len(decoding)
-            self.budget.observe(len(decoding), prompt_tokens, decoded - started)
-            self.step_log.append((len(decoding), prompt_tokens, share, decoded - started))
+        prompt_tokens = batch.n - len(decoding)
         with self._cond:
             for job, _, _ in plan:
                 job.in_flight = False
@@ -520,7 +521,11 @@ class BatchEngine:
                 job.next_token = None
             if index >= 0 and not job.cancelled:
                 self._sample(job, index)
-        self.seconds["sample"] += time.perf_counter() - decoded
+        ended = time.perf_counter()
+        self.seconds["sample"] += ended - decoded
+        # The budget sizes what the decoding sequences wait for: the whole step.
+        self.budget.observe(len(decoding), prompt_tokens, ended - begun)
+        self.step_log.append((len(decoding), prompt_tokens, share, ended - begun))
 
     def _prefilling(self) -> bool:
         return any(j.fed < len(j.prompt) and not j.cancelled for j in self._jobs)
