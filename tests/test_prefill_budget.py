@@ -126,3 +126,15 @@ def test_a_noisy_machine_leaves_a_margin_so_the_bound_holds() -> None:
     wild.observe(0, 100, 100 * 2 * MS)
     wild.misses.extend([1.0] * 16)  # steps a second off their prediction
     assert wild.share(3) == 12  # half the room: 25 ms at 2 ms a token
+
+
+def test_a_prompts_last_token_is_worth_a_decoding_sequences_part_of_the_step() -> None:
+    """The step that ends a prompt computes its logits and samples, as a
+    decoding sequence does: the engine leaves that much room in it."""
+    budget = PrefillBudget(2.0, n_batch=512)
+    assert budget.output_tokens(3) == 0  # nothing measured yet
+    budget.observe(3, 0, 45 * MS)
+    budget.observe(0, 100, 100 * 2 * MS)
+    assert budget.output_tokens(3) == 8  # 15 ms a sequence at 2 ms a token, rounded up
+    assert budget.output_tokens(0) == 0
+    assert PrefillBudget(0.0, n_batch=512).output_tokens(3) == 0  # the budget off

@@ -39,6 +39,7 @@ alone; nothing here reads a clock.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,6 +101,21 @@ class PrefillBudget:
         self.last_share = share
         self._sized_by = (decode, per_token)
         return share
+
+    def output_tokens(self, decoding: int) -> int:
+        """Prompt tokens a prompt's last token is worth beside ``decoding``
+        sequences: it computes the logits and samples, as a decoding sequence
+        does (on the default model the output row over a 262,144-token
+        vocabulary is most of a decoding sequence's part of the step), so the
+        step that ends a prompt leaves that much room for it. 0 when nothing
+        is measured or the budget is off."""
+        if self.factor <= 0 or decoding <= 0:
+            return 0
+        decode = self.decode_time(decoding)
+        per_token = self.token_s if self.token_s is not None else self.alone_s
+        if decode is None or per_token is None or per_token <= 0:
+            return 0
+        return math.ceil(decode / decoding / per_token)
 
     @property
     def miss_s(self) -> float:

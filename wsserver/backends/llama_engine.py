@@ -448,6 +448,14 @@ class BatchEngine:
                 if remaining <= 0 or budget <= 0 or job.cancelled:
                     continue
                 take = min(remaining, budget)
+                if take == remaining > 1 and decoding and job.fed:
+                    # The last chunk of a prompt ingested over several steps: its
+                    # last token computes logits and samples, as a decoding
+                    # sequence does, and the step leaves room for that. (A prompt
+                    # that fits one step goes whole: its first token comes first.)
+                    room = budget - self.budget.output_tokens(len(decoding))
+                    if room < remaining:
+                        take = min(remaining - 1, max(1, room))
                 budget -= take
                 parts.append((job, take))
                 job.in_flight = True
