@@ -113,12 +113,13 @@ async def _ws_stream(
     t0: float,
     stop_on: asyncio.Event | None = None,
     decoding: asyncio.Event | None = None,
+    decoding_after: int = 5,
     **extra: Any,
 ) -> dict[str, Any]:
     """One request on its own connection: delta arrival times and the done frame.
 
     With ``stop_on``, the request is cancelled once that event is set;
-    ``decoding`` is set once five deltas arrived.
+    ``decoding`` is set once ``decoding_after`` deltas arrived.
     """
     ws = await open_connection(url)
     canceller = None
@@ -141,7 +142,7 @@ async def _ws_stream(
             if msg["type"] == "delta":
                 arrivals.append(time.perf_counter() - t0)
                 parts.append(msg["text"])
-                if decoding is not None and len(arrivals) == 5:
+                if decoding is not None and len(arrivals) == decoding_after:
                     decoding.set()
             elif msg["type"] == "done":
                 text = "".join(parts)

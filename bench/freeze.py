@@ -6,7 +6,8 @@ one token per event); then a fourth request brings a ~1,000- or ~3,000-token
 prompt. Per contender, alternating rounds (``--repeats``, default 2; the
 median of the rounds is reported):
 
-* the three streams' median gap between tokens before the long prompt, and
+* the three streams' median gap between tokens before the long prompt (once
+  all three decode, at least 20 gaps each), and
   their **worst gap** while it is ingested (from its send to its first token);
 * the long prompt's **time to first token**;
 * the **work rate** during the ingest: prompt tokens ingested plus the tokens
@@ -38,6 +39,11 @@ from .lineup import _default_model, long_prompt
 from .options import Options
 
 N_CTX = 4096
+#: Deltas each of the three streams gets before the long prompt is sent: the
+#: median gap "before" is taken once all three decode (their first steps, with
+#: fewer sequences in the batch, are shorter), from at least 20 gaps each.
+STEADY_AFTER = 5
+DELTAS_BEFORE = STEADY_AFTER + 20
 LENGTHS = (1000, 3000)
 TIMES = "\u00d7"
 
@@ -54,7 +60,10 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
 def _summary(
     others: list[list[float]], sent: float, first: float, prompt_tokens: int
 ) -> dict[str, Any]:
-    """Gaps and work rate from the three streams' token arrival times."""
+    """Gaps and work rate from the three streams' token arrival times: the
+    median gap before the long prompt once all three decode, the worst while
+    it is ingested."""
+    steady = max(arrivals[STEADY_AFTER - 1] for arrivals in others)
     before: list[float] = []
     during: list[float] = []
     received = 0
@@ -62,7 +71,8 @@ def _summary(
         received += sum(1 for a in arrivals if sent < a <= first)
         for x, y in itertools.pairwise(arrivals):
             if y <= sent:
-                before.append(y - x)
+                if x >= steady:
+                    before.append(y - x)
             elif x < first:
                 during.append(y - x)
     median = statistics.median(before) if before else None
@@ -88,7 +98,16 @@ async def _wsserver(model: str, threads: int, extra: dict[str, Any], text: str) 
         ready = [asyncio.Event() for _ in range(3)]
         decoding = [
             asyncio.create_task(
-                _ws_stream(server.url, f"d{i}", p, 3000, t0, stop_on=done, decoding=ready[i])
+                _ws_stream(
+                    server.url,
+                    f"d{i}",
+                    p,
+                    3000,
+                    t0,
+                    stop_on=done,
+                    decoding=ready[i],
+                    decoding_after=DELTAS_BEFORE,
+                )
             )
             for i, p in enumerate(prompts(3, "freeze"))
         ]
@@ -136,7 +155,7 @@ async def _llama_server_stream(
                     data = json.loads(line[6:])
                     if data.get("content"):
                         arrivals.append(time.perf_counter() - t0)
-                        if decoding is not None and len(arrivals) == 5:
+                        if decoding is not None and len(arrivals) == DELTAS_BEFORE:
                             decoding.set()
                     if data.get("stop"):
                         prompt_n = int((data.get("timings") or {}).get("prompt_n") or 0)
@@ -240,8 +259,9 @@ def render(result: dict[str, Any]) -> str:
         f"Default model, {result['threads']} thread(s), temperature 0, three streams decoding "
         "(one token per frame), then a long prompt; the median of "
         f"{result['repeats']} alternating round(s) per cell. Gaps are the three streams' "
-        "(median before the long prompt, worst while it is ingested); work rate = (prompt tokens "
-        "ingested + tokens the three received) / the long prompt's time to first token.",
+        "(median before the long prompt, once all three decode; worst while it is ingested); "
+        "work rate = (prompt tokens ingested + tokens the three received) / the long "
+        "prompt's time to first token.",
         "",
         "| prompt tokens | contender | median gap, ms | worst gap, ms | worst / median "
         "| long prompt's TTFT, ms | work rate, tok/s | work vs llama-server |",
