@@ -138,3 +138,21 @@ def test_a_prompts_last_token_is_worth_a_decoding_sequences_part_of_the_step() -
     assert budget.output_tokens(3) == 8  # 15 ms a sequence at 2 ms a token, rounded up
     assert budget.output_tokens(0) == 0
     assert PrefillBudget(0.0, n_batch=512).output_tokens(3) == 0  # the budget off
+
+
+def test_a_step_may_always_last_the_floor_however_short_the_decode_step() -> None:
+    """Beside one stream decoding in 20 ms, twice its step would leave an
+    arriving prompt 20 ms (a few tokens) a step; a pause of up to the floor
+    (80 ms) is not seen, and the prompt gets the rest of it. Where twice the
+    decode step is above the floor, the floor changes nothing."""
+    plain = PrefillBudget(2.0, n_batch=512)
+    floored = PrefillBudget(2.0, n_batch=512, floor_s=80 * MS)
+    for budget in (plain, floored):
+        budget.observe(1, 0, 20 * MS)
+        budget.observe(0, 100, 100 * 2 * MS)
+    assert plain.share(1) == 10  # 20 ms of room at 2 ms a token
+    assert floored.share(1) == 30  # 80 - 20 = 60 ms of room
+    three = PrefillBudget(2.0, n_batch=512, floor_s=80 * MS)
+    three.observe(3, 0, 45 * MS)
+    three.observe(0, 100, 100 * 2 * MS)
+    assert three.share(3) == 22  # 2 x 45 = 90 ms > 80: 45 ms of room, as without the floor

@@ -201,6 +201,7 @@ MODEL_OVERRIDES = (
     "n_batch",
     "prefill_chunk",
     "prefill_budget",
+    "prefill_floor_ms",
     "parallel",
     "max_waiting",
     "chat_template_file",
@@ -243,6 +244,10 @@ class LlamaConfig:
     #: most this many times their decode-only step (their pause; the prompt
     #: gets the rest of the machine). 0 = a fixed ``prefill_chunk`` instead.
     prefill_budget: float = _key(2.0, low=0.0, high=1000.0)
+    #: ... but such a step may always last this long (ms): below it a pause in
+    #: streaming text is not seen, and a short decode step (one or two streams,
+    #: a fast machine) would otherwise leave an arriving prompt a few tokens a step.
+    prefill_floor_ms: float = _key(80.0, low=0.0, high=10000.0)
     #: Prompt tokens per step while others decode, when ``prefill_budget`` is 0.
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)

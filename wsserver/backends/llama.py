@@ -143,6 +143,7 @@ class LlamaBackend(Backend):
         n_batch: int = 512,
         prefill_chunk: int = 64,
         prefill_budget: float = 2.0,
+        prefill_floor_ms: float = 80.0,
         parallel: int = 4,
         max_waiting: int = 64,
         abort_check: str = "native",
@@ -166,6 +167,7 @@ class LlamaBackend(Backend):
         self.n_batch = n_batch
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
+        self.prefill_floor_ms = prefill_floor_ms
         self.parallel = parallel
         self.slots = parallel
         self.max_waiting = max_waiting
@@ -204,6 +206,7 @@ class LlamaBackend(Backend):
             n_batch=config.n_batch,
             prefill_chunk=config.prefill_chunk,
             prefill_budget=config.prefill_budget,
+            prefill_floor_ms=config.prefill_floor_ms,
             parallel=config.parallel,
             max_waiting=config.max_waiting,
             chat_template_file=config.chat_template_file,
@@ -259,7 +262,8 @@ class LlamaBackend(Backend):
             self.n_batch,
             self.n_ubatch,
             (
-                f"budget {self.prefill_budget:g}x a decode step"
+                f"budget {self.prefill_budget:g}x a decode step "
+                f"(at least {self.prefill_floor_ms:g} ms)"
                 if self.prefill_budget > 0
                 else f"chunk {self.prefill_chunk} tokens"
             ),
@@ -297,6 +301,7 @@ class LlamaBackend(Backend):
             n_batch=self.n_batch,
             prefill_chunk=self.prefill_chunk,
             prefill_budget=self.prefill_budget,
+            prefill_floor_ms=self.prefill_floor_ms,
             prepare=self._prompt,
             piece=self._piece,
             read_piece=self._read_piece,

@@ -21,10 +21,17 @@ It learns from the steps it is told about (:meth:`PrefillBudget.observe`):
   token — the next mixed step corrects it).
 
 The budget is a bound, not an average: the room a step leaves the prompt is
-cut by :data:`MARGIN` times the mean miss of the last mixed steps' predicted
-durations, so a step that runs long by the machine's usual scatter still ends
-within it (on a quiet machine a couple of milliseconds; never more than half
-the room, so a prompt still moves on a machine too noisy to keep the bound).
+cut by :data:`MARGIN` times the mean overrun of the last mixed steps beyond
+their predicted durations, so a step that runs long by the machine's usual
+scatter still ends within it (on a quiet machine a few milliseconds; never
+more than half the room, so a prompt still moves on a machine too noisy to
+keep the bound).
+
+A step may always last ``floor_s`` (``prefill_floor_ms``, 80 ms by default),
+whatever ``factor`` times the decode step comes to: beside one or two streams,
+or on a fast machine, twice a 20 ms decode step would leave an arriving
+prompt a few tokens a step (measured: four requests arriving together, the
+last first token at 648 ms), for a pause nobody sees.
 
 Until the decode-only step of (about) that many sequences was measured, a
 step takes the fixed chunk (``prefill_chunk``), as without a budget: many
@@ -50,10 +57,13 @@ __all__ = ["PrefillBudget"]
 TOKEN_WEIGHT = 0.5
 DECODE_WEIGHT = 0.25
 #: The budget is a bound, not an average: a mixed step's room is cut by this
-#: many times the mean miss of the last :data:`MISSES` mixed steps' predicted
-#: durations (the machine's noise, and the estimate trailing a cost that
-#: grows), so a step that runs long by the usual amount still ends within it.
-MARGIN = 3.0
+#: many times the mean overrun of the last :data:`MISSES` mixed steps beyond
+#: their predicted durations (the machine's noise, and the estimate trailing a
+#: cost that grows; a step shorter than predicted counts 0 — an estimate that
+#: is too high is no risk), so a step that runs long by the usual amount still
+#: ends within it. Six times the mean overrun of normal noise is ~2.4 of its
+#: standard deviations.
+MARGIN = 6.0
 MISSES = 16
 #: ... but never below this part of the room: on a machine so noisy that the
 #: bound cannot be kept, the prompt must still move.
@@ -68,6 +78,11 @@ class PrefillBudget:
     factor: float
     n_batch: int
     fixed: int = 64
+    #: A mixed step may always last this long (seconds), whatever ``factor``
+    #: times the decode step comes to: a pause this short is not seen, and
+    #: beside one or two streams (or on a fast machine) ``factor`` times a
+    #: short decode step would leave an arriving prompt a few tokens a step.
+    floor_s: float = 0.0
     #: Decode-only step seconds by the number of decoding sequences.
     decode_s: dict[int, float] = field(default_factory=dict)
     #: Seconds one prompt token adds to a mixed step (None: not seen yet).
@@ -76,7 +91,7 @@ class PrefillBudget:
     alone_s: float | None = None
     #: The last budgeted share (its growth from step to step is capped).
     last_share: int = 0
-    #: How far the last mixed steps' durations were from their prediction, seconds.
+    #: How far the last mixed steps ran beyond their prediction, seconds (0: not).
     misses: deque[float] = field(default_factory=lambda: deque(maxlen=MISSES))
     #: (decode-only step, per prompt token) the last share was sized by.
     _sized_by: tuple[float, float] | None = None
@@ -93,7 +108,7 @@ class PrefillBudget:
         if decode is None or per_token is None or per_token <= 0:
             # Nothing to size by yet: the fixed chunk, as without a budget.
             return max(1, min(self.fixed, self.n_batch))
-        room = (self.factor - 1.0) * decode
+        room = max(self.factor * decode, self.floor_s) - decode
         room = max(room - MARGIN * self.miss_s, MIN_ROOM * room)
         share = max(1, min(self.n_batch, int(room / per_token + 1e-6)))
         if self.last_share:  # one quick step (noise) must not make the next one huge
@@ -119,7 +134,7 @@ class PrefillBudget:
 
     @property
     def miss_s(self) -> float:
-        """The mean miss of the last mixed steps' predicted durations (0: none yet)."""
+        """The mean overrun of the last mixed steps beyond their prediction (0: none yet)."""
         return sum(self.misses) / len(self.misses) if self.misses else 0.0
 
     def decode_time(self, decoding: int) -> float | None:
@@ -140,7 +155,7 @@ class PrefillBudget:
         took ``seconds``."""
         sized_by, self._sized_by = self._sized_by, None
         if prompt and decoding and sized_by is not None:
-            self.misses.append(abs(seconds - (sized_by[0] + prompt * sized_by[1])))
+            self.misses.append(max(0.0, seconds - (sized_by[0] + prompt * sized_by[1])))
         if prompt == 0:
             if decoding > 0:
                 old = self.decode_s.get(decoding)

@@ -137,6 +137,7 @@ class BatchEngine:
         prefill_chunk: int,
         prepare: Prepare,
         prefill_budget: float = 2.0,
+        prefill_floor_ms: float = 0.0,
         piece: Callable[[int], bytes],
         read_piece: Callable[[int], bytes] | None = None,
         tokenize_text: Callable[[str], list[int]] | None = None,
@@ -152,7 +153,10 @@ class BatchEngine:
         self.n_batch = n_batch
         #: Prompt tokens per step while others decode (see :mod:`.llama_budget`).
         self.budget = PrefillBudget(
-            prefill_budget, n_batch, fixed=max(1, min(prefill_chunk, n_batch))
+            prefill_budget,
+            n_batch,
+            fixed=max(1, min(prefill_chunk, n_batch)),
+            floor_s=prefill_floor_ms / 1000,
         )
         self._prepare = prepare
         self._piece = piece
