@@ -164,7 +164,10 @@ def test_quick_bench_writes_a_sane_report(tmp_path: Path, bench_model: str | Non
     sse = results["openai"]
     assert sse["status"] == "ok", sse.get("reason")
     ws = next(r for r in sse["rows"] if r["contender"] == "wsserver (SSE)")
-    assert ws["ttft_ms"]["n"] > 0 and ws["decode_tps"]["n"] > 0, ws  # timing-ok: counts
+    # Every request streamed text. (Its decode rate, first to last text, needs
+    # two chunks: the tiny model writes its 16 tokens before the sender's first
+    # flush at times, and pacing sends what is pending as one chunk.)
+    assert ws["ttft_ms"]["n"] == ws["n"] > 0, ws  # timing-ok: counts
     assert ws["abandons"] > 0, ws
     assert "## 8. The OpenAI API over SSE" in text
 
