@@ -17,9 +17,20 @@ from test_anthropic_http import sdk
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.llama import LlamaBackend
+from wsserver.config import Config
 from wsserver.protocol import Message, ToolCall
 
 pytestmark = pytest.mark.llama
+
+
+def tiny_llama(path: Path) -> Config:
+    """A config serving the GGUF at ``path`` on one sequence and one thread."""
+    return make_config(
+        backend__kind="llama",
+        backend__llama__model=str(path),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+    )
 
 
 def prompt_tokens(message: Any) -> int:
@@ -29,12 +40,7 @@ def prompt_tokens(message: Any) -> int:
 
 
 async def test_count_tokens_and_a_message_on_the_tiny_model(tiny_gguf: Path) -> None:
-    config = make_config(
-        backend__kind="llama",
-        backend__llama__model=str(tiny_gguf),
-        backend__llama__n_threads=1,
-        backend__llama__parallel=1,
-    )
+    config = tiny_llama(tiny_gguf)
     messages = [{"role": "user", "content": "Hello there, how are you?"}]
     async with running_server(config) as server, sdk(server) as client:
         backend = server.backend
@@ -107,12 +113,7 @@ async def test_a_tool_conversation_reaches_the_models_template(tmp_path: Path) -
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
-    config = make_config(
-        backend__kind="llama",
-        backend__llama__model=str(path),
-        backend__llama__n_threads=1,
-        backend__llama__parallel=1,
-    )
+    config = tiny_llama(path)
     call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
     result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4 C", "is_error": True}
     messages = [
@@ -194,12 +195,7 @@ async def test_a_template_that_opens_a_think_block_gives_thinking_blocks(tmp_pat
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "thinking.gguf", chat_template=THINKING)
-    config = make_config(
-        backend__kind="llama",
-        backend__llama__model=str(path),
-        backend__llama__n_threads=1,
-        backend__llama__parallel=1,
-    )
+    config = tiny_llama(path)
     asked: dict[str, Any] = {
         "model": "thinking",
         "messages": [{"role": "user", "content": "Think first."}],
@@ -231,12 +227,7 @@ async def test_the_thinking_of_a_tool_use_loop_is_in_the_prompt_and_counted(
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "qwen3.gguf", chat_template=QWEN3_REASONING)
-    config = make_config(
-        backend__kind="llama",
-        backend__llama__model=str(path),
-        backend__llama__n_threads=1,
-        backend__llama__parallel=1,
-    )
+    config = tiny_llama(path)
     thought = "The user wants Paris: call get_weather."
     call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
     question = {"role": "user", "content": "Weather in Paris?"}
@@ -301,12 +292,7 @@ async def test_a_named_tool_choice_forces_a_call_that_validates(tmp_path: Path) 
     from tiny_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "hermes.gguf", chat_template=HERMES)
-    config = make_config(
-        backend__kind="llama",
-        backend__llama__model=str(path),
-        backend__llama__n_threads=1,
-        backend__llama__parallel=1,
-    )
+    config = tiny_llama(path)
     # The city's length bounded (the grammar enforces it): a random model's
     # greedy string need not close within max_tokens otherwise.
     weather = {

@@ -43,6 +43,12 @@ from wsserver.responses_render import ResponseRender
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path":"."}'}}
 LS = ToolCall("c1", "ls", '{"path":"."}')
+#: A tool-use loop in progress: the assistant's call carries its reasoning.
+LOOP = [
+    {"role": "user", "content": "Fix the bug"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning": "Look."},
+    {"role": "tool", "tool_call_id": "c1", "content": "main.py"},
+]
 
 
 def generate(limits: Limits | None = None, **fields: Any) -> Generate:
@@ -57,13 +63,7 @@ def generate(limits: Limits | None = None, **fields: Any) -> Generate:
 
 
 def test_an_assistant_messages_reasoning_is_kept_and_goes_on_as_reasoning_content() -> None:
-    frame = generate(
-        messages=[
-            {"role": "user", "content": "Fix the bug"},
-            {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning": "Look."},
-            {"role": "tool", "tool_call_id": "c1", "content": "main.py"},
-        ]
-    )
+    frame = generate(messages=LOOP)
     assert frame.messages is not None
     assistant = frame.messages[1]
     assert assistant == Message("assistant", "", (LS,), reasoning="Look.")
@@ -109,13 +109,7 @@ def test_reasoning_counts_against_the_prompt_limit() -> None:
 
 
 def test_the_relay_sends_reasoning_content_upstream() -> None:
-    frame = generate(
-        messages=[
-            {"role": "user", "content": "Fix the bug"},
-            {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning": "Look."},
-            {"role": "tool", "tool_call_id": "c1", "content": "main.py"},
-        ]
-    )
+    frame = generate(messages=LOOP)
     _, body = request_body(GenerationRequest.from_frame(frame, default_max_tokens=8), "m")
     assert orjson.loads(body)["messages"][1] == {
         "role": "assistant",
