@@ -45,13 +45,13 @@ class CountingSink:
     def __init__(self) -> None:
         self.tokens = 0
 
-    def prompt_processed(self, prompt_tokens: int) -> None:
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
         pass
 
-    def emit(self, text: str, tokens: int = 1) -> None:
+    def emit(self, text: str, tokens: int = 1, logprobs: Any = ()) -> None:
         self.tokens += tokens
 
-    def offer(self, text: str, tokens: int = 1) -> bool:
+    def offer(self, text: str, tokens: int = 1, logprobs: Any = ()) -> bool:
         self.tokens += tokens
         return True
 
