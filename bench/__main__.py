@@ -18,50 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
-from . import (
-    adversaries,
-    batched,
-    cancel,
-    ceiling,
-    freeze,
-    idle,
-    models,
-    openai_sse,
-    page,
-    responses,
-    resume,
-    slow,
-    structured,
-    throughput,
-    upstream,
-)
-from .common import Skip, git_commit, machine
+from .analysis import BY_KEY, SECTIONS, summary
+from .common import Skip, loadavg
 from .lineup import LlamaLineup
 from .options import Options
-from .report import SECTIONS, command_line, write
+from .report import measured, merge, write
 
-ALIASES = {
-    "1": "throughput",
-    "2": "cancel",
-    "3": "ceiling",
-    "4": "slow",
-    "5": "idle",
-    "6": "page",
-    "7": "adversaries",
-    "8": "openai",
-    "9": "upstream",
-    "10": "batched",
-    "11": "resume",
-    "12": "structured",
-    "13": "responses",
-    "14": "models",
-    "15": "freeze",
-}
+ALIASES = {section.number: section.key for section in SECTIONS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,9 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sections",
         nargs="+",
-        default=list(SECTIONS),
+        default=list(BY_KEY),
         metavar="NAME",
-        help=f"any of {', '.join(SECTIONS)} (or 1-6); default all",
+        help=f"any of {', '.join(BY_KEY)} (or 1-{len(SECTIONS)}); default all",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("docs/benchmarks.md"), help="Markdown report path"
@@ -118,8 +87,8 @@ def _sections(names: list[str]) -> list[str]:
     for item in names:
         for name in item.split(","):
             name = ALIASES.get(name.strip(), name.strip())
-            if name not in SECTIONS:
-                raise SystemExit(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
+            if name not in BY_KEY:
+                raise SystemExit(f"unknown section {name!r}; choose from {', '.join(BY_KEY)}")
             if name not in out:
                 out.append(name)
     return out
@@ -133,80 +102,42 @@ def _failed(exc: BaseException) -> dict[str, Any]:
     }
 
 
+async def _section(opts: Options, key: str, *args: Any) -> dict[str, Any]:
+    """One section's result: its own, or why it was skipped or failed."""
+    try:
+        result: dict[str, Any] = await BY_KEY[key].module.run(opts, *args)
+    except Skip as exc:
+        return {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:
+        return _failed(exc)
+    return result
+
+
 async def run(opts: Options, sections: list[str]) -> dict[str, Any]:
+    """The chosen sections: first those that take turns on the llama lineup,
+    then those on the fake engine, then those that load a model of their own."""
     results: dict[str, Any] = {}
-    llama = [s for s in ("throughput", "cancel", "openai") if s in sections]
-    if llama:
+    lineup = [s.key for s in SECTIONS if s.runs_on == "lineup" and s.key in sections]
+    if lineup:
         opts.log("sections 1-2: llama contenders")
         try:
-            async with LlamaLineup(opts) as session:
-                if "throughput" in llama:
-                    try:
-                        results["throughput"] = await throughput.run(opts, session)
-                    except Exception as exc:
-                        results["throughput"] = _failed(exc)
-                if "cancel" in llama:
-                    step = (results.get("throughput") or {}).get("decode_step_ms")
-                    try:
-                        results["cancel"] = await cancel.run(opts, session, step)
-                    except Exception as exc:
-                        results["cancel"] = _failed(exc)
-                if "openai" in llama:
-                    try:
-                        results["openai"] = await openai_sse.run(opts, session)
-                    except Exception as exc:
-                        results["openai"] = _failed(exc)
+            async with LlamaLineup(opts) as contenders:
+                for key in lineup:
+                    results[key] = await _section(opts, key, contenders)
         except Skip as exc:
-            for name in llama:
-                results[name] = {"status": "skipped", "reason": str(exc)}
+            results.update({key: {"status": "skipped", "reason": str(exc)} for key in lineup})
         except Exception as exc:
-            for name in llama:
-                results.setdefault(name, _failed(exc))
-    fake_sections = (
-        ("ceiling", ceiling),
-        ("slow", slow),
-        ("idle", idle),
-        ("page", page),
-        ("adversaries", adversaries),
-        ("upstream", upstream),
-        ("resume", resume),
-    )
-    for name, module in fake_sections:
-        if name in sections:
-            opts.log(f"section {name}")
-            try:
-                results[name] = await module.run(opts)
-            except Exception as exc:
-                results[name] = _failed(exc)
-    # The llama sections, each of which may skip itself (Skip: a missing tool or model).
-    llama_sections = (
-        ("batched", batched, "the batched llama engine vs llama.cpp's tools"),
-        ("structured", structured, "the sampler chain and JSON schemas (issue 22)"),
-        ("responses", responses, "five turns four ways, and the Responses wire's overhead"),
-        ("models", models, "TTFT loaded, on demand, after an eviction; memory (issue 23)"),
-        ("freeze", freeze, "a long prompt beside three decoding streams (issue 28)"),
-    )
-    for name, module, what in llama_sections:
-        if name not in sections:
-            continue
-        opts.log(f"section {name}: {what}")
-        try:
-            results[name] = await module.run(opts)
-        except Skip as exc:
-            results[name] = {"status": "skipped", "reason": str(exc)}
-        except Exception as exc:
-            results[name] = _failed(exc)
+            for key in lineup:
+                results.setdefault(key, _failed(exc))
+    for runs_on in ("fake", "llama"):
+        for section in SECTIONS:
+            if section.runs_on == runs_on and section.key in sections:
+                opts.log(f"section {section.key}" + (f": {section.what}" if section.what else ""))
+                results[section.key] = await _section(opts, section.key)
     for name, result in results.items():
         if result.get("status") == "failed":
             opts.log(f"section {name} FAILED: {result['reason']}\n{result.get('traceback', '')}")
     return results
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,42 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     sections = _sections(args.sections)
     if args.render_only:
-        import json
-
         data = json.loads(opts.out.with_suffix(".json").read_text())
         data["meta"]["notes"] = [*data["meta"].get("notes", []), *args.note]
         paths = write(data["results"], data["meta"], opts)
         print(f"rewrote {paths['markdown']} and plots in {paths['plots']}/ from {paths['json']}")
         return 0
     started = datetime.datetime.now(datetime.UTC)
-    load_before = _loadavg()
+    load = loadavg()
     results = asyncio.run(run(opts, sections))
-    meta = {
-        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": git_commit(),
-        "command": command_line(argv),
-        "quick": opts.quick,
-        "sections": sections,
-        "duration_s": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1),
-        "machine": machine(),
-        # Other work on the machine during the run (1-, 5-, 15-minute load averages).
-        "loadavg_before": load_before,
-        "loadavg_after": _loadavg(),
-        "notes": list(args.note),
-    }
+    meta = {**measured(argv, opts, sections, started, load), "notes": list(args.note)}
     if args.merge and opts.out.with_suffix(".json").exists():
-        import json
-
         old = json.loads(opts.out.with_suffix(".json").read_text())
-        results = {**old["results"], **results}
-        merged = {
-            k: meta[k]
-            for k in ("date", "commit", "command", "sections", "loadavg_before", "loadavg_after")
-        }
-        meta = {**old["meta"], "merged": [*old["meta"].get("merged", []), merged]}
+        results, meta = merge(results, meta, old)
     paths = write(results, meta, opts)
-    from .analysis import summary
-
     print("\n".join(summary(results)))
     print(f"\nwrote {paths['markdown']}, {paths['json']} and plots in {paths['plots']}/")
     return 1 if any(r.get("status") == "failed" for r in results.values()) else 0

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import ROOT, ServerProcess, percentile
+from .common import ROOT
+from .servers import ServerProcess
+from .timing import percentile, side_by_side
 
 now = time.perf_counter
 _HTTP = ("http_ttft_ms", "http_tokens_per_s")
@@ -104,41 +107,40 @@ async def _cancel_round(url: str) -> float:
         return 1000 * (now() - t0)
 
 
+async def _measure(server: ServerProcess, paced: ServerProcess, _: int) -> dict[str, float]:
+    """One round on one checkout: WebSocket TTFT and throughput, cancel, then HTTP."""
+    figures = await _round(server.url)
+    figures["cancel_ms"] = await _cancel_round(paced.url)
+    return {**figures, **await _http_round(server.url)}
+
+
 async def main(baseline: Path, rounds: int) -> None:
-    servers = {
-        "this checkout": ServerProcess({"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}),
-        "baseline": ServerProcess(
-            {"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}, root=baseline
-        ),
+    trees = {"this checkout": ROOT, "baseline": baseline}
+    unlimited = {
+        name: ServerProcess({"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}, root=root)
+        for name, root in trees.items()
     }
     paced = {
-        "this checkout": ServerProcess(
-            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0}, name="paced"
-        ),
-        "baseline": ServerProcess(
-            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0},
-            name="paced",
-            root=baseline,
-        ),
+        name: ServerProcess(
+            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0}, name="paced", root=root
+        )
+        for name, root in trees.items()
     }
-    for s in [*servers.values(), *paced.values()]:
+    for s in [*unlimited.values(), *paced.values()]:
         await s.start()
-    samples: dict[str, dict[str, list[float]]] = {
-        n: {k: [] for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP)} for n in servers
-    }
     try:
-        names = list(servers)
-        for r in range(rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                result = await _round(servers[name].url)
-                for key, value in result.items():
-                    samples[name][key].append(value)
-                samples[name]["cancel_ms"].append(await _cancel_round(paced[name].url))
-                for key, value in (await _http_round(servers[name].url)).items():
-                    samples[name][key].append(value)
+        runs = await side_by_side(
+            rounds,
+            {n: functools.partial(_measure, unlimited[n], paced[n]) for n in trees},
+            order="flip",
+        )
     finally:
-        for s in [*servers.values(), *paced.values()]:
+        for s in [*unlimited.values(), *paced.values()]:
             await s.stop()
+    samples = {
+        n: {k: [r[k] for r in got] for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP)}
+        for n, got in runs.items()
+    }
     print(f"{rounds} rounds, alternating; baseline = {baseline}, this checkout = {ROOT}\n")
     print(
         "| server | TTFT median / p90 (ms) | tokens/s median / p10 | cancel → done median / p90 (ms) |"

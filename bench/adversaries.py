@@ -33,8 +33,11 @@ import socket
 import time
 from typing import Any
 
-from .common import LOAD_TEST_LIMITS, ServerProcess, fmt, percentile
+from .figures import fmt
 from .options import Options
+from .servers import LOAD_TEST_LIMITS, ServerProcess
+from .timing import percentile
+from .wsload import open_connection, request
 
 MIB = 1024 * 1024
 
@@ -105,22 +108,17 @@ def _attack(port: int, kind: str, seconds: float, result: dict[str, Any]) -> Non
 
 async def _control(url: str, stop: asyncio.Event) -> list[float]:
     """A well-behaved client: small requests one after another; their TTFTs."""
-    from websockets.asyncio.client import connect
-
     ttfts: list[float] = []
-    async with connect(url) as ws:
-        await ws.recv()
+    ws = await open_connection(url)
+    try:
         n = 0
         while not stop.is_set():
             n += 1
-            await ws.send(
-                json.dumps({"type": "generate", "id": f"c{n}", "prompt": "p", "max_tokens": 8})
-            )
-            while True:
-                frame = json.loads(await ws.recv())
-                if frame["type"] == "done":
-                    ttfts.append(frame["timings"]["ttft_ms"] or 0.0)
-                    break
+            frame = {"type": "generate", "id": f"c{n}", "prompt": "p", "max_tokens": 8}
+            done = await request(ws, frame)
+            ttfts.append(done["timings"]["ttft_ms"] or 0.0)
+    finally:
+        await ws.close()
     return ttfts
 
 

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
-import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-from .common import fmt, summary
-from .contenders import InProcess, PeerContender, WsContender
+from .contenders import InProcess, SseContender, WsContender
+from .figures import fmt, row, save_plot, target
 from .lineup import NEXT_PROMPTS, PROMPTS, LlamaLineup, long_prompt
 from .options import Options
+from .timing import median, now, summary
 
-now = time.perf_counter
 NEXT_TOKENS = 8
 WARM_TOKENS = 16
 LONG_TOKENS = 1000
@@ -42,42 +41,43 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
 
 
+async def _read_for(texts: AsyncIterator[str | None], seconds: float) -> None:
+    """Read a stream until ``seconds`` after its first text (None: no text yet)."""
+    first = None
+    async for text in texts:
+        if text is not None and first is None:
+            first = now()
+        if first is not None and now() - first >= seconds:
+            return
+
+
 # ------------------------------------------------------------------ wsserver
 
 
-async def _ws_next(ws: WsContender, prompt: str, t0: float) -> float | None:
-    stream = ws.client.generate(prompt=prompt, max_tokens=NEXT_TOKENS, temperature=0)
-    first = None
-    async for _ in stream:
-        if first is None:
-            first = now()
-    return None if first is None else first - t0
-
-
-async def ws_mid_decode(
-    ws: WsContender,
-    prompt: str,
-    nxt: str,
-    stream_s: float,
-    jitter_s: float,
-    long_tokens: int = LONG_TOKENS,
-) -> dict[str, Any]:
-    stream = ws.client.generate(prompt=prompt, max_tokens=long_tokens, temperature=0)
-    first = None
-    async for _ in stream:
-        if first is None:
-            first = now()
-        if now() - first >= stream_s:
-            break
-    await asyncio.sleep(jitter_s)  # land the cancel at a random point of a decode step
+async def _ws_cancel(ws: WsContender, stream: Any, nxt: str) -> dict[str, Any]:
+    """Cancel ``stream``; then the next request on the same connection."""
     t0 = now()
     done = await ws.client.cancel(stream.id)
     ack = now() - t0
+    following = ws.client.generate(prompt=nxt, max_tokens=NEXT_TOKENS, temperature=0)
+    first = None
+    async for _ in following:
+        if first is None:
+            first = now()
     return {
         "ack_ms": _ms(ack),
-        "next_first_ms": _ms(await _ws_next(ws, nxt, t0)),
+        "next_first_ms": _ms(None if first is None else first - t0),
         "reason": getattr(done, "reason", None),
     }
+
+
+async def ws_mid_decode(
+    ws: WsContender, prompt: str, nxt: str, stream_s: float, jitter_s: float, long_tokens: int
+) -> dict[str, Any]:
+    stream = ws.client.generate(prompt=prompt, max_tokens=long_tokens, temperature=0)
+    await _read_for(stream, stream_s)
+    await asyncio.sleep(jitter_s)  # land the cancel at a random point of a decode step
+    return await _ws_cancel(ws, stream, nxt)
 
 
 async def ws_mid_prefill(ws: WsContender, prompt: str, nxt: str, delay_s: float) -> dict[str, Any]:
@@ -85,73 +85,42 @@ async def ws_mid_prefill(ws: WsContender, prompt: str, nxt: str, delay_s: float)
     await stream.send()
     await asyncio.sleep(delay_s)  # the scenario: the user gives up this far into the prefill
     in_prefill = stream.started and not stream.deltas and stream.done is None
-    t0 = now()
-    done = await ws.client.cancel(stream.id)
-    ack = now() - t0
-    return {
-        "ack_ms": _ms(ack),
-        "next_first_ms": _ms(await _ws_next(ws, nxt, t0)),
-        "reason": getattr(done, "reason", None),
-        "in_prefill": in_prefill,
-    }
+    return {**await _ws_cancel(ws, stream, nxt), "in_prefill": in_prefill}
 
 
-# ------------------------------------------------------------------ peer
+# ------------------------------------------------------------------ peer: cancel = close
 
 
-async def _peer_next(peer: PeerContender, prompt: str, t0: float, timeout: float) -> float | None:
-    stream = await peer.connect()
-    try:
-        await peer.send(stream, prompt, NEXT_TOKENS)
-        async with asyncio.timeout(timeout):
-            async for event in stream.events():
-                if event["choices"][0].get("text"):
-                    return now() - t0
-    except TimeoutError:
-        return None
-    finally:
-        stream.abort()
-    return None
+async def _texts(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str | None]:
+    async for event in events:
+        yield event["choices"][0].get("text") or None
 
 
 async def peer_mid_decode(
-    peer: PeerContender,
-    prompt: str,
-    nxt: str,
-    stream_s: float,
-    jitter_s: float,
-    long_tokens: int = LONG_TOKENS,
+    peer: SseContender, prompt: str, nxt: str, stream_s: float, jitter_s: float, long_tokens: int
 ) -> dict[str, Any]:
-    stream = await peer.connect()
-    await peer.send(stream, prompt, long_tokens)
-    first = None
-    async for event in stream.events():
-        if event["choices"][0].get("text") and first is None:
-            first = now()
-        if first is not None and now() - first >= stream_s:
-            break
+    stream = await peer.open(prompt, long_tokens)
+    await _read_for(_texts(stream.events()), stream_s)
     await asyncio.sleep(jitter_s)
     t0 = now()
     stream.abort()
-    return {"ack_ms": None, "next_first_ms": _ms(await _peer_next(peer, nxt, t0, 120))}
+    first = await peer.first_text(nxt, NEXT_TOKENS, 120)
+    return {"ack_ms": None, "next_first_ms": _ms(None if first is None else first - t0)}
 
 
 async def peer_mid_prefill(
-    peer: PeerContender, prompt: str, nxt: str, delay_s: float
+    peer: SseContender, prompt: str, nxt: str, delay_s: float
 ) -> dict[str, Any]:
-    stream = await peer.connect()
-    await peer.send(stream, prompt, NEXT_TOKENS)
-    await asyncio.sleep(delay_s)
-    t0 = now()
-    stream.abort()
-    return {"ack_ms": None, "next_first_ms": _ms(await _peer_next(peer, nxt, t0, 600))}
+    t0 = await peer.abandon(prompt, NEXT_TOKENS, delay_s)
+    first = await peer.first_text(nxt, NEXT_TOKENS, 600)
+    return {"ack_ms": None, "next_first_ms": _ms(None if first is None else first - t0)}
 
 
-# ------------------------------------------------------------------ in-process
+# ------------------------------------------------------------------ in-process: close the generator
 
 
 def inproc_mid_decode(
-    inproc: InProcess, prompt: str, nxt: str, stream_s: float, long_tokens: int = LONG_TOKENS
+    inproc: InProcess, prompt: str, nxt: str, stream_s: float, long_tokens: int
 ) -> dict[str, Any]:
     gen = inproc.completion_stream(prompt, long_tokens)
     first = None
@@ -166,7 +135,7 @@ def inproc_mid_decode(
     run = inproc.complete_sync(nxt, NEXT_TOKENS)
     return {
         "ack_ms": _ms(ack),
-        "next_first_ms": _ms(ack + run.first) if run.first is not None else None,
+        "next_first_ms": _ms(ack + run.first - run.sent) if run.first is not None else None,
     }
 
 
@@ -182,51 +151,47 @@ async def _bounded(awaitable: Any, seconds: float) -> dict[str, Any]:
         return {"ack_ms": None, "next_first_ms": None, "error": f"no result within {seconds:g} s"}
 
 
-async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None) -> dict[str, Any]:
-    assert session.inproc is not None and session.ws is not None
-    quick = opts.quick
-    reps = (
-        {
+def _reps(opts: Options) -> dict[str, dict[str, int]]:
+    """Measurements per phase and contender."""
+    if opts.quick:
+        return {
             "decode": {"wsserver": 2, "llama_cpp.server": 1, "in-process": 1},
             "prefill": {"wsserver": 1, "llama_cpp.server": 1},
         }
-        if quick
-        else {
-            "decode": {"wsserver": 10, "llama_cpp.server": 5, "in-process": 5},
-            "prefill": {"wsserver": 5, "llama_cpp.server": 2},
+    n = opts.repeats
+    if n:
+        half = max(1, n // 2)
+        return {
+            "decode": {"wsserver": n, "llama_cpp.server": half, "in-process": half},
+            "prefill": {"wsserver": half, "llama_cpp.server": 1},
         }
-    )
-    if opts.repeats and not quick:
-        n = opts.repeats
-        reps = {
-            "decode": {
-                "wsserver": n,
-                "llama_cpp.server": max(1, n // 2),
-                "in-process": max(1, n // 2),
-            },
-            "prefill": {"wsserver": max(1, n // 2), "llama_cpp.server": 1},
-        }
+    return {
+        "decode": {"wsserver": 10, "llama_cpp.server": 5, "in-process": 5},
+        "prefill": {"wsserver": 5, "llama_cpp.server": 2},
+    }
+
+
+async def run(opts: Options, lineup: LlamaLineup) -> dict[str, Any]:
+    assert lineup.inproc is not None and lineup.ws is not None
+    quick = opts.quick
+    reps = _reps(opts)
     stream_s = 0.05 if quick else 0.5
     long_tokens = LONG_TOKENS_QUICK if quick else LONG_TOKENS
     limit = 60.0 if quick else 120.0  # per measurement
     rng = random.Random(6)
+    decode_step_ms = lineup.decode_step_ms
     if decode_step_ms is None:
-        probe = await session.inproc.complete(PROMPTS[0], 32)
+        probe = await lineup.inproc.complete(PROMPTS[0], 32)
         tps = probe.decode_tps(probe.pieces)
         decode_step_ms = 1000 / tps if tps else 20.0
     step_s = decode_step_ms / 1000
 
-    names = ["in-process", "wsserver"] + (["llama_cpp.server"] if session.peer is not None else [])
-    contenders: dict[str, Any] = {
-        "in-process": session.inproc,
-        "wsserver": session.ws,
-        "llama_cpp.server": session.peer,
-    }
     # wsserver at --baseline REF: the same scenarios, as often, right after the working tree's.
-    twins = [session.ws] + ([session.ws_baseline] if session.ws_baseline is not None else [])
-    for twin in twins[1:]:
-        names.insert(2, twin.name)
-        contenders[twin.name] = twin
+    twins = [lineup.ws] + ([lineup.ws_baseline] if lineup.ws_baseline is not None else [])
+    contenders: dict[str, Any] = {"in-process": lineup.inproc}
+    contenders.update({twin.name: twin for twin in twins})
+    if lineup.peer is not None:
+        contenders["llama_cpp.server"] = lineup.peer
 
     async def measure(name: str, scenario: Any, nxt: str, seconds: float) -> dict[str, Any]:
         """The short follow-up on the warm, idle model first (its TTFT is the reference),
@@ -235,106 +200,81 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
         the long request in between replaces the cached prompt, so neither run
         of the follow-up reuses the other's prefix."""
         contender = contenders[name]
-        assert contender is not None
         # Warm the model first: right after a cancel it has just been decoding,
         # and a model that sat idle answers measurably slower (threads asleep).
         await contender.complete(f"Warm-up {len(nxt)}: one, two, three,", WARM_TOKENS)
         reference = await contender.complete(nxt, NEXT_TOKENS)
         sample = await _bounded(scenario, seconds)
         sample["next_prompt"] = nxt
-        sample["idle_ttft_ms"] = _ms(reference.first)
-        if sample.get("next_first_ms") is not None and reference.first is not None:
-            sample["busy_ms"] = sample["next_first_ms"] - 1000 * reference.first
+        sample["idle_ttft_ms"] = reference.ttft_ms
+        if sample.get("next_first_ms") is not None and reference.ttft_ms is not None:
+            sample["busy_ms"] = sample["next_first_ms"] - reference.ttft_ms
         return sample
 
     # Prefill reference: how long the in-process call takes to its first token.
-    ref_prompt, prompt_tokens = long_prompt(session.inproc, 999)
-    ref = await session.inproc.complete(ref_prompt, 1)
-    prefill_s = ref.first or ref.end
+    ref_prompt, prompt_tokens = long_prompt(lineup.inproc, 999)
+    ref = await lineup.inproc.complete(ref_prompt, 1)
+    prefill_s = ref.since_sent(ref.first if ref.first is not None else ref.end) or 0.0
     delay_s = min(1.0, 0.3 * prefill_s)
     opts.log(
         f"  cancel: a {prompt_tokens}-token prompt takes {prefill_s:.2f} s to first token "
         f"in-process; cancelling {delay_s:.2f} s into it"
     )
 
-    decode: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    decode: dict[str, list[dict[str, Any]]] = {n: [] for n in contenders}
     for i in range(max(reps["decode"].values())):
         prompt = PROMPTS[(i + 5) % len(PROMPTS)] + f" (part {i})"
         nxt = NEXT_PROMPTS[i % len(NEXT_PROMPTS)]
         if i < reps["decode"]["wsserver"]:
             jitter = rng.uniform(0, step_s)
             for twin in twins:
-                decode[twin.name].append(
-                    await measure(
-                        twin.name,
-                        ws_mid_decode(twin, prompt, nxt, stream_s, jitter, long_tokens),
-                        nxt,
-                        limit,
-                    )
-                )
-        if session.peer is not None and i < reps["decode"]["llama_cpp.server"]:
+                scenario = ws_mid_decode(twin, prompt, nxt, stream_s, jitter, long_tokens)
+                decode[twin.name].append(await measure(twin.name, scenario, nxt, limit))
+        if lineup.peer is not None and i < reps["decode"]["llama_cpp.server"]:
             jitter = rng.uniform(0, step_s)
+            scenario = peer_mid_decode(lineup.peer, prompt, nxt, stream_s, jitter, long_tokens)
             decode["llama_cpp.server"].append(
-                await measure(
-                    "llama_cpp.server",
-                    peer_mid_decode(session.peer, prompt, nxt, stream_s, jitter, long_tokens),
-                    nxt,
-                    limit,
-                )
+                await measure("llama_cpp.server", scenario, nxt, limit)
             )
         if i < reps["decode"]["in-process"]:
-            decode["in-process"].append(
-                await measure(
-                    "in-process",
-                    asyncio.to_thread(
-                        inproc_mid_decode, session.inproc, prompt, nxt, stream_s, long_tokens
-                    ),
-                    nxt,
-                    limit,
-                )
+            scenario = asyncio.to_thread(
+                inproc_mid_decode, lineup.inproc, prompt, nxt, stream_s, long_tokens
             )
+            decode["in-process"].append(await measure("in-process", scenario, nxt, limit))
     opts.log("  cancel: mid-decode done")
 
-    prefill: dict[str, list[dict[str, Any]]] = {n: [] for n in names if n != "in-process"}
+    prefill: dict[str, list[dict[str, Any]]] = {n: [] for n in contenders if n != "in-process"}
     for i in range(max(reps["prefill"].values())):
-        prompt, _ = long_prompt(session.inproc, i)
+        prompt, _ = long_prompt(lineup.inproc, i)
         nxt = NEXT_PROMPTS[(i + 1) % len(NEXT_PROMPTS)]
         if i < reps["prefill"]["wsserver"]:
             for twin in twins:
-                prefill[twin.name].append(
-                    await measure(twin.name, ws_mid_prefill(twin, prompt, nxt, delay_s), nxt, limit)
-                )
-        if session.peer is not None and i < reps["prefill"]["llama_cpp.server"]:
+                scenario = ws_mid_prefill(twin, prompt, nxt, delay_s)
+                prefill[twin.name].append(await measure(twin.name, scenario, nxt, limit))
+        if lineup.peer is not None and i < reps["prefill"]["llama_cpp.server"]:
             opts.log(
                 f"  cancel: llama_cpp.server mid-prefill {i + 1}/{reps['prefill']['llama_cpp.server']} "
                 "(its next request waits for the abandoned prefill) …"
             )
+            scenario = peer_mid_prefill(lineup.peer, prompt, nxt, delay_s)
             prefill["llama_cpp.server"].append(
-                await measure(
-                    "llama_cpp.server",
-                    peer_mid_prefill(session.peer, prompt, nxt, delay_s),
-                    nxt,
-                    10 * limit,
-                )
+                await measure("llama_cpp.server", scenario, nxt, 10 * limit)
             )
     opts.log("  cancel: mid-prefill done")
 
     rows = []
     for phase, data in (("mid-decode", decode), ("mid-prefill", prefill)):
         for name, samples in data.items():
-            nexts = [s["next_first_ms"] for s in samples if s["next_first_ms"] is not None]
-            acks = [s["ack_ms"] for s in samples if s["ack_ms"] is not None]
-            busy = [s["busy_ms"] for s in samples if s.get("busy_ms") is not None]
-            idles = [s["idle_ttft_ms"] for s in samples if s.get("idle_ttft_ms") is not None]
             rows.append(
                 {
                     "phase": phase,
                     "contender": name,
                     "n": len(samples),
-                    "ack_ms": summary(acks),
-                    "next_first_ms": summary(nexts),
-                    "busy_ms": summary(busy),
-                    "idle_ttft_ms": statistics.median(idles) if idles else None,
+                    **{
+                        key: summary(s.get(key) for s in samples)
+                        for key in ("ack_ms", "next_first_ms", "busy_ms")
+                    },
+                    "idle_ttft_ms": median(s.get("idle_ttft_ms") for s in samples),
                     "timeouts": sum(1 for s in samples if s["next_first_ms"] is None),
                     "in_prefill": sum(1 for s in samples if s.get("in_prefill"))
                     if phase == "mid-prefill"
@@ -354,13 +294,13 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
             value = r[key]["median"] if r else None
             worst = r[key]["max"] if r else None
             targets.append(
-                {
-                    "name": f"wsserver {phase}: {what} ≤ {label}",
-                    "value": value,
-                    "worst": worst,
-                    "shown": "-" if value is None else f"{value:.1f} ms (worst {worst:.1f})",
-                    "met": None if value is None else bool(value <= limit),
-                }
+                target(
+                    f"wsserver {phase}: {what} ≤ {label}",
+                    value,
+                    lambda v, limit=limit: v <= limit,
+                    f"{{:.1f}} ms (worst {worst or 0:.1f})",
+                    worst=worst,
+                )
             )
     for r in rows:
         opts.log(
@@ -382,6 +322,31 @@ async def run(opts: Options, session: LlamaLineup, decode_step_ms: float | None)
         "targets": targets,
         "raw": {"decode": decode, "prefill": prefill},
     }
+
+
+def headlines(cn: dict[str, Any]) -> list[str]:
+    """The summary table's rows: cancel → done and the next request, each phase."""
+    lines = []
+    for phase in ("mid-decode", "mid-prefill"):
+        ws = row(cn, "wsserver", phase)
+        peer = row(cn, "llama_cpp.server", phase)
+        if ws is None:
+            continue
+        text = (
+            f"wsserver: done after **{fmt(ws['ack_ms']['median'])} ms**, next request's first token after "
+            f"{fmt(ws['next_first_ms']['median'])} ms (model busy {fmt(ws['busy_ms']['median'])} ms)"
+        )
+        if peer is not None:
+            text += (
+                f"; llama_cpp.server (close the stream): next request's first token after "
+                f"**{fmt(peer['next_first_ms']['median'])} ms**"
+            )
+        lines.append(f"| cancel {phase} | {text} |")
+    return lines
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result["targets"])
 
 
 def render(result: dict[str, Any]) -> str:
@@ -441,8 +406,54 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
         ax.grid(axis="y", alpha=0.3)
         for x, v in enumerate(values):
             ax.annotate(f"{v:,.0f}", (x, v), ha="center", va="bottom", fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "cancel.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_plot(fig, plt, out_dir, "cancel.png")
+
+
+def notes(r: dict[str, Any]) -> list[str]:
+    notes = []
+    for t in r.get("targets", []):
+        if t.get("met") is not False:
+            continue
+        why = ""
+        if "busy" in t["name"]:
+            why = (
+                " Between the cancel and the next request's start, the producer must notice the cancel "
+                "(llama.cpp's abort callback, polled between graph nodes, interrupts the decode in flight), "
+                "the slot's context is cleared, the producer thread exits and the slot returns to the "
+                "scheduler; the next request's first delta then pays the usual first-token hand-off "
+                "(section 1). On this shared 2-core machine single samples also vary by tens of ms (see the "
+                "idle TTFT column). What would close it: find which of those steps dominates from the "
+                "server's own timings (`done.timings`, the cancel-latency histogram in /metrics)."
+            )
+        elif "done" in t["name"]:
+            why = (
+                " `done` is sent by the event loop as soon as it reads the cancel, so a slow ack means the "
+                "loop itself was late: see the loop-lag figures in section 3."
+            )
+        notes.append(f"**Missed: {t['name']}** — measured {t['shown']}.{why}")
+    base = row(r, "in-process", "mid-decode")
+    if base is not None and (base["busy_ms"]["median"] or 0) < 0:
+        notes.append(
+            "In-process comes out *negative* on model-busy-after-cancel "
+            f"({base['busy_ms']['median']:+.0f} ms): its follow-up runs while the model is still "
+            "hot from the cancelled decode, which answers faster than the reference taken after a short "
+            "warm-up and a pause. wsserver's figure carries the same bias, so read it against the "
+            "in-process and llama_cpp.server figures rather than against zero."
+        )
+    peer = row(r, "llama_cpp.server", "mid-prefill")
+    ws = row(r, "wsserver", "mid-prefill")
+    if peer is not None and ws is not None and peer["next_first_ms"]["median"]:
+        notes.append(
+            f"After a client abandons a {r['params']['prefill_prompt_tokens']:,}-token prompt, the next request "
+            f"on llama_cpp.server waits {peer['next_first_ms']['median'] / 1000:.1f} s: closing the stream does "
+            "not stop llama.cpp's prompt processing (only the abort callback can), and the server notices the "
+            "disconnect only when it tries to send the first token. wsserver sets the abort callback, so the "
+            f"same cancel frees the model in {fmt(ws['busy_ms']['median'])} ms."
+        )
+    in_prefill = ws.get("in_prefill") if ws else None
+    if ws is not None and in_prefill is not None and in_prefill < ws["n"]:
+        notes.append(
+            f"Only {in_prefill} of {ws['n']} wsserver cancels landed inside the prefill (the prompt was "
+            "processed faster than the cancel delay); those figures mix in mid-decode cancels."
+        )
+    return notes

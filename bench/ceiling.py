@@ -15,10 +15,11 @@ import asyncio
 import time
 from typing import Any
 
-import psutil
-
-from .common import LOAD_TEST_LIMITS, ServerProcess, fmt, raise_nofile
+from .common import raise_nofile
+from .figures import fmt, save_plot
 from .options import Options
+from .servers import LOAD_TEST_LIMITS, ServerProcess
+from .timing import cpu_seconds, now
 from .wsload import Tally, close_many, open_many, stream_until
 
 MODES = {
@@ -27,24 +28,18 @@ MODES = {
 }
 
 
-def _cpu(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
-
-
 async def _level(
     server: ServerProcess, concurrency: int, duration: float, max_tokens: int
 ) -> dict[str, Any]:
     conns = await open_many(server.url, concurrency)
     try:
         await server.stats(reset=True)
-        process = psutil.Process(server.pid)
-        cpu0, client0, t0 = _cpu(process), time.process_time(), time.perf_counter()
+        cpu0, client0, t0 = cpu_seconds(server.pid), time.process_time(), now()
         tallies = await asyncio.gather(
             *(stream_until(ws, f"c{i}", t0 + duration, max_tokens) for i, ws in enumerate(conns))
         )
-        t1 = time.perf_counter()
-        cpu1, client1 = _cpu(process), time.process_time()
+        t1 = now()
+        cpu1, client1 = cpu_seconds(server.pid), time.process_time()
         stats = await server.stats(reset=True)
     finally:
         await close_many(conns)
@@ -138,6 +133,30 @@ async def run(opts: Options) -> dict[str, Any]:
     }
 
 
+def headlines(ce: dict[str, Any]) -> list[str]:
+    best = max(ce["rows"], key=lambda r: r["tokens_per_s"])
+    return [
+        f"| server ceiling (fake backend) | {fmt(best['tokens_per_s'], 0)} tokens/s, "
+        f"{fmt(best['frames_per_s'], 0)} frames/s at {best['concurrency']} connections ({best['mode']}); "
+        f"{fmt(best['cpu_s_per_1k_tokens'], 4)} CPU s per 1k tokens |"
+    ]
+
+
+def problems(ce: dict[str, Any]) -> list[str]:
+    if not ce.get("paced"):
+        return []
+    base = [x["cpu_s_per_1k_tokens"] for x in ce["rows"] if x["cpu_s_per_1k_tokens"]]
+    paced = [x["cpu_s_per_1k_tokens"] for x in ce["paced"] if x["cpu_s_per_1k_tokens"]]
+    # Above 1 CPU s per 1,000 tokens a stream at 50 tokens/s costs over 5 % of a core.
+    if not (base and paced and max(paced) > 1.0):
+        return []
+    return [
+        f"CPU per token at a real model's rate (section 3): up to {max(paced):.2f} CPU s per "
+        f"1,000 tokens at 50 tokens/s per connection, {max(paced) / min(base):.0f}x the cost at "
+        "unlimited rate."
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     p = result["params"]
     lines = [
@@ -200,8 +219,52 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Server ceiling, fake backend at unlimited rate")
-    fig.tight_layout()
-    path = out_dir / "ceiling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_plot(fig, plt, out_dir, "ceiling.png")
+
+
+def notes(r: dict[str, Any]) -> list[str]:
+    rows = r.get("rows", [])
+    notes = []
+    one = [x for x in rows if x["concurrency"] == 1]
+    if one and any(x.get("tcp_nodelay") is False for x in rows):
+        notes.append(
+            f"One connection delivers only {fmt(one[0]['tokens_per_s'], 0)} tokens/s with the server nearly idle "
+            f"({fmt(one[0]['server_cores'], 2)} cores): each request's first delta waits ~40 ms for the "
+            "client's delayed ACK because accepted sockets lack `TCP_NODELAY` (see section 1), and the client "
+            "waits for each request's `done` before sending the next. That, not the server's speed, limits "
+            "the 1- and 8-connection rows."
+        )
+    per_frame = [x for x in rows if x["mode"] == "per-token"]
+    if per_frame and all((x["tokens_per_frame"] or 0) > 2 for x in per_frame):
+        notes.append(
+            "With `flush_tokens = 1, flush_ms = 0` frames still carry many tokens at unlimited rate: the sender "
+            "merges whatever already waits in the channel into one frame (a producer at unlimited rate fills "
+            "the 64-token channel while one frame is sent). So the two modes differ little here; at a model's "
+            "real rate (tens of tokens/s) the per-token setting sends one frame per token."
+        )
+    paced = r.get("paced") or []
+    unlimited_cost = [x["cpu_s_per_1k_tokens"] for x in rows if x["cpu_s_per_1k_tokens"]]
+    paced_cost = [x["cpu_s_per_1k_tokens"] for x in paced if x["cpu_s_per_1k_tokens"]]
+    if unlimited_cost and paced_cost:
+        base, slow = min(unlimited_cost), max(paced_cost)
+        per_stream = slow * r["params"]["paced_tokens_per_s"] / 1000 * 100
+        notes.append(
+            f"**CPU per token at a real model's rate.** Paced at "
+            f"{r['params']['paced_tokens_per_s']} tokens/s per connection the server spends up to "
+            f"{slow:.3f} CPU s per 1,000 tokens ({per_stream:.1f} % of one core per stream), "
+            f"{slow / base:.0f}x its cost at unlimited rate, where one frame and one wake-up of the "
+            "event loop carry many tokens. At a real rate each token wakes the loop on its own: janus "
+            "hands it over with a cross-thread call and a task, then the sender waits for the flush "
+            "window. What would lower it: a channel that wakes the loop once per flush window rather "
+            "than once per token. (An earlier version also spun while part of a character was held "
+            "back; that was fixed in `Connection._pump` and this figure is after the fix.)"
+        )
+    hot = [x for x in rows if (x["lag_p99_ms"] or 0) > 50]
+    if hot:
+        notes.append(
+            f"Loop lag grows past 50 ms from {min(x['concurrency'] for x in hot)} connections: the server "
+            "process is at one core (Python's GIL), shared by the event loop and every producer thread, "
+            "each producing as fast as it can. A real model produces tens of tokens/s per connection, far "
+            "below this ceiling."
+        )
+    return notes

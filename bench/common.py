@@ -1,26 +1,28 @@
-"""Shared pieces of the harness: statistics, subprocesses, machine facts."""
+"""What every part of the harness stands on: paths, child processes, machine facts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import resource
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+
+
+class Skip(Exception):
+    """A section (or part of one) cannot run here; the message says why."""
+
+
+# ------------------------------------------------------------------ processes
 
 
 def _resolve_prctl() -> Any:
@@ -48,49 +50,15 @@ def die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
-class Skip(Exception):
-    """A section (or part of one) cannot run here; the message says why."""
-
-
-# ------------------------------------------------------------------ statistics
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def summary(values: Iterable[float]) -> dict[str, Any]:
-    """Median, p99, min, max and count of a list of measurements."""
-    vals = [float(v) for v in values]
-    if not vals:
-        return {"n": 0, "median": None, "p99": None, "min": None, "max": None}
-    return {
-        "n": len(vals),
-        "median": statistics.median(vals),
-        "p99": percentile(vals, 99),
-        "min": min(vals),
-        "max": max(vals),
-    }
-
-
-def fmt(value: float | None, digits: int = 1, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}{unit}"
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or not base:
-        return None
-    return value / base
-
-
-# ------------------------------------------------------------------ processes
+async def end_process(proc: asyncio.subprocess.Process, timeout: float = 30.0) -> None:
+    """Terminate a child, and kill it if it has not exited within ``timeout``."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 def free_port() -> int:
@@ -109,95 +77,17 @@ def raise_nofile(want: int = 65536) -> int:
     return soft
 
 
-@dataclass
-class ServerProcess:
-    """``bench.probe_server`` in a subprocess, driven over stdin/stdout."""
-
-    overrides: dict[str, Any]
-    name: str = "wsserver"
-    #: The source tree the server runs from (``bench.probe_server`` and
-    #: ``wsserver`` are imported from it): this checkout, or a baseline's.
-    root: Path = ROOT
-    proc: asyncio.subprocess.Process | None = None
-    url: str = ""
-    pid: int = 0
-    log_path: Path = field(
-        default_factory=lambda: Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
-    )
-
-    async def start(self, timeout: float = 180.0) -> ServerProcess:
-        env = dict(os.environ)
-        # The server reads WSSERVER_* variables; the harness decides everything.
-        for key in [k for k in env if k.startswith("WSSERVER_")]:
-            del env[key]
-        with open(self.log_path, "wb") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                PYTHON,
-                "-m",
-                "bench.probe_server",
-                json.dumps(server_overrides(self.overrides)),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=self.root,
-                env=env,
-                limit=1 << 20,
-                preexec_fn=die_with_parent,
-            )
-        try:
-            ready = await self._line(timeout)
-        except BaseException:
-            await self.kill()
-            raise
-        if ready.get("event") != "ready":
-            raise RuntimeError(f"{self.name}: unexpected first line {ready!r}")
-        self.url = ready["url"]
-        self.pid = int(ready["pid"])
-        return self
-
-    async def _line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
-        async with asyncio.timeout(timeout):
-            line = await self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} exited early; log:\n{self.log_tail()}")
-        return dict(json.loads(line))
-
-    async def command(self, cmd: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"cmd": cmd, **args}) + "\n").encode())
-        await self.proc.stdin.drain()
-        return await self._line(timeout)
-
-    async def stats(self, reset: bool = False, series: bool = False) -> dict[str, Any]:
-        return await self.command("stats", reset=reset, series=series)
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    async def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        with contextlib.suppress(Exception):
-            await self.command("quit", timeout=timeout)
-        try:
-            async with asyncio.timeout(timeout):
-                await self.proc.wait()
-        except TimeoutError:
-            await self.kill()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-
-    async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
+def log_tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
 
 
 # ------------------------------------------------------------------ machine
+
+
+def _cpuinfo(cpuinfo: str, key: str) -> list[str]:
+    return [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith(key)]
 
 
 def machine() -> dict[str, Any]:
@@ -213,24 +103,9 @@ def machine() -> dict[str, Any]:
         )
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        models = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.splitlines()
-            if line.startswith("model name")
-        ]
-        flags = next(
-            (
-                line.split(":", 1)[1].split()
-                for line in cpuinfo.splitlines()
-                if line.startswith("flags")
-            ),
-            [],
-        )
-        mhz = [
-            line.split(":", 1)[1].strip()
-            for line in cpuinfo.splitlines()
-            if line.startswith("cpu MHz")
-        ]
+        models = _cpuinfo(cpuinfo, "model name")
+        flags = next(iter(_cpuinfo(cpuinfo, "flags")), "").split()
+        mhz = _cpuinfo(cpuinfo, "cpu MHz")
         info["cpu_model"] = models[0] if models else platform.processor()
         info["cpu_logical"] = len(models)
         info["cpu_mhz"] = mhz[0] if mhz else None
@@ -247,19 +122,18 @@ def machine() -> dict[str, Any]:
         info["memory_gib"] = round(total_kb / 1024 / 1024, 1)
     except (OSError, StopIteration, ValueError):
         pass
-    try:
-        import llama_cpp
-
-        info["llama_cpp_python"] = llama_cpp.__version__
-    except ImportError:
-        pass
-    try:
-        import websockets
-
-        info["websockets"] = websockets.__version__
-    except ImportError:
-        pass
+    for module, key in (("llama_cpp", "llama_cpp_python"), ("websockets", "websockets")):
+        with contextlib.suppress(ImportError):
+            info[key] = __import__(module).__version__
     return info
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages: other work on the machine."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def git_commit() -> str:
@@ -270,25 +144,3 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-
-
-#: Limits a load test must lift: the defaults protect a desktop server from a
-#: runaway page (connections per IP, total connections, client frame rate),
-#: and the harness deliberately opens hundreds of connections from one address.
-LOAD_TEST_LIMITS = {
-    "limits.max_connections": 0,
-    "limits.max_connections_per_ip": 0,
-    "limits.frames_per_s": 0.0,
-}
-
-
-def server_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """``overrides`` restricted to keys this wsserver version knows.
-
-    The configuration grows while the project does; a key the server does
-    not have yet (or no longer has) is dropped rather than fatal.
-    """
-    from wsserver.config import KEYS
-
-    known = {".".join(k) for k in KEYS}
-    return {k: v for k, v in overrides.items() if k in known or k.startswith("bench.")}

@@ -1,78 +1,47 @@
-"""The three ways to stream from the model that sections 1 and 2 compare.
+"""The clients that stream the model from each contender of sections 1, 2 and 8.
 
 * :class:`InProcess` — llama-cpp-python's ``create_completion(stream=True)``
   called directly in the harness process: the floor, no transport at all.
 * :class:`WsContender` — wsserver with the llama backend in its own process
   (``bench.probe_server``), read with the bundled Python client over loopback.
-* :class:`PeerContender` — ``python -m llama_cpp.server`` (llama-cpp-python's
-  OpenAI-compatible server) in its own process, read as Server-Sent Events
-  over loopback with a minimal asyncio HTTP client.
+* :class:`SseContender` — any OpenAI-compatible server (``llama_cpp.server``,
+  ``llama-server``, wsserver's own ``/v1``): ``POST /v1/completions`` streamed,
+  read as Server-Sent Events over loopback with :class:`SseStream`, a minimal
+  asyncio HTTP client.
+* :func:`llama_completion` — llama-server's own streamed ``/completion``, the
+  peer of the batched engine's sections (10, 12, 15).
 
 Every contender loads the same GGUF with the same ``n_ctx``, ``n_batch`` and
 thread count, and is asked for the same prompts at temperature 0 (greedy).
-Each records, per request, when the first and last text arrived, so TTFT and
-decode throughput are measured the same way for all three.
+Each records a :class:`Run` per request (when the first and last text
+arrived), so TTFT and decode throughput are measured the same way for all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import json
 import socket
-import subprocess
-import tempfile
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from .common import PYTHON, ServerProcess, die_with_parent, free_port
-
-now = time.perf_counter
+from .servers import ServerProcess, llama_overrides
+from .timing import Stream, now
 
 
 @dataclass
-class Run:
-    """One streamed completion, times in seconds from sending the request."""
+class Run(Stream):
+    """One streamed completion of a contender, for the ``index``-th prompt."""
 
-    contender: str
-    prompt_index: int
-    first: float | None = None
-    last: float | None = None
-    end: float = 0.0
-    pieces: int = 0
-    tokens: int | None = None
+    contender: str = ""
+    prompt_index: int = 0
     #: wsserver only: its own ``done.timings.ttft_ms`` (request read → first delta sent).
     server_ttft_ms: float | None = None
-    text_parts: list[str] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def piece(self, t0: float, text: str) -> None:
-        if not text:
-            return
-        t = now() - t0
-        if self.first is None:
-            self.first = t
-        self.last = t
-        self.pieces += 1
-        self.text_parts.append(text)
-
-    def decode_tps(self, tokens: int | None = None) -> float | None:
-        n = tokens if tokens is not None else self.tokens
-        if n is None or n < 2 or self.first is None or self.last is None or self.last <= self.first:
-            return None
-        return (n - 1) / (self.last - self.first)
-
-    def e2e_tps(self, tokens: int | None = None) -> float | None:
-        n = tokens if tokens is not None else self.tokens
-        return n / self.end if n and self.end > 0 else None
 
 
 # ------------------------------------------------------------------ in-process
@@ -106,11 +75,11 @@ class InProcess:
         )
 
     def complete_sync(self, prompt: str, max_tokens: int, index: int = 0) -> Run:
-        run = Run(self.name, index)
-        t0 = now()
+        run = Run(contender=self.name, prompt_index=index)
         for chunk in self.completion_stream(prompt, max_tokens):
-            run.piece(t0, chunk["choices"][0]["text"])
-        run.end = now() - t0
+            if text := chunk["choices"][0]["text"]:
+                run.piece(text)
+        run.end = now()
         return run
 
     async def complete(self, prompt: str, max_tokens: int, index: int = 0) -> Run:
@@ -127,7 +96,7 @@ class InProcess:
 
 
 class WsContender:
-    """wsserver (llama backend) in a subprocess; the bundled client in here."""
+    """wsserver (llama backend, one slot) in a subprocess; the bundled client in here."""
 
     def __init__(
         self,
@@ -141,20 +110,10 @@ class WsContender:
         root: Path | None = None,
     ) -> None:
         self.name = name
-        self.server = ServerProcess(
-            {
-                "backend.kind": "llama",
-                "backend.llama.model": model,
-                "backend.llama.n_ctx": n_ctx,
-                "backend.llama.n_batch": n_batch,
-                "backend.llama.n_threads": threads,
-                "backend.llama.parallel": 1,
-                "limits.max_tokens": 4096,
-                **(extra or {}),
-            },
-            name=name,
-            **({"root": root} if root is not None else {}),
+        overrides = llama_overrides(
+            model, threads=threads, parallel=1, n_ctx=n_ctx, n_batch=n_batch, **(extra or {})
         )
+        self.server = ServerProcess(overrides, name=name, **({"root": root} if root else {}))
         self.client: Any = None
 
     async def start(self) -> WsContender:
@@ -166,12 +125,12 @@ class WsContender:
         return self
 
     async def complete(self, prompt: str, max_tokens: int, index: int = 0) -> Run:
-        run = Run(self.name, index)
-        t0 = now()
+        run = Run(contender=self.name, prompt_index=index)
         stream = self.client.generate(prompt=prompt, max_tokens=max_tokens, temperature=0)
         async for text in stream:
-            run.piece(t0, text)
-        run.end = now() - t0
+            if text:
+                run.piece(text)
+        run.end = now()
         if stream.done is not None:
             run.tokens = stream.done.usage.completion_tokens
             run.server_ttft_ms = stream.done.timings.ttft_ms
@@ -184,7 +143,7 @@ class WsContender:
         await self.server.stop()
 
 
-# ------------------------------------------------------------------ peer
+# ------------------------------------------------------------------ SSE
 
 
 class SseStream:
@@ -271,122 +230,132 @@ class SseStream:
             await self.writer.wait_closed()
 
 
-class PeerContender:
-    """``python -m llama_cpp.server`` in a subprocess, read over SSE."""
+class SseContender:
+    """An OpenAI-compatible server on ``port``: ``POST /v1/completions`` streamed.
 
-    name = "llama_cpp.server"
+    ``extra`` goes into every request's body (``repeat_penalty = 1.0`` for
+    llama_cpp.server, whose default is 1.1 where ``create_completion``'s is
+    1.0); ``usage`` asks for the usage chunk (``stream_options``).
+    """
 
-    def __init__(self, model: str, *, n_ctx: int, n_batch: int, threads: int) -> None:
-        self.model = model
-        self.args = {
-            "n_ctx": n_ctx,
-            "n_batch": n_batch,
-            "n_ubatch": n_batch,
-            "n_threads": threads,
-            "n_threads_batch": threads,
-        }
-        self.port = 0
-        self.proc: asyncio.subprocess.Process | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix="bench-peer-", suffix=".log")[1])
-        self._drain: asyncio.Task[None] | None = None
-
-    async def start(self, timeout: float = 300.0) -> PeerContender:
-        self.port = free_port()
-        cmd = [
-            PYTHON,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
-        for key, value in self.args.items():
-            cmd += [f"--{key}", str(value)]
-        self.proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            limit=1 << 20,
-            preexec_fn=die_with_parent,
-        )
-        assert self.proc.stderr is not None
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the drain task, which closes it
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    line = await self.proc.stderr.readline()
-                    if not line:
-                        raise RuntimeError(f"llama_cpp.server exited:\n{self.log_tail()}")
-                    log.write(line)
-                    if b"Uvicorn running on" in line:
-                        break
-        except BaseException:
-            log.close()
-            await self.stop()
-            raise
-        self._drain = asyncio.create_task(self._drain_stderr(log))
-        return self
-
-    async def _drain_stderr(self, log: Any) -> None:
-        # The server prints llama.cpp timings per request; keep the pipe flowing.
-        assert self.proc is not None and self.proc.stderr is not None
-        try:
-            while line := await self.proc.stderr.readline():
-                log.write(line)
-        finally:
-            log.close()
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+    def __init__(
+        self, name: str, port: int, extra: dict[str, Any] | None = None, *, usage: bool = True
+    ) -> None:
+        self.name = name
+        self.port = port
+        self.extra = extra or {}
+        self.usage = usage
 
     def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        # repeat_penalty: the server defaults to 1.1, create_completion to 1.0.
+        usage = {"stream_options": {"include_usage": True}} if self.usage else {}
         return {
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
-            "repeat_penalty": 1.0,
             "stream": True,
+            **usage,
+            **self.extra,
         }
 
-    async def connect(self) -> SseStream:
-        """A fresh connection (the timed part starts when the request is sent)."""
-        return await SseStream.connect(self.port)
-
-    async def send(self, stream: SseStream, prompt: str, max_tokens: int) -> None:
+    async def open(self, prompt: str, max_tokens: int) -> SseStream:
+        """A fresh connection with the request sent on it."""
+        stream = await SseStream.connect(self.port)
         await stream.post("/v1/completions", self.body(prompt, max_tokens))
+        return stream
 
     async def complete(self, prompt: str, max_tokens: int, index: int = 0) -> Run:
-        run = Run(self.name, index)
-        stream = await self.connect()
-        t0 = now()
-        await self.send(stream, prompt, max_tokens)
+        stream = await SseStream.connect(self.port)
+        run = Run(contender=self.name, prompt_index=index)  # timed from the request on
+        await stream.post("/v1/completions", self.body(prompt, max_tokens))
+        finish = None
         try:
             async for event in stream.events():
-                run.piece(t0, event["choices"][0].get("text") or "")
+                for choice in event.get("choices") or []:
+                    if text := choice.get("text"):
+                        run.piece(text)
+                    finish = choice.get("finish_reason") or finish
+                usage = event.get("usage")
+                if isinstance(usage, dict) and usage.get("completion_tokens"):
+                    run.tokens = int(usage["completion_tokens"])
         finally:
             await stream.close()
-        run.end = now() - t0
+        run.end = now()
+        if not run.tokens and finish == "length":
+            run.tokens = max_tokens
         return run
 
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                async with asyncio.timeout(15):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        if self._drain is not None:
-            with contextlib.suppress(BaseException):
-                await self._drain
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
+    async def abandon(self, prompt: str, max_tokens: int, after_s: float) -> float:
+        """Send ``prompt``, drop the connection ``after_s`` later (a Stop, or a
+        user who gives up); the time of the drop."""
+        stream = await self.open(prompt, max_tokens)
+        await asyncio.sleep(after_s)  # sleep-ok: the scenario (the user gives up)
+        dropped = now()
+        stream.abort()
+        return dropped
+
+    async def first_text(self, prompt: str, max_tokens: int, timeout: float) -> float | None:
+        """Send ``prompt`` and wait for its first text (None after ``timeout``); its time."""
+        stream = await self.open(prompt, max_tokens)
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in stream.events():
+                    if event["choices"][0].get("text"):
+                        return now()
+        except TimeoutError:
+            return None
+        finally:
+            stream.abort()
+        return None
+
+
+async def llama_completion(
+    port: int,
+    body: dict[str, Any],
+    *,
+    stop_on: asyncio.Event | None = None,
+    on_piece: Callable[[Stream], Awaitable[None]] | None = None,
+) -> Stream:
+    """One streamed ``POST /completion`` of llama-server's own API, on a
+    connection of its own: each token's text an event, timed into a
+    :class:`Stream` (arrivals kept), the last event in ``final`` and its
+    arrival in ``end``. ``stop_on``: close the connection (which cancels the
+    slot) once that event is set; ``on_piece`` runs after each piece."""
+    import aiohttp
+
+    stream = Stream(arrivals=[])
+    async with aiohttp.ClientSession() as session:
+        stream.sent = now()
+        url = f"http://127.0.0.1:{port}/completion"
+        async with session.post(url, json={**body, "stream": True}) as resp:
+            stream.head = now()
+            if resp.status != 200:
+                raise RuntimeError(f"llama-server answered {resp.status}: {await resp.text()}")
+
+            async def read() -> None:
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    data = json.loads(line[6:])
+                    if data.get("content"):
+                        stream.piece(data["content"])
+                        if on_piece is not None:
+                            await on_piece(stream)
+                    if data.get("stop"):
+                        stream.end = now()
+                        stream.final = data
+                        return
+
+            reader = asyncio.create_task(read())
+            if stop_on is None:
+                await reader
+            else:
+                stopper = asyncio.create_task(stop_on.wait())
+                await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                reader.cancel()  # closing the connection cancels the slot
+                stopper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+    timings = stream.final.get("timings") or {}
+    stream.tokens = int(stream.final.get("tokens_predicted") or timings.get("predicted_n") or 0)
+    return stream

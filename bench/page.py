@@ -38,8 +38,8 @@ stream.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import tempfile
@@ -47,9 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import ServerProcess, percentile
 from .options import Options
 from .sample_markdown import markdown_text
+from .servers import ServerProcess
+from .timing import percentile, side_by_side
 
 CHROMIUM = os.environ.get("WSSERVER_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -179,6 +180,29 @@ async def _one(browser: Any, url: str, render: str, rate: int, max_s: float) -> 
     }
 
 
+async def _at_rate(
+    opts: Options, browser: Any, text_file: str, rate: int, repeats: int, max_s: float
+) -> list[dict[str, Any]]:
+    """Both renderings at one rate, each one's median run. The runs are
+    interleaved, so that both meet the same moments of the machine's other work."""
+    overrides = {
+        "backend.kind": "fake",
+        "backend.fake.text_file": text_file,
+        "backend.fake.tokens_per_s": float(rate),
+        "limits.max_tokens": 1_000_000,
+    }
+    async with ServerProcess(overrides, name=f"wsserver-page-{rate}") as server:
+
+        async def once(render: str, attempt: int) -> dict[str, Any]:
+            opts.log(f"  page: {render} at {rate} tokens/s, run {attempt + 1} …")
+            return await _one(browser, server.http, render, rate, max_s)
+
+        runs = await side_by_side(
+            repeats, {r: functools.partial(once, r) for r in ("markdown", "plain")}, order="fixed"
+        )
+    return [_median_run(done_runs) for done_runs in runs.values()]
+
+
 async def run(opts: Options) -> dict[str, Any]:
     try:
         from playwright.async_api import async_playwright
@@ -205,29 +229,7 @@ async def run(opts: Options) -> dict[str, Any]:
             browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 for rate in rates:
-                    server = await ServerProcess(
-                        {
-                            "backend.kind": "fake",
-                            "backend.fake.text_file": f.name,
-                            "backend.fake.tokens_per_s": float(rate),
-                            "limits.max_tokens": 1_000_000,
-                        },
-                        name=f"wsserver-page-{rate}",
-                    ).start()
-                    try:
-                        url = server.url.replace("ws://", "http://")
-                        runs: dict[str, list[dict[str, Any]]] = {"markdown": [], "plain": []}
-                        # Interleaved, so that both renderings meet the same
-                        # moments of the machine's other work.
-                        for attempt in range(repeats):
-                            for render, done_runs in runs.items():
-                                opts.log(
-                                    f"  page: {render} at {rate} tokens/s, run {attempt + 1} …"
-                                )
-                                done_runs.append(await _one(browser, url, render, rate, max_s))
-                        rows += [_median_run(done_runs) for done_runs in runs.values()]
-                    finally:
-                        await server.stop()
+                    rows += await _at_rate(opts, browser, f.name, rate, repeats, max_s)
             finally:
                 await browser.close()
     finally:
@@ -370,21 +372,17 @@ def notes(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def summary_line(r: dict[str, Any]) -> str:
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result["targets"])
+
+
+def headlines(r: dict[str, Any]) -> list[str]:
     md = [row for row in r["rows"] if row["render"] == "markdown"]
     worst_task = max((row["long_task_worst_ms"] for row in md), default=0.0)
     tasks = sum(row["long_tasks"] for row in md)
     p99 = max((row["input_p99_ms"] or 0.0 for row in md), default=0.0)
     rates = "/".join(f"{row['rate']:,}" for row in md)
-    return (
+    return [
         f"| chat page, markdown at {rates} tokens/s | {tasks} long tasks (worst {worst_task:.0f} ms); "
         f"input → next frame p99 ≤ {p99:.1f} ms |"
-    )
-
-
-async def _main() -> None:  # pragma: no cover - a manual entry point
-    print(await run(Options(quick=True)))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    asyncio.run(_main())
+    ]

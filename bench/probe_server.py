@@ -48,6 +48,9 @@ PROBE_INTERVAL = 0.010
 SAMPLE_INTERVAL = 0.050
 
 
+# The harness's own statistics (bench.timing) are not imported here: this
+# process is the server whose memory the sections measure, and it should hold
+# no more than wsserver and this probe.
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None

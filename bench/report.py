@@ -2,69 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import shlex
 from pathlib import Path
 from typing import Any
 
-from . import (
-    adversaries,
-    analysis,
-    batched,
-    cancel,
-    ceiling,
-    freeze,
-    idle,
-    models,
-    openai_sse,
-    page,
-    responses,
-    resume,
-    slow,
-    structured,
-    throughput,
-    upstream,
-)
+from . import analysis
+from .common import git_commit, loadavg, machine
 from .options import Options
-
-SECTIONS = {
-    "throughput": ("1. Throughput and time to first token", throughput),
-    "cancel": ("2. Cancel latency", cancel),
-    "ceiling": ("3. Server ceiling (fake backend, unlimited rate)", ceiling),
-    "slow": ("4. Slow consumers", slow),
-    "idle": ("5. Memory per idle connection", idle),
-    "page": ("6. The chat page in Chromium (markdown, scripted input)", page),
-    "adversaries": (
-        "7. Adversarial clients: memory under a ping flood and maximal frames",
-        adversaries,
-    ),
-    "openai": ("8. The OpenAI API over SSE: wsserver, llama_cpp.server, llama-server", openai_sse),
-    "upstream": (
-        "9. The openai backend: relay overhead, cancel, relay ceiling (llama-server and a fast upstream)",
-        upstream,
-    ),
-    "batched": ("10. The batched llama engine: many streams in one context", batched),
-    "resume": ("11. Resumable streams: bytes kept per detached request, time to resume", resume),
-    "structured": (
-        "12. The sampler chain and structured output: the default chain's cost, JSON schemas "
-        "against llama-server",
-        structured,
-    ),
-    "responses": (
-        "13. The Responses API: five turns four ways (previous_response_id over HTTP and in "
-        "WebSocket mode, the whole history, our protocol), and the wire's overhead",
-        responses,
-    ),
-    "models": (
-        "14. Several models: time to first token loaded, on demand and after an eviction; "
-        "memory before and after an unload",
-        models,
-    ),
-    "freeze": (
-        "15. The freeze table: a long prompt arrives while three streams decode (issue 28)",
-        freeze,
-    ),
-}
 
 
 def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, list[str]]:
@@ -77,10 +23,10 @@ def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, list[str]]:
         return {}
     out_dir.mkdir(parents=True, exist_ok=True)
     made: dict[str, list[str]] = {}
-    for key, (_, module) in SECTIONS.items():
-        result = results.get(key)
-        if result and result.get("status") == "ok" and hasattr(module, "plot"):
-            made[key] = module.plot(result, plt, out_dir)
+    for section in analysis.SECTIONS:
+        result = results.get(section.key)
+        if analysis.ok(result) and hasattr(section.module, "plot"):
+            made[section.key] = section.module.plot(result, plt, out_dir)
     return made
 
 
@@ -142,18 +88,18 @@ def markdown(
         f"The harness lives in `bench/` (each section's module docstring explains its method).",
         "",
     ]
-    for key, (title, module) in SECTIONS.items():
-        result = results.get(key)
+    for section in analysis.SECTIONS:
+        result = results.get(section.key)
         if result is None:
             continue
-        lines += [f"## {title}", ""]
+        lines += [f"## {section.title}", ""]
         if result.get("status") != "ok":
             lines += [f"Not measured in this run: {result.get('reason', 'unknown reason')}.", ""]
             continue
-        lines += [module.render(result), ""]
-        for name in plots.get(key, []):
-            lines += [f"![{title}]({plot_dir}/{name})", ""]
-        lines += analysis.section_notes(key, results)
+        lines += [section.module.render(result), ""]
+        for name in plots.get(section.key, []):
+            lines += [f"![{section.title}]({plot_dir}/{name})", ""]
+        lines += analysis.section_notes(section.key, results)
     lines += analysis.method_notes()
     return "\n".join(lines).rstrip() + "\n"
 
@@ -175,3 +121,31 @@ def write(results: dict[str, Any], meta: dict[str, Any], opts: Options) -> dict[
 
 def command_line(argv: list[str]) -> str:
     return " ".join(["python -m bench", *(shlex.quote(a) for a in argv)])
+
+
+def measured(
+    argv: list[str], opts: Options, sections: list[str], started: datetime.datetime, load: str
+) -> dict[str, Any]:
+    """The run's meta: when, at which commit, by which command, on what machine."""
+    return {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "command": command_line(argv),
+        "quick": opts.quick,
+        "sections": sections,
+        "duration_s": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1),
+        "machine": machine(),
+        # Other work on the machine during the run (1-, 5-, 15-minute load averages).
+        "loadavg_before": load,
+        "loadavg_after": loadavg(),
+    }
+
+
+def merge(
+    results: dict[str, Any], meta: dict[str, Any], old: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This run's sections in place of theirs in an earlier run's JSON (``--merge``);
+    the meta stays the first run's, with this one listed under ``merged``."""
+    keys = ("date", "commit", "command", "sections", "loadavg_before", "loadavg_after")
+    merged = [*old["meta"].get("merged", []), {k: meta[k] for k in keys}]
+    return {**old["results"], **results}, {**old["meta"], "merged": merged}

@@ -39,21 +39,20 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
-import os
-import statistics
-import time
 from typing import Any
 
 import orjson
 
-from .batched import _ws_server
-from .common import ServerProcess, Skip, fmt, summary
-from .lineup import _default_model
+from .common import Skip
+from .figures import fmt, target
 from .options import Options
-from .wsload import open_connection
+from .servers import UNPACED, ServerProcess, llama_model, llama_wsserver
+from .timing import Stream, median, pair_deltas, pair_ratios, side_by_side, summary
+from .wsload import open_connection, timed, timed_alone
 
-__all__ = ["render", "run", "summary_line", "targets"]
+__all__ = ["headlines", "render", "run", "targets"]
 
 WAYS = ("ws", "http_resend", "http_previous", "ws_mode")
 LABELS = {
@@ -101,57 +100,28 @@ def document(tag: str) -> str:
 
 # ------------------------------------------------------------------ the clients
 
-
-async def _ws_generate(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One turn over our protocol on a connection of its own: TTFT, text, usage."""
-    ws = await open_connection(url)
-    try:
-        return await _ws_turn(ws, messages, max_tokens)
-    finally:
-        await ws.close()
-
-
 _TURN_IDS = itertools.count()
 
 
-async def _ws_turn(ws: Any, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One ``generate`` on an open connection of our protocol."""
-    frame = {
+def _generate(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    return {
         "type": "generate",
         "id": f"t{next(_TURN_IDS)}",  # ids are unique per connection
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    sent = time.perf_counter()
-    await ws.send(orjson.dumps(frame).decode())
-    first: float | None = None
-    last = sent
-    parts: list[str] = []
-    while True:
-        msg = orjson.loads(await ws.recv())
-        if msg["type"] == "delta":
-            last = time.perf_counter()
-            if first is None and (msg.get("text") or msg.get("reasoning")):
-                first = last
-            parts.append(msg.get("text", ""))
-        elif msg["type"] == "done":
-            return _turn(sent, first, last, "".join(parts), msg["usage"], None)
-        elif msg["type"] == "error":
-            raise RuntimeError(f"wsserver refused a turn: {msg}")
 
 
-def _turn(
-    sent: float, first: float | None, last: float, text: str, usage: dict[str, Any], rid: Any
-) -> dict[str, Any]:
+def _turn(stream: Stream, usage: dict[str, Any], rid: Any) -> dict[str, Any]:
     tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
     cached = usage.get("cached_tokens")
     if cached is None:
         cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
     return {
-        "ttft_ms": None if first is None else (first - sent) * 1000,
-        "tok_s": (tokens - 1) / (last - first) if first is not None and last > first else None,
-        "text": text,
+        "ttft_ms": stream.ttft_ms,
+        "tok_s": stream.decode_tps(tokens) if tokens else None,
+        "text": stream.text,
         "tokens": tokens,
         "prompt_tokens": usage.get("prompt_tokens", usage.get("input_tokens")),
         "cached_tokens": cached,
@@ -159,29 +129,27 @@ def _turn(
     }
 
 
+async def _ws_turn(ws: Any, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One ``generate`` on an open connection of our protocol."""
+    stream = await timed(ws, _generate(messages, max_tokens))
+    return _turn(stream, stream.final["usage"], None)
+
+
 class _EventReader:
     """Times a Responses stream's events (either transport) into a turn."""
 
     def __init__(self) -> None:
-        self.sent = time.perf_counter()
-        self.first: float | None = None
-        self.last = self.sent
-        self.parts: list[str] = []
+        self.stream = Stream()
 
     def feed(self, event: dict[str, Any]) -> dict[str, Any] | None:
         kind = event.get("type")
-        if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
-            self.last = time.perf_counter()
-            if self.first is None:
-                self.first = self.last
-            if kind == "response.output_text.delta":
-                self.parts.append(event["delta"])
+        if kind == "response.output_text.delta":
+            self.stream.piece(event["delta"])
+        elif kind == "response.reasoning_text.delta":
+            self.stream.piece("")
         elif kind in TERMINAL:
             response = event["response"]
-            usage = response.get("usage") or {}
-            return _turn(
-                self.sent, self.first, self.last, "".join(self.parts), usage, response["id"]
-            )
+            return _turn(self.stream, response.get("usage") or {}, response["id"])
         elif kind == "error":
             raise RuntimeError(f"wsserver refused a response: {event}")
         return None
@@ -215,10 +183,6 @@ async def _socket_response(ws: Any, body: dict[str, Any]) -> dict[str, Any]:
             return done
 
 
-def _http_base(url: str) -> str:
-    return "http://" + url.split("//", 1)[1]
-
-
 # ------------------------------------------------------------------ 1. five turns
 
 
@@ -231,7 +195,7 @@ async def _conversation(server: ServerProcess, way: str, tag: str, tokens: int) 
     history: list[dict[str, str]] = []
     previous: str | None = None
     turns = []
-    base = _http_base(server.url)
+    base = server.http
     async with aiohttp.ClientSession() as http:
         socket = await connect(server.url + "v1/responses") if way == "ws_mode" else None
         try:
@@ -244,7 +208,8 @@ async def _conversation(server: ServerProcess, way: str, tag: str, tokens: int) 
                     "temperature": 0,
                 }
                 if way == "ws":
-                    turn = await _ws_generate(server.url, history, tokens)
+                    stream = await timed_alone(server.url, _generate(history, tokens))
+                    turn = _turn(stream, stream.final["usage"], None)
                 elif way == "http_resend":
                     turn = await _http_response(http, base, {**body, "input": history})
                 else:
@@ -268,28 +233,28 @@ async def _conversation(server: ServerProcess, way: str, tag: str, tokens: int) 
 
 async def five_turns(opts: Options, model: str, threads: int) -> dict[str, Any]:
     rounds, tokens = (1, 8) if opts.quick else (ROUNDS, ANSWER_TOKENS)
-    server = await _ws_server(model, threads, 1, n_ctx=4096).start(timeout=300)
-    raw: dict[str, list[list[dict[str, Any]]]] = {way: [] for way in WAYS}
-    try:
+    async with llama_wsserver(
+        model, threads=threads, parallel=1, n_ctx=4096, unpaced=True
+    ) as server:
         # Not counted: the model's pages are warm for every way.
-        await _ws_generate(server.url, [{"role": "user", "content": "Warm up."}], 4)
-        for rep in range(rounds):
-            order = WAYS[rep % len(WAYS) :] + WAYS[: rep % len(WAYS)]
-            for way in order:
-                opts.log(f"  five turns, round {rep + 1}, {way}")
-                raw[way].append(await _conversation(server, way, f"R{rep}-{way}", tokens))
-    finally:
-        await server.stop()
+        await timed_alone(server.url, _generate([{"role": "user", "content": "Warm up."}], 4))
+
+        async def conversation(way: str, rep: int) -> list[Any]:
+            opts.log(f"  five turns, round {rep + 1}, {way}")
+            return await _conversation(server, way, f"R{rep}-{way}", tokens)
+
+        raw = await side_by_side(
+            rounds, {way: functools.partial(conversation, way) for way in WAYS}
+        )
     per_turn = []
     for number in range(len(QUESTIONS)):
         row: dict[str, Any] = {"turn": number + 1}
         for way in WAYS:
             runs = [conversation[number] for conversation in raw[way]]
-            ttfts = [r["ttft_ms"] for r in runs if r["ttft_ms"] is not None]
             row[way] = {
-                "ttft_ms": statistics.median(ttfts) if ttfts else None,
+                "ttft_ms": median(r["ttft_ms"] for r in runs),
                 "prompt_tokens": runs[0]["prompt_tokens"],
-                "cached_tokens": statistics.median(r["cached_tokens"] or 0 for r in runs),
+                "cached_tokens": median(r["cached_tokens"] or 0 for r in runs),
             }
         per_turn.append(row)
     return {"rounds": rounds, "answer_tokens": tokens, "turns": per_turn, "raw": raw}
@@ -303,62 +268,57 @@ async def overhead(opts: Options) -> dict[str, Any]:
     from websockets.asyncio.client import connect
 
     tokens, rounds = (300, 3) if opts.quick else (FAKE_TOKENS, FAKE_ROUNDS)
-    server = await ServerProcess(
-        {
-            "backend.kind": "fake",
-            "backend.fake.tokens_per_s": 0,
-            "limits.max_tokens": tokens,
-            "stream.flush_ms": 0.0,
-            "stream.flush_tokens": 1,
-        },
-        name="wsserver-fake-responses",
-    ).start(timeout=120)
-    runs: dict[str, list[dict[str, Any]]] = {wire: [] for wire in WIRES}
+    overrides = {
+        "backend.kind": "fake",
+        "backend.fake.tokens_per_s": 0,
+        "limits.max_tokens": tokens,
+        **UNPACED,
+    }
     body = {"model": "fake", "input": "p", "max_output_tokens": tokens}
     messages = [{"role": "user", "content": "p"}]
-    try:
-        async with aiohttp.ClientSession() as http:
-            # Each wire on one open connection (the HTTP session keeps its own alive).
-            ours = await open_connection(server.url)
-            socket = await connect(server.url + "v1/responses", max_size=None)
+    async with (
+        ServerProcess(overrides, name="wsserver-fake-responses") as server,
+        aiohttp.ClientSession() as http,
+    ):
+        # Each wire on one open connection (the HTTP session keeps its own alive).
+        ours = await open_connection(server.url)
+        socket = await connect(server.url + "v1/responses", max_size=None)
+        wires = {
+            "ws": lambda: _ws_turn(ours, messages, tokens),
+            "ws_mode": lambda: _socket_response(socket, body),
+            "http": lambda: _http_response(http, server.http, body),
+        }
 
-            async def one(wire: str) -> dict[str, Any]:
-                if wire == "ws":
-                    return await _ws_turn(ours, messages, tokens)
-                if wire == "ws_mode":
-                    return await _socket_response(socket, body)
-                return await _http_response(http, _http_base(server.url), body)
+        async def one(wire: str, rep: int) -> dict[str, Any]:
+            # A request meets what the one before it left behind (a 4,000-token
+            # stream's tail costs the next request's first token ~0.6 ms on any
+            # wire): each measured request follows one of its own wire, so no
+            # wire always follows another.
+            await wires[wire]()
+            turn = await wires[wire]()
+            return {"ttft_ms": turn["ttft_ms"], "tok_s": turn["tok_s"]}
 
-            try:
-                for rep in range(rounds + 1):  # round 0 warms up, not counted
-                    order = WIRES[rep % 3 :] + WIRES[: rep % 3]
-                    for wire in order:
-                        # A request meets what the one before it left behind (a
-                        # 4,000-token stream's tail costs the next request's first
-                        # token ~0.6 ms on any wire): each measured request follows
-                        # one of its own wire, so no wire always follows another.
-                        await one(wire)
-                        turn = await one(wire)
-                        if rep:
-                            runs[wire].append({"ttft_ms": turn["ttft_ms"], "tok_s": turn["tok_s"]})
-            finally:
-                await socket.close()
-                await ours.close()
-    finally:
-        await server.stop()
+        try:
+            # Round 0 warms up, not counted.
+            runs = await side_by_side(
+                rounds + 1, {w: functools.partial(one, w) for w in WIRES}, skip=1
+            )
+        finally:
+            await socket.close()
+            await ours.close()
     rows = []
     for wire in WIRES:
+        ttft = [r["ttft_ms"] for r in runs[wire]]
+        tok_s = [r["tok_s"] for r in runs[wire]]
         row: dict[str, Any] = {
             "wire": wire,
-            "ttft_ms": summary(r["ttft_ms"] for r in runs[wire] if r["ttft_ms"] is not None),
-            "tok_s": summary(r["tok_s"] for r in runs[wire] if r["tok_s"] is not None),
+            "ttft_ms": summary(ttft),
+            "tok_s": summary(tok_s),
         }
         if wire != "ws":
-            pairs = list(zip(runs[wire], runs["ws"], strict=True))
-            added = [a["ttft_ms"] - b["ttft_ms"] for a, b in pairs if a["ttft_ms"] and b["ttft_ms"]]
-            ratios = [a["tok_s"] / b["tok_s"] for a, b in pairs if a["tok_s"] and b["tok_s"]]
-            row["added_ttft_ms"] = statistics.median(added) if added else None
-            row["throughput_ratio"] = statistics.median(ratios) if ratios else None
+            ours_ttft = [r["ttft_ms"] for r in runs["ws"]]
+            row["added_ttft_ms"] = median(pair_deltas(ttft, ours_ttft))
+            row["throughput_ratio"] = median(pair_ratios(tok_s, [r["tok_s"] for r in runs["ws"]]))
         rows.append(row)
     return {"tokens": tokens, "rounds": rounds, "rows": rows}
 
@@ -371,13 +331,11 @@ async def run(opts: Options) -> dict[str, Any]:
     opts.log("  the Responses wire's overhead on the fake engine")
     result["overhead"] = await overhead(opts)
     try:
-        import llama_cpp  # noqa: F401
-
-        model = opts.model or _default_model()
-    except (ImportError, Skip) as exc:
+        model = llama_model(opts)
+    except Skip as exc:
         result["five_turns"] = {"skipped": str(exc)}
         return result
-    threads = opts.threads or os.cpu_count() or 1
+    threads = opts.n_threads
     result["threads"] = threads
     result["five_turns"] = await five_turns(opts, model, threads)
     return result
@@ -390,20 +348,17 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         label = WIRE_LABELS[row["wire"]]
         added, ratio = row.get("added_ttft_ms"), row.get("throughput_ratio")
-        out.append(
-            {
-                "name": f"{label}: added TTFT ≤ 1 ms (fake engine)",
-                "shown": fmt(added, 2, " ms"),
-                "met": None if added is None else added <= 1.0,
-            }
-        )
-        out.append(
-            {
-                "name": f"{label}: throughput ≥ 0.98x our protocol (fake engine)",
-                "shown": fmt(ratio, 3, "x"),
-                "met": None if ratio is None else ratio >= 0.98,
-            }
-        )
+        out += [
+            target(
+                f"{label}: added TTFT ≤ 1 ms (fake engine)", added, lambda v: v <= 1.0, "{:,.2f} ms"
+            ),
+            target(
+                f"{label}: throughput ≥ 0.98x our protocol (fake engine)",
+                ratio,
+                lambda v: v >= 0.98,
+                "{:,.3f}x",
+            ),
+        ]
     return out
 
 
@@ -445,13 +400,13 @@ def render(result: dict[str, Any]) -> str:
             f"{fmt(row.get('throughput_ratio'), 3, 'x')} |"
         )
     lines.append("")
-    for target in targets(result):
-        mark = {True: "met", False: "**missed**", None: "not measured"}[target["met"]]
-        lines.append(f"- {target['name']}: {target['shown']} — {mark}")
+    for t in targets(result):
+        mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+        lines.append(f"- {t['name']}: {t['shown']} — {mark}")
     return "\n".join(lines)
 
 
-def summary_line(result: dict[str, Any]) -> str:
+def headlines(result: dict[str, Any]) -> list[str]:
     parts = []
     turns = (result.get("five_turns") or {}).get("turns")
     if turns:
@@ -463,4 +418,4 @@ def summary_line(result: dict[str, Any]) -> str:
                 f"{WIRE_LABELS[row['wire']]} +{fmt(row.get('added_ttft_ms'), 2)} ms TTFT, "
                 f"{fmt(row.get('throughput_ratio'), 3, 'x')} throughput (fake)"
             )
-    return "| the Responses API (section 13) | " + "; ".join(parts) + " |"
+    return ["| the Responses API (section 13) | " + "; ".join(parts) + " |"]

@@ -25,34 +25,23 @@ server's own accounting, :meth:`wsserver.aio.resume.Resumes.held_bytes`):
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
-import time
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 
 from wsserver.aio import Server
 from wsserver.aio.peer import PeerAwareConnection, detached_bound, resume_tail_bytes
-from wsserver.config import load_config
 
-from .common import summary
+from .figures import fmt
 from .options import Options
+from .servers import in_process
+from .timing import now, summary
+from .wsload import next_frame, send
 
 
-def _config(**overrides: Any) -> Any:
-    values = {"server.port": 0, "backend.kind": "fake", "limits.max_tokens": 10**6, **overrides}
-    return load_config(env={}, overrides=values).config
-
-
-async def _frame(ws: ClientConnection, kind: str, timeout: float = 30.0) -> dict[str, Any]:
-    async with asyncio.timeout(timeout):
-        while True:
-            frame: dict[str, Any] = json.loads(await ws.recv())
-            if frame["type"] == kind:
-                return frame
-            if frame["type"] == "error":
-                raise RuntimeError(f"refused: {frame}")
+def _fake(**overrides: Any) -> dict[str, Any]:
+    return {"backend.kind": "fake", "limits.max_tokens": 10**6, **overrides}
 
 
 async def _parked(server: Server) -> None:
@@ -61,10 +50,8 @@ async def _parked(server: Server) -> None:
     server.resumes.parked_event.clear()
 
 
-def _generate(request_id: str, **extra: Any) -> str:
-    return json.dumps(
-        {"type": "generate", "id": request_id, "prompt": "bench", "resumable": True, **extra}
-    )
+def _generate(request_id: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "generate", "id": request_id, "prompt": "bench", "resumable": True, **extra}
 
 
 async def _worst_case(server: Server, run: int, rcvbuf: int) -> dict[str, Any]:
@@ -76,9 +63,9 @@ async def _worst_case(server: Server, run: int, rcvbuf: int) -> dict[str, Any]:
     async with connect(
         server.url, sock=sock, max_queue=2 if rcvbuf else 16, compression=None
     ) as ws:
-        await _frame(ws, "hello")
-        await ws.send(_generate(f"w{rcvbuf}-{run}", max_tokens=10**6))
-        await _frame(ws, "started")
+        await next_frame(ws, "hello")
+        await send(ws, _generate(f"w{rcvbuf}-{run}", max_tokens=10**6))
+        await next_frame(ws, "started")
         ws.transport.pause_reading()  # read nothing from now on
         (connection,) = server.connections.values()
         peer = connection.ws
@@ -101,11 +88,11 @@ async def _worst_case(server: Server, run: int, rcvbuf: int) -> dict[str, Any]:
 
 async def _blip(server: Server, run: int) -> dict[str, Any]:
     async with connect(server.url, compression=None) as ws:
-        await _frame(ws, "hello")
-        await ws.send(_generate(f"b{run}", max_tokens=10**6))
-        await _frame(ws, "started")
+        await next_frame(ws, "hello")
+        await send(ws, _generate(f"b{run}", max_tokens=10**6))
+        await next_frame(ws, "started")
         for _ in range(10):
-            await _frame(ws, "delta")
+            await next_frame(ws, "delta")
         ws.transport.abort()
     await _parked(server)
     (generation,) = server.resumes.detached()
@@ -118,33 +105,33 @@ async def _blip(server: Server, run: int) -> dict[str, Any]:
 
 async def _resume_latency(server: Server, run: int) -> dict[str, float]:
     async with connect(server.url, compression=None) as ws:
-        await _frame(ws, "hello")
-        await ws.send(_generate(f"r{run}", max_tokens=10**6))
-        started = await _frame(ws, "started")
+        await next_frame(ws, "hello")
+        await send(ws, _generate(f"r{run}", max_tokens=10**6))
+        started = await next_frame(ws, "started")
         last = -1
         for _ in range(5):
-            last = (await _frame(ws, "delta"))["seq"]
+            last = (await next_frame(ws, "delta"))["seq"]
         ws.transport.abort()
     await _parked(server)
-    t0 = time.perf_counter()
+    t0 = now()
     async with connect(server.url, compression=None) as ws:
-        await _frame(ws, "hello")
-        t1 = time.perf_counter()
+        await next_frame(ws, "hello")
+        t1 = now()
         # One behind what arrived, so that there is always a delta to replay.
         resume = {"type": "resume", "id": f"r{run}", "resume_token": started["resume_token"]}
-        await ws.send(json.dumps({**resume, "after_seq": last - 1}))
-        await _frame(ws, "delta")
-        t2 = time.perf_counter()
-        await ws.send(json.dumps({"type": "cancel", "id": f"r{run}"}))
-        await _frame(ws, "done")
-    t3 = time.perf_counter()
+        await send(ws, {**resume, "after_seq": last - 1})
+        await next_frame(ws, "delta")
+        t2 = now()
+        await send(ws, {"type": "cancel", "id": f"r{run}"})
+        await next_frame(ws, "done")
+    t3 = now()
     async with connect(server.url, compression=None) as ws:
-        await _frame(ws, "hello")
-        await ws.send(_generate(f"f{run}", max_tokens=10**6))
-        await _frame(ws, "delta")
-        t4 = time.perf_counter()
-        await ws.send(json.dumps({"type": "cancel", "id": f"f{run}"}))
-        await _frame(ws, "done")
+        await next_frame(ws, "hello")
+        await send(ws, _generate(f"f{run}", max_tokens=10**6))
+        await next_frame(ws, "delta")
+        t4 = now()
+        await send(ws, {"type": "cancel", "id": f"f{run}"})
+        await next_frame(ws, "done")
     return {
         "connect_to_replay_ms": (t2 - t0) * 1e3,
         "resume_to_replay_ms": (t2 - t1) * 1e3,
@@ -156,11 +143,9 @@ async def run(opts: Options) -> dict[str, Any]:
     runs = 3 if opts.quick else 8
     latency_runs = 5 if opts.quick else 30
     out: dict[str, Any] = {"status": "ok"}
-    config = _config(**{"backend.fake.tokens_per_s": 0.0, "stream.flush_ms": 30.0})
-    server = Server(config)
-    await server.start()
-    try:
-        await server.wait_ready()
+    async with in_process(
+        _fake(**{"backend.fake.tokens_per_s": 0.0, "stream.flush_ms": 30.0})
+    ) as server:
         opts.log(f"  resume: worst case, {runs} runs each …")
         worst = {}
         # A small receive buffer, then the kernel's default (which a client
@@ -173,24 +158,17 @@ async def run(opts: Options) -> dict[str, Any]:
                 "max_tail_bytes": max(w["tail_bytes"] for w in found),
                 "max_channel_bytes": max(w["channel_bytes"] for w in found),
             }
-    finally:
-        await server.stop(grace=0)
+        config = server.config
     out["worst"] = {
         **worst,
         "max_held_bytes": max(w["max_held_bytes"] for w in worst.values()),
         "tail_budget_bytes": resume_tail_bytes(config),
         "bound_bytes": detached_bound(config),
     }
-    paced = _config(**{"backend.fake.tokens_per_s": 200.0})
-    server = Server(paced)
-    await server.start()
-    try:
-        await server.wait_ready()
+    async with in_process(_fake(**{"backend.fake.tokens_per_s": 200.0})) as server:
         opts.log(f"  resume: blips and reconnect latency, {latency_runs} runs …")
         blips = [await _blip(server, i) for i in range(runs)]
         latencies = [await _resume_latency(server, i) for i in range(latency_runs)]
-    finally:
-        await server.stop(grace=0)
     out["blip"] = {"max_held_bytes": max(b["held_bytes"] for b in blips), "runs": len(blips)}
     out["latency"] = {
         key: summary(lat[key] for lat in latencies)
@@ -202,6 +180,15 @@ async def run(opts: Options) -> dict[str, Any]:
         f"resume→replay median {out['latency']['resume_to_replay_ms']['median']:.2f} ms"
     )
     return out
+
+
+def headlines(rs: dict[str, Any]) -> list[str]:
+    worst, latency = rs["worst"], rs["latency"]["connect_to_replay_ms"]
+    return [
+        "| resumable streams (section 11) | a detached request held at most "
+        f"{worst['max_held_bytes'] / 1024:.1f} KiB (bound {worst['bound_bytes'] / 1024:.0f} KiB); "
+        f"new connection → first replayed delta {fmt(latency['median'], 2)} ms median |"
+    ]
 
 
 def render(r: dict[str, Any]) -> str:

@@ -18,15 +18,13 @@ producer within seconds rather than after the whole answer.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
-import orjson
-import psutil
-
-from .common import LOAD_TEST_LIMITS, ServerProcess, fmt, summary
+from .figures import fmt, save_plot
 from .options import Options
-from .wsload import Tally, close_many, generate_frame, open_connection, read_request
+from .servers import LOAD_TEST_LIMITS, ServerProcess
+from .timing import Stream, cpu_seconds, now, summary
+from .wsload import close_many, generate_frame, open_connection, request, timed_alone
 
 CLIENTS = 16
 PRODUCE_TOKENS_PER_S = 10_000
@@ -34,49 +32,30 @@ READ_FRACTION = 0.1
 
 
 async def _fast_reader(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
-    ws = await open_connection(url)
-    try:
-        chunks: list[str] = []
-        tally = Tally()
-        await _send(ws, "fast", prompt, max_tokens)
-        done = await read_request(ws, "fast", tally, chunks)
-        if done.get("type") != "done":
-            raise RuntimeError(f"fast reader failed: {done!r} {tally.errors}")
-        return "".join(chunks), tally.tokens
-    finally:
-        await ws.close()
-
-
-async def _send(ws: Any, request_id: str, prompt: str, max_tokens: int) -> None:
-    await ws.send(generate_frame(request_id, prompt, max_tokens).decode(), text=True)
+    stream = await timed_alone(url, generate_frame("fast", prompt, max_tokens))
+    return stream.text, stream.tokens
 
 
 async def _slow_reader(ws: Any, prompt: str, max_tokens: int, bytes_per_s: float) -> dict[str, Any]:
     """Read one request, consuming text at ``bytes_per_s``: after each frame,
     wait until the reader would have finished with what it holds."""
-    await _send(ws, "slow", prompt, max_tokens)
-    chunks: list[str] = []
+    stream = Stream()
     consumed = 0
-    start = time.perf_counter()
-    frames = 0
-    done: dict[str, Any] = {}
-    while True:
-        frame = orjson.loads(await ws.recv())
-        kind = frame["type"]
-        if kind == "delta":
-            frames += 1
-            chunks.append(frame["text"])
-            consumed += len(frame["text"].encode())
-            lag = start + consumed / bytes_per_s - time.perf_counter()
-            if lag > 0:
-                await asyncio.sleep(lag)  # the reader is busy with what it got
-        elif kind in ("done", "error") and frame.get("id") == "slow":
-            done = frame
-            break
+
+    async def busy(frame: dict[str, Any]) -> None:
+        nonlocal consumed
+        consumed += len(frame["text"].encode())
+        lag = stream.sent + consumed / bytes_per_s - now()
+        if lag > 0:
+            await asyncio.sleep(lag)  # the reader is busy with what it got
+
+    done = await request(
+        ws, generate_frame("slow", prompt, max_tokens), stream=stream, on_delta=busy
+    )
     return {
-        "text": "".join(chunks),
-        "frames": frames,
-        "seconds": time.perf_counter() - start,
+        "text": stream.text,
+        "frames": stream.pieces,
+        "seconds": now() - stream.sent,
         "done": done,
     }
 
@@ -113,13 +92,12 @@ async def _scenario(opts: Options, duration: float, extra: dict[str, Any]) -> di
         conns = [await open_connection(server.url, rcvbuf=4096, max_queue=1) for _ in prompts]
         await server.command("sample", on=True)
         before = await server.stats(reset=True)
-        process = psutil.Process(server.pid)
-        cpu0 = sum(process.cpu_times()[:2])
+        cpu0 = cpu_seconds(server.pid)
         opts.log(
             f"  slow consumers: {CLIENTS} clients reading {read_tokens_per_s:g} of "
             f"{PRODUCE_TOKENS_PER_S} tokens/s for ~{duration:g} s …"
         )
-        t0 = time.perf_counter()
+        t0 = now()
         results = await asyncio.gather(
             *(
                 _slow_reader(
@@ -128,8 +106,8 @@ async def _scenario(opts: Options, duration: float, extra: dict[str, Any]) -> di
                 for ws, p, (text, tokens) in zip(conns, prompts, reference, strict=True)
             )
         )
-        elapsed = time.perf_counter() - t0
-        cpu1 = sum(process.cpu_times()[:2])
+        elapsed = now() - t0
+        cpu1 = cpu_seconds(server.pid)
         after = await server.stats(reset=True, series=True)
         await server.command("sample", on=False)
         await close_many(conns)
@@ -184,6 +162,32 @@ def _reason(done: dict[str, Any]) -> str:
     if isinstance(error, dict) and error.get("code"):
         reason += f" ({error['code']})"
     return reason
+
+
+def headlines(sl: dict[str, Any]) -> list[str]:
+    return [
+        f"| 16 slow consumers | largest server-side buffer {sl['max_buffered_bytes'] / 1024:.1f} KiB per "
+        f"connection, RSS +{sl['rss_growth_bytes'] / 1024:,.0f} KiB, producer CPU while blocked "
+        f"{sl['producer_blocked_cpu_s']:.3f} s over {fmt(sl['producer_blocked_s'])} s blocked, "
+        f"texts complete {sl['texts_complete']}/{sl['texts_total']}"
+        + (
+            f" (with the stall guard off: {sl['no_stall_timeout']['texts_complete']}/"
+            f"{sl['no_stall_timeout']['texts_total']})"
+            if sl.get("no_stall_timeout")
+            else ""
+        )
+        + " |"
+    ]
+
+
+def problems(sl: dict[str, Any]) -> list[str]:
+    if sl["texts_complete"] >= sl["texts_total"]:
+        return []
+    return [
+        f"Slow consumers (section 4): with the default settings only {sl['texts_complete']} of "
+        f"{sl['texts_total']} slow but live readers received their whole text "
+        f"(done: {', '.join(sl['done_reasons'])})."
+    ]
 
 
 def render(r: dict[str, Any]) -> str:
@@ -266,8 +270,40 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
         f"{p['clients']} clients reading at a tenth of the production rate{label}, sampled every 50 ms",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out_dir / "slow_consumers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_plot(fig, plt, out_dir, "slow_consumers.png")
+
+
+def notes(r: dict[str, Any]) -> list[str]:
+    notes = []
+    if r["texts_complete"] != r["texts_total"]:
+        stalled = any("stalled" in x for x in r["done_reasons"])
+        text = (
+            f"**Problem: texts incomplete with the default settings.** Only {r['texts_complete']} of "
+            f"{r['texts_total']} slow readers received the whole text (done: {', '.join(r['done_reasons'])})."
+        )
+        if stalled:
+            text += (
+                " These clients never stop reading; they read slowly. The stall guard "
+                "(`stream.stall_timeout_s`) times one blocked `put()` of the producer, and that put "
+                "waits for the sender, which waits in websockets' `send()` until the write buffer drains "
+                "from its high-water mark (`write_limit`, 16 KiB) to the low one (a quarter of it): "
+                "about 12 KiB at the client's read rate, i.e. several seconds at a few KiB/s, longer than "
+                "the stall timeout. So a slow but live reader is cut off as if it had stalled. What would "
+                "close it: judge a stall by the client's progress (bytes taken off the socket in the last "
+                "N seconds) rather than by one blocked put, or lower the low-water mark so the sender "
+                "resumes after each frame leaves."
+            )
+        if r.get("no_stall_timeout"):
+            v = r["no_stall_timeout"]
+            text += (
+                f" With the guard off (second column) {v['texts_complete']}/{v['texts_total']} texts "
+                "arrived complete and identical to a fast reader's, with the same bounded buffers."
+            )
+        notes.append(text)
+    notes.append(
+        "The server-side buffer is the request's channel (at most `queue_tokens` = 64 tokens) plus the "
+        "websockets write buffer; the rest of a slow reader's backlog sits in the two kernels' socket "
+        "buffers (16 KiB `SO_SNDBUF`, doubled by Linux, and the client's receive buffer), which is why "
+        "the producers are not blocked for the whole run."
+    )
+    return notes

@@ -11,9 +11,9 @@ vLLM send. It records when each client went away mid-stream (its read side
 hits EOF), on this process's ``perf_counter`` clock, for the cancel →
 disconnect latency.
 
-Run standalone (``python -m bench.sse_upstream RATE``) it prints
-``{"url": …, "pid": …}`` and serves until stdin closes, so the load of the
-ceiling runs in a process of its own.
+Run standalone (``python -m bench.sse_upstream RATE --port PORT``) it serves until
+it is terminated, so the load of the relay ceiling runs in a process of its
+own (:func:`bench.servers.sse_upstream`).
 
 :func:`direct_stream` is the contender wsserver is compared with: a client
 that POSTs the same request to the upstream and reads its event stream itself.
@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .timing import Stream
 
 MODEL = "bench-upstream"
 WORDS = [" the", " relay", " moves", " bytes", ",", " not", " tokens", "."]
@@ -53,6 +54,12 @@ class SSEUpstream:
         sock = self._server.sockets[0]
         self.url = f"http://{host}:{sock.getsockname()[1]}/v1"
         return self
+
+    async def __aenter__(self) -> SSEUpstream:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -143,19 +150,9 @@ def _event(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
     writer.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 
-@dataclass
-class DirectRun:
-    """One request read straight from the upstream's event stream."""
-
-    sent: float
-    first: float | None = None
-    end: float | None = None
-    tokens: int = 0
-
-
 async def direct_stream(
     session: Any, url: str, body: dict[str, Any], *, stop_after: float | None = None
-) -> DirectRun:
+) -> Stream:
     """POST ``body`` with ``stream: true`` and read the events, as a plain client does.
 
     ``stop_after``: drop the request that many seconds after sending it (the
@@ -164,7 +161,7 @@ async def direct_stream(
     reads the body.
     """
     path = "/chat/completions" if "messages" in body else "/completions"
-    run = DirectRun(sent=time.perf_counter())
+    run = Stream()
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
     response = None
     finished = False
@@ -202,15 +199,10 @@ async def direct_stream(
     return run
 
 
-async def _main(rate: float) -> None:
-    upstream = await SSEUpstream(rate).start()
-    sys.stdout.write(json.dumps({"url": upstream.url, "pid": os.getpid()}) + "\n")
-    sys.stdout.flush()
-    loop = asyncio.get_running_loop()
-    # Serve until the harness closes our stdin (or dies).
-    await loop.run_in_executor(None, sys.stdin.read)
-    await upstream.stop()
+async def _main(rate: float, port: int) -> None:
+    await SSEUpstream(rate).start(port=port)
+    await asyncio.Event().wait()  # until the harness terminates this process
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0))
+    asyncio.run(_main(float(sys.argv[1]), int(sys.argv[sys.argv.index("--port") + 1])))

@@ -39,28 +39,30 @@ this noisy machine hits all alike:
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-from .batched import N_CTX, _wait_health, _ws_server, _ws_stream, prompts, tools_dir
-from .common import ROOT, ServerProcess, Skip, free_port, ratio
-from .lineup import _default_model, export_tree
+from .common import ROOT, Skip
+from .contenders import llama_completion
+from .lineup import distinct, export_tree
 from .options import Options
-from .structured_report import SCHEMA, render, summary_line, targets
+from .servers import ServerProcess, llama_model, llama_server, llama_wsserver, tools_for
+from .structured_report import SCHEMA, headlines, render, targets
+from .timing import Stream, aggregate, now, ratio, side_by_side
+from .wsload import generate_frame, timed_alone
 
-__all__ = ["SCHEMA", "render", "run", "summary_line", "targets"]
+__all__ = ["SCHEMA", "headlines", "render", "run", "targets"]
 
 STREAMS = (1, 8)
 TOKENS = 128
 ROUNDS = 4
 SEEDS = 16
+#: Per sequence: a short prompt and its answer fit (section 10's context).
+N_CTX = 1024
 #: Room for the longest document the schema allows (every string is bounded).
 JSON_TOKENS = 192
 JSON_PROMPT = "Here is one employee record from the company directory, as JSON:\n"
@@ -68,17 +70,33 @@ JSON_PROMPT = "Here is one employee record from the company directory, as JSON:\
 CHAIN = {"top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
 
+def _server(model: str, threads: int, parallel: int, **kw: Any) -> ServerProcess:
+    return llama_wsserver(
+        model, threads=threads, parallel=parallel, n_ctx=N_CTX, unpaced=True, **kw
+    )
+
+
 async def _warm(url: str, n: int, **schema: Any) -> None:
     """``n`` short requests at once, not counted: the model's pages, every slot
     and a batch of ``n`` are warm before the first measured run (with
     ``json_schema``, one of them compiles the grammar into the server's cache)."""
-    t0 = time.perf_counter()
     await asyncio.gather(
         *(
-            _ws_stream(url, f"warm{i}", f"Warm up {i}.", 8, t0, **(schema if i == 0 else {}))
+            timed_alone(
+                url, generate_frame(f"warm{i}", f"Warm up {i}.", 8, **(schema if i == 0 else {}))
+            )
             for i in range(n)
         )
     )
+
+
+async def _together(url: str, texts: list[str], tokens: int) -> tuple[list[Stream], float]:
+    """One stream per text at once, each on a connection of its own; and when they started."""
+    t0 = now()
+    runs = await asyncio.gather(
+        *(timed_alone(url, generate_frame(f"s{i}", p, tokens)) for i, p in enumerate(texts))
+    )
+    return list(runs), t0
 
 
 def _valid(text: str) -> bool:
@@ -94,52 +112,48 @@ def _valid(text: str) -> bool:
 # ------------------------------------------------------------------ 1. default chain
 
 
-async def _aggregate(server: ServerProcess, texts: list[str], tokens: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    runs = await asyncio.gather(
-        *(_ws_stream(server.url, f"s{i}", p, tokens, t0) for i, p in enumerate(texts))
-    )
-    count = sum(r["done"]["usage"]["completion_tokens"] for r in runs)
-    end = max(r["arrivals"][-1] if r["arrivals"] else r["sent"] for r in runs)
-    return {"tok_s": count / end, "tokens": count, "texts": [r["text"] for r in runs]}
+async def _chain_at(
+    model: str, threads: int, trees: dict[str, Path], n: int, tokens: int, rounds: int
+) -> dict[str, Any]:
+    """``n`` streams at once on each tree's server, side by side; its row."""
+    servers: dict[str, ServerProcess] = {}
+
+    async def measure(label: str, rep: int) -> dict[str, Any]:
+        runs, t0 = await _together(servers[label].url, distinct(n, f"Round {rep}"), tokens)
+        return {**aggregate(runs, t0), "texts": [r.text for r in runs]}
+
+    try:
+        for label, root in trees.items():
+            server = _server(model, threads, n, root=root, name=f"wsserver-{label}")
+            servers[label] = await server.start(timeout=300)
+            await _warm(server.url, n)
+        contenders = {label: functools.partial(measure, label) for label in servers}
+        runs = await side_by_side(rounds, contenders, order="flip")
+    finally:
+        for server in servers.values():
+            await server.stop()
+    row: dict[str, Any] = {"streams": n, "rounds": rounds, "tokens": tokens}
+    for label, got in runs.items():
+        row[label] = {
+            "tok_s": statistics.median(r["tok_s"] for r in got),
+            "runs": [round(r["tok_s"], 2) for r in got],
+        }
+    if "baseline" in runs:
+        paired = list(zip(runs["this"], runs["baseline"], strict=True))
+        row["ratio"] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in paired)
+        row["identical_texts"] = sum(a["texts"] == b["texts"] for a, b in paired)
+    return row
 
 
 async def default_chain(
     opts: Options, model: str, threads: int, baseline: Path | None
 ) -> list[dict[str, Any]]:
     tokens, rounds = (24, 1) if opts.quick else (TOKENS, ROUNDS)
+    trees = {"this": ROOT, **({"baseline": baseline} if baseline is not None else {})}
     rows = []
     for n in STREAMS:
         opts.log(f"  default chain, {n} stream(s)")
-        trees = {"this": ROOT, **({"baseline": baseline} if baseline is not None else {})}
-        servers: dict[str, ServerProcess] = {}
-        try:
-            for label, root in trees.items():
-                servers[label] = await _ws_server(
-                    model, threads, n, root=root, name=f"wsserver-{label}"
-                ).start(timeout=300)
-                await _warm(servers[label].url, n)
-            runs: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
-            for rep in range(rounds):
-                order = list(servers) if rep % 2 == 0 else list(reversed(servers))
-                for label in order:
-                    texts = prompts(n, f"Round {rep}")
-                    runs[label].append(await _aggregate(servers[label], texts, tokens))
-        finally:
-            for server in servers.values():
-                await server.stop()
-        row: dict[str, Any] = {"streams": n, "rounds": rounds, "tokens": tokens}
-        for label, got in runs.items():
-            row[label] = {
-                "tok_s": statistics.median(r["tok_s"] for r in got),
-                "runs": [round(r["tok_s"], 2) for r in got],
-            }
-        if "baseline" in runs:
-            pairs = zip(runs["this"], runs["baseline"], strict=True)
-            paired = [(a, b) for a, b in pairs]
-            row["ratio"] = statistics.median(a["tok_s"] / b["tok_s"] for a, b in paired)
-            row["identical_texts"] = sum(a["texts"] == b["texts"] for a, b in paired)
-        rows.append(row)
+        rows.append(await _chain_at(model, threads, trees, n, tokens, rounds))
     return rows
 
 
@@ -147,57 +161,33 @@ async def default_chain(
 
 
 async def _llama_server_json(port: int, seed: int, max_tokens: int) -> dict[str, Any]:
-    import aiohttp
-
     body = {
         "prompt": JSON_PROMPT,
         "n_predict": max_tokens,
         "temperature": 1.0,
         "seed": seed,
         "json_schema": SCHEMA,
-        "stream": True,
         **CHAIN,
     }
-    parts: list[str] = []
-    arrivals: list[float] = []
-    final: dict[str, Any] = {}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"http://127.0.0.1:{port}/completion", json=body) as resp,
-    ):
-        t0 = time.perf_counter()
-        if resp.status != 200:
-            raise RuntimeError(f"llama-server answered {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            data = json.loads(line[6:])
-            if data.get("content"):
-                arrivals.append(time.perf_counter() - t0)
-                parts.append(data["content"])
-            if data.get("stop"):
-                final = data
-    end = time.perf_counter() - t0
-    tokens = int(final.get("tokens_predicted") or 0)
-    ended = "stop" if final.get("stop_type") == "eos" else "length"
+    run = await llama_completion(port, body)
+    assert run.head is not None
+    # Timed from the response's head, as llama-server's answers always were here.
+    arrivals = [a - run.head for a in run.arrivals or []]
+    tokens = run.tokens
+    ended = "stop" if run.final.get("stop_type") == "eos" else "length"
     if ended == "stop":
         tokens -= 1  # the end-of-generation token: sampled and counted, no text
-    text = "".join(parts)
-    return _answer(text, tokens, arrivals, end, ended, events=len(arrivals))
+    end = (run.end or run.head) - run.head
+    return _answer(run.text, tokens, arrivals, end, ended, events=len(arrivals))
 
 
 async def _wsserver_json(url: str, seed: int, max_tokens: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    run = await _ws_stream(
-        url, f"j{seed}", JSON_PROMPT, max_tokens, t0,
-        temperature=1.0, seed=seed, json_schema=SCHEMA, **CHAIN,
-    )  # fmt: skip
-    end = time.perf_counter() - t0
-    arrivals = [a - run["sent"] for a in run["arrivals"]]
-    done = run["done"]
-    tokens = done["usage"]["completion_tokens"]
-    return _answer(run["text"], tokens, arrivals, end - run["sent"], done["reason"])
+    extra = {"temperature": 1.0, "seed": seed, "json_schema": SCHEMA, **CHAIN}
+    frame = generate_frame(f"j{seed}", JSON_PROMPT, max_tokens, **extra)
+    run = await timed_alone(url, frame, arrivals=True)
+    end = now() - run.sent
+    arrivals = [a - run.sent for a in run.arrivals or []]
+    return _answer(run.text, run.tokens, arrivals, end, run.final["reason"])
 
 
 def _answer(
@@ -230,51 +220,33 @@ def _totals(answers: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def _start_llama_server(tools: Path, model: str, threads: int) -> tuple[Any, int]:
-    port = free_port()
-    args = [str(tools / "llama-server"), "-m", model, "-np", "1", "-c", str(N_CTX)]
-    args += ["-t", str(threads), "-fa", "off", "--port", str(port), "--host", "127.0.0.1"]
-    proc = await asyncio.create_subprocess_exec(
-        *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        await _wait_health(port)
-    except BaseException:
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc, port
-
-
 async def schema_vs_llama_server(
     opts: Options, model: str, threads: int, tools: Path | None
 ) -> dict[str, Any]:
     seeds, max_tokens = (2, 48) if opts.quick else (SEEDS, JSON_TOKENS)
-    server = await _ws_server(model, threads, 1).start(timeout=300)
-    peer = None
-    answers: dict[str, list[dict[str, Any]]] = {"wsserver": []}
-    try:
+    async with _server(model, threads, 1) as server:
+        contenders = {"wsserver": functools.partial(_wsserver_json, server.url)}
+        peer = None
         if tools is not None:
-            peer, port = await _start_llama_server(tools, model, threads)
-            answers["llama-server"] = []
-        # A warm-up answer each, not counted: the model's pages and the
-        # grammar machinery are warm for both.
-        await _wsserver_json(server.url, 10_000, 8)
-        if peer is not None:
-            await _llama_server_json(port, 10_000, 8)
-        for seed in range(seeds):
-            order = list(answers) if seed % 2 == 0 else list(reversed(answers))
-            for name in order:
-                if name == "wsserver":
-                    answers[name].append(await _wsserver_json(server.url, seed, max_tokens))
-                else:
-                    answers[name].append(await _llama_server_json(port, seed, max_tokens))
-    finally:
-        await server.stop()
-        if peer is not None:
-            peer.terminate()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(peer.wait(), 30)
+            args = ("-np", 1, "-c", N_CTX, "-t", threads, "-fa", "off")
+            peer = await llama_server(tools / "llama-server", model, *args).start()
+            contenders["llama-server"] = functools.partial(_llama_server_json, peer.port)
+        try:
+            # A warm-up answer each, not counted: the model's pages and the
+            # grammar machinery are warm for both.
+            for answer in contenders.values():
+                await answer(10_000, 8)
+            answers = await side_by_side(
+                seeds,
+                {
+                    name: functools.partial(a, max_tokens=max_tokens)
+                    for name, a in contenders.items()
+                },
+                order="flip",
+            )
+        finally:
+            if peer is not None:
+                await peer.stop()
     out: dict[str, Any] = {"seeds": seeds, "max_tokens": max_tokens, "chain": CHAIN}
     for name, got in answers.items():
         out[name] = {**_totals(got), "raw": got}
@@ -295,7 +267,6 @@ async def _batch_of_eight(
     eighth_tokens: int,
     lengths: list[int],
 ) -> dict[str, Any]:
-    t0 = time.perf_counter()
     finished = asyncio.Event()
     extra: dict[str, Any] = {"temperature": 1.0, "seed": seed, **CHAIN}
     if constrained:
@@ -308,27 +279,21 @@ async def _batch_of_eight(
             # (their lengths, in turn): the same churn of requests, only the
             # grammar differs.
             limit = eighth_tokens if constrained else lengths[len(ends) % len(lengths)]
-            run = await _ws_stream(
-                url, f"e{len(ends)}", JSON_PROMPT, limit, t0, stop_on=finished, **extra
-            )
-            ends.append({"reason": run["done"]["reason"], "valid": _valid(run["text"])})
+            frame = generate_frame(f"e{len(ends)}", JSON_PROMPT, limit, **extra)
+            run = await timed_alone(url, frame, cancel_on=finished)
+            ends.append({"reason": run.final["reason"], "valid": _valid(run.text)})
         return ends
 
     keeper = asyncio.create_task(eighth())
     try:
-        seven = await asyncio.gather(
-            *(_ws_stream(url, f"s{i}", p, tokens, t0) for i, p in enumerate(texts))
-        )
+        seven, t0 = await _together(url, texts, tokens)
     finally:
         finished.set()
     ends = await keeper
-    count = sum(r["done"]["usage"]["completion_tokens"] for r in seven)
-    end = max(r["arrivals"][-1] if r["arrivals"] else r["sent"] for r in seven)
     done = [e for e in ends if e["reason"] != "cancelled"]
     return {
-        "tok_s": count / end,
-        "tokens": count,
-        "texts": [r["text"] for r in seven],
+        **aggregate(seven, t0),
+        "texts": [r.text for r in seven],
         "eighth_answers": len(done),
         "eighth_valid": sum(e["valid"] for e in done if e["reason"] == "stop"),
         "eighth_finished": sum(e["reason"] == "stop" for e in done),
@@ -343,19 +308,21 @@ async def one_constrained(
     tokens, rounds = (24, 1) if opts.quick else (TOKENS, ROUNDS)
     # The eighth has room for a whole document, as in part 2.
     eighth_tokens = 48 if opts.quick else JSON_TOKENS
-    server = await _ws_server(model, threads, 8).start(timeout=300)
-    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-    try:
+    async with _server(model, threads, 8) as server:
         await _warm(server.url, 8, json_schema=SCHEMA)
-        for rep in range(rounds):
-            texts = prompts(7, f"Batch {rep}")
-            for constrained in (False, True) if rep % 2 == 0 else (True, False):
-                got = await _batch_of_eight(
-                    server.url, texts, tokens, rep, constrained, eighth_tokens, lengths
-                )
-                runs[constrained].append(got)
-    finally:
-        await server.stop()
+
+        def batch(constrained: bool) -> Any:
+            return lambda rep: _batch_of_eight(
+                server.url,
+                distinct(7, f"Batch {rep}"),
+                tokens,
+                rep,
+                constrained,
+                eighth_tokens,
+                lengths,
+            )
+
+        runs = await side_by_side(rounds, {False: batch(False), True: batch(True)}, order="flip")
     pairs = list(zip(runs[False], runs[True], strict=True))
     return {
         "rounds": rounds,
@@ -384,11 +351,10 @@ async def one_constrained(
 async def run(opts: Options) -> dict[str, Any]:
     try:
         import jsonschema  # noqa: F401
-        import llama_cpp  # noqa: F401
     except ImportError as exc:
         raise Skip(f"{exc.name} is not installed ({exc})") from None
-    model = opts.model or _default_model()
-    threads = opts.threads or os.cpu_count() or 1
+    model = llama_model(opts)
+    threads = opts.n_threads
     result: dict[str, Any] = {"status": "ok", "threads": threads, "baseline": opts.baseline}
     baseline = export_tree(opts.baseline) if opts.baseline else None
     try:
@@ -396,9 +362,8 @@ async def run(opts: Options) -> dict[str, Any]:
     finally:
         if baseline is not None:
             shutil.rmtree(baseline, ignore_errors=True)
-    # Never a build in quick mode (or in the test suite): ~15 minutes on 2 cores.
-    tools = None if opts.quick else await asyncio.to_thread(tools_dir)
-    opts.log(f"  JSON schema against llama-server ({tools or 'tools not available'})")
+    tools = await tools_for(opts)
+    opts.log("  JSON schema against llama-server")
     result["json_schema"] = await schema_vs_llama_server(opts, model, threads, tools)
     opts.log("  one constrained stream in a batch of 8")
     lengths = [max(1, a["tokens"]) for a in result["json_schema"]["wsserver"]["raw"]]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import fmt
-
-TIMES = "\u00d7"
+from .figures import TIMES, fmt, target, target_rows
 
 #: A realistic object: typed properties, required fields, an enum, an array.
 #: Every string and the array are bounded, so a whole document fits the
@@ -43,12 +41,9 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def line(name: str, value: float | None, goal: float, shown: str | None = None) -> None:
+        form = shown or f"{{:,.3f}}{TIMES}"
         out.append(
-            {
-                "name": f"structured: {name}",
-                "shown": shown or (fmt(value, 3, TIMES) if value is not None else "not measured"),
-                "met": None if value is None else value >= goal,
-            }
+            target(f"structured: {name}", value, lambda v: v >= goal, form, missing="not measured")
         )
 
     ref = result.get("baseline") or "REF"
@@ -151,14 +146,12 @@ def render(result: dict[str, Any]) -> str:
         "",
         "| target | this run | met |",
         "|---|---|:-:|",
+        *target_rows(targets(result)),
     ]
-    for t in targets(result):
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['name']} | {t['shown']} | {met} |")
     return "\n".join(lines)
 
 
-def summary_line(result: dict[str, Any]) -> str:
+def headlines(result: dict[str, Any]) -> list[str]:
     """The report's summary row."""
     parts = []
     for row in result.get("default_chain", []):
@@ -179,7 +172,7 @@ def summary_line(result: dict[str, Any]) -> str:
     batch = result.get("batch") or {}
     if batch.get("ratio") is not None:
         parts.append(f"one constrained in 8: the seven at {fmt(batch['ratio'], 3, TIMES)}")
-    return f"| sampler chain and structured output (section 12) | {'; '.join(parts)} |"
+    return [f"| sampler chain and structured output (section 12) | {'; '.join(parts)} |"]
 
 
 def notes(result: dict[str, Any]) -> list[str]:

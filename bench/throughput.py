@@ -16,74 +16,99 @@ of the same prompt, which sat next to it in time, and then the median of those.
 
 from __future__ import annotations
 
-import statistics
+from pathlib import Path
 from typing import Any
 
-from .common import fmt, summary
-from .contenders import Run
+from .contenders import InProcess, Run, WsContender
+from .figures import fmt, row, save_plot, target
 from .lineup import PROMPTS, LlamaLineup
 from .options import Options
+from .timing import median, pair_deltas, pair_ratios, ratio, side_by_side, summary
 
 
-async def _complete(contender: Any, prompt: str, max_tokens: int, index: int) -> Run:
-    run: Run = await contender.complete(prompt, max_tokens, index)
-    return run
-
-
-def contenders(session: LlamaLineup) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = [("in-process", session.inproc), ("wsserver", session.ws)]
-    if session.peer is not None:
-        out.append(("llama_cpp.server", session.peer))
-    if session.ws_nodelay is not None:
-        out.append(("wsserver+nodelay", session.ws_nodelay))
-    if session.ws_baseline is not None:
-        out.append((session.ws_baseline.name, session.ws_baseline))
+def contenders(lineup: LlamaLineup) -> dict[str, Any]:
+    out: dict[str, Any] = {"in-process": lineup.inproc, "wsserver": lineup.ws}
+    if lineup.peer is not None:
+        out["llama_cpp.server"] = lineup.peer
+    if lineup.ws_nodelay is not None:
+        out["wsserver+nodelay"] = lineup.ws_nodelay
+    if lineup.ws_baseline is not None:
+        out[lineup.ws_baseline.name] = lineup.ws_baseline
     return out
 
 
-async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
+async def _rounds(
+    opts: Options, entrants: dict[str, Any], repeats: int, max_tokens: int, **how: Any
+) -> dict[str, list[Run]]:
+    """A warm-up request each, then ``repeats`` prompts side by side."""
+    for i, contender in enumerate(entrants.values()):
+        await contender.complete(f"Warm-up {i}: hello", 8, -1)
+    shift = how.pop("shift", 0)
+
+    def measure(name: str) -> Any:
+        async def one(r: int) -> Run:
+            opts.log(f"  throughput: {name}, repeat {r + 1}/{repeats}")
+            run: Run = await entrants[name].complete(
+                PROMPTS[(r + shift) % len(PROMPTS)], max_tokens, r
+            )
+            return run
+
+        return one
+
+    return await side_by_side(repeats, {name: measure(name) for name in entrants}, **how)
+
+
+def _paired(runs: list[Run], bases: list[Run], tokens: dict[int, int]) -> dict[str, Any]:
+    """Decode ratios and TTFT differences per repeat (same prompt, adjacent in time), medians."""
+    counts = [tokens.get(x.prompt_index, b.pieces) for x, b in zip(runs, bases, strict=True)]
+    ratios = pair_ratios(
+        [x.decode_tps(n) for x, n in zip(runs, counts, strict=True)],
+        [b.decode_tps(n) for b, n in zip(bases, counts, strict=True)],
+    )
+    deltas = pair_deltas([x.ttft_ms for x in runs], [b.ttft_ms for b in bases])
+    return {
+        "decode_ratio_paired": median(ratios),
+        "ttft_delta_ms_paired": median(deltas),
+        "pairs": len(ratios),
+    }
+
+
+def _stats(runs: list[Run], tokens: dict[int, int]) -> dict[str, Any]:
+    def count(x: Run) -> int:
+        return tokens.get(x.prompt_index, x.pieces)
+
+    return {
+        "ttft_ms": summary(x.ttft_ms for x in runs),
+        "decode_tps": summary(x.decode_tps(count(x)) for x in runs),
+        # Tokens over the time from the request to the last text.
+        "e2e_tps": summary(
+            count(x) / (x.last - x.sent)
+            for x in runs
+            if count(x) and x.last is not None and x.last > x.sent
+        ),
+    }
+
+
+async def run(opts: Options, lineup: LlamaLineup) -> dict[str, Any]:
     repeats = 2 if opts.quick else (opts.repeats or 10)
     max_tokens = 32 if opts.quick else 128
-    entrants = contenders(session)
+    entrants = contenders(lineup)
     opts.log(f"  throughput: warming up {len(entrants)} contenders …")
-    for i, (_, contender) in enumerate(entrants):
-        await _complete(contender, f"Warm-up {i}: hello", 8, -1)
-    runs: dict[str, list[Run]] = {name: [] for name, _ in entrants}
-    for r in range(repeats):
-        prompt = PROMPTS[r % len(PROMPTS)]
-        order = entrants[r % len(entrants) :] + entrants[: r % len(entrants)]
-        for name, contender in order:
-            runs[name].append(await _complete(contender, prompt, max_tokens, r))
-        opts.log(f"  throughput: repeat {r + 1}/{repeats} done")
+    runs = await _rounds(opts, entrants, repeats, max_tokens, order="rotate")
 
     # Tokens per prompt: wsserver's usage (same greedy tokens for everyone).
     tokens = {run.prompt_index: run.tokens for run in runs["wsserver"] if run.tokens}
     reference = {run.prompt_index: run.text for run in runs["in-process"]}
     rows = []
-    for name, _ in entrants:
-        per = runs[name]
-        ttft = [1000 * x.first for x in per if x.first is not None]
-        decode = [
-            v for x in per if (v := x.decode_tps(tokens.get(x.prompt_index, x.pieces))) is not None
-        ]
-        e2e = [v for x in per if (v := _e2e(x, tokens.get(x.prompt_index, x.pieces))) is not None]
-        ratios, ttft_deltas = [], []
-        for x, base in zip(per, runs["in-process"], strict=True):
-            n = tokens.get(x.prompt_index, base.pieces)
-            a, b = x.decode_tps(n), base.decode_tps(n)
-            if a and b:
-                ratios.append(a / b)
-            if x.first is not None and base.first is not None:
-                ttft_deltas.append(1000 * (x.first - base.first))
+    for name, per in runs.items():
+        paired = _paired(per, runs["in-process"], tokens)
         same = sum(1 for x in per if x.text == reference.get(x.prompt_index))
         rows.append(
             {
                 "contender": name,
-                "ttft_ms": summary(ttft),
-                "decode_tps": summary(decode),
-                "e2e_tps": summary(e2e),
-                "decode_ratio_paired": statistics.median(ratios) if ratios else None,
-                "ttft_delta_ms_paired": statistics.median(ttft_deltas) if ttft_deltas else None,
+                **_stats(per, tokens),
+                "decode_ratio_paired": paired["decode_ratio_paired"],
+                "ttft_delta_ms_paired": paired["ttft_delta_ms_paired"],
                 "texts_identical": f"{same}/{len(per)}",
                 "pieces_per_request": summary(x.pieces for x in per),
             }
@@ -91,19 +116,20 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
     by = {row["contender"]: row for row in rows}
     base = by["in-process"]
     ws = by["wsserver"]
-    for row in rows:
-        row["decode_ratio_of_medians"] = _ratio(
-            row["decode_tps"]["median"], base["decode_tps"]["median"]
+    for r in rows:
+        r["decode_ratio_of_medians"] = ratio(
+            r["decode_tps"]["median"], base["decode_tps"]["median"]
         )
-        row["ttft_delta_ms_of_medians"] = _diff(row["ttft_ms"]["median"], base["ttft_ms"]["median"])
+        a, b = r["ttft_ms"]["median"], base["ttft_ms"]["median"]
+        r["ttft_delta_ms_of_medians"] = a - b if a is not None and b is not None else None
     targets = [
-        _target(
+        target(
             "wsserver decode throughput ≥ 0.98x in-process (paired median)",
             ws["decode_ratio_paired"],
             lambda v: v >= 0.98,
             "{:.3f}x",
         ),
-        _target(
+        target(
             "wsserver TTFT ≤ in-process + 3 ms (median of paired differences)",
             ws["ttft_delta_ms_paired"],
             lambda v: v <= 3.0,
@@ -115,53 +141,54 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
     # and the client's loop), each paired with the in-process run of the prompt.
     inside, outside = [], []
     for x, b in zip(runs["wsserver"], runs["in-process"], strict=True):
-        if x.server_ttft_ms is not None and x.first is not None and b.first is not None:
-            inside.append(x.server_ttft_ms - 1000 * b.first)
-            outside.append(1000 * x.first - x.server_ttft_ms)
+        if x.server_ttft_ms is not None and x.ttft_ms is not None and b.ttft_ms is not None:
+            inside.append(x.server_ttft_ms - b.ttft_ms)
+            outside.append(x.ttft_ms - x.server_ttft_ms)
     ws["server_ttft_ms"] = summary(x.server_ttft_ms for x in runs["wsserver"] if x.server_ttft_ms)
     ws["ttft_split_ms"] = {
-        "server_minus_inprocess": statistics.median(inside) if inside else None,
-        "client_minus_server": statistics.median(outside) if outside else None,
+        "server_minus_inprocess": median(inside),
+        "client_minus_server": median(outside),
     }
-    decode_step_ms = 1000 / base["decode_tps"]["median"] if base["decode_tps"]["median"] else None
+    step = base["decode_tps"]["median"]
+    lineup.decode_step_ms = 1000 / step if step else None
     versus = None
-    if session.ws_baseline is not None:
-        versus = _versus(runs["wsserver"], runs[session.ws_baseline.name], tokens)
-        versus["ref"] = session.opts.baseline
+    if lineup.ws_baseline is not None:
+        versus = _paired(runs["wsserver"], runs[lineup.ws_baseline.name], tokens)
+        versus["ref"] = opts.baseline
     spare = None
     missed = targets[0]["met"] is False or targets[1]["met"] is False
-    if missed and session.threads > 1 and not opts.quick:
-        spare = await _spare_core(opts, session, repeats, max_tokens)
-    for row in rows:
+    if missed and lineup.threads > 1 and not opts.quick:
+        spare = await _spare_core(opts, lineup, repeats, max_tokens)
+    for r in rows:
         opts.log(
-            f"    {row['contender']:<18} TTFT {fmt(row['ttft_ms']['median'])} ms, "
-            f"decode {fmt(row['decode_tps']['median'])} tok/s "
-            f"(x{fmt(row['decode_ratio_paired'], 3)}), texts {row['texts_identical']}"
+            f"    {r['contender']:<18} TTFT {fmt(r['ttft_ms']['median'])} ms, "
+            f"decode {fmt(r['decode_tps']['median'])} tok/s "
+            f"(x{fmt(r['decode_ratio_paired'], 3)}), texts {r['texts_identical']}"
         )
     return {
         "status": "ok",
         "params": {
             "repeats": repeats,
             "max_tokens": max_tokens,
-            "model": session.model,
-            "threads": session.threads,
+            "model": lineup.model,
+            "threads": lineup.threads,
             "n_ctx": opts.n_ctx,
             "n_batch": opts.n_batch,
             "prompts": [PROMPTS[r % len(PROMPTS)] for r in range(repeats)],
         },
         "rows": rows,
         "targets": targets,
-        "decode_step_ms": decode_step_ms,
+        "decode_step_ms": lineup.decode_step_ms,
         "spare_core": spare,
         "baseline": versus,
-        "peer_error": session.peer_error,
+        "peer_error": lineup.peer_error,
         "raw": {
             name: [
                 {
                     "prompt": x.prompt_index,
-                    "ttft_ms": 1000 * x.first if x.first else None,
-                    "last_s": x.last,
-                    "end_s": x.end,
+                    "ttft_ms": x.ttft_ms,
+                    "last_s": x.since_sent(x.last),
+                    "end_s": x.since_sent(x.end),
                     "pieces": x.pieces,
                     "tokens": tokens.get(x.prompt_index),
                 }
@@ -172,66 +199,31 @@ async def run(opts: Options, session: LlamaLineup) -> dict[str, Any]:
     }
 
 
-def _versus(now: list[Run], then: list[Run], tokens: dict[int, int]) -> dict[str, Any]:
-    """The working tree against the baseline, paired per repeat (same prompt, adjacent in time)."""
-    ratios, deltas = [], []
-    for x, b in zip(now, then, strict=True):
-        n = tokens.get(x.prompt_index, b.pieces)
-        a, c = x.decode_tps(n), b.decode_tps(n)
-        if a and c:
-            ratios.append(a / c)
-        if x.first is not None and b.first is not None:
-            deltas.append(1000 * (x.first - b.first))
-    return {
-        "decode_ratio_paired": statistics.median(ratios) if ratios else None,
-        "ttft_delta_ms_paired": statistics.median(deltas) if deltas else None,
-        "pairs": len(ratios),
-    }
-
-
 async def _spare_core(
-    opts: Options, session: LlamaLineup, repeats: int, max_tokens: int
+    opts: Options, lineup: LlamaLineup, repeats: int, max_tokens: int
 ) -> dict[str, Any]:
     """Diagnostic: in-process and wsserver again, both with one llama.cpp thread
     fewer than cores, so that the server's event loop and the client always
     find a free core. Paired as in the main table."""
-    from .contenders import InProcess, WsContender
-
-    threads = session.threads - 1
+    threads = lineup.threads - 1
     opts.log(f"  throughput: a target missed; diagnostic pair with {threads} llama thread(s) …")
     kw: dict[str, Any] = {"n_ctx": opts.n_ctx, "n_batch": opts.n_batch, "threads": threads}
-    inproc = InProcess(session.model, **kw)
-    ws = await WsContender(session.model, **kw, name=f"wsserver-{threads}t").start()
+    inproc = InProcess(lineup.model, **kw)
+    ws = await WsContender(lineup.model, **kw, name=f"wsserver-{threads}t").start()
     try:
-        pair: list[tuple[str, Any]] = [("in-process", inproc), ("wsserver", ws)]
-        for i, (_, contender) in enumerate(pair):
-            await _complete(contender, f"Warm-up {i}: hello", 8, -1)
-        runs: dict[str, list[Run]] = {"in-process": [], "wsserver": []}
-        for r in range(repeats):
-            prompt = PROMPTS[(r + 3) % len(PROMPTS)]
-            for name, contender in pair if r % 2 == 0 else pair[::-1]:
-                runs[name].append(await _complete(contender, prompt, max_tokens, r))
+        pair = {"in-process": inproc, "wsserver": ws}
+        runs = await _rounds(opts, pair, repeats, max_tokens, order="flip", shift=3)
     finally:
         await ws.stop()
         inproc.close()
-    deltas, ratios = [], []
-    for a, b in zip(runs["wsserver"], runs["in-process"], strict=True):
-        if a.first is not None and b.first is not None:
-            deltas.append(1000 * (a.first - b.first))
-        x, y = a.decode_tps(a.tokens), b.decode_tps(a.tokens)
-        if x and y:
-            ratios.append(x / y)
+    tokens = {x.prompt_index: x.tokens for x in runs["wsserver"] if x.tokens}
+    paired = _paired(runs["wsserver"], runs["in-process"], tokens)
     out = {
         "threads": threads,
-        "ttft_ms": {
-            n: summary(1000 * x.first for x in v if x.first is not None) for n, v in runs.items()
-        },
-        "decode_tps": {
-            n: summary(d for x in v if (d := x.decode_tps(runs["wsserver"][x.prompt_index].tokens)))
-            for n, v in runs.items()
-        },
-        "ttft_delta_ms_paired": statistics.median(deltas) if deltas else None,
-        "decode_ratio_paired": statistics.median(ratios) if ratios else None,
+        "ttft_ms": {n: _stats(v, tokens)["ttft_ms"] for n, v in runs.items()},
+        "decode_tps": {n: _stats(v, tokens)["decode_tps"] for n, v in runs.items()},
+        "ttft_delta_ms_paired": paired["ttft_delta_ms_paired"],
+        "decode_ratio_paired": paired["decode_ratio_paired"],
     }
     opts.log(
         f"    {threads} thread(s): wsserver TTFT {fmt(out['ttft_delta_ms_paired'])} ms from in-process, "
@@ -240,27 +232,28 @@ async def _spare_core(
     return out
 
 
-def _e2e(run: Run, n: int | None) -> float | None:
-    if not n or run.last is None or run.last <= 0:
-        return None
-    return n / run.last
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result["targets"])
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _diff(a: float | None, b: float | None) -> float | None:
-    return a - b if a is not None and b is not None else None
-
-
-def _target(name: str, value: float | None, ok: Any, form: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "value": value,
-        "shown": "-" if value is None else form.format(value),
-        "met": None if value is None else bool(ok(value)),
-    }
+def headlines(tp: dict[str, Any]) -> list[str]:
+    """The summary table's rows: decode throughput and TTFT against in-process."""
+    base, ws, peer = row(tp, "in-process"), row(tp, "wsserver"), row(tp, "llama_cpp.server")
+    assert base is not None and ws is not None
+    return [
+        f"| decode throughput, `{Path(tp['params']['model']).name}` | in-process {fmt(base['decode_tps']['median'])} tokens/s; "
+        f"wsserver {fmt(ws['decode_tps']['median'])} (**{fmt(ws['decode_ratio_paired'], 3)}x**)"
+        + (
+            f"; llama_cpp.server {fmt(peer['decode_tps']['median'])} ({fmt(peer['decode_ratio_paired'], 3)}x)"
+            if peer
+            else ""
+        )
+        + " |",
+        f"| time to first token (median) | in-process {fmt(base['ttft_ms']['median'])} ms; "
+        f"wsserver {fmt(ws['ttft_ms']['median'])} ms (**{ws['ttft_delta_ms_paired']:+.1f} ms**)"
+        + (f"; llama_cpp.server {fmt(peer['ttft_ms']['median'])} ms" if peer else "")
+        + " |",
+    ]
 
 
 def render(result: dict[str, Any]) -> str:
@@ -345,8 +338,142 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
     fig.suptitle(
         "Streaming the model: in-process vs wsserver vs llama_cpp.server (outliers clipped)"
     )
-    fig.tight_layout()
-    path = out_dir / "throughput_ttft.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path.name]
+    return save_plot(fig, plt, out_dir, "throughput_ttft.png")
+
+
+def notes(r: dict[str, Any]) -> list[str]:
+    notes = []
+    ws = row(r, "wsserver")
+    fixed = row(r, "wsserver+nodelay")
+    by = {t["name"]: t for t in r.get("targets", [])}
+    ttft = next((t for n, t in by.items() if "TTFT" in n), None)
+    tput = next((t for n, t in by.items() if "throughput" in n), None)
+    if ttft and ttft["met"] is False:
+        assert ws is not None
+        text = (
+            f"**Missed: TTFT.** wsserver's first token arrives {ws['ttft_delta_ms_paired']:+.1f} ms after "
+            "in-process (target +3 ms)."
+        )
+        split = ws.get("ttft_split_ms") or {}
+        if split.get("server_minus_inprocess") is not None:
+            text += (
+                f" Of that, {split['server_minus_inprocess']:+.1f} ms is inside the server (its own "
+                "`done.timings.ttft_ms` against in-process: reading the frame, the scheduler, starting "
+                "the producer thread, tokenizing, and the token's trip through the channel to the "
+                f"sender) and {split['client_minus_server']:.1f} ms outside it (the frames' trip over "
+                "loopback and both event loops; in-process has neither)."
+            )
+        spare = r.get("spare_core")
+        if (
+            spare
+            and spare.get("ttft_delta_ms_paired") is not None
+            and (spare["ttft_delta_ms_paired"] < ws["ttft_delta_ms_paired"] - 1)
+        ):
+            threads = r["params"]["threads"]
+            within = spare["ttft_delta_ms_paired"] <= 3
+            base = row(r, "in-process")
+            assert base is not None
+            base_tps = base["decode_tps"]["median"] or 0
+            spare_tps = spare["decode_tps"]["in-process"]["median"] or 0
+            cost = (
+                "this model decodes no slower with one thread fewer "
+                f"({fmt(spare_tps)} vs {fmt(base_tps)} tokens/s in-process)"
+                if spare_tps >= 0.97 * base_tps
+                else f"at a cost in decode speed ({fmt(spare_tps)} vs {fmt(base_tps)} tokens/s in-process)"
+            )
+            text += (
+                (" Cause: CPU contention." if within else " CPU contention explains part of it.")
+                + f" llama.cpp runs {threads} threads, one per core; as soon as the first token is "
+                "sampled they start on the next one, and the server's event loop (which sends the frame) "
+                "and the client's loop (which reads it) wait for a core. With one llama.cpp thread "
+                f"fewer for both in-process and wsserver ({spare['threads']}; a diagnostic pair, "
+                f"{r['params']['repeats']} paired repeats) wsserver's TTFT is "
+                f"{spare['ttft_delta_ms_paired']:+.1f} ms from in-process "
+                f"({'within' if within else 'still outside'} the target), decode "
+                f"x{fmt(spare['decode_ratio_paired'], 3)}; in-process TTFT itself moves from "
+                f"{fmt(base['ttft_ms']['median'])} to {fmt(spare['ttft_ms']['in-process']['median'])} ms "
+                "(prompt processing has fewer threads). **What would close it:** leave one core to the "
+                "event loop on small machines (`backend.llama.n_threads` = cores - 1 by default when "
+                f"cores are few; {cost}), or run the loop thread at a higher priority than llama.cpp's "
+                "threads."
+            )
+        else:
+            if spare and spare.get("ttft_delta_ms_paired") is not None:
+                text += (
+                    f" Leaving a core free did not narrow it in this run (with {spare['threads']} "
+                    f"llama.cpp thread(s) for both: {spare['ttft_delta_ms_paired']:+.1f} ms), so CPU "
+                    "contention is not the main cause here."
+                )
+            inside = split.get("server_minus_inprocess")
+            outside = split.get("client_minus_server")
+            if inside is not None and outside is not None and outside > inside:
+                fix = (
+                    "the larger share is outside the server: the bundled client parses and validates "
+                    "every frame into dataclasses on its event loop before the caller sees text; a "
+                    "lighter first-frame path in the client (or a browser client) would recover it"
+                )
+            else:
+                fix = (
+                    "the larger share is inside the server: per request it starts a producer thread "
+                    "and hands every token through a janus queue to the loop; a producer thread kept "
+                    "per slot, and waking the sender directly for the first token, would recover it"
+                )
+            text += (
+                " **What would close it:** the gap is a few milliseconds of per-request hand-offs; "
+                f"{fix}."
+            )
+        notes.append(text)
+        if fixed is not None:
+            text = (
+                "Separately, accepted sockets do not have `TCP_NODELAY`: `make_listening_socket()` creates "
+                "the listening socket as `socket.socket(family, SOCK_STREAM)` (protocol 0), and asyncio only "
+                "turns on `TCP_NODELAY` for sockets whose `proto` is `IPPROTO_TCP`; accepted sockets inherit "
+                "protocol 0. Nagle's algorithm then holds a small frame while the previous one is "
+                "unacknowledged, and the client's delayed ACK can release it up to ~40 ms later. The "
+                "diagnostic contender `wsserver+nodelay` (the same server, listening socket re-created with "
+                f"`IPPROTO_TCP`) has TTFT {fixed['ttft_delta_ms_paired']:+.1f} ms from in-process: with this "
+                "model's prompt processing it matters little, but with the fake backend every first delta "
+                "waits ~40 ms (section 3). Fix: create the listening socket with the protocol `getaddrinfo` "
+                "returns, or set `TCP_NODELAY` on each accepted socket, in `wsserver/server.py`."
+            )
+            notes.append(text)
+    if tput and tput["met"] is False:
+        assert ws is not None
+        text = (
+            f"**Missed: throughput.** wsserver decodes at {fmt(ws['decode_ratio_paired'], 3)}x in-process "
+            f"(target 0.98x). llama.cpp runs {r['params']['threads']} threads, one per core, and shares "
+            "them with the server's event loop, the producer thread's Python work per token (text "
+            "assembly, the queue put) and the client; each of those preempts a compute thread, and "
+            "llama.cpp's threads wait for each other at every step."
+        )
+        spare = r.get("spare_core")
+        if spare and spare.get("decode_ratio_paired") is not None:
+            text += (
+                f" With one llama.cpp thread fewer for both contenders ({spare['threads']}), wsserver "
+                f"decodes at x{fmt(spare['decode_ratio_paired'], 3)} of in-process."
+            )
+        text += (
+            " What would close it: leave a core free for the loop on small machines (`n_threads` = "
+            "cores - 1), and keep per-token Python work on the producer thread minimal."
+        )
+        notes.append(text)
+    versus = r.get("baseline")
+    if versus and versus.get("decode_ratio_paired") is not None:
+        notes.append(
+            f"**Against the baseline** `wsserver@{versus['ref']}` (the same harness running that "
+            "commit's server side by side, paired per repeat over "
+            f"{versus['pairs']} repeats): decode x{fmt(versus['decode_ratio_paired'], 3)}, TTFT "
+            f"{versus['ttft_delta_ms_paired']:+.1f} ms."
+        )
+    peer = row(r, "llama_cpp.server")
+    if (
+        peer is not None
+        and ws is not None
+        and peer["decode_tps"]["median"]
+        and ws["decode_tps"]["median"]
+    ):
+        notes.append(
+            f"llama_cpp.server streams at {fmt(peer['decode_ratio_paired'], 3)}x in-process here; its TTFT "
+            f"is {fmt(peer['ttft_ms']['median'])} ms against wsserver's {fmt(ws['ttft_ms']['median'])} ms."
+        )
+    return notes

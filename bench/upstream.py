@@ -26,27 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from typing import Any
 
 import aiohttp
 import orjson
-import psutil
-
-from wsserver.aio import Server
-from wsserver.config import load_config
 
 from . import upstream_llama
-from .common import PYTHON, ROOT, ServerProcess, Skip, die_with_parent, fmt
-from .common import summary as stats
+from .common import Skip
+from .figures import fmt, target
 from .options import Options
+from .servers import ServerProcess, in_process, sse_upstream
 from .sse_upstream import SSEUpstream, direct_stream
-from .upstream_pairs import RUN_TIMEOUT, relay_overrides, side_by_side
-from .upstream_report import render, summary_lines
-from .wsload import close_many, generate_frame, open_connection, open_many
+from .timing import cpu_seconds, now, summary
+from .upstream_pairs import RUN_TIMEOUT, relay_overrides, relay_rounds
+from .upstream_report import headlines, render
+from .wsload import cancel, close_many, generate_frame, next_frame, open_connection, open_many, send
 
-__all__ = ["render", "run", "summary_lines"]
+__all__ = ["headlines", "render", "run", "targets"]
 
 #: The relay ceiling's per-stream rate and its limit on the loop's lag.
 CEILING_RATE = 50.0
@@ -57,55 +54,40 @@ async def _overhead(opts: Options) -> list[dict[str, Any]]:
     rows = []
     reps = 6 if opts.quick else 30
     for rate, tokens in ((1000.0, 40 if opts.quick else 300), (0.0, 200 if opts.quick else 3000)):
-        upstream = await SSEUpstream(rate).start()
-        server = await ServerProcess(relay_overrides(upstream.url), name="wsserver-openai").start()
-        values = {"server.host": "127.0.0.1", "server.port": 0, **relay_overrides(upstream.url)}
-        inproc = Server(load_config(env={}, overrides=values).config)
-        await inproc.start()
-        try:
-            await inproc.wait_ready()
+        async with (
+            SSEUpstream(rate) as upstream,
+            ServerProcess(relay_overrides(upstream.url), name="wsserver-openai") as server,
+            in_process(relay_overrides(upstream.url)) as inproc,
+            aiohttp.ClientSession() as session,
+        ):
             ws = await open_connection(server.url)
             inproc_ws = await open_connection(inproc.url)
-            async with aiohttp.ClientSession() as session:
-                body = {"prompt": "bench", "max_tokens": tokens, "temperature": 0}
-                label = f"{rate:g} tokens/s" if rate else "unlimited"
-                args = (opts, ws, session, upstream.url, body)
-                # One unmeasured round warms every path (connections, imports).
-                await side_by_side(*args, 3, "warm-up", upstream, inproc_ws)
-                row = await side_by_side(*args, reps, label, upstream, inproc_ws)
-                row.update(upstream="lean SSE upstream", rate=rate, tokens=tokens)
-                rows.append(row)
+            body = {"prompt": "bench", "max_tokens": tokens, "temperature": 0}
+            label = f"{rate:g} tokens/s" if rate else "unlimited"
+            args = (opts, ws, session, upstream.url, body)
+            # One unmeasured round warms every path (connections, imports).
+            await relay_rounds(*args, 3, "warm-up", upstream, inproc_ws)
+            row = await relay_rounds(*args, reps, label, upstream, inproc_ws)
+            row.update(upstream="lean SSE upstream", rate=rate, tokens=tokens)
+            rows.append(row)
             await ws.close()
             await inproc_ws.close()
-        finally:
-            await server.stop()
-            await inproc.stop(grace=0)
-            await upstream.stop()
     return rows
 
 
 async def _cancel_once(
-    ws: Any,
-    session: Any,
-    upstream: SSEUpstream,
-    request_id: str,
-    via: list[float],
-    via_done: list[float],
-    direct: list[float],
-) -> None:
+    ws: Any, session: Any, upstream: SSEUpstream, request_id: str
+) -> tuple[float, float, float]:
+    """Cancel → the upstream sees its client leave: via wsserver (and the
+    client's ``done``), and a client closing the SSE response itself; in ms."""
     upstream.left.clear()
-    await ws.send(generate_frame(request_id, "cancel me", 100000).decode())
-    while orjson.loads(await ws.recv())["type"] != "delta":
-        pass
-    sent = time.perf_counter()
-    await ws.send(json.dumps({"type": "cancel", "id": request_id}))
-    while True:
-        frame = orjson.loads(await ws.recv())
-        if frame["type"] == "done" and frame["id"] == request_id:
-            via_done.append((time.perf_counter() - sent) * 1000)
-            break
+    await send(ws, generate_frame(request_id, "cancel me", 100000))
+    await next_frame(ws, "delta")
+    sent = now()
+    await cancel(ws, request_id)
+    done = (now() - sent) * 1000
     await upstream.left.wait()
-    via.append((upstream.disconnects[-1] - sent) * 1000)
+    via = (upstream.disconnects[-1] - sent) * 1000
     # The same Stop by a client that reads the SSE itself: it closes the response.
     upstream.left.clear()
     run = await direct_stream(
@@ -113,30 +95,27 @@ async def _cancel_once(
     )
     await upstream.left.wait()
     assert run.end is not None
-    direct.append((upstream.disconnects[-1] - run.end) * 1000)
+    return via, done, (upstream.disconnects[-1] - run.end) * 1000
 
 
 async def _cancel(opts: Options) -> dict[str, Any]:
-    """Cancel → the upstream sees its client leave: via wsserver, and closing directly."""
     reps = 5 if opts.quick else 40
-    upstream = await SSEUpstream(200.0).start()
-    server = await ServerProcess(relay_overrides(upstream.url), name="wsserver-openai").start()
-    via, via_done, direct = [], [], []
-    try:
+    found = []
+    async with (
+        SSEUpstream(200.0) as upstream,
+        ServerProcess(relay_overrides(upstream.url), name="wsserver-openai") as server,
+        aiohttp.ClientSession() as session,
+    ):
         ws = await open_connection(server.url)
-        async with aiohttp.ClientSession() as session:
-            for rep in range(reps):
-                async with asyncio.timeout(RUN_TIMEOUT):
-                    await _cancel_once(ws, session, upstream, f"c{rep}", via, via_done, direct)
+        for rep in range(reps):
+            async with asyncio.timeout(RUN_TIMEOUT):
+                found.append(await _cancel_once(ws, session, upstream, f"c{rep}"))
         await ws.close()
-    finally:
-        await server.stop()
-        await upstream.stop()
     out = {
         "reps": reps,
-        "wsserver_disconnect_ms": stats(via),
-        "wsserver_done_ms": stats(via_done),
-        "direct_disconnect_ms": stats(direct),
+        "wsserver_disconnect_ms": summary(f[0] for f in found),
+        "wsserver_done_ms": summary(f[1] for f in found),
+        "direct_disconnect_ms": summary(f[2] for f in found),
     }
     opts.log(
         f"    cancel → upstream disconnect: wsserver {fmt(out['wsserver_disconnect_ms']['median'], 2)} ms "
@@ -144,27 +123,6 @@ async def _cancel(opts: Options) -> dict[str, Any]:
         f"{fmt(out['direct_disconnect_ms']['median'], 2)} ms"
     )
     return out
-
-
-async def _upstream_process(rate: float) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        PYTHON,
-        "-m",
-        "bench.sse_upstream",
-        str(rate),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        preexec_fn=die_with_parent,
-    )
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    return proc, json.loads(line)["url"]
-
-
-def _cpu(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
 
 
 async def _reader(ws: Any, counts: list[int], index: int) -> None:
@@ -175,46 +133,53 @@ async def _reader(ws: Any, counts: list[int], index: int) -> None:
                 counts[index] += 1
 
 
+async def _level(
+    server: ServerProcess, upstream_pid: int, level: int, duration: float
+) -> dict[str, Any]:
+    """``level`` endless streams, measured for ``duration`` once every one runs."""
+    conns = await open_many(server.url, level)
+    counts = [0] * level
+    readers = []
+    try:
+        for i, ws in enumerate(conns):
+            await send(ws, generate_frame(f"s{i}", "relay", 1_000_000))
+        readers = [asyncio.create_task(_reader(ws, counts, i)) for i, ws in enumerate(conns)]
+        async with asyncio.timeout(60):
+            while min(counts) == 0:
+                await asyncio.sleep(0.05)  # sleep-ok: the harness polls its own counters
+        await server.stats(reset=True)
+        cpu0, up0, client0 = cpu_seconds(server.pid), cpu_seconds(upstream_pid), time.process_time()
+        frames0, t0 = sum(counts), now()
+        await asyncio.sleep(duration)  # sleep-ok: the measurement window
+        elapsed = now() - t0
+        frames = sum(counts) - frames0
+        st = await server.stats(reset=True)
+        return {
+            "streams": level,
+            "elapsed_s": elapsed,
+            "delta_frames_per_s": frames / elapsed,
+            "lag_p50_ms": st["lag_ms"]["p50"],
+            "lag_p99_ms": st["lag_ms"]["p99"],
+            "lag_max_ms": st["lag_ms"]["max"],
+            "server_cores": (cpu_seconds(server.pid) - cpu0) / elapsed,
+            "upstream_cores": (cpu_seconds(upstream_pid) - up0) / elapsed,
+            "client_cores": (time.process_time() - client0) / elapsed,
+        }
+    finally:
+        for task in readers:
+            task.cancel()
+        await close_many(conns)
+
+
 async def _ceiling(opts: Options) -> list[dict[str, Any]]:
     levels = [10, 40] if opts.quick else [25, 50, 100, 200, 300, 400, 600]
     duration = 1.0 if opts.quick else 5.0
-    proc, url = await _upstream_process(CEILING_RATE)
-    assert proc.pid is not None
-    server = await ServerProcess(relay_overrides(url, parallel=4096), name="wsserver-relay").start()
     rows: list[dict[str, Any]] = []
-    try:
-        for level in levels:
-            conns = await open_many(server.url, level)
-            counts = [0] * level
-            readers = []
-            try:
-                for i, ws in enumerate(conns):
-                    await ws.send(generate_frame(f"s{i}", "relay", 1_000_000).decode())
-                readers = [
-                    asyncio.create_task(_reader(ws, counts, i)) for i, ws in enumerate(conns)
-                ]
-                # Measure once every stream runs.
-                async with asyncio.timeout(60):
-                    while min(counts) == 0:
-                        await asyncio.sleep(0.05)  # sleep-ok: the harness polls its own counters
-                await server.stats(reset=True)
-                cpu0, up0, client0 = _cpu(server.pid), _cpu(proc.pid), time.process_time()
-                frames0, t0 = sum(counts), time.perf_counter()
-                await asyncio.sleep(duration)  # sleep-ok: the measurement window
-                elapsed = time.perf_counter() - t0
-                frames = sum(counts) - frames0
-                st = await server.stats(reset=True)
-                row = {
-                    "streams": level,
-                    "elapsed_s": elapsed,
-                    "delta_frames_per_s": frames / elapsed,
-                    "lag_p50_ms": st["lag_ms"]["p50"],
-                    "lag_p99_ms": st["lag_ms"]["p99"],
-                    "lag_max_ms": st["lag_ms"]["max"],
-                    "server_cores": (_cpu(server.pid) - cpu0) / elapsed,
-                    "upstream_cores": (_cpu(proc.pid) - up0) / elapsed,
-                    "client_cores": (time.process_time() - client0) / elapsed,
-                }
+    async with sse_upstream(CEILING_RATE) as upstream:
+        overrides = relay_overrides(upstream.url + "/v1", parallel=4096)
+        async with ServerProcess(overrides, name="wsserver-relay") as server:
+            for level in levels:
+                row = await _level(server, upstream.pid, level, duration)
                 rows.append(row)
                 opts.log(
                     f"    relay ceiling: {level} streams at {CEILING_RATE:g} tokens/s: lag p50/p99 "
@@ -222,21 +187,8 @@ async def _ceiling(opts: Options) -> list[dict[str, Any]]:
                     f"{fmt(row['server_cores'], 2)} cores, upstream {fmt(row['upstream_cores'], 2)}, "
                     f"client {fmt(row['client_cores'], 2)}"
                 )
-            finally:
-                for task in readers:
-                    task.cancel()
-                await close_many(conns)
-            if (row["lag_p99_ms"] or 0) > LAG_LIMIT_MS:
-                break
-    finally:
-        await server.stop()
-        assert proc.stdin is not None
-        proc.stdin.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 10)
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+                if (row["lag_p99_ms"] or 0) > LAG_LIMIT_MS:
+                    break
     return rows
 
 
@@ -260,23 +212,12 @@ async def run(opts: Options) -> dict[str, Any]:
     rows = overhead + (llama.get("rows", []) if llama.get("status") == "ok" else [])
     targets = []
     for row in rows:
+        name = f"openai relay, {row['upstream']} at {row['label']}"
         delta, ratio = row["ttft_delta_ms"]["median"], row["tps_ratio"]["median"]
-        targets.append(
-            {
-                "name": f"openai relay, {row['upstream']} at {row['label']}: added TTFT ≤ +3 ms",
-                "value": delta,
-                "shown": f"{delta:+.2f} ms" if delta is not None else "-",
-                "met": None if delta is None else bool(delta <= 3.0),
-            }
-        )
-        targets.append(
-            {
-                "name": f"openai relay, {row['upstream']} at {row['label']}: throughput ≥ 0.98x",
-                "value": ratio,
-                "shown": f"{ratio:.3f}x" if ratio is not None else "-",
-                "met": None if ratio is None else bool(ratio >= 0.98),
-            }
-        )
+        targets += [
+            target(f"{name}: added TTFT ≤ +3 ms", delta, lambda v: v <= 3.0, "{:+.2f} ms"),
+            target(f"{name}: throughput ≥ 0.98x", ratio, lambda v: v >= 0.98, "{:.3f}x"),
+        ]
     return {
         "status": "ok",
         "params": {"ceiling_rate": CEILING_RATE, "lag_limit_ms": LAG_LIMIT_MS},
@@ -287,3 +228,7 @@ async def run(opts: Options) -> dict[str, Any]:
         "llama": llama,
         "targets": targets,
     }
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result["targets"])

@@ -2,22 +2,23 @@
 
 :mod:`bench.upstream` (against the lean upstream) and :mod:`bench.upstream_llama`
 (against llama-server) both measure with these: the relay's configuration
-overrides, one request through wsserver timed on ``perf_counter``, and
-:func:`side_by_side`, which alternates the contenders and pairs their runs.
+overrides and :func:`relay_rounds`, which alternates the contenders and pairs
+their runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
-import orjson
-
-from .common import LOAD_TEST_LIMITS, fmt
-from .common import summary as stats
+from .figures import fmt
 from .options import Options
+from .servers import LOAD_TEST_LIMITS
 from .sse_upstream import MODEL, SSEUpstream, direct_stream
+from .timing import Stream, pair_deltas, pair_ratios, side_by_side, summary
+from .wsload import timed
 
 #: No single request of the harness may take longer (seconds): a hang is a failure.
 RUN_TIMEOUT = 120.0
@@ -36,40 +37,7 @@ def relay_overrides(url: str, parallel: int = 64, **extra: Any) -> dict[str, Any
     }
 
 
-async def ws_stream(ws: Any, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One request through wsserver: send, first delta, done. Times on perf_counter."""
-    sent = time.perf_counter()
-    await ws.send(orjson.dumps({"type": "generate", "id": request_id, **body}).decode())
-    first = None
-    while True:
-        frame = orjson.loads(await ws.recv())
-        if frame["type"] == "error":
-            raise RuntimeError(f"wsserver refused the request: {frame}")
-        if frame.get("id") != request_id:
-            continue
-        if frame["type"] == "delta" and first is None:
-            first = time.perf_counter()
-        elif frame["type"] == "done":
-            return {
-                "sent": sent,
-                "first": first,
-                "end": time.perf_counter(),
-                "tokens": frame["usage"]["completion_tokens"],
-                "reason": frame["reason"],
-            }
-
-
-def _measure(run: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(TTFT ms, tokens/s after the first) of one run."""
-    first, end, tokens = run["first"], run["end"], run["tokens"]
-    if first is None:
-        return None, None
-    ttft = (first - run["sent"]) * 1000
-    tps = (tokens - 1) / (end - first) if tokens > 1 and end > first else None
-    return ttft, tps
-
-
-async def side_by_side(
+async def relay_rounds(
     opts: Options,
     ws: Any,
     session: Any,
@@ -82,44 +50,44 @@ async def side_by_side(
 ) -> dict[str, Any]:
     """``reps`` rounds of (direct, wsserver[, in-process]), rotating which goes first.
 
-    With an in-process ``upstream`` the request's way there is timed too
-    (sent → the upstream has its head), which splits the added TTFT in two.
-    ``inproc_ws``: a wsserver on the harness's own loop, with no process hop —
-    what wsserver's code costs, apart from the scheduling of one more process.
+    TTFT: request sent → first text; throughput: tokens after the first over
+    the time from the first text to the end. With an in-process ``upstream``
+    the request's way there is timed too (sent → the upstream has its head),
+    which splits the added TTFT in two. ``inproc_ws``: a wsserver on the
+    harness's own loop, with no process hop — what wsserver's code costs,
+    apart from the scheduling of one more process.
     """
+    sockets = {"wsserver": ws, "in-process": inproc_ws}
+
+    async def once(who: str, rep: int) -> tuple[Stream, float | None]:
+        async with asyncio.timeout(RUN_TIMEOUT):
+            if who == "direct":
+                run = await direct_stream(session, url, body)
+            else:
+                frame = {"type": "generate", "id": f"{rep}-{time.perf_counter_ns()}", **body}
+                run = await timed(sockets[who], frame)
+        way_in = None if upstream is None else (upstream.arrivals[-1] - run.sent) * 1000
+        return run, way_in
+
     names = ["direct", "wsserver"] + (["in-process"] if inproc_ws is not None else [])
-    runs: dict[str, list[tuple[float | None, float | None]]] = {n: [] for n in names}
-    way_in: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(reps):
-        for who in names[rep % len(names) :] + names[: rep % len(names)]:
-            async with asyncio.timeout(RUN_TIMEOUT):
-                if who == "direct":
-                    run = vars(await direct_stream(session, url, body))
-                else:
-                    request_id = f"{rep}-{time.perf_counter_ns()}"
-                    run = await ws_stream(ws if who == "wsserver" else inproc_ws, request_id, body)
-            runs[who].append(_measure(run))
-            if upstream is not None:
-                way_in[who].append((upstream.arrivals[-1] - run["sent"]) * 1000)
-    direct = runs["direct"]
+    runs = await side_by_side(reps, {n: functools.partial(once, n) for n in names})
+    ttft = {n: [r.ttft_ms for r, _ in got] for n, got in runs.items()}
+    tps = {n: [r.decode_tps(to_end=True) for r, _ in got] for n, got in runs.items()}
     row: dict[str, Any] = {
         "label": label,
         "reps": reps,
-        "direct_ttft_ms": stats(d[0] for d in direct if d[0] is not None),
-        "direct_tps": stats(d[1] for d in direct if d[1] is not None),
+        "direct_ttft_ms": summary(ttft["direct"]),
+        "direct_tps": summary(tps["direct"]),
     }
     for who, key in (("wsserver", ""), ("in-process", "inproc_")):
-        if who not in runs:
-            continue
-        relayed = runs[who]
-        pairs = list(zip(direct, relayed, strict=True))
-        row[f"{key}wsserver_ttft_ms"] = stats(r[0] for r in relayed if r[0] is not None)
-        row[f"{key}ttft_delta_ms"] = stats(r[0] - d[0] for d, r in pairs if r[0] and d[0])
-        row[f"{key}wsserver_tps"] = stats(r[1] for r in relayed if r[1] is not None)
-        row[f"{key}tps_ratio"] = stats(r[1] / d[1] for d, r in pairs if r[1] and d[1])
+        if who in runs:
+            row[f"{key}wsserver_ttft_ms"] = summary(ttft[who])
+            row[f"{key}ttft_delta_ms"] = summary(pair_deltas(ttft[who], ttft["direct"]))
+            row[f"{key}wsserver_tps"] = summary(tps[who])
+            row[f"{key}tps_ratio"] = summary(pair_ratios(tps[who], tps["direct"]))
     if upstream is not None:
-        for who in names:
-            row[f"{who.replace('-', '_')}_way_in_ms"] = stats(way_in[who])
+        for who, got in runs.items():
+            row[f"{who.replace('-', '_')}_way_in_ms"] = summary(w for _, w in got)
     opts.log(
         f"    {label}: TTFT direct {fmt(row['direct_ttft_ms']['median'], 2)} ms, "
         f"wsserver {fmt(row['wsserver_ttft_ms']['median'], 2)} ms "

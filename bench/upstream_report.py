@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import fmt
+from .figures import fmt, paragraphs
 
 
 def _overhead_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -70,10 +70,7 @@ def _overhead_notes(rows: list[dict[str, Any]]) -> list[str]:
             "averages) costs milliseconds. Not measured here: the same on a machine with a core to "
             "spare."
         )
-    out: list[str] = []
-    for note in notes:
-        out += [note, ""]
-    return out
+    return paragraphs(notes)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -178,7 +175,7 @@ def _stop_note(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def summary_lines(result: dict[str, Any]) -> list[str]:
+def headlines(result: dict[str, Any]) -> list[str]:
     """Rows of the report's summary table."""
     llama = result["llama"]
     rows = result["overhead"] + (llama.get("rows", []) if llama.get("status") == "ok" else [])

@@ -1,23 +1,26 @@
-"""A lean WebSocket load client for the fake-backend sections.
+"""The lean client of wsserver's WebSocket protocol that the sections read with.
 
 The bundled client validates every frame into dataclasses; at tens of
 thousands of frames per second that cost would make the *client* the
 bottleneck and understate the server. This one speaks the same protocol with
-websockets and orjson and only counts. It negotiates the same extensions as
-the bundled client (websockets' defaults), so the server does the same work
-per frame as it does for real clients.
+websockets and orjson and only counts — a :class:`Tally` — or times —
+a :class:`~bench.timing.Stream`. It negotiates the same extensions as the
+bundled client (websockets' defaults), so the server does the same work per
+frame as it does for real clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
+
+from .timing import Stream, now
 
 
 @dataclass
@@ -73,54 +76,143 @@ async def close_many(conns: list[ClientConnection]) -> None:
     await asyncio.gather(*(ws.close() for ws in conns), return_exceptions=True)
 
 
-def generate_frame(request_id: str, prompt: str, max_tokens: int, **extra: Any) -> bytes:
-    return orjson.dumps(
-        {
-            "type": "generate",
-            "id": request_id,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            **extra,
-        }
-    )
+def generate_frame(request_id: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "generate",
+        "id": request_id,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
-async def read_request(
-    ws: ClientConnection, request_id: str, tally: Tally, chunks: list[str] | None = None
+async def send(ws: ClientConnection, frame: dict[str, Any]) -> None:
+    await ws.send(orjson.dumps(frame).decode())
+
+
+async def next_frame(ws: ClientConnection, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+    """The next frame of type ``kind`` (any request's); an ``error`` frame raises."""
+    async with asyncio.timeout(timeout):
+        while True:
+            frame: dict[str, Any] = orjson.loads(await ws.recv())
+            if frame["type"] == kind:
+                return frame
+            if frame["type"] == "error":
+                raise RuntimeError(f"refused: {frame}")
+
+
+async def read_reply(
+    ws: ClientConnection,
+    request_id: str,
+    *,
+    stream: Stream | None = None,
+    tally: Tally | None = None,
+    on_delta: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
-    """Read frames until ``request_id``'s ``done``; count them; return the done frame."""
+    """Frames until ``request_id``'s ``done``, or an ``error`` for it: that frame.
+
+    Deltas are counted into ``tally`` and timed into ``stream`` (whose
+    ``final`` and ``end`` the last frame sets), and handed to ``on_delta``.
+    """
     while True:
-        message = await ws.recv()
-        frame = orjson.loads(message)
-        tally.frames += 1
+        frame = orjson.loads(await ws.recv())
         kind = frame["type"]
+        if tally is not None:
+            tally.frames += 1
         if kind == "delta":
-            tally.delta_frames += 1
-            text = frame["text"]
-            tally.text_bytes += len(text)
-            if chunks is not None:
-                chunks.append(text)
+            text = frame.get("text", "")
+            if stream is not None:
+                stream.piece(text)
+            if tally is not None:
+                tally.delta_frames += 1
+                tally.text_bytes += len(text)
+            if on_delta is not None:
+                await on_delta(frame)
         elif kind == "done":
             if frame["id"] == request_id:
-                tally.requests += 1
-                tally.tokens += int(frame["usage"]["completion_tokens"])
-                return dict(frame)
+                if tally is not None:
+                    tally.requests += 1
+                    tally.tokens += int(frame["usage"]["completion_tokens"])
+                break
         elif kind == "error":
-            tally.errors.append(f"{frame.get('code')}: {frame.get('message')}")
+            if tally is not None:
+                tally.errors.append(f"{frame.get('code')}: {frame.get('message')}")
             if frame.get("id") == request_id:
-                return dict(frame)
+                break
+    if stream is not None:
+        stream.end = now()
+        stream.final = frame
+        if kind == "done":
+            stream.tokens = int(frame["usage"]["completion_tokens"])
+    return dict(frame)
+
+
+async def request(
+    ws: ClientConnection,
+    frame: dict[str, Any],
+    *,
+    stream: Stream | None = None,
+    cancel_on: asyncio.Event | None = None,
+    **read: Any,
+) -> dict[str, Any]:
+    """Send ``frame`` (a ``generate``) and :func:`read_reply` its answer.
+
+    ``stream``'s ``sent`` is taken just before the send; ``cancel_on``: send
+    ``cancel`` for the request once that event is set.
+    """
+    canceller = None
+    if cancel_on is not None:
+
+        async def cancel_when_told() -> None:
+            await cancel_on.wait()
+            await send(ws, {"type": "cancel", "id": frame["id"]})
+
+        canceller = asyncio.create_task(cancel_when_told())
+    try:
+        if stream is not None:
+            stream.sent = now()
+        await ws.send(orjson.dumps(frame).decode())
+        return await read_reply(ws, frame["id"], stream=stream, **read)
+    finally:
+        if canceller is not None:
+            canceller.cancel()
+
+
+async def timed(
+    ws: ClientConnection, frame: dict[str, Any], *, arrivals: bool = False, **kwargs: Any
+) -> Stream:
+    """One request timed into a :class:`Stream` (``arrivals``: each delta's
+    time kept); a refusal raises."""
+    stream = Stream(arrivals=[] if arrivals else None)
+    last = await request(ws, frame, stream=stream, **kwargs)
+    if last["type"] != "done":
+        raise RuntimeError(f"wsserver refused {frame['id']}: {last}")
+    return stream
+
+
+async def timed_alone(url: str, frame: dict[str, Any], **kwargs: Any) -> Stream:
+    """:func:`timed` on a connection of its own, opened first and closed after."""
+    ws = await open_connection(url)
+    try:
+        return await timed(ws, frame, **kwargs)
+    finally:
+        await ws.close()
+
+
+async def cancel(ws: ClientConnection, request_id: str) -> dict[str, Any]:
+    """Send ``cancel`` and read until the request's ``done``."""
+    await send(ws, {"type": "cancel", "id": request_id})
+    return await read_reply(ws, request_id)
 
 
 async def stream_until(ws: ClientConnection, name: str, deadline: float, max_tokens: int) -> Tally:
     """Back-to-back requests on one connection until ``deadline`` (perf_counter)."""
     tally = Tally()
     index = 0
-    while time.perf_counter() < deadline:
+    while now() < deadline:
         request_id = f"{name}-{index}"
-        await ws.send(
-            generate_frame(request_id, f"load {name} {index}", max_tokens).decode(), text=True
-        )
-        await read_request(ws, request_id, tally)
+        frame = generate_frame(request_id, f"load {name} {index}", max_tokens)
+        await request(ws, frame, tally=tally)
         index += 1
     return tally
