@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ROOT
-from .servers import ServerProcess
+from .servers import ServerProcess, running
 from .timing import percentile, side_by_side
 
 now = time.perf_counter
@@ -116,27 +116,18 @@ async def _measure(server: ServerProcess, paced: ServerProcess, _: int) -> dict[
 
 async def main(baseline: Path, rounds: int) -> None:
     trees = {"this checkout": ROOT, "baseline": baseline}
-    unlimited = {
-        name: ServerProcess({"backend.kind": "fake", "backend.fake.tokens_per_s": 0.0}, root=root)
+    servers = {
+        (name, rate): ServerProcess(
+            {"backend.kind": "fake", "backend.fake.tokens_per_s": rate},
+            name="paced" if rate else "wsserver",
+            root=root,
+        )
+        for rate in (0.0, 200.0)
         for name, root in trees.items()
     }
-    paced = {
-        name: ServerProcess(
-            {"backend.kind": "fake", "backend.fake.tokens_per_s": 200.0}, name="paced", root=root
-        )
-        for name, root in trees.items()
-    }
-    for s in [*unlimited.values(), *paced.values()]:
-        await s.start()
-    try:
-        runs = await side_by_side(
-            rounds,
-            {n: functools.partial(_measure, unlimited[n], paced[n]) for n in trees},
-            order="flip",
-        )
-    finally:
-        for s in [*unlimited.values(), *paced.values()]:
-            await s.stop()
+    async with running(servers) as up:
+        contenders = {n: functools.partial(_measure, up[n, 0.0], up[n, 200.0]) for n in trees}
+        runs = await side_by_side(rounds, contenders, order="flip")
     samples = {
         n: {k: [r[k] for r in got] for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP)}
         for n, got in runs.items()

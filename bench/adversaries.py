@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import os
 import socket
@@ -132,8 +131,7 @@ async def _scenario(kind: str, settings: dict[str, Any], seconds: float) -> dict
         "stream.stall_timeout_s": 0.0,
         **settings,
     }
-    server = await ServerProcess(overrides, name=f"{kind}").start()
-    try:
+    async with ServerProcess(overrides, name=f"{kind}") as server:
         port = int(server.url.rsplit(":", 1)[1].strip("/"))
         await server.command("sample", on=True)
         before = await server.stats(reset=True)
@@ -151,9 +149,6 @@ async def _scenario(kind: str, settings: dict[str, Any], seconds: float) -> dict
             "control_ttft_p99_ms": percentile(ttfts, 99),
             **result,
         }
-    finally:
-        with contextlib.suppress(Exception):
-            await server.stop()
 
 
 async def main(seconds: float) -> dict[str, Any]:

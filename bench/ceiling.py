@@ -18,7 +18,7 @@ from typing import Any
 from .common import raise_nofile
 from .figures import fmt, save_plot
 from .options import Options
-from .servers import LOAD_TEST_LIMITS, ServerProcess
+from .servers import LOAD_TEST_LIMITS, ServerProcess, running
 from .timing import cpu_seconds, now
 from .wsload import Tally, close_many, open_many, stream_until
 
@@ -77,18 +77,14 @@ async def _sweep(
     opts: Options, rate: float, levels: list[int], duration: float, max_tokens: int
 ) -> list[dict[str, Any]]:
     """Every level on both modes (alternating), fake backend at ``rate`` (0 = unlimited)."""
-    servers: dict[str, ServerProcess] = {}
     rows: list[dict[str, Any]] = []
     label = "unlimited" if not rate else f"{rate:g} tokens/s per connection"
-    try:
-        for mode, extra in MODES.items():
-            overrides = {
-                "backend.kind": "fake",
-                "backend.fake.tokens_per_s": rate,
-                **LOAD_TEST_LIMITS,
-                **extra,
-            }
-            servers[mode] = await ServerProcess(overrides, name=f"wsserver-fake-{mode}").start()
+    settings = {"backend.kind": "fake", "backend.fake.tokens_per_s": rate, **LOAD_TEST_LIMITS}
+    modes = {
+        mode: ServerProcess({**settings, **extra}, name=f"wsserver-fake-{mode}")
+        for mode, extra in MODES.items()
+    }
+    async with running(modes) as servers:
         for concurrency in levels:
             for mode, server in servers.items():
                 opts.log(f"  ceiling ({label}): {concurrency} connection(s), {mode} …")
@@ -101,8 +97,6 @@ async def _sweep(
                     f"lag p50/p99 {fmt(row['lag_p50_ms'])}/{fmt(row['lag_p99_ms'])} ms, "
                     f"{fmt(row['cpu_s_per_1k_tokens'], 3)} CPU s/1k tokens"
                 )
-    finally:
-        await asyncio.gather(*(s.stop() for s in servers.values()), return_exceptions=True)
     return rows
 
 

@@ -43,10 +43,8 @@ async def run(opts: Options) -> dict[str, Any]:
     # then without compression, to show what the deflate state costs. A fresh
     # server each time: freed memory stays in the allocator and would be reused.
     for label, kwargs in (("deflate", {}), ("no_compression", {"compression": None})):
-        server = await ServerProcess(
-            {"backend.kind": "fake", **LOAD_TEST_LIMITS}, name=f"wsserver-fake-idle-{label}"
-        ).start()
-        try:
+        overrides = {"backend.kind": "fake", **LOAD_TEST_LIMITS}
+        async with ServerProcess(overrides, name=f"wsserver-fake-idle-{label}") as server:
             warm = await open_many(server.url, 16, **kwargs)
             await close_many(warm)
             before = await _wait_connections(server, 0)
@@ -58,8 +56,6 @@ async def run(opts: Options) -> dict[str, Any]:
             after = await _wait_connections(server, count)
             await close_many(conns)
             closed = await _wait_connections(server, 0)
-        finally:
-            await server.stop()
         delta = after["rss_bytes"] - before["rss_bytes"]
         out[label] = {
             "connections_seen": after["connections"],

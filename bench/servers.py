@@ -211,6 +211,13 @@ async def in_process(overrides: dict[str, Any]) -> AsyncIterator[Any]:
         await server.stop(grace=0)
 
 
+@contextlib.asynccontextmanager
+async def running(servers: dict[Any, Any]) -> AsyncIterator[dict[Any, Any]]:
+    """Several servers started one after another, all stopped at the end."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield {name: await stack.enter_async_context(s) for name, s in servers.items()}
+
+
 # ------------------------------------------------------------------ other servers
 
 

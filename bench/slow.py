@@ -81,8 +81,7 @@ async def _scenario(opts: Options, duration: float, extra: dict[str, Any]) -> di
         **LOAD_TEST_LIMITS,
         **extra,
     }
-    server = await ServerProcess(overrides, name="wsserver-fake-slow").start()
-    try:
+    async with ServerProcess(overrides, name="wsserver-fake-slow") as server:
         prompts = [f"slow consumer {i}" for i in range(CLIENTS)]
         opts.log(f"  slow consumers: {CLIENTS} fast reference readers …")
         reference = await asyncio.gather(
@@ -111,8 +110,6 @@ async def _scenario(opts: Options, duration: float, extra: dict[str, Any]) -> di
         after = await server.stats(reset=True, series=True)
         await server.command("sample", on=False)
         await close_many(conns)
-    finally:
-        await server.stop()
     complete = [r["text"] == ref[0] for r, ref in zip(results, reference, strict=True)]
     reasons = sorted({_reason(r["done"]) for r in results})
     blocked_s = after["producer_blocked_s"]

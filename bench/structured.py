@@ -50,7 +50,7 @@ from .common import ROOT, Skip
 from .contenders import llama_completion
 from .lineup import distinct, export_tree
 from .options import Options
-from .servers import ServerProcess, llama_model, llama_server, llama_wsserver, tools_for
+from .servers import ServerProcess, llama_model, llama_server, llama_wsserver, running, tools_for
 from .structured_report import SCHEMA, headlines, render, targets
 from .timing import Stream, aggregate, now, ratio, side_by_side
 from .wsload import generate_frame, timed_alone
@@ -116,22 +116,20 @@ async def _chain_at(
     model: str, threads: int, trees: dict[str, Path], n: int, tokens: int, rounds: int
 ) -> dict[str, Any]:
     """``n`` streams at once on each tree's server, side by side; its row."""
-    servers: dict[str, ServerProcess] = {}
+    ours = {
+        label: _server(model, threads, n, root=root, name=f"wsserver-{label}")
+        for label, root in trees.items()
+    }
+    async with running(ours) as servers:
 
-    async def measure(label: str, rep: int) -> dict[str, Any]:
-        runs, t0 = await _together(servers[label].url, distinct(n, f"Round {rep}"), tokens)
-        return {**aggregate(runs, t0), "texts": [r.text for r in runs]}
+        async def measure(label: str, rep: int) -> dict[str, Any]:
+            runs, t0 = await _together(servers[label].url, distinct(n, f"Round {rep}"), tokens)
+            return {**aggregate(runs, t0), "texts": [r.text for r in runs]}
 
-    try:
-        for label, root in trees.items():
-            server = _server(model, threads, n, root=root, name=f"wsserver-{label}")
-            servers[label] = await server.start(timeout=300)
+        for server in servers.values():
             await _warm(server.url, n)
         contenders = {label: functools.partial(measure, label) for label in servers}
         runs = await side_by_side(rounds, contenders, order="flip")
-    finally:
-        for server in servers.values():
-            await server.stop()
     row: dict[str, Any] = {"streams": n, "rounds": rounds, "tokens": tokens}
     for label, got in runs.items():
         row[label] = {
