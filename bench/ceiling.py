@@ -219,15 +219,6 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
 def notes(r: dict[str, Any]) -> list[str]:
     rows = r.get("rows", [])
     notes = []
-    one = [x for x in rows if x["concurrency"] == 1]
-    if one and any(x.get("tcp_nodelay") is False for x in rows):
-        notes.append(
-            f"One connection delivers only {fmt(one[0]['tokens_per_s'], 0)} tokens/s with the server nearly idle "
-            f"({fmt(one[0]['server_cores'], 2)} cores): each request's first delta waits ~40 ms for the "
-            "client's delayed ACK because accepted sockets lack `TCP_NODELAY` (see section 1), and the client "
-            "waits for each request's `done` before sending the next. That, not the server's speed, limits "
-            "the 1- and 8-connection rows."
-        )
     per_frame = [x for x in rows if x["mode"] == "per-token"]
     if per_frame and all((x["tokens_per_frame"] or 0) > 2 for x in per_frame):
         notes.append(

@@ -106,12 +106,11 @@ class WsContender:
         n_batch: int,
         threads: int,
         name: str = "wsserver",
-        extra: dict[str, Any] | None = None,
         root: Path | None = None,
     ) -> None:
         self.name = name
         overrides = llama_overrides(
-            model, threads=threads, parallel=1, n_ctx=n_ctx, n_batch=n_batch, **(extra or {})
+            model, threads=threads, parallel=1, n_ctx=n_ctx, n_batch=n_batch
         )
         self.server = ServerProcess(overrides, name=name, **({"root": root} if root else {}))
         self.client: Any = None

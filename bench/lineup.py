@@ -89,7 +89,6 @@ class LlamaLineup:
     ws: WsContender | None = None
     peer: SseContender | None = None
     peer_server: Child | None = None
-    ws_nodelay: WsContender | None = None
     #: wsserver as of ``--baseline REF`` (named ``wsserver@REF``), or None.
     ws_baseline: WsContender | None = None
     baseline_dir: Path | None = None
@@ -119,13 +118,6 @@ class LlamaLineup:
         except Exception as exc:  # the peer is a comparison, not the subject
             self.peer_error = f"llama_cpp.server did not start: {exc}"
             self.opts.log(f"  {self.peer_error}")
-        # A diagnostic fourth contender, only when the server's accepted
-        # sockets lack TCP_NODELAY: the same server with that one thing fixed.
-        stats = await self.ws.server.stats()
-        if stats.get("tcp_nodelay") is False and not self.opts.quick:
-            self.ws_nodelay = await WsContender(
-                self.model, **kw, name="wsserver+nodelay", extra={"bench.patch_nodelay": True}
-            ).start()
         if self.opts.baseline:
             self.baseline_dir = export_tree(self.opts.baseline)
             self.ws_baseline = await WsContender(
@@ -134,7 +126,7 @@ class LlamaLineup:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for contender in (self.ws, self.ws_nodelay, self.ws_baseline, self.peer_server):
+        for contender in (self.ws, self.ws_baseline, self.peer_server):
             if contender is not None:
                 with contextlib.suppress(Exception):
                     await contender.stop()

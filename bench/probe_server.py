@@ -172,26 +172,7 @@ def _nodelay(server: Server) -> bool | None:
     return None
 
 
-def _patch_nodelay() -> None:
-    """Diagnostic only: give the listening socket its TCP protocol number, so
-    asyncio sets TCP_NODELAY on accepted sockets as it does for its own."""
-    import wsserver.aio.server as server_module
-
-    original = server_module.make_listening_socket
-
-    def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
-        sock = original(host, port, sndbuf=sndbuf)
-        return socket.socket(
-            sock.family, socket.SOCK_STREAM, socket.IPPROTO_TCP, fileno=sock.detach()
-        )
-
-    server_module.make_listening_socket = make_listening_socket  # type: ignore[assignment]
-
-
 async def main(overrides: dict[str, Any]) -> None:
-    overrides = dict(overrides)
-    if overrides.pop("bench.patch_nodelay", False):
-        _patch_nodelay()
     values: dict[str, Any] = {"server.host": "127.0.0.1", "server.port": 0}
     values.update(overrides)
     config = load_config(env={}, overrides=values).config

@@ -94,7 +94,7 @@ def server_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     from wsserver.config import KEYS
 
     known = {".".join(k) for k in KEYS}
-    return {k: v for k, v in overrides.items() if k in known or k.startswith("bench.")}
+    return {k: v for k, v in overrides.items() if k in known}
 
 
 # ------------------------------------------------------------------ wsserver

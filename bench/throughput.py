@@ -30,8 +30,6 @@ def contenders(lineup: LlamaLineup) -> dict[str, Any]:
     out: dict[str, Any] = {"in-process": lineup.inproc, "wsserver": lineup.ws}
     if lineup.peer is not None:
         out["llama_cpp.server"] = lineup.peer
-    if lineup.ws_nodelay is not None:
-        out["wsserver+nodelay"] = lineup.ws_nodelay
     if lineup.ws_baseline is not None:
         out[lineup.ws_baseline.name] = lineup.ws_baseline
     return out
@@ -344,7 +342,6 @@ def plot(result: dict[str, Any], plt: Any, out_dir: Any) -> list[str]:
 def notes(r: dict[str, Any]) -> list[str]:
     notes = []
     ws = row(r, "wsserver")
-    fixed = row(r, "wsserver+nodelay")
     by = {t["name"]: t for t in r.get("targets", [])}
     ttft = next((t for n, t in by.items() if "TTFT" in n), None)
     tput = next((t for n, t in by.items() if "throughput" in n), None)
@@ -423,20 +420,6 @@ def notes(r: dict[str, Any]) -> list[str]:
                 f"{fix}."
             )
         notes.append(text)
-        if fixed is not None:
-            text = (
-                "Separately, accepted sockets do not have `TCP_NODELAY`: `make_listening_socket()` creates "
-                "the listening socket as `socket.socket(family, SOCK_STREAM)` (protocol 0), and asyncio only "
-                "turns on `TCP_NODELAY` for sockets whose `proto` is `IPPROTO_TCP`; accepted sockets inherit "
-                "protocol 0. Nagle's algorithm then holds a small frame while the previous one is "
-                "unacknowledged, and the client's delayed ACK can release it up to ~40 ms later. The "
-                "diagnostic contender `wsserver+nodelay` (the same server, listening socket re-created with "
-                f"`IPPROTO_TCP`) has TTFT {fixed['ttft_delta_ms_paired']:+.1f} ms from in-process: with this "
-                "model's prompt processing it matters little, but with the fake backend every first delta "
-                "waits ~40 ms (section 3). Fix: create the listening socket with the protocol `getaddrinfo` "
-                "returns, or set `TCP_NODELAY` on each accepted socket, in `wsserver/server.py`."
-            )
-            notes.append(text)
     if tput and tput["met"] is False:
         assert ws is not None
         text = (
