@@ -42,7 +42,7 @@ from .lineup import distinct, long_prompt
 from .options import Options
 from .servers import llama_model, llama_server, llama_wsserver, tools_for
 from .timing import Stream, aggregate, median, median_round, now, ratio, side_by_side
-from .wsload import generate_frame, timed_alone
+from .wsload import at_once, generate_frame, timed_alone
 
 STREAMS = (1, 2, 4, 8, 16)
 TOKENS = 128
@@ -56,13 +56,7 @@ async def ws_aggregate(model: str, threads: int, n: int, **extra: Any) -> dict[s
     async with server:
         # One request first: the model's pages are warm for every contender.
         await timed_alone(server.url, generate_frame("warm", "Warm up.", 8))
-        t0 = now()
-        runs = await asyncio.gather(
-            *(
-                timed_alone(server.url, generate_frame(f"s{i}", p, TOKENS))
-                for i, p in enumerate(distinct(n, "ws"))
-            )
-        )
+        runs, t0 = await at_once(server.url, distinct(n, "ws"), TOKENS)
     ttft = median(r.ttft_ms for r in runs)
     out = {**aggregate(runs, t0), "ttft_ms": ttft}
     if n == 1:

@@ -52,8 +52,8 @@ from .lineup import distinct, export_tree
 from .options import Options
 from .servers import ServerProcess, llama_model, llama_server, llama_wsserver, running, tools_for
 from .structured_report import SCHEMA, headlines, render, targets
-from .timing import Stream, aggregate, now, ratio, side_by_side
-from .wsload import generate_frame, timed_alone
+from .timing import aggregate, now, ratio, side_by_side
+from .wsload import at_once, generate_frame, timed_alone
 
 __all__ = ["SCHEMA", "headlines", "render", "run", "targets"]
 
@@ -90,15 +90,6 @@ async def _warm(url: str, n: int, **schema: Any) -> None:
     )
 
 
-async def _together(url: str, texts: list[str], tokens: int) -> tuple[list[Stream], float]:
-    """One stream per text at once, each on a connection of its own; and when they started."""
-    t0 = now()
-    runs = await asyncio.gather(
-        *(timed_alone(url, generate_frame(f"s{i}", p, tokens)) for i, p in enumerate(texts))
-    )
-    return list(runs), t0
-
-
 def _valid(text: str) -> bool:
     import jsonschema
 
@@ -123,7 +114,7 @@ async def _chain_at(
     async with running(ours) as servers:
 
         async def measure(label: str, rep: int) -> dict[str, Any]:
-            runs, t0 = await _together(servers[label].url, distinct(n, f"Round {rep}"), tokens)
+            runs, t0 = await at_once(servers[label].url, distinct(n, f"Round {rep}"), tokens)
             return {**aggregate(runs, t0), "texts": [r.text for r in runs]}
 
         for server in servers.values():
@@ -284,7 +275,7 @@ async def _batch_of_eight(
 
     keeper = asyncio.create_task(eighth())
     try:
-        seven, t0 = await _together(url, texts, tokens)
+        seven, t0 = await at_once(url, texts, tokens)
     finally:
         finished.set()
     ends = await keeper

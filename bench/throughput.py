@@ -16,6 +16,7 @@ of the same prompt, which sat next to it in time, and then the median of those.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +39,19 @@ def contenders(lineup: LlamaLineup) -> dict[str, Any]:
 async def _rounds(
     opts: Options, entrants: dict[str, Any], repeats: int, max_tokens: int, **how: Any
 ) -> dict[str, list[Run]]:
-    """A warm-up request each, then ``repeats`` prompts side by side."""
+    """A warm-up request each, then ``repeats`` prompts side by side (the
+    ``shift``-th prompt first)."""
     for i, contender in enumerate(entrants.values()):
         await contender.complete(f"Warm-up {i}: hello", 8, -1)
     shift = how.pop("shift", 0)
 
-    def measure(name: str) -> Any:
-        async def one(r: int) -> Run:
-            opts.log(f"  throughput: {name}, repeat {r + 1}/{repeats}")
-            run: Run = await entrants[name].complete(
-                PROMPTS[(r + shift) % len(PROMPTS)], max_tokens, r
-            )
-            return run
+    async def one(name: str, r: int) -> Run:
+        opts.log(f"  throughput: {name}, repeat {r + 1}/{repeats}")
+        prompt = PROMPTS[(r + shift) % len(PROMPTS)]
+        run: Run = await entrants[name].complete(prompt, max_tokens, r)
+        return run
 
-        return one
-
-    return await side_by_side(repeats, {name: measure(name) for name in entrants}, **how)
+    return await side_by_side(repeats, {n: functools.partial(one, n) for n in entrants}, **how)
 
 
 def _paired(runs: list[Run], bases: list[Run], tokens: dict[int, int]) -> dict[str, Any]:

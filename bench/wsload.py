@@ -200,6 +200,16 @@ async def timed_alone(url: str, frame: dict[str, Any], **kwargs: Any) -> Stream:
         await ws.close()
 
 
+async def at_once(url: str, prompts: list[str], max_tokens: int) -> tuple[list[Stream], float]:
+    """A request per prompt, all at once, each on a connection of its own;
+    their streams, and when they were started."""
+    t0 = now()
+    streams = await asyncio.gather(
+        *(timed_alone(url, generate_frame(f"s{i}", p, max_tokens)) for i, p in enumerate(prompts))
+    )
+    return list(streams), t0
+
+
 async def cancel(ws: ClientConnection, request_id: str) -> dict[str, Any]:
     """Send ``cancel`` and read until the request's ``done``."""
     await send(ws, {"type": "cancel", "id": request_id})
