@@ -262,7 +262,7 @@ async def run(opts: Options, lineup: LlamaLineup) -> dict[str, Any]:
             )
     opts.log("  cancel: mid-prefill done")
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for phase, data in (("mid-decode", decode), ("mid-prefill", prefill)):
         for name, samples in data.items():
             rows.append(

@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from .common import ROOT
 from .servers import ServerProcess, llama_overrides
 from .timing import Stream, now
 
@@ -112,7 +113,7 @@ class WsContender:
         overrides = llama_overrides(
             model, threads=threads, parallel=1, n_ctx=n_ctx, n_batch=n_batch
         )
-        self.server = ServerProcess(overrides, name=name, **({"root": root} if root else {}))
+        self.server = ServerProcess(overrides, name=name, root=root or ROOT)
         self.client: Any = None
 
     async def start(self) -> WsContender:

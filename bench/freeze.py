@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
 }
 
 #: One request of a contender: (id, prompt, max_tokens, stop_on, on_piece) → its Stream.
-Streamer = Callable[..., Awaitable[Stream]]
+Streamer = Callable[..., Coroutine[Any, Any, Stream]]
 
 
 def _summary(

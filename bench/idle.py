@@ -42,7 +42,8 @@ async def run(opts: Options) -> dict[str, Any]:
     # First as the bundled client connects (permessage-deflate negotiated),
     # then without compression, to show what the deflate state costs. A fresh
     # server each time: freed memory stays in the allocator and would be reused.
-    for label, kwargs in (("deflate", {}), ("no_compression", {"compression": None})):
+    clients: dict[str, dict[str, Any]] = {"deflate": {}, "no_compression": {"compression": None}}
+    for label, kwargs in clients.items():
         overrides = {"backend.kind": "fake", **LOAD_TEST_LIMITS}
         async with ServerProcess(overrides, name=f"wsserver-fake-idle-{label}") as server:
             warm = await open_many(server.url, 16, **kwargs)

@@ -121,13 +121,9 @@ async def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-models-") as folder:
         tiny = _tiny_gguf(Path(folder))
         estimates = {"gemma": _estimate(gemma), "tiny": _estimate(tiny)}
-        models = [{"name": "gemma", "model": str(gemma)}]
+        models: dict[str, Any] = {"backend.llama.models": [{"name": "gemma", "model": str(gemma)}]}
         base_overrides = llama_overrides(
-            str(tiny),
-            threads=threads,
-            parallel=PARALLEL,
-            n_ctx=N_CTX,
-            **{"backend.llama.models": models},
+            str(tiny), threads=threads, parallel=PARALLEL, n_ctx=N_CTX, **models
         )
         both: dict[str, list[float]] = {
             "gemma_on_demand": [],

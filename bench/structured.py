@@ -262,7 +262,7 @@ async def _batch_of_eight(
         extra["json_schema"] = SCHEMA
 
     async def eighth() -> list[dict[str, Any]]:
-        ends = []
+        ends: list[dict[str, Any]] = []
         while not finished.is_set():
             # Unconstrained, the eighth's answers are as long as the schema's
             # (their lengths, in turn): the same churn of requests, only the

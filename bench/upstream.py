@@ -100,7 +100,7 @@ async def _cancel_once(
 
 async def _cancel(opts: Options) -> dict[str, Any]:
     reps = 5 if opts.quick else 40
-    found = []
+    found: list[tuple[float, float, float]] = []
     async with (
         SSEUpstream(200.0) as upstream,
         ServerProcess(relay_overrides(upstream.url), name="wsserver-openai") as server,
@@ -111,7 +111,7 @@ async def _cancel(opts: Options) -> dict[str, Any]:
             async with asyncio.timeout(RUN_TIMEOUT):
                 found.append(await _cancel_once(ws, session, upstream, f"c{rep}"))
         await ws.close()
-    out = {
+    out: dict[str, Any] = {
         "reps": reps,
         "wsserver_disconnect_ms": summary(f[0] for f in found),
         "wsserver_done_ms": summary(f[1] for f in found),
