@@ -232,7 +232,7 @@ KNOWN_EDGES = [
     ("wsserver.session", "wsserver.protocol"),
     ("wsserver.aio.server", "wsserver"),  # from .. import __version__
     ("bench.upstream", "bench.common"),
-    ("bench.analysis", "bench.upstream"),  # a lazy import
+    ("bench.analysis", "bench.upstream"),
     ("wsserver_client.client", "wsserver_client.core"),
 ]
 
