@@ -67,9 +67,13 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def server_process(*settings: str) -> AsyncIterator[ServerProcess]:
+async def server_process(
+    *settings: str, backend: str = "fake", argv: list[str] | None = None
+) -> AsyncIterator[ServerProcess]:
+    """``wsserver serve`` with ``settings`` (or ``argv``: another program, a
+    launcher that prints the same log lines); killed if still running after."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    args = [sys.executable, "-m", "wsserver", "serve", "--port", "0", "--backend", "fake"]
+    args = argv or [sys.executable, "-m", "wsserver", "serve", "--port", "0", "--backend", backend]
     for setting in settings:
         args += ["--set", setting]
     proc = await asyncio.create_subprocess_exec(
