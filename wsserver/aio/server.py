@@ -151,6 +151,7 @@ class Server:
             orphaned_slots=self.orphaned_slots,
             loop_probe_ms=config.server.loop_probe_ms,
             queue_log_s=config.server.queue_log_s,
+            check_engines=self.models.check_engines,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         self.metrics.registry.register(ModelCollector(self.models.stats))
@@ -180,7 +181,7 @@ class Server:
             metrics=self.metrics,
             is_ready=self.ready.is_set,
             orphaned_slots=self.orphaned_slots,
-            engine_unready=self.backend.unready_reason,
+            engine_unready=self.models.unready_reason,
             routes=web_routes(),
         )
         #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
