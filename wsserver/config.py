@@ -80,6 +80,10 @@ class ServerConfig:
     request_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
     #: Requests still running at shutdown get this long to finish.
     shutdown_grace_s: float = _key(5.0, low=0.0, high=3600.0)
+    #: After the grace, what the rest of a shutdown may take (farewells, the
+    #: engines stopping); past it the process exits anyway, with status 1 and
+    #: an error logged (an engine stuck in a native call cannot be stopped).
+    shutdown_timeout_s: float = _key(15.0, low=0.1, high=3600.0)
     #: websockets keepalive ping interval (0 = off).
     ping_interval_s: float = _key(20.0, low=0.0, high=3600.0)
     log_level: str = _key("info", choices=("debug", "info", "warning", "error"))
