@@ -50,6 +50,7 @@ class GrammarWorker:
         #: The task handed last has returned (or raised).
         self.done = True
         self.abandoned = False
+        self._overdue = False
         self._closed = False
         GrammarWorker._count += 1
         self._thread = threading.Thread(
@@ -73,11 +74,13 @@ class GrammarWorker:
             raise self._error
         return self._result
 
-    def abandon(self, cleanup: Callable[[], None]) -> None:
+    def abandon(self, cleanup: Callable[[], None], *, overdue: bool = True) -> None:
         """Stop waiting for the running task: when it returns, ``cleanup``
-        runs on the thread, which then ends."""
+        runs on the thread, which then ends. ``overdue``: given up on for its
+        deadline (its return is logged), not for a cancel."""
         with self._lock:
             self.abandoned = True
+            self._overdue = overdue
             self._thread.name += "-abandoned"
             finished = self.done
             if not finished:
@@ -120,7 +123,8 @@ class GrammarWorker:
                 if not abandoned:
                     self.done = True
             if abandoned:
-                log.warning("an abandoned grammar computation returned; its thread ends")
+                if self._overdue:
+                    log.warning("a grammar computation given up on returned; its thread ends")
                 if cleanup is not None:
                     try:
                         cleanup()

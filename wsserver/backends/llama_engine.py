@@ -762,7 +762,7 @@ class BatchEngine:
         # The samplers go with the worker: it frees them when its call returns.
         samplers = (job.grammar, job.pre, job.sampler)
         job.grammar = job.pre = job.sampler = None
-        worker.abandon(functools.partial(_free_all, samplers))
+        worker.abandon(functools.partial(_free_all, samplers), overdue=not job.cancelled)
         self._abandoned.append(worker)
         self._worker = GrammarWorker(self._cond)
         self._candidates = candidates.fresh()
