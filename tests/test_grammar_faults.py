@@ -156,3 +156,36 @@ async def test_an_ambiguous_grammar_ends_at_its_deadline_and_the_others_go_on(
         assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
         await serves(server)
         await server.wait_line(r"its grammar's work for one token exceeded 200 ms")
+
+
+async def test_a_cancel_frees_the_engine_from_a_grammar_at_once(tiny_gguf: Path) -> None:
+    """The ambiguous grammar with a deadline far away: the client leaves
+    while its grammar work grows, and the engine serves the next request at
+    once instead of waiting for that work (which runs on, on its own thread)."""
+    from websockets.asyncio.client import connect
+
+    async with tiny_process(tiny_gguf, "backend.llama.grammar_deadline_ms=600000") as server:
+        async with connect(server.url) as ws:
+            assert json.loads(await ws.recv())["type"] == "hello"
+            frame = {
+                "type": "generate",
+                "id": "g",
+                "prompt": "x",
+                "grammar": AMBIGUOUS,
+                "logit_bias": {str(3 + ord("a")): 100},
+                "max_tokens": 200,
+            }
+            await ws.send(json.dumps(frame))
+            text = ""
+            while len(text) < 12:  # each "a" doubles the work of the next token
+                message = json.loads(await ws.recv())
+                assert message["type"] in ("started", "delta", "queued"), message
+                text += message.get("text", "")
+            await ws.send(json.dumps({"type": "cancel", "id": "g"}))
+            while (message := json.loads(await ws.recv()))["type"] != "done":
+                pass
+            assert message["reason"] == "cancelled"
+        # Both sequences free: two plain requests at once, each to its end.
+        results = await asyncio.gather(chat(server, max_tokens=64), chat(server, max_tokens=64))
+        assert [status for status, _ in results] == [200, 200], results
+        await serves(server)
