@@ -92,6 +92,10 @@ MAX_START_DEPTH: Final = 1000
 MAX_SCHEMA_COUNT: Final = MAX_NESTING
 
 _WORD: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
+_NAME: Final = re.compile(r"[a-zA-Z0-9-]+")
+_SPACE: Final = re.compile(r"(?:[ \t]+|#[^\r\n]*)+")
+_SPACE_NEWLINES: Final = re.compile(r"(?:[ \t\r\n]+|#[^\r\n]*)+")
+_PLAIN: Final = re.compile(r'[^"\\]+')
 _DIGITS: Final = frozenset("0123456789")
 _ESCAPES: Final = {"x": 2, "u": 4, "U": 8}
 _SIMPLE_ESCAPES: Final = frozenset('trn\\"[]-')
@@ -173,17 +177,8 @@ class _Parser:
         self.nesting = 0
 
     def _space(self, pos: int, newline_ok: bool) -> int:
-        text, n = self.text, self.n
-        while pos < n:
-            c = text[pos]
-            if c == "#":
-                while pos < n and text[pos] not in "\r\n":
-                    pos += 1
-            elif c in " \t" or (newline_ok and c in "\r\n"):
-                pos += 1
-            else:
-                break
-        return pos
+        match = (_SPACE_NEWLINES if newline_ok else _SPACE).match(self.text, pos)
+        return match.end() if match else pos
 
     def _at(self, pos: int) -> str:
         return self.text[pos] if pos < self.n else ""
@@ -193,8 +188,8 @@ class _Parser:
 
     def _name(self, pos: int) -> int:
         start = pos
-        while pos < self.n and self.text[pos] in _WORD:
-            pos += 1
+        match = _NAME.match(self.text, pos)
+        pos = match.end() if match else pos
         if pos == start:
             raise _Refused(
                 f"could not be parsed: expecting a rule name at {self._where(start)}", "bad_request"
@@ -276,6 +271,11 @@ class _Parser:
                 pos += 1
                 elements = 0
                 while self._at(pos) != '"':
+                    plain = _PLAIN.match(self.text, pos)
+                    if plain:  # a run of characters without escapes
+                        elements += plain.end() - pos
+                        pos = plain.end()
+                        continue
                     pos = self._char(pos)
                     elements += 1
                 pos = self._space(pos + 1, nested)
