@@ -138,13 +138,14 @@ def test_on_a_full_vocabulary_the_shortcut_keeps_exactly_what_the_chain_would_ke
             # Logits that favour text-like tokens as a model's would, with noise.
             logits = rng.normal(0.0, 3.0, engine.n_vocab).astype(np.float32)
             pointer = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            candidates.load(pointer)
+            candidates.snapshot(pointer)
+            candidates.load()
             llama_cpp.llama_sampler_apply(grammar, candidates.full.pointer)
             full = candidates.full.data
             allowed = full["id"][np.isfinite(full["logit"])]
             order = allowed[np.argsort(-logits[allowed], kind="stable")]
             for top in (0, 1, 40):
-                candidates.load(pointer)
+                candidates.load()
                 candidates.constrain(grammar, inside=False, top=top)
                 short = candidates.short.data[: candidates.short.native.size]
                 passed = short["id"][np.isfinite(short["logit"])]

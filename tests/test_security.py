@@ -267,8 +267,10 @@ async def test_token_auth_over_the_wire() -> None:
         async with connect(server.url, subprotocols=offer) as ws:  # type: ignore[arg-type]
             assert ws.subprotocol == "wsserver.v1"
             assert json.loads(await ws.recv())["type"] == "hello"
-        # Everything but /healthz needs the token too.
-        for path in ("/readyz", "/metrics", "/"):
+        # Everything but the probes needs the token too (/readyz: ready or not, no more).
+        status, _, body = await http(server, "/readyz")
+        assert (status, body) == (200, b"ready\n")
+        for path in ("/metrics", "/"):
             status, headers, _ = await http(server, path)
             assert status == 401, path
             assert "bearer" in headers["www-authenticate"].lower()

@@ -67,9 +67,13 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def server_process(*settings: str) -> AsyncIterator[ServerProcess]:
+async def server_process(
+    *settings: str, backend: str = "fake", argv: list[str] | None = None
+) -> AsyncIterator[ServerProcess]:
+    """``wsserver serve`` with ``settings`` (or ``argv``: another program, a
+    launcher that prints the same log lines); killed if still running after."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
-    args = [sys.executable, "-m", "wsserver", "serve", "--port", "0", "--backend", "fake"]
+    args = argv or [sys.executable, "-m", "wsserver", "serve", "--port", "0", "--backend", backend]
     for setting in settings:
         args += ["--set", setting]
     proc = await asyncio.create_subprocess_exec(
@@ -236,3 +240,57 @@ async def test_idle_server_exits_zero_on_signal(signum: int) -> None:
     async with server_process() as server:
         server.proc.send_signal(signum)
         assert await asyncio.wait_for(server.proc.wait(), timeout(10)) == 0
+
+
+#: Serves the GGUF in argv[1] (with the wsserver of the checkout in argv[2])
+#: with an engine whose thread sticks before its
+#: first decode, for good: from outside, an engine stuck in a native call.
+STUCK_ENGINE = """
+import asyncio, sys, threading
+sys.path.insert(0, sys.argv[2])  # this checkout's wsserver
+from wsserver.aio.server import run
+from wsserver.backends.llama import LlamaBackend
+from wsserver.config import load_config
+from wsserver.logs import setup_logging
+
+config = load_config(env={}, overrides={
+    "server.port": 0,
+    "backend.kind": "llama",
+    "backend.llama.model": sys.argv[1],
+    "backend.llama.n_threads": 1,
+    "backend.llama.engine_stall_s": 0.2,
+    "server.shutdown_grace_s": 0.5,
+    "server.shutdown_timeout_s": 1.0,
+}).config
+setup_logging(level="info", fmt="text")
+backend = LlamaBackend.from_config(config.backend.llama)
+backend.on_prefill = lambda request_id, prompt_tokens: threading.Event().wait()
+sys.exit(asyncio.run(run(config, backend=backend)))
+"""
+
+
+@pytest.mark.llama
+async def test_sigterm_ends_the_process_whatever_the_engine_is_doing(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("llama_cpp")
+    script = tmp_path / "stuck_engine.py"
+    script.write_text(STUCK_ENGINE)
+    argv = [sys.executable, str(script), str(tiny_gguf), str(ROOT)]
+    async with server_process(argv=argv) as server:
+        ws = await connect(server.url)
+        assert json.loads(await ws.recv())["type"] == "hello"
+        await ws.send(json.dumps({"type": "generate", "id": "g", "prompt": "go"}))
+        await server.wait_line(r"has not finished a step")
+        server.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # Before the bound, the process waited for the engine's thread for ever.
+        returncode = await asyncio.wait_for(server.proc.wait(), timeout(30))
+        elapsed = time.monotonic() - signalled
+        assert returncode == 1, "\n".join(server.lines)
+        await server.wait_line(r"exiting now, with status 1")
+        # Grace 0.5 s + shutdown_timeout_s 1 s: a generous bound, far below
+        # the hang it replaces, only to show the watchdog's doing.
+        assert elapsed < 1.5 + 10  # timing-ok: a hang guard, not a speed figure
+        with contextlib.suppress(ConnectionClosed):
+            await ws.close()

@@ -80,6 +80,10 @@ class ServerConfig:
     request_timeout_s: float = _key(10.0, low=0.1, high=3600.0)
     #: Requests still running at shutdown get this long to finish.
     shutdown_grace_s: float = _key(5.0, low=0.0, high=3600.0)
+    #: After the grace, what the rest of a shutdown may take (farewells, the
+    #: engines stopping); past it the process exits anyway, with status 1 and
+    #: an error logged (an engine stuck in a native call cannot be stopped).
+    shutdown_timeout_s: float = _key(15.0, low=0.1, high=3600.0)
     #: websockets keepalive ping interval (0 = off).
     ping_interval_s: float = _key(20.0, low=0.0, high=3600.0)
     log_level: str = _key("info", choices=("debug", "info", "warning", "error"))
@@ -213,6 +217,8 @@ MODEL_OVERRIDES = (
     "cache_type_v",
     "use_mmap",
     "use_mlock",
+    "grammar_deadline_ms",
+    "engine_stall_s",
 )
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
 
@@ -254,6 +260,14 @@ class LlamaConfig:
     max_waiting: int = _key(64, low=0, high=100000)
     #: A Jinja chat template file that replaces the model's own ("" = the model's).
     chat_template_file: str = _key("")
+    #: A grammar-constrained request whose grammar work for one token takes
+    #: longer ends with ``unsupported_option`` (its native call is given up on;
+    #: docs/operations.md, "Grammar and schema bounds").
+    grammar_deadline_ms: float = _key(1000.0, low=10.0, high=600000.0)
+    #: An engine step running this long (work pending, nothing finished) makes
+    #: /readyz 503, sets wsserver_model_engine_stalled and logs an error once
+    #: (0 = never).
+    engine_stall_s: float = _key(30.0, low=0.0, high=86400.0)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).

@@ -19,7 +19,9 @@ and it cannot forge them. So every handshake and HTTP request passes, in order:
    ``Sec-WebSocket-Protocol`` offer of ``wsserver.v1`` plus ``bearer.TOKEN``
    (the server selects ``wsserver.v1``, so the token is never echoed); for a
    browser loading a page, HTTP Basic with the token as password. Compared in
-   constant time. Otherwise 401. Only ``/healthz`` is exempt from 1-3.
+   constant time. Otherwise 401. Only ``/healthz`` is exempt from 1-3, and
+   ``/readyz`` from 2-3 (probes carry no secret; it tells why it is not
+   ready only to a caller with the token).
 4. **Connection limits** (handshakes only) — in total (503) and per client
    (429). A "client" is an address group, not an address (:func:`client_group`):
    an IPv4 address on its own, an IPv6 /64 (one host or LAN usually holds a

@@ -122,14 +122,22 @@ WAITING, RUNNING, DONE = RequestState.WAITING, RequestState.RUNNING, RequestStat
 
 
 def input_size(request: Generate) -> int:
-    """The memory a request's input holds: its strings as Python stores them."""
+    """The memory a request's input holds: its strings as Python stores them.
+    (Also what decides whether the engine's check runs off the loop: a large
+    grammar or schema takes its bounds' parse and llama.cpp's with it.)"""
+    # A grammar or schema: its text, counted at the widest (two bytes a character).
+    constraint = 2 * (len(request.grammar or "") + len(request.json_schema or ""))
     if request.prompt is not None:
-        return sys.getsizeof(request.prompt)
+        return sys.getsizeof(request.prompt) + constraint
     messages = request.messages or ()
     chat = sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in messages)
     # Tool calls and tools: their text, counted at the widest (two bytes a character).
     calls = sum(m.size() - len(m.content) for m in messages)
-    return chat + 2 * (calls + len(request.tools or "") + len(request.chat_template_kwargs or ""))
+    return (
+        chat
+        + constraint
+        + 2 * (calls + len(request.tools or "") + len(request.chat_template_kwargs or ""))
+    )
 
 
 class Session:

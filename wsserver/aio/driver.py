@@ -160,7 +160,11 @@ class RequestDriver:
                 else:
                     model = self.services.models.resolve(self._restarted_model(frame), asked.id)
                 check = model.backend.check
-                if input_size(asked) > CHECK_INLINE_BYTES:
+                # A schema (or the tools' schemas) may convert to a grammar
+                # hundreds of times its size, which the engine's bounds then
+                # parse (grammar_bounds): never on the loop.
+                constrained = asked.json_schema is not None or asked.tools is not None
+                if constrained or input_size(asked) > CHECK_INLINE_BYTES:
                     await asyncio.to_thread(check, asked)
                 else:
                     check(asked)

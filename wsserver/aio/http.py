@@ -4,7 +4,13 @@ A request that asks for a WebSocket upgrade continues to the handshake; any
 other request is answered here: health probes, the routes in
 :attr:`HttpContext.routes` (the web page), and ``/metrics``. Only GET and HEAD
 are served (405 otherwise); everything but ``/healthz`` first passes the Host,
-Origin, token and connection-limit checks of :mod:`wsserver.security`.
+Origin, token and connection-limit checks of :mod:`wsserver.security` —
+``/readyz`` only the Host check.
+
+The probes need no token because an orchestrator's probe carries no secret
+(nor does llama-server's ``/health``). ``/readyz`` then says only ready or
+not ready; why not (an engine stalled, a model loading — never a request's id
+or content) only to a caller with the token, when one is set.
 """
 
 from __future__ import annotations
@@ -69,13 +75,17 @@ def text_response(
     return Response(status.value, status.phrase, headers, data)
 
 
+def _hosts(request: Request) -> list[str]:
+    return request.headers.get_all("Host")
+
+
 def _vet(
     http: HttpContext, connection: ServerConnection, request: Request, *, upgrade: bool
 ) -> Refusal | None:
     """Host, Origin, token and connection limits, in that order."""
     headers = request.headers
     gate = http.gatekeeper
-    hosts = headers.get_all("Host")
+    hosts = _hosts(request)
     refusal = gate.check_host(hosts)
     if refusal is None and upgrade:
         refusal = gate.check_origin(headers.get_all("Origin"), hosts)
@@ -102,7 +112,8 @@ def process_request(
 ) -> Response | None:
     """Answer plain HTTP, or vet a WebSocket handshake (``None`` lets it proceed).
 
-    Every request but ``/healthz`` passes the checks of :mod:`wsserver.security`.
+    Every request but ``/healthz`` passes the checks of :mod:`wsserver.security`
+    (``/readyz`` only the Host check).
     """
     response = _respond(http, connection, request)
     if response is not None and request.method == "HEAD":
@@ -120,6 +131,8 @@ def _respond(http: HttpContext, connection: ServerConnection, request: Request) 
     if path == "/healthz":
         return text_response(HTTPStatus.OK, "ok\n")
     upgrade = _is_upgrade(request) and request.method == "GET"
+    if path == "/readyz" and not upgrade and http.gatekeeper.check_host(_hosts(request)) is None:
+        return plain_response(http, request)
     refusal = _vet(http, connection, request, upgrade=upgrade)
     if refusal is not None:
         http.metrics.handshakes_refused.labels(refusal.reason).inc()
@@ -162,19 +175,30 @@ def plain_response(http: HttpContext, request: Request) -> Response:
     if path == "/metrics":
         return text_response(HTTPStatus.OK, http.metrics.render(), METRICS_CONTENT_TYPE)
     if path == "/readyz":
-        if not http.is_ready():
-            return text_response(HTTPStatus.SERVICE_UNAVAILABLE, "loading\n")
-        unready = http.engine_unready()
-        if unready:
-            return text_response(HTTPStatus.SERVICE_UNAVAILABLE, unready + "\n")
-        orphans = http.orphaned_slots()
-        if orphans:
-            return text_response(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                f"scheduler books do not balance: slot(s) {orphans} held by no request\n",
-            )
-        return text_response(HTTPStatus.OK, "ready\n")
+        why = _unready(http)
+        if why is None:
+            return text_response(HTTPStatus.OK, "ready\n")
+        token = http.gatekeeper.check_auth(
+            request.headers.get_all("Authorization"), (), upgrade=False
+        )
+        # Public: the reason only to a caller who could read /metrics anyway.
+        return text_response(
+            HTTPStatus.SERVICE_UNAVAILABLE, why if token is None else "not ready\n"
+        )
     handler = http.routes.get(path)
     if handler is not None:
         return handler(request)
     return text_response(HTTPStatus.NOT_FOUND, "not found\n")
+
+
+def _unready(http: HttpContext) -> str | None:
+    """Why ``/readyz`` is 503 (a line), or None: ready."""
+    if not http.is_ready():
+        return "loading\n"
+    unready = http.engine_unready()
+    if unready:
+        return unready + "\n"
+    orphans = http.orphaned_slots()
+    if orphans:
+        return f"scheduler books do not balance: slot(s) {orphans} held by no request\n"
+    return None

@@ -123,9 +123,12 @@ class Metrics:
         orphaned_slots: Callable[[float], list[str]],
         loop_probe_ms: float,
         queue_log_s: float,
+        check_engines: Callable[[], None] = lambda: None,
     ) -> None:
         self._scheduler = scheduler
         self._orphaned_slots = orphaned_slots
+        #: Called every probe: the engines log a stall the first time they are asked.
+        self._check_engines = check_engines
         self._probe_interval = loop_probe_ms / 1000.0
         self._queue_log_s = queue_log_s
         self.registry = CollectorRegistry(auto_describe=True)
@@ -258,6 +261,7 @@ class Metrics:
             now = loop.time()
             self.loop_lag.observe(lag)
             self.loop_lag_samples.append(lag)
+            self._check_engines()
             orphans = self._orphaned_slots(now)
             if orphans != reported:
                 if orphans:
@@ -389,6 +393,9 @@ MODEL_METRICS = (
     "wsserver_model_loads",
     "wsserver_model_unloads",
     "wsserver_model_load_failures",
+    "wsserver_model_engine_step_seconds",
+    "wsserver_model_engine_stalled",
+    "wsserver_model_grammar_calls_abandoned",
 )
 
 
@@ -423,7 +430,25 @@ class ModelCollector(Collector):
         failures = CounterMetricFamily(
             names[6], "Loads of the model that failed.", labels=["model"]
         )
+        step = GaugeMetricFamily(
+            names[7],
+            "How long the engine's running step has lasted (0 between steps, and while idle).",
+            labels=["model"],
+        )
+        stalled = GaugeMetricFamily(
+            names[8],
+            "1 while the engine is stalled: a step has run for backend.llama.engine_stall_s.",
+            labels=["model"],
+        )
+        abandoned = GaugeMetricFamily(
+            names[9],
+            "Grammar computations given up on past their deadline whose native call still runs.",
+            labels=["model"],
+        )
         for s in stats:
+            step.add_metric([s.name], s.step_seconds)
+            stalled.add_metric([s.name], 1.0 if s.stalled else 0.0)
+            abandoned.add_metric([s.name], s.grammar_calls_running)
             loaded.add_metric([s.name], 1.0 if s.loaded else 0.0)
             active.add_metric([s.name], s.active)
             queued.add_metric([s.name], s.queued)
@@ -431,4 +456,15 @@ class ModelCollector(Collector):
             loads.add_metric([s.name], s.loads)
             unloads.add_metric([s.name], s.unloads)
             failures.add_metric([s.name], s.load_failures)
-        yield from (loaded, active, queued, memory, loads, unloads, failures)
+        yield from (
+            loaded,
+            active,
+            queued,
+            memory,
+            loads,
+            unloads,
+            failures,
+            step,
+            stalled,
+            abandoned,
+        )

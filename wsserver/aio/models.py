@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..backends import ModelEntry
+from ..backends.base import Liveness
 from ..errors import ProtocolError
 from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate
@@ -74,6 +75,11 @@ class ModelStats:
     loads: int
     unloads: int
     load_failures: int
+    #: The engine's running step so far, whether it is stalled, and grammar
+    #: calls it gave up on that still run (:class:`~wsserver.backends.base.Liveness`).
+    step_seconds: float = 0.0
+    stalled: bool = False
+    grammar_calls_running: int = 0
 
 
 def machine_budget() -> int:
@@ -237,19 +243,46 @@ class ModelPool:
     def stats(self) -> list[ModelStats]:
         """Each configured model's figures, for ``/metrics`` (label values
         bounded by the configuration)."""
-        return [
-            ModelStats(
-                name=m.name,
-                loaded=m.state == "loaded",
-                active=m.scheduler.busy,
-                queued=m.scheduler.waiting,
-                memory_bytes=m.bytes,
-                loads=m.loads,
-                unloads=m.unloads,
-                load_failures=m.load_failures,
+        stats = []
+        for m in self.models.values():
+            live = m.backend.liveness() if m.state == "loaded" else Liveness()
+            stats.append(
+                ModelStats(
+                    name=m.name,
+                    loaded=m.state == "loaded",
+                    active=m.scheduler.busy,
+                    queued=m.scheduler.waiting,
+                    memory_bytes=m.bytes,
+                    loads=m.loads,
+                    unloads=m.unloads,
+                    load_failures=m.load_failures,
+                    step_seconds=live.step_seconds,
+                    stalled=live.stalled,
+                    grammar_calls_running=live.grammar_calls_running,
+                )
             )
-            for m in self.models.values()
-        ]
+        return stats
+
+    def unready_reason(self) -> str | None:
+        """Why an engine cannot serve now (``/readyz``): the default model's
+        engine, then any other loaded one's (named), or None."""
+        reason = self.default.backend.unready_reason()
+        if reason:
+            return reason
+        for m in self.models.values():
+            if m is not self.default and m.state == "loaded":
+                reason = m.backend.unready_reason()
+                if reason:
+                    return f"model {m.name}: {reason}"
+        return None
+
+    def check_engines(self) -> None:
+        """Ask every loaded engine whether it is stalled (the periodic probe:
+        an engine logs a stall when asked first, so it is logged even when no
+        one asks ``/readyz``)."""
+        for m in self.models.values():
+            if m.state == "loaded":
+                m.backend.liveness()
 
     # ------------------------------------------------------------ requests
 

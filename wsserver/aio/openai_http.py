@@ -75,6 +75,8 @@ MAX_PIPELINED: Final = 65536
 #: The most of a client's input (a path, a model name) echoed in an answer or a log line.
 MAX_ECHO: Final = 100
 _COMPLETIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+#: Answered without the token and rate checks, as on a new connection (:mod:`.http`).
+PROBES: Final = frozenset({"/healthz", "/readyz"})
 
 
 #: A plain route's answer for a kept-alive connection (see :attr:`HttpApi.plain`).
@@ -359,6 +361,10 @@ class HttpConnection(asyncio.Protocol):
         path = _path_of(request)
         gate = self._http_api.gate
         gate.check_browser(headers, extra)
+        if path in PROBES and method in ("GET", "HEAD") and self._http_api.plain is not None:
+            # The probes need no token on a kept-alive connection either (aio/http.py).
+            self._plain(request, method, extra)
+            return
         if method == "OPTIONS":
             gate.preflight(headers, extra)
             self._simple(HTTPStatus.NO_CONTENT, b"", extra)
@@ -433,14 +439,19 @@ class HttpConnection(asyncio.Protocol):
             # routes websockets answers on a new connection are answered here too.
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, "GET, HEAD")
-            target = request.target.decode("ascii", "replace")
-            given = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
-            status, answer_headers, answer = self._http_api.plain(target, given)
-            self._simple(status, answer, [*answer_headers, *extra], content_type=None)
+            self._plain(request, method, extra)
         else:
             raise ApiError(
                 HTTPStatus.NOT_FOUND, f"no route {_clip(method)} {_clip(path)}", "not_found"
             )
+
+    def _plain(self, request: h11.Request, method: str, extra: Headers) -> None:
+        """A plain route's answer (the probes, /metrics, the page) on this connection."""
+        assert self._http_api.plain is not None
+        target = request.target.decode("ascii", "replace")
+        given = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
+        status, answer_headers, answer = self._http_api.plain(target, given)
+        self._simple(status, answer, [*answer_headers, *extra], content_type=None)
 
     def _route_of(self, path: str) -> Route | None:
         for prefix, route in self._http_api.routes.items():

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -151,6 +152,7 @@ class Server:
             orphaned_slots=self.orphaned_slots,
             loop_probe_ms=config.server.loop_probe_ms,
             queue_log_s=config.server.queue_log_s,
+            check_engines=self.models.check_engines,
         )
         self.metrics.registry.register(UpstreamCollector(self.backend.upstream_stats))
         self.metrics.registry.register(ModelCollector(self.models.stats))
@@ -180,7 +182,7 @@ class Server:
             metrics=self.metrics,
             is_ready=self.ready.is_set,
             orphaned_slots=self.orphaned_slots,
-            engine_unready=self.backend.unready_reason,
+            engine_unready=self.models.unready_reason,
             routes=web_routes(),
         )
         #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
@@ -445,19 +447,31 @@ class Server:
 
 
 async def run(config: Config, *, backend: Backend | None = None) -> int:
-    """Serve until SIGINT or SIGTERM; a second signal exits at once."""
+    """Serve until SIGINT or SIGTERM; a second signal exits at once.
+
+    The process exits within ``server.shutdown_grace_s`` +
+    ``server.shutdown_timeout_s`` of the first signal whatever the engines do:
+    a watchdog thread exits it hard (status 1, logged) past that, and a
+    shutdown that ends with an engine's thread still stuck in native code
+    exits hard at once (Python's own exit would free the model under it).
+    """
     server = Server(config, backend)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = 0
+    watchdog: threading.Timer | None = None
 
     def on_signal(signum: int) -> None:
-        nonlocal signals
+        nonlocal signals, watchdog
         signals += 1
         if signals > 1:
             log.warning("second signal: exiting now")
             os._exit(1)
         log.info("received %s", signal.Signals(signum).name)
+        bound = config.server.shutdown_grace_s + config.server.shutdown_timeout_s
+        watchdog = threading.Timer(bound, _shutdown_overdue, (bound,))
+        watchdog.daemon = True
+        watchdog.start()
         stop.set()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -473,4 +487,38 @@ async def run(config: Config, *, backend: Backend | None = None) -> int:
         return 1
     await stop_wait
     await server.stop()
+    stuck = _stuck_engine_threads()
+    if stuck:
+        _exit_hard(f"engine thread(s) still inside native calls: {', '.join(stuck)}")
+    if watchdog is not None:
+        watchdog.cancel()
     return 0
+
+
+def _stuck_engine_threads() -> list[str]:
+    """The llama engines' threads that may be inside a native call: a step
+    loop (alive after its engine was closed, stuck), or a grammar call given up on."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.is_alive()
+        and (t.name.startswith("wsserver-llama-engine") or t.name.endswith("-abandoned"))
+    ]
+
+
+def _shutdown_overdue(bound: float) -> None:
+    stuck = _stuck_engine_threads()
+    _exit_hard(
+        f"the shutdown did not end within {bound:g}s (server.shutdown_grace_s + "
+        f"server.shutdown_timeout_s){'; still running: ' + ', '.join(stuck) if stuck else ''}"
+    )
+
+
+def _exit_hard(why: str) -> None:
+    """Exit now, status 1: no interpreter shutdown (it would free native
+    memory that a stuck thread still uses, or wait for it)."""
+    log.error("%s: exiting now, with status 1", why)
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(1)

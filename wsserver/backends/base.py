@@ -77,6 +77,7 @@ __all__ = [
     "Backend",
     "CancelEvent",
     "GenerationRequest",
+    "Liveness",
     "Outcome",
     "Sink",
     "Submission",
@@ -101,6 +102,20 @@ class UpstreamStats:
     #: Sum and count of the seconds from sending a request to its stream's first byte.
     first_byte_seconds_sum: float
     first_byte_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """Whether an engine is making progress (``/metrics``; ``/readyz`` reads
+    :meth:`Backend.unready_reason`)."""
+
+    #: How long the engine's running step has lasted (0: none runs; an engine
+    #: without steps: always 0).
+    step_seconds: float = 0.0
+    #: The step has lasted past the engine's stall bound.
+    stalled: bool = False
+    #: Grammar computations the engine gave up on that still run natively.
+    grammar_calls_running: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,9 +409,17 @@ class Backend(abc.ABC):
         """Why the loaded engine cannot serve now (``/readyz`` answers 503 with it), or None.
 
         For an engine whose model lives elsewhere, such as the openai backend
-        while none of its upstreams is in rotation.
+        while none of its upstreams is in rotation; for the llama engine, while
+        it is stalled (a step has run too long). Called on the event loop, by
+        ``/readyz`` and by the server's periodic probe (every
+        ``server.loop_probe_ms``): must be quick. The text is shown to anyone
+        who may ask ``/readyz``: no request's content or id.
         """
         return None
+
+    def liveness(self) -> Liveness:
+        """The engine's progress, for ``/metrics`` (quick, any thread)."""
+        return Liveness()
 
     @abc.abstractmethod
     def submit(

@@ -49,7 +49,7 @@ from ..reasoning import FORCED_CLOSE, opens_reasoning
 from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
-from .base import Backend, CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .base import Backend, CancelEvent, GenerationRequest, Liveness, Outcome, Sink, Submission
 from .gguf_meta import kv_cache_bytes
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
@@ -59,6 +59,10 @@ from .llama_tool_grammar import forced_call_grammar
 __all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "generic_tools_note", "plain_chat_prompt"]
 
 log = logging.getLogger("wsserver.llama")
+
+#: How long ``close`` waits for the engine thread to stop (it finishes the
+#: native call it is in: a decode step, bounded by the model and the batch).
+ENGINE_STOP_S = 10.0
 
 _ROLE_LABELS = {
     "system": "System",
@@ -155,6 +159,8 @@ class LlamaBackend(Backend):
         cache_type_v: str = "f16",
         use_mmap: bool = True,
         use_mlock: bool = False,
+        grammar_deadline_ms: float = 1000.0,
+        engine_stall_s: float = 30.0,
         name: str = "",
     ) -> None:
         if abort_check not in ("native", "python"):
@@ -182,6 +188,10 @@ class LlamaBackend(Backend):
         self.cache_type_v = cache_type_v
         self.use_mmap = use_mmap
         self.use_mlock = use_mlock
+        #: A sequence's grammar work per step, at most (see :mod:`.llama_engine`).
+        self.grammar_deadline_ms = grammar_deadline_ms
+        #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
+        self.engine_stall_s = engine_stall_s
         if name:
             self.model_name = name
         elif model:
@@ -217,6 +227,8 @@ class LlamaBackend(Backend):
             cache_type_v=config.cache_type_v,
             use_mmap=config.use_mmap,
             use_mlock=config.use_mlock,
+            grammar_deadline_ms=config.grammar_deadline_ms,
+            engine_stall_s=config.engine_stall_s,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -309,6 +321,8 @@ class LlamaBackend(Backend):
             native_abort=native,
             reasoning_close=self._close_tokens(),
             opens_reasoning=self.opens_reasoning,
+            grammar_deadline_s=self.grammar_deadline_ms / 1000,
+            stall_s=self.engine_stall_s,
         )
         self.engine.on_prefill = self._on_prefill
         if native and not self.engine.flag.native:
@@ -353,8 +367,11 @@ class LlamaBackend(Backend):
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.close()
+        if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
+            # Its thread, or a grammar call given up on, still runs natively
+            # in this model: freeing it would pull the memory from under them.
+            self._ctx = self._model = None
+            return
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             llama_cpp.llama_free(ctx)
@@ -376,6 +393,22 @@ class LlamaBackend(Backend):
         self._on_prefill = hook
         if self.engine is not None:
             self.engine.on_prefill = hook
+
+    def unready_reason(self) -> str | None:
+        """Not ready while the engine is stalled: a step has run for
+        ``engine_stall_s`` or more (logged at ERROR once, with what it does)."""
+        engine = self.engine
+        return engine.stalled() if engine is not None else None
+
+    def liveness(self) -> Liveness:
+        engine = self.engine
+        if engine is None:
+            return Liveness()
+        return Liveness(
+            step_seconds=engine.step_seconds(),
+            stalled=engine.stalled() is not None,
+            grammar_calls_running=engine.grammar_calls_running(),
+        )
 
     def stats(self) -> dict[str, int]:
         """The engine's counters: requests, aborts, steps, prompt tokens reused and decoded."""
@@ -608,7 +641,7 @@ class LlamaBackend(Backend):
                 )
         request = self.forced_call(request)
         assert self.engine is not None
-        self.engine.grammars.compile(grammar=request.grammar, json_schema=None)
+        self.engine.grammars.compile(grammar=request.grammar, json_schema=None, field="tools")
 
     def _check_chat(self, frame: Generate) -> None:
         """Render the chat template now, so that its refusal comes before the start."""

@@ -65,6 +65,33 @@ run their part again next step. (A cancelled sequence with only its one
 decode token in flight is not worth aborting for: the step ends in
 milliseconds, and aborting would make the others redo it.)
 
+Grammar work and its deadline
+-----------------------------
+A constrained sequence's sampling — the grammar's check of the sampled token,
+its filtering of candidates, its acceptance of the token — is llama.cpp
+native code that nothing interrupts, and an ambiguous grammar can make one
+call of it last for ever. :mod:`.grammar_bounds` refuses every grammar shape
+known to do that before the request starts; for the rest, the engine takes
+the sequence's logits (a copy) and hands that work to a
+:class:`~.grammar_worker.GrammarWorker` thread, waiting at most
+``grammar_deadline_s`` and no longer once the request is cancelled. Past
+that the request ends (``unsupported_option``), its samplers and the
+candidate buffers go with the worker (which frees them when its call
+returns), and a fresh worker and buffers serve the next sequences: every
+other stream goes on at the next step. So the others wait at most the
+deadline, once; the worker's call runs on until it returns
+(:meth:`BatchEngine.grammar_calls_running`), and the model is not freed
+under it (``close``).
+
+Liveness
+--------
+The engine records when its running step began. A step that has lasted
+``stall_s`` makes it *stalled* (:meth:`BatchEngine.stalled`): the backend's
+``unready_reason`` (``/readyz`` 503), a metric, and one ERROR line saying what
+the step is doing (``_doing``: admitting, decoding a batch, sampling under a
+grammar) and which requests it holds. Idle, or with every sequence paused on
+a slow client, no step runs, and nothing is stalled.
+
 Prompt cache
 ------------
 A sequence's :attr:`SequenceState.tokens` are the tokens whose KV cells it
@@ -96,6 +123,7 @@ from ..protocol import DoneReason
 from ..reasoning import ReasoningBudget
 from ..textstream import TextAssembler
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .grammar_worker import GrammarWorker
 from .llama_budget import PrefillBudget
 from .llama_context import (
     AbortFlag,
@@ -144,6 +172,8 @@ class BatchEngine:
         native_abort: bool = True,
         reasoning_close: tuple[int, ...] = (),
         opens_reasoning: Callable[[GenerationRequest], bool] | None = None,
+        grammar_deadline_s: float = 1.0,
+        stall_s: float = 30.0,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -181,6 +211,18 @@ class BatchEngine:
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
         self._cond = threading.Condition(threading.RLock())
+        #: A sequence's grammar work, this long at most per step (see the
+        #: module docstring, "Grammar work and its deadline").
+        self.grammar_deadline_s = grammar_deadline_s
+        self._worker = GrammarWorker(self._cond)
+        #: Workers given up on whose native call may still run (they end by themselves).
+        self._abandoned: list[GrammarWorker] = []
+        #: Liveness: when the running step began (None: between steps), what
+        #: it is doing now, and after how long a step counts as stalled.
+        self.stall_s = stall_s
+        self._step_began: float | None = None
+        self._doing: tuple[str, str] = ("idle", "")
+        self._stall_reported = False
         self._incoming: list[Job] = []
         self._jobs: list[Job] = []  # admitted, in admission order
         self._stopping = False
@@ -198,6 +240,8 @@ class BatchEngine:
             # time without Candidates.constrain's shortcut).
             "grammar_rejections": 0,
             "grammar_tokens_asked": 0,
+            # Grammar work given up on past its deadline (or its cancel).
+            "grammar_abandoned": 0,
         }
         self.request_stats: dict[str, RequestStats] = {}
         #: The latest steps, oldest first: (decoding sequences, prompt tokens,
@@ -237,15 +281,87 @@ class BatchEngine:
             job.waiting_room = False
             self._cond.notify()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the step loop and free what it holds. False: the engine thread
+        did not end within ``timeout`` (stuck in a native call), or a grammar
+        call given up on still runs — nothing native was freed then, and the
+        model must not be either (it is leaked until the process exits)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error(
+                "the batched engine did not stop within %.1fs (it is %s); leaving its memory",
+                timeout or 0.0,
+                self._describe_doing(),
+            )
+            return False
+        self._worker.close()
         for job in self._jobs:
             self._free_sampler(job)
         self._batch.free()
+        if self.grammar_calls_running():
+            log.error(
+                "%d grammar computation(s) given up on still run natively; leaving the "
+                "model's memory to them",
+                self.grammar_calls_running(),
+            )
+            return False
         self.grammars.close()
+        return True
+
+    # ------------------------------------------------------------ liveness
+
+    def grammar_calls_running(self) -> int:
+        """Grammar computations given up on (their request ended) whose native
+        call still runs, each keeping a core busy."""
+        self._abandoned = [w for w in self._abandoned if w.alive()]
+        return len(self._abandoned)
+
+    def step_seconds(self) -> float:
+        """How long the running step has lasted so far (0: between steps).
+        Idle, or with every sequence paused on a slow client, no step runs."""
+        began = self._step_began
+        return 0.0 if began is None else max(0.0, time.monotonic() - began)
+
+    def stalled(self) -> str | None:
+        """Why the engine counts as stalled — a step has run for ``stall_s``
+        or more — or None. The first time in a stall it is logged at ERROR
+        with what the engine is doing (any thread may ask: the probe does)."""
+        seconds = self.step_seconds()
+        if self.stall_s <= 0 or seconds < self.stall_s:
+            return None
+        running = len(self._jobs)
+        reason = (
+            f"the llama engine has not finished a step for {seconds:.1f} s "
+            f"({running} request(s) running)"
+        )
+        if not self._stall_reported:
+            self._stall_reported = True
+            log.error(
+                "%s: it is %s; requests: %s",
+                reason,
+                self._describe_doing(),
+                self._describe_jobs(),
+                extra={"stalled_s": round(seconds, 1)},
+            )
+        return reason
+
+    def _describe_doing(self) -> str:
+        phase, request_id = self._doing
+        return f"{phase} (request {request_id})" if request_id else phase
+
+    def _describe_jobs(self) -> str:
+        parts = []
+        for job in list(self._jobs)[:16]:
+            state = "prompt" if job.fed < len(job.prompt) else "decoding"
+            if job.grammar is not None:
+                state += ", grammar"
+            if job.waiting_room:
+                state += ", paused on its client"
+            parts.append(f"{job.request.id} ({state}, {job.produced} tokens)")
+        return ", ".join(parts) or "none"
 
     # ------------------------------------------------------------ the loop
 
@@ -272,6 +388,7 @@ class BatchEngine:
                 if self._stopping:
                     return
                 incoming, self._incoming = self._incoming, []
+            self._step_began = time.monotonic()
             try:
                 self._step(incoming)
             except Exception:  # a bug here must not kill the engine silently
@@ -280,6 +397,14 @@ class BatchEngine:
                     if not job.submission.done:
                         self._fail(job, "the backend failed", code="internal")
                 self._jobs = []
+            if self._stall_reported:
+                log.warning(
+                    "the llama engine finished a step again, after %.1f s",
+                    time.monotonic() - self._step_began,
+                )
+                self._stall_reported = False
+            self._step_began = None
+            self._doing = ("idle", "")
 
     def _step(self, incoming: list[Job]) -> None:
         for job in list(self._jobs):
@@ -289,6 +414,10 @@ class BatchEngine:
             if job.cancelled:
                 self._leave(job)
             else:
+                self._doing = (
+                    "admitting (tokenizing its prompt, compiling its grammar)",
+                    job.request.id,
+                )
                 self._admit(job)
         # A step as the decoding sequences see it: the last step's tokens go
         # out, the next batch is built, decoded and sampled. Admission (a new
@@ -487,6 +616,7 @@ class BatchEngine:
                 plan.append((job, take, index))
         if not plan:
             return
+        self._doing = (f"decoding a batch of {batch.n} token(s) for {len(plan)} sequence(s)", "")
         if self.on_prefill is not None:
             for job in first_chunks:
                 self.on_prefill(job.request.id, len(job.prompt))
@@ -558,7 +688,15 @@ class BatchEngine:
         elif job.grammar is None:
             token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
         else:
-            constrained = self._sample_constrained(job, index)
+            self._doing = ("sampling under its grammar", job.request.id)
+            try:
+                constrained = self._constrained_token(job, index)
+            except _GivenUp as exc:
+                if not job.cancelled:
+                    self._fail(job, str(exc), code="unsupported_option")
+                return
+            if job.cancelled:
+                return  # the next step's cancels let it go
             if constrained is None:
                 self._fail(job, "the grammar allows no token here", code="internal")
                 return
@@ -603,19 +741,63 @@ class BatchEngine:
         job.stats.forced += 1
         return token
 
-    def _sample_constrained(self, job: Job, index: int) -> int | None:
-        """Sample, then let the grammar check the token; when it rejects it,
-        sample again from what the grammar allows (see :mod:`.llama_grammar`)."""
+    def _constrained_token(self, job: Job, index: int) -> int | None:
+        """:meth:`_sample_constrained` on the grammar worker, waited for at most
+        :attr:`grammar_deadline_s` and not after a cancel: then the worker is
+        given up on (it keeps what it uses) and ``_GivenUp`` raised."""
         candidates = self._candidates
+        candidates.snapshot(llama_cpp.llama_get_logits_ith(self.ctx, index))
+        worker = self._worker
+        worker.start(functools.partial(self._sample_constrained, job, candidates))
+        deadline = time.monotonic() + self.grammar_deadline_s
+        with self._cond:
+            while not worker.done and not job.cancelled:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        if worker.done:
+            result: int | None = worker.result()
+            return result
+        # The samplers go with the worker: it frees them when its call returns.
+        samplers = (job.grammar, job.pre, job.sampler)
+        job.grammar = job.pre = job.sampler = None
+        worker.abandon(functools.partial(_free_all, samplers), overdue=not job.cancelled)
+        self._abandoned.append(worker)
+        self._worker = GrammarWorker(self._cond)
+        self._candidates = candidates.fresh()
+        self.stats["grammar_abandoned"] += 1
+        if job.cancelled:
+            raise _GivenUp("cancelled")
+        log.error(
+            "id=%s its grammar's work for one token exceeded %.0f ms: the request ends, "
+            "and the native call goes on on its own thread (a core stays busy until it "
+            "returns; %d such call(s) now)",
+            job.request.id,
+            self.grammar_deadline_s * 1000,
+            self.grammar_calls_running(),
+            extra=context(job.request.conn_id, job.request.id),
+        )
+        raise _GivenUp(
+            f"the grammar took more than {self.grammar_deadline_s * 1000:.0f} ms of work for one "
+            "token (backend.llama.grammar_deadline_ms): it is too ambiguous for llama.cpp's "
+            "grammar engine (simplify it: fewer nested optional or repeated parts)"
+        )
+
+    def _sample_constrained(self, job: Job, candidates: Candidates) -> int | None:
+        """Sample, then let the grammar check the token; when it rejects it,
+        sample again from what the grammar allows (see :mod:`.llama_grammar`).
+        Runs on the grammar worker, on ``candidates`` (the logits snapshotted)."""
         inside = job.utf8_needed > 0
-        logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
-        candidates.load(logits, inside=inside)
+        candidates.load(inside=inside)
         if job.pre is not None:
             llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
         llama_cpp.llama_sampler_apply(job.sampler, candidates.full.pointer)
         token = candidates.full.selected()
         if not candidates.accepts(job.grammar, token, inside=inside):
-            candidates.load(logits, inside=inside)
+            if job.cancelled:
+                return None  # the engine drops the request: no more work for it
+            candidates.load(inside=inside)
             if job.pre is not None:
                 llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
             self.stats["grammar_rejections"] += 1
@@ -688,12 +870,15 @@ class BatchEngine:
 
     @staticmethod
     def _free_sampler(job: Job) -> None:
-        if job.sampler is not None:
-            llama_cpp.llama_sampler_free(job.sampler)
-            job.sampler = None
-        if job.pre is not None:
-            llama_cpp.llama_sampler_free(job.pre)
-            job.pre = None
-        if job.grammar is not None:
-            llama_cpp.llama_sampler_free(job.grammar)
-            job.grammar = None
+        _free_all((job.sampler, job.pre, job.grammar))
+        job.sampler = job.pre = job.grammar = None
+
+
+class _GivenUp(Exception):
+    """A sequence's grammar work was given up on (its deadline, or its cancel)."""
+
+
+def _free_all(samplers: tuple[Any, ...]) -> None:
+    for sampler in samplers:
+        if sampler is not None:
+            llama_cpp.llama_sampler_free(sampler)

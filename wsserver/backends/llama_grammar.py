@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import threading
@@ -37,6 +38,7 @@ import numpy as np
 from llama_cpp.llama_grammar import STRING_FORMAT_RULES, json_schema_to_gbnf
 
 from ..errors import BackendError
+from .grammar_bounds import check_gbnf, check_schema
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -142,9 +144,12 @@ def schema_to_gbnf(schema: str) -> str:
     not enforce (:func:`unenforced`)."""
     text = "{}" if schema == "true" else schema
     try:
-        missing = unenforced(json.loads(text))
+        parsed = json.loads(text)
     except ValueError:
-        missing = []  # the converter says what is wrong with it
+        parsed = None  # the converter says what is wrong with it
+    # What the converter would build, bounded before it builds it.
+    check_schema(parsed)
+    missing = unenforced(parsed)
     if missing:
         raise BackendError(
             f"'json_schema' asks for what this engine cannot enforce: {', '.join(missing[:3])}"
@@ -178,8 +183,13 @@ class GrammarCache:
         self._entries: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self.compiled = 0
 
-    def compile(self, *, grammar: str | None, json_schema: str | None) -> Any:
-        """The prototype for a request's constraint (None: none); raises ``bad_request``."""
+    def compile(
+        self, *, grammar: str | None, json_schema: str | None, field: str | None = None
+    ) -> Any:
+        """The prototype for a request's constraint (None: none); raises
+        ``bad_request`` (it cannot be parsed) or ``unsupported_option`` (beyond
+        a bound of :mod:`.grammar_bounds`, checked before llama.cpp parses it).
+        ``field``: the request field the grammar came from, for the message."""
         if grammar is not None:
             key = ("gbnf", grammar)
         elif json_schema is not None:
@@ -192,9 +202,13 @@ class GrammarCache:
                 self._entries.move_to_end(key)
                 return entry[0]
         gbnf = grammar if grammar is not None else schema_to_gbnf(key[1])
+        if field is None:
+            field = "grammar" if grammar is not None else "json_schema"
+        check_gbnf(
+            gbnf, subject=f"'{field}'" if grammar is not None else f"'{field}' (as a grammar)"
+        )
         prototype = llama_cpp.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"), b"root")
         if not prototype:
-            field = "grammar" if grammar is not None else "json_schema"
             raise BackendError(
                 f"'{field}' could not be parsed as a GBNF grammar with a 'root' rule",
                 code="bad_request",
@@ -317,13 +331,31 @@ class Candidates:
         self._cell = first * (_NO_BYTE + 1) + second
         #: A single-byte token per byte value (-1: the vocabulary has none).
         self.probe_tokens = probes
-        self._probe = _Array(256)
-        self.full = _Array(n_vocab)
-        self.short = _Array(n_vocab)
         #: Tokens the grammar was asked about in the last :meth:`constrain` (probes included).
         self.asked = 0
+        self._buffers()
+
+    def _buffers(self) -> None:
+        """What a sampling writes: its own for each :meth:`fresh` copy."""
+        self._probe = _Array(256)
+        self.full = _Array(self.n_vocab)
+        self.short = _Array(self.n_vocab)
         # One token, for the grammar's check of the sampled one.
         self._one = _Array(1)
+        #: The sequence's logits, copied (:meth:`snapshot`) so that grammar
+        #: work off the engine thread never reads the context's buffers.
+        self.logits = np.zeros(self.n_vocab, dtype=np.float32)
+
+    def fresh(self) -> Candidates:
+        """The same tables with buffers of its own: for the next sequences,
+        when a grammar call still running uses these (an abandoned one)."""
+        other = copy.copy(self)
+        other._buffers()
+        return other
+
+    def snapshot(self, logits: Any) -> None:
+        """Copy a sequence's logits (``llama_get_logits_ith``'s pointer) for :meth:`load`."""
+        self.logits[:] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
 
     @property
     def pointer(self) -> Any:
@@ -332,12 +364,12 @@ class Candidates:
     def _banned(self, inside: bool) -> Any:
         return self._banned_inside if inside else self._banned_at_start
 
-    def load(self, logits: Any, *, inside: bool = False) -> None:
-        """Every token with its logit (``llama_get_logits_ith``'s pointer) into
-        :attr:`full`; ``inside``: the bytes so far end inside a character."""
+    def load(self, *, inside: bool = False) -> None:
+        """Every token with its logit (the :meth:`snapshot`) into :attr:`full`;
+        ``inside``: the bytes so far end inside a character."""
         data = self.full.data
         data["id"] = self._ids
-        data["logit"] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        data["logit"] = self.logits
         data["logit"][self._banned(inside)] = -np.inf
         data["p"] = 0.0
         self.full.reset(self.n_vocab)
