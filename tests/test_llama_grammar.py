@@ -354,3 +354,28 @@ async def test_an_unenforceable_schema_is_refused_before_start_on_both_wires(
             assert raised.value.code == "unsupported_option"
         finally:
             await client.close()
+
+
+def test_constrained_requests_wait_while_a_grammar_given_up_on_still_runs(
+    backend: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar computation given up on past its deadline keeps a core busy
+    until its native call returns: while one runs, a new constrained request
+    (grammar, schema) is refused as overloaded, naming why; a plain one runs.
+    Without the cap, repeating such a grammar could tie up every core."""
+    engine = backend.engine
+    assert engine is not None
+    plain = Generate(id="plain", prompt="Once", max_tokens=4)
+    asks = [
+        Generate(id="g", prompt="Once", max_tokens=4, grammar=WORD_GRAMMAR),
+        Generate(id="s", prompt="Once", max_tokens=4, json_schema=json.dumps(SCHEMA)),
+    ]
+    for frame in [plain, *asks]:
+        backend.check(frame)  # none given up on: all pass
+    monkeypatch.setattr(engine, "grammar_calls_running", lambda: 1)
+    backend.check(plain)
+    for frame in asks:
+        with pytest.raises(ProtocolError) as refused:
+            backend.check(frame)
+        assert refused.value.code == "overloaded"
+        assert "grammar_deadline_ms" in refused.value.message

@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import llama_cpp
 import orjson
@@ -588,7 +588,9 @@ class LlamaBackend(Backend):
         if engine is None:
             return
         try:
-            self._check_forced_call(frame)
+            forced = self._check_forced_call(frame)
+            if forced or frame.grammar is not None or frame.json_schema is not None:
+                _check_grammar_room(engine.grammar_calls_running())
             engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
             for key, _ in frame.logit_bias or ():
                 if isinstance(key, int) and key >= engine.n_vocab:
@@ -623,14 +625,15 @@ class LlamaBackend(Backend):
                 detail=CONTEXT_LENGTH_EXCEEDED,
             )
 
-    def _check_forced_call(self, frame: Generate) -> None:
+    def _check_forced_call(self, frame: Generate) -> bool:
         """The grammar of a request's tool calls (a forced call, or tools the
-        server describes) compiles (cached), before the request starts."""
+        server describes) compiles (cached), before the request starts.
+        Whether the request's calls are held to a grammar."""
         if frame.tools is None or frame.messages is None or frame.tool_choice == "none":
-            return
+            return False
         request = GenerationRequest.from_frame(frame, default_max_tokens=1)
         if frame.tool_choice != "required" and not self._describes_tools(request):
-            return
+            return False
         for name in ("grammar", "json_schema"):
             if getattr(frame, name) is not None:
                 raise BackendError(
@@ -642,6 +645,7 @@ class LlamaBackend(Backend):
         request = self.forced_call(request)
         assert self.engine is not None
         self.engine.grammars.compile(grammar=request.grammar, json_schema=None, field="tools")
+        return True
 
     def _check_chat(self, frame: Generate) -> None:
         """Render the chat template now, so that its refusal comes before the start."""
@@ -706,3 +710,22 @@ class LlamaBackend(Backend):
             submission.complete()
             return submission
         return self.engine.submit(request, sink, cancel)
+
+
+#: Grammar computations given up on (past their deadline) that may still run
+#: natively, each keeping a core busy, before new constrained requests are
+#: refused: without a cap, repeating a grammar that the bounds cannot tell
+#: from a fair one could tie up every core. One is already half this
+#: machine class's cores; a constrained request is refused as ``overloaded``
+#: (503: try again) only until that computation returns.
+MAX_ABANDONED_GRAMMAR_CALLS: Final = 1
+
+
+def _check_grammar_room(running: int) -> None:
+    if running >= MAX_ABANDONED_GRAMMAR_CALLS:
+        raise BackendError(
+            f"a grammar, JSON schema or tool call grammar cannot start now: {running} grammar "
+            "computation(s) given up on past backend.llama.grammar_deadline_ms still run "
+            f"(at most {MAX_ABANDONED_GRAMMAR_CALLS}); try again when they end",
+            code="overloaded",
+        )
