@@ -144,7 +144,8 @@ def test_a_worker_renders_exactly_what_the_template_renders_in_process(
 
 
 def test_a_render_past_the_deadline_is_killed_reaped_and_replaced() -> None:
-    pool = TemplatePool(TemplateBounds(timeout_s=0.5))
+    # timing-ok: a short bound for the bomb; the other renders here take milliseconds
+    pool = TemplatePool(TemplateBounds(timeout_s=timeout(0.5)))
     try:
         template = pool.load(LOOP_ON_BOOM)
         events = Events(pool)
@@ -221,7 +222,8 @@ def test_a_pool_dropped_without_close_reaps_its_workers() -> None:
 
 
 def test_a_request_renders_once_and_a_refusal_or_a_bound_is_remembered() -> None:
-    pool = TemplatePool(TemplateBounds(timeout_s=0.5))
+    # timing-ok: a short bound for the bomb; the other renders here take milliseconds
+    pool = TemplatePool(TemplateBounds(timeout_s=timeout(0.5)))
     try:
         events = Events(pool)
         template = pool.load(STRICT + LOOP_ON_BOOM)

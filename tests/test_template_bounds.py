@@ -188,7 +188,8 @@ async def test_over_http_the_bound_is_a_400_and_a_client_that_leaves_leaves_noth
     tmp_path: Path,
 ) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=triggered("boom", NESTED_RANGE))
-    config = llama_config(path, backend__llama__template__timeout_s=1.0)
+    # timing-ok: a short bound for the bomb; the load's probe renders take milliseconds
+    config = llama_config(path, backend__llama__template__timeout_s=timeout(1))
     async with running_server(config) as server:
         pool = backend_of(server).templates
         assert pool is not None
@@ -273,7 +274,7 @@ async def test_a_model_whose_template_bombs_at_load_is_model_load_failed_and_log
     config = llama_config(
         default,
         backend__llama__models=[{"name": "hostile", "model": str(hostile)}],
-        backend__llama__template__timeout_s=1.0,
+        backend__llama__template__timeout_s=timeout(1),  # timing-ok: the bomb's bound
     )
     async with running_server(config) as server, wire(server) as client:
         hi = [{"role": "user", "content": "hi"}]
