@@ -62,7 +62,10 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"ty
 
 @pytest.fixture
 def pool() -> Iterator[TemplatePool]:
-    made = TemplatePool(TemplateBounds(timeout_s=timeout(2)))  # timing-ok: renders take ms
+    # A generous bound: what a test here bounds is memory, or a kill from
+    # outside, never time (a memory bomb takes ~0.2 s to exhaust 256 MiB here,
+    # ten times that with two CPU-bound processes beside it).
+    made = TemplatePool(TemplateBounds(timeout_s=timeout(30)))  # timing-ok: see above
     try:
         yield made
     finally:

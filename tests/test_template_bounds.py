@@ -33,7 +33,7 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 from wsserver.aio import Server  # noqa: E402
 from wsserver.backends import llama_template  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.backends.llama_template_pool import TemplatePool  # noqa: E402
+from wsserver.backends.llama_template_pool import TemplateBounds, TemplatePool  # noqa: E402
 from wsserver.errors import ModelLoadError, ProtocolError  # noqa: E402
 from wsserver.protocol import Generate, Limits, parse_client_frame  # noqa: E402
 
@@ -65,6 +65,10 @@ MEMORY_BOMBS = {
 
 TIME_KEY = "backend.llama.template.timeout_s"
 MEMORY_KEY = "backend.llama.template.memory_bytes"
+#: The default memory bound, and time enough to reach it on a loaded machine
+#: (a memory bomb takes ~0.2 s to exhaust 256 MiB here, ten times that with two
+#: CPU-bound processes beside it): memory is the bound these tests hit.
+MEMORY_FIRST = TemplateBounds(timeout_s=timeout(30))  # timing-ok: see above
 
 
 def triggered(word: str, bomb: str) -> str:
@@ -227,7 +231,7 @@ def test_a_memory_bomb_in_a_request_is_refused_naming_the_memory_bound(
     tmp_path: Path, bomb: str, pools: list[TemplatePool]
 ) -> None:
     path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=triggered("boom", MEMORY_BOMBS[bomb]))
-    with loaded(path) as backend:
+    with loaded(path, template_bounds=MEMORY_FIRST) as backend:
         backend.check(chat("hi"))
         with pytest.raises(ProtocolError) as refused:
             backend.check(chat("boom"))
@@ -261,8 +265,9 @@ def test_a_template_that_bombs_at_load_fails_the_load_naming_the_bound(
 ) -> None:
     source = SIMPLE + {**TIME_BOMBS, **MEMORY_BOMBS}[bomb]
     path = write_tiny_gguf(tmp_path / "t.gguf", chat_template=source)
+    bounds = MEMORY_FIRST if key == MEMORY_KEY else TemplateBounds()
     with pytest.raises(ModelLoadError, match=re.escape(key)):
-        LlamaBackend(model=str(path), n_threads=1).load()
+        LlamaBackend(model=str(path), n_threads=1, template_bounds=bounds).load()
     assert reaped(pools)  # no core left burning
 
 
@@ -317,7 +322,7 @@ def test_the_server_never_compiles_a_template_itself_so_constant_folding_is_boun
     fits = "{% if messages | length > 1000 %}{{ '%0100000000d' % 1 }}{% endif %}"
     path = write_tiny_gguf(tmp_path / "fits.gguf", chat_template=SIMPLE + fits)
     with pytest.raises(ModelLoadError, match=re.escape(MEMORY_KEY)):
-        LlamaBackend(model=str(path), n_threads=1).load()
+        LlamaBackend(model=str(path), n_threads=1, template_bounds=MEMORY_FIRST).load()
     assert reaped(pools)
 
 
