@@ -1,7 +1,8 @@
 """``python -m bench``: run the benchmark sections and write the report.
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
-                    upstream batched resume structured responses models freeze]
+                    upstream batched resume structured responses models freeze
+                    templates]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
                     [--baseline REF]
 

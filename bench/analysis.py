@@ -28,6 +28,7 @@ from . import (
     resume,
     slow,
     structured,
+    templates,
     throughput,
     upstream,
 )
@@ -119,6 +120,14 @@ SECTIONS = (
         freeze,
         "llama",
         "a long prompt beside three decoding streams (issue 28)",
+    ),
+    Section(
+        "templates",
+        "16. Bounded chat templates: a render in a worker process against one in-process "
+        "(issue 34)",
+        templates,
+        "fake",
+        "a chat template's render in a worker process against one in-process (issue 34)",
     ),
 )
 BY_KEY = {section.key: section for section in SECTIONS}

@@ -59,17 +59,37 @@ async def running_server(config: Config | None = None, **overrides: Any) -> Asyn
     """A real server on 127.0.0.1, port 0; stopped (and checked for leaks) after."""
     server = Server(config if config is not None else make_config(**overrides))
     await server.start()
+    pools: list[Any] = []
     try:
         async with asyncio.timeout(timeout(60)):
             await server.wait_ready()
         yield server
     finally:
+        pools = template_pools(server)
         await server.stop(grace=0)
         # No producer thread may outlive the server.
         leftover = [
             t.name for t in threading.enumerate() if t.name.startswith("wsserver-producer-")
         ]
         assert not leftover, f"producer threads leaked: {leftover}"
+        # Nor a chat template worker process (ended and reaped: not even a zombie).
+        workers = [pid for pool in pools for pid in (*pool.pids(), *pool.started) if _exists(pid)]
+        assert not workers, f"chat template workers leaked: {workers}"
+
+
+def template_pools(server: Server) -> list[Any]:
+    """The chat template worker pools of the server's loaded llama models."""
+    pools = (getattr(m.backend, "templates", None) for m in server.models.models.values())
+    return [pool for pool in pools if pool is not None]
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, a zombie (not reaped) included."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 SCHEMA = json.loads((ROOT / "docs" / "protocol.schema.json").read_text())

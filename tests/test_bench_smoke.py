@@ -363,3 +363,19 @@ def test_quick_responses_bench_reuses_each_turns_prompt(
     for row in over["rows"]:
         assert row["ttft_ms"]["n"] == row["tok_s"]["n"] == over["rounds"], row
     assert "## 13. The Responses API" in text
+
+
+@pytest.mark.timeout(int(120 * UNIT))
+def test_quick_templates_bench_measures_a_render_both_ways(tmp_path: Path) -> None:
+    """Section 16: a render in-process, in a worker and remembered, for both
+    conversations; the worker was started and reaped (the pool closed)."""
+    pytest.importorskip("jinja2")
+    results, text = _quick(tmp_path, "templates")
+    result = results["templates"]
+    assert result["status"] == "ok", result
+    assert [case["messages"] for case in result["cases"]] == [2, 100]
+    for case in result["cases"]:
+        for key in ("in_process_us", "worker_us", "remembered_us"):
+            assert case[key] > 0, case  # timing-ok: measured, not bounded
+    assert result["idle_worker_rss_bytes"] > 0
+    assert "## 16. Bounded chat templates" in text

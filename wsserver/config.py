@@ -36,6 +36,7 @@ __all__ = [
     "SecurityConfig",
     "ServerConfig",
     "StreamConfig",
+    "TemplateConfig",
     "load_config",
 ]
 
@@ -224,6 +225,23 @@ _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
+class TemplateConfig:
+    """``[backend.llama.template]``: what a model's chat template (code from a
+    downloaded file) may take. Compiled and rendered in worker processes, never
+    in the server's (docs/operations.md, "Chat template bounds")."""
+
+    #: Wall-clock seconds one compile (with its load-time probe) or one render
+    #: may last; then its worker is killed (at load: the load fails; per
+    #: request: a 400 naming it).
+    timeout_s: float = _key(2.0, low=0.01, high=3600.0)
+    #: A worker's address space (RLIMIT_AS), the interpreter's ~30 MiB included.
+    memory_bytes: int = _key(256 << 20, low=64 << 20, high=1 << 40)
+    #: Worker processes per model (each ~25 MB resident while idle); a render
+    #: waits at most timeout_s for a free one, then is refused as overloaded.
+    workers: int = _key(2, low=1, high=64)
+
+
+@dataclass(frozen=True, slots=True)
 class LlamaConfig:
     model: str = _key("")
     #: More names requests may give for the default model (clients that
@@ -279,6 +297,8 @@ class LlamaConfig:
     #: A model without requests this long is unloaded (0 = kept until its
     #: memory is needed).
     keep_alive_s: float = _key(0.0, low=0.0, high=365 * 86400.0)
+    #: Bounds on the chat template's compile and renders.
+    template: TemplateConfig = field(default_factory=TemplateConfig)
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,9 @@ class RequestDriver:
             # The engine refuses what it cannot serve as asked (a grammar that
             # does not compile, a prompt beyond the context) before anything
             # starts. For a long input that check renders a template and counts
-            # tokens (~30 ms for 100,000 characters): off the loop, which would
+            # tokens (~30 ms for 100,000 characters), and an engine may say it
+            # waits on something slow (a chat template's render in a worker
+            # process, up to its time bound): off the loop, which would
             # otherwise hold up every other stream meanwhile.
             asked = (
                 frame if isinstance(frame, Generate) else Generate(frame.new_id, **frame.overrides)
@@ -164,7 +166,11 @@ class RequestDriver:
                 # hundreds of times its size, which the engine's bounds then
                 # parse (grammar_bounds): never on the loop.
                 constrained = asked.json_schema is not None or asked.tools is not None
-                if constrained or input_size(asked) > CHECK_INLINE_BYTES:
+                if (
+                    constrained
+                    or input_size(asked) > CHECK_INLINE_BYTES
+                    or model.backend.check_blocks(asked)
+                ):
                     await asyncio.to_thread(check, asked)
                 else:
                     check(asked)

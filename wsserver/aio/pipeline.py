@@ -5,7 +5,9 @@ the session lets start:
 
 1. **acquire** a slot from the :class:`~wsserver.aio.scheduler.Scheduler`
    (its position reports go to the driver while it waits);
-2. **granted** — the driver asks the session whether the request still wants
+2. **prepare** what the engine says may take long (the llama engine: its
+   chat template's render, bounded in time) on a worker thread;
+   **granted** — the driver asks the session whether the request still wants
    the model (then ``started`` goes out);
 3. **submit** it to the engine (:mod:`wsserver.backends.base`) with its
    bounded :class:`~wsserver.aio.channel.Channel` and cancel event; the slot
@@ -203,10 +205,22 @@ class Generation:
                 return
             if self.stopped:
                 return
+            request = GenerationRequest.from_frame(
+                self.request,
+                default_max_tokens=services.config.limits.default_max_tokens,
+                conn_id=self.owner.log.conn_id,
+            )
+            backend = self.model.backend
+            if backend.prepare_blocks(request):
+                # A chat template's render (bounded in time, not quick): off the
+                # loop, and before the engine's thread, which serves every stream.
+                request = await asyncio.to_thread(backend.prepare, request)
+                if self.stopped:
+                    return
             # The token is made by the driver (only for a resumable request).
             if not await self.owner.report(ModelGranted(request_id)):
                 return
-            self._submit(asyncio.get_running_loop())
+            self._submit(asyncio.get_running_loop(), request)
             await self._pump()
         except ConnectionClosed:
             self.stop()
@@ -216,16 +230,11 @@ class Generation:
         finally:
             await self._finalize()
 
-    def _submit(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _submit(self, loop: asyncio.AbstractEventLoop, request: GenerationRequest) -> None:
         services = self.owner.services
         backend = self.model.backend
         assert self.slot is not None
         slot: int = self.slot
-        request = GenerationRequest.from_frame(
-            self.request,
-            default_max_tokens=services.config.limits.default_max_tokens,
-            conn_id=self.owner.log.conn_id,
-        )
         channel = self.channel
         reasoning_format = self.request.reasoning_format or services.config.stream.reasoning_format
         if reasoning_format == "auto" and self.request.messages is not None:

@@ -155,6 +155,9 @@ class GenerationRequest:
     #: The model asked for, resolved by the server (an engine that serves
     #: several, :meth:`Backend.served_models`, routes by it).
     model: str | None = None
+    #: What :meth:`Backend.prepare` worked out off the loop (the engine's own
+    #: type: a rendered and tokenized prompt); None until then.
+    prepared: object | None = None
 
     @classmethod
     def from_frame(
@@ -345,13 +348,15 @@ class Backend(abc.ABC):
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.
 
-        Called on the event loop for every ``generate`` (and a ``restart``'s
-        overrides) before the request is accepted; raises
+        Called for every ``generate`` (and a ``restart``'s overrides) before
+        the request is accepted — on the event loop, or on a worker thread for
+        a long input or when :meth:`check_blocks` says so; raises
         :class:`~wsserver.errors.ProtocolError`: ``unsupported_option`` for a
         stage option (:data:`wsserver.sampling.NEUTRAL`) given a value that
         matters and not in :attr:`honours`; an engine's override adds its own
         checks (``bad_request``: a grammar that does not compile, a token
-        outside the vocabulary). Must be quick or cached.
+        outside the vocabulary). Must be quick or cached — or
+        :meth:`check_blocks` says so, and it runs on a worker thread.
         """
         for name in sorted(options_asked(frame) - self.honours):
             raise ProtocolError(
@@ -378,6 +383,28 @@ class Backend(abc.ABC):
                 f'server\'s engine ({self.model_name}) yet: give "auto" or "none"',
                 frame.id,
             )
+
+    def check_blocks(self, frame: Generate) -> bool:
+        """Whether :meth:`check` may wait on something slow for ``frame`` (the
+        llama engine: a chat template rendered in a worker process, up to its
+        time bound): the server then runs it on a worker thread, whatever the
+        input's size. Quick; called on the event loop."""
+        return False
+
+    def prepare_blocks(self, request: GenerationRequest) -> bool:
+        """Whether :meth:`prepare` has work for ``request`` (then the server runs
+        it on a worker thread once the request has its slot, before
+        :meth:`opens_reasoning`, :meth:`tool_syntax` and :meth:`submit`, which
+        run on the loop). Quick; called on the event loop."""
+        return False
+
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with what may take long worked out ahead, off the loop
+        and off the engine (:attr:`GenerationRequest.prepared`): the llama
+        engine renders the chat template and tokenizes the prompt here, so that
+        neither the event loop nor its engine thread ever waits on a template.
+        Never raises: a failure is kept for :meth:`submit` to report."""
+        return request
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The prompt's token count as this engine would feed it (its chat

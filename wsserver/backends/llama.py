@@ -43,7 +43,13 @@ import orjson
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
-from ..errors import CONTEXT_LENGTH_EXCEEDED, BackendError, ModelLoadError, ProtocolError
+from ..errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    BackendError,
+    ModelLoadError,
+    ProtocolError,
+    WireCode,
+)
 from ..protocol import Generate, Message
 from ..reasoning import FORCED_CLOSE, opens_reasoning
 from ..sampling import NEUTRAL
@@ -54,9 +60,16 @@ from .gguf_meta import kv_cache_bytes
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
+from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
 from .llama_tool_grammar import forced_call_grammar
 
-__all__ = ["CHAT_FALLBACK_STOPS", "LlamaBackend", "generic_tools_note", "plain_chat_prompt"]
+__all__ = [
+    "CHAT_FALLBACK_STOPS",
+    "LlamaBackend",
+    "PreparedPrompt",
+    "generic_tools_note",
+    "plain_chat_prompt",
+]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -131,6 +144,23 @@ def _default_model_path() -> Path:
         raise ModelLoadError(f"cannot assemble the default model: {exc}") from exc
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A chat request's prompt, worked out by :meth:`LlamaBackend.prepare` on
+    a worker thread — what the loop-side questions (``opens_reasoning``,
+    ``tool_syntax``) and the engine's admission read instead of rendering the
+    chat template themselves (:attr:`GenerationRequest.prepared`)."""
+
+    tokens: tuple[int, ...] = ()
+    stops: tuple[str, ...] = ()
+    opens_reasoning: bool = False
+    #: The server, not the template, shows the tools (:meth:`LlamaBackend._describes_tools`).
+    describes_tools: bool = False
+    #: Why there is no prompt (wire code, message): the template refused the
+    #: messages or exceeded a bound. The engine ends the request with it.
+    error: tuple[WireCode, str] | None = None
+
+
 class LlamaBackend(Backend):
     """Serves a GGUF model through llama.cpp: one context, ``parallel`` sequences."""
 
@@ -161,6 +191,7 @@ class LlamaBackend(Backend):
         use_mlock: bool = False,
         grammar_deadline_ms: float = 1000.0,
         engine_stall_s: float = 30.0,
+        template_bounds: TemplateBounds | None = None,
         name: str = "",
     ) -> None:
         if abort_check not in ("native", "python"):
@@ -180,6 +211,8 @@ class LlamaBackend(Backend):
         self.abort_check = abort_check
         #: A Jinja file that replaces the model's own chat template ("": the model's).
         self.chat_template_file = chat_template_file
+        #: What compiling and rendering the chat template may take (its worker processes).
+        self.template_bounds = template_bounds or TemplateBounds()
         # Passed to llama.cpp as they are (docs/install.md, "GPUs and big models").
         self.n_ubatch = n_ubatch or n_batch
         self.n_gpu_layers = n_gpu_layers
@@ -201,7 +234,11 @@ class LlamaBackend(Backend):
         self._model: Any = None
         self._ctx: Any = None
         self.engine: BatchEngine | None = None
-        self.chat_template: ChatTemplate | None = None
+        #: The model's chat template: rendered by :attr:`templates`' workers
+        #: (a :class:`ChatTemplate` in-process is accepted too: tests).
+        self.chat_template: BoundedTemplate | ChatTemplate | None = None
+        #: The worker processes that compile and render it (while loaded).
+        self.templates: TemplatePool | None = None
         self._pieces: dict[int, bytes] = {}
         self._bos: list[int] = []
         self._on_prefill: Callable[[str, int], None] | None = None
@@ -229,6 +266,11 @@ class LlamaBackend(Backend):
             use_mlock=config.use_mlock,
             grammar_deadline_ms=config.grammar_deadline_ms,
             engine_stall_s=config.engine_stall_s,
+            template_bounds=TemplateBounds(
+                timeout_s=config.template.timeout_s,
+                memory_bytes=config.template.memory_bytes,
+                workers=config.template.workers,
+            ),
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -339,15 +381,20 @@ class LlamaBackend(Backend):
         template, origin = self._template_source()
         if template:
             eos = model.token_eos()
+            # Compiled (and probed) in a worker process, within the template
+            # bounds: this process never runs the file's Jinja itself.
+            self.templates = TemplatePool(self.template_bounds)
             try:
-                self.chat_template = ChatTemplate(
+                self.chat_template = self.templates.load(
                     template,
                     eos_token=model.token_get_text(eos) if eos != -1 else "",
                     bos_token=model.token_get_text(bos) if bos != -1 else "",
                 )
-            except TemplateLoadError as exc:
+            except (TemplateLoadError, BackendError) as exc:
                 self.close()
                 hint = "" if self.chat_template_file else " (set backend.llama.chat_template_file)"
+                if isinstance(exc, BackendError) and exc.code != "bad_request":
+                    hint = ""  # no worker started: not the template's fault
                 raise ModelLoadError(f"{origin}: {exc}{hint}") from None
             log.info("chat: using %s", origin)
         else:
@@ -367,6 +414,10 @@ class LlamaBackend(Backend):
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
+        templates, self.templates = self.templates, None
+        self.chat_template = None
+        if templates is not None:
+            templates.close()
         if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
             # Its thread, or a grammar call given up on, still runs natively
             # in this model: freeing it would pull the memory from under them.
@@ -444,10 +495,22 @@ class LlamaBackend(Backend):
         return list(self._model.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
-        """The prompt's tokens and the stop strings, as llama-cpp-python would make them."""
+        """The prompt's tokens and the stop strings, as llama-cpp-python would
+        make them (or as :meth:`prepare` made them). ``bad_request`` for a
+        prompt of no tokens: the input's fault (an empty prompt, or a chat
+        template that rendered nothing), not the engine's."""
+        prepared = request.prepared
+        if isinstance(prepared, PreparedPrompt):
+            if prepared.error is not None:
+                code, message = prepared.error
+                raise BackendError(message, code=code)
+            return list(prepared.tokens), prepared.stops
         stops = tuple(request.stop)
         if request.prompt is not None:
-            return self._bos + self._tokenize(request.prompt, add_bos=False), stops
+            tokens = self._bos + self._tokenize(request.prompt, add_bos=False)
+            if not tokens:
+                raise BackendError("the prompt is empty", code="bad_request")
+            return tokens, stops
         messages, tools = self._chat_input(request)
         if self.chat_template is None:
             text = plain_chat_prompt(messages)
@@ -455,10 +518,52 @@ class LlamaBackend(Backend):
         rendered = self.render_chat(messages, tools, request.chat_template_kwargs)
         # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
         tokens = self._tokenize(rendered, add_bos=False)
+        if not tokens:
+            raise BackendError(
+                "the model's chat template rendered an empty prompt for these messages",
+                code="bad_request",
+            )
         eos = self.chat_template.eos_token
         return tokens, stops + ((eos,) if eos else ())
 
+    def prepare_blocks(self, request: GenerationRequest) -> bool:
+        return (
+            request.messages is not None
+            and self.chat_template is not None
+            and request.prepared is None
+        )
+
+    def prepare(self, request: GenerationRequest) -> GenerationRequest:
+        """Render the chat template and tokenize the prompt here, off the loop
+        and off the engine thread (see :class:`PreparedPrompt`). The check
+        rendered the same input a moment ago: the render is remembered
+        (:class:`~.llama_template_pool.BoundedTemplate`), not run again."""
+        if not self.prepare_blocks(request):
+            return request
+        try:
+            describes = self._describes_tools(request)
+            request = self.forced_call(request)
+            tokens, stops = self._prompt(request)
+            opened = self.opens_reasoning(request)
+        except BackendError as exc:
+            failed = PreparedPrompt(error=(exc.code, str(exc)))
+            return dataclasses.replace(request, prepared=failed)
+        except Exception:  # the engine must still end the request, with its error
+            log.exception("id=%s preparing the prompt failed", request.id)
+            failed = PreparedPrompt(error=("internal", "the prompt could not be prepared"))
+            return dataclasses.replace(request, prepared=failed)
+        prepared = PreparedPrompt(
+            tokens=tuple(tokens), stops=stops, opens_reasoning=opened, describes_tools=describes
+        )
+        return dataclasses.replace(request, prepared=prepared)
+
+    def check_blocks(self, frame: Generate) -> bool:
+        # Rendering a chat template waits on a worker process, up to its time bound.
+        return frame.messages is not None and self.chat_template is not None
+
     def opens_reasoning(self, request: GenerationRequest) -> bool:
+        if isinstance(request.prepared, PreparedPrompt):
+            return request.prepared.opens_reasoning
         if self.chat_template is None or request.messages is None:
             return False
         try:
@@ -484,6 +589,8 @@ class LlamaBackend(Backend):
         llama.cpp does for such templates."""
         if request.tools is None or request.messages is None:
             return False
+        if isinstance(request.prepared, PreparedPrompt):
+            return request.prepared.describes_tools
         if self.chat_template is None:
             return True
         messages, kwargs = request.messages, request.chat_template_kwargs
@@ -614,8 +721,8 @@ class LlamaBackend(Backend):
         request = GenerationRequest.from_frame(frame, default_max_tokens=1)
         try:
             tokens = self._prompt(request)[0]
-        except BackendError:
-            return  # the engine reports it, as before
+        except BackendError as exc:  # an empty prompt (a refusal was raised before)
+            raise ProtocolError(exc.code, str(exc), frame.id) from None
         if len(tokens) >= n_ctx:
             raise ProtocolError(
                 "too_large",
@@ -703,7 +810,8 @@ class LlamaBackend(Backend):
             submission.complete()
             return submission
         try:
-            request = self.forced_call(request)
+            if request.prepared is None:  # prepare() did it
+                request = self.forced_call(request)
         except BackendError as exc:  # checked before the start; a config reload may differ
             submission = Submission()
             sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))

@@ -441,8 +441,8 @@ class BatchEngine:
             log.warning("id=%s tokenizing failed: %r", request.id, exc)
             self._fail(job, "the prompt could not be tokenized")
             return
-        if not prompt:
-            self._fail(job, "the prompt is empty")
+        if not prompt:  # the input's fault (the backend refuses it before: bad_request too)
+            self._fail(job, "the prompt is empty", code="bad_request")
             return
         try:
             bias = self.logit_bias(request)

@@ -11,11 +11,18 @@ prompt is the one the model's authors meant — and stricter in three ways:
 * an attribute the sandbox deems unsafe (``__class__``, ``__globals__``,
   ``mro``, a mutating method) **raises** at once rather than rendering as an
   empty undefined value, so an escape attempt is an error, not silence;
-* ``*`` and ``**`` are bounded, so a template cannot build a gigabyte string;
+* ``*`` and ``**`` are bounded, so a template cannot build a gigabyte string
+  in one operation;
 * every failure — a syntax error, ``raise_exception(…)`` (how templates refuse
   a conversation they do not support), a sandbox violation, a type error — is
   a :class:`~wsserver.errors.BackendError` with the wire code ``bad_request``
   and a short message; the template's traceback stays in the server.
+
+A sandbox stops escapes, not bombs: a loop, a doubling macro or one native
+string operation still takes a core or a gigabyte. So the server never uses
+this class itself — :mod:`.llama_template_worker` processes do, each bounded
+in time and memory (:mod:`.llama_template_pool`); a :class:`MemoryError` is
+therefore left to the caller, never turned into a refusal here.
 
 Inputs are OpenAI's shapes (``messages`` with ``tool_calls``; ``tools``) plus
 ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``strftime_now`` and
@@ -180,6 +187,8 @@ class ChatTemplate:
                     raise_exception=_raise_exception,
                     strftime_now=_strftime_now,
                 )
+            except MemoryError:
+                raise  # a bomb, not a shape it cannot take: the load fails
             except Exception:  # whatever a template raises: it cannot take it
                 return False
             return True
@@ -195,8 +204,25 @@ class ChatTemplate:
         extra: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt; :class:`BackendError` (``bad_request``) if the template fails."""
+        return self.render_entries(
+            template_messages(messages),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            extra=extra,
+        )
+
+    def render_entries(
+        self,
+        entries: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
+    ) -> str:
+        """:meth:`render` of messages already as a template reads them
+        (:func:`template_messages`; a template worker's input). A
+        :class:`MemoryError` is not caught: it is the caller's bound."""
         variables: dict[str, Any] = dict(extra or {})
-        entries = template_messages(messages)
         if self.string_content:
             for entry in entries:
                 if entry.get("content") is None:
@@ -218,6 +244,8 @@ class ChatTemplate:
             raise _refused(f"the chat template did something not allowed: {exc}") from None
         except RecursionError:
             raise _refused("the chat template recursed too deeply") from None
+        except MemoryError:
+            raise
         except Exception as exc:  # jinja2 errors, and whatever a template's types raise
             detail = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise _refused(f"the chat template failed: {detail}") from None
