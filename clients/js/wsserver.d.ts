@@ -301,7 +301,16 @@ export type ErrorCode =
   | "unsupported_option"
   | "invalid_tool_call"
   | "model_not_found"
-  | "model_load_failed";
+  | "model_load_failed"
+  | "bad_reference"
+  | "pull_not_allowed"
+  | "hub_not_found"
+  | "hub_unauthorized"
+  | "hub_unreachable"
+  | "hub_error"
+  | "download_too_large"
+  | "disk_full"
+  | "verification_failed";
 
 export interface ErrorFrame {
   type: "error";
