@@ -51,7 +51,7 @@ def test_settings_for_the_hub_come_from_the_section() -> None:
 
 
 def test_pulls_over_the_api_need_the_auth_token() -> None:
-    with pytest.raises(ConfigError, match="models.allow_pull .* needs security.auth_token"):
+    with pytest.raises(ConfigError, match=r"models.allow_pull .* needs security.auth_token"):
         load_config(env={}, overrides={"models.allow_pull": "true"})
     loaded = load_config(
         env={"WSSERVER_SECURITY_AUTH_TOKEN": "s3cret"}, overrides={"models.allow_pull": "true"}
@@ -61,5 +61,5 @@ def test_pulls_over_the_api_need_the_auth_token() -> None:
 
 @pytest.mark.parametrize("endpoint", ["ftp://x", "huggingface.co", "http://a b", "http://u@h"])
 def test_the_endpoint_must_be_an_http_url(endpoint: str) -> None:
-    with pytest.raises(ConfigError, match="models.endpoint"):
+    with pytest.raises(ConfigError, match=r"models\.endpoint"):
         load_config(env={}, overrides={"models.endpoint": endpoint})

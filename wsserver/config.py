@@ -223,6 +223,8 @@ MODEL_OVERRIDES = (
     "engine_stall_s",
 )
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
+#: What a model's name (and an alias) may be.
+MODEL_NAME_RE = _MODEL_NAME_RE
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,6 +631,8 @@ def _hub_environment(env: Mapping[str, str]) -> list[tuple[tuple[str, ...], str,
         value = "true" if offline.strip().upper() in ("1", "ON", "YES", "TRUE") else "false"
         found.append((("models", "offline"), value, "HF_HUB_OFFLINE"))
     return found
+
+
 _TOKEN_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,512}")
 
 #: Keys whose values ``describe()`` never prints.

@@ -46,6 +46,7 @@ from .client_frames import (
 from .errors import WireCode
 from .logprobs import TokenLogprob, parse_entries
 from .models import ModelInfo
+from .pull.progress import Progress
 from .tool_calls import CallPart
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "Limits",
     "Message",
     "ModelInfo",
+    "Progress",
     "Queued",
     "Restart",
     "Resume",
@@ -110,6 +112,9 @@ class Queued:
     position: int
     #: ``True`` while the request's model is being loaded (else not written).
     loading: bool | None = None
+    #: While the model is being downloaded (a configured ``hf:`` reference):
+    #: how far (else not written).
+    download: Progress | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +351,50 @@ class _ToolCalls(_Optional):
         into[self.key] = None if value is None else tuple(CallPart(**part) for part in value)
 
 
+class _Progress(_Optional):
+    """A pull's progress (:class:`~wsserver.pull.progress.Progress`), left out
+    when ``None``: ``status``, ``completed``, ``total``, then ``file``,
+    ``rate`` and ``eta_s`` when known (the two figures rounded)."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = progress_object(value)
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else read_progress(value)
+
+
+def progress_object(progress: Progress) -> dict[str, Any]:
+    """A pull's progress as its wire object."""
+    out: dict[str, Any] = {
+        "status": progress.status,
+        "completed": progress.completed,
+        "total": progress.total,
+    }
+    if progress.file is not None:
+        out["file"] = progress.file
+    if progress.rate is not None:
+        out["rate"] = round(progress.rate, 1)
+    if progress.eta_s is not None:
+        out["eta_s"] = round(progress.eta_s, 1)
+    return out
+
+
+def read_progress(obj: dict[str, Any]) -> Progress:
+    return Progress(
+        status=obj["status"],
+        completed=obj["completed"],
+        total=obj["total"],
+        file=obj.get("file"),
+        rate=obj.get("rate"),
+        eta_s=obj.get("eta_s"),
+    )
+
+
 class _Models(_Optional):
     """``hello``'s models: a list of objects, left out when ``None``; a reader
     keeps the members it knows (servers may add some within v1)."""
@@ -411,7 +460,7 @@ _WIRE: Final = (
         _Names("honours"),
         _Models("models"),
     ),
-    _Frame("queued", Queued, "id", "position", _Optional("loading")),
+    _Frame("queued", Queued, "id", "position", _Optional("loading"), _Progress("download")),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
     _Frame(

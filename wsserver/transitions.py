@@ -18,7 +18,7 @@ whose row is missing is late — its request ended — and is dropped.
     state    event           next     effects
     -------  --------------  -------  -----------------------------------------------------
     -        Generate        WAITING  StartGeneration (held while a producer winds down)
-    WAITING  QueuePosition   WAITING  Send(queued) when the position changed
+    WAITING  QueuePosition   WAITING  Send(queued) when the position or download changed
     WAITING  ModelGranted    RUNNING  Send(started)
     WAITING  Rejected        DONE     Send(error overloaded), no done
     WAITING  PromptCounted   WAITING  -
@@ -71,7 +71,9 @@ class Row(NamedTuple):
 #: (state of the event's request — ``None``: never seen —, event type) → transition.
 TRANSITIONS: Final[dict[tuple[RequestState | None, type], Row]] = {
     (None, Generate): Row("_accept", WAITING, "StartGeneration (held while a producer winds down)"),
-    (WAITING, QueuePosition): Row("_queued", WAITING, "Send(queued) when the position changed"),
+    (WAITING, QueuePosition): Row(
+        "_queued", WAITING, "Send(queued) when the position or download changed"
+    ),
     (WAITING, ModelGranted): Row("_granted", RUNNING, "Send(started)"),
     (WAITING, Rejected): Row("_rejected", DONE, "Send(error overloaded), no done"),
     (WAITING, PromptCounted): Row("_prompt_counted", WAITING, "-"),
