@@ -8,10 +8,11 @@ machine-checkable form.
 The two directions:
 
 * **Client to server** (:mod:`wsserver.client_frames`): ``generate``,
-  ``cancel``, ``restart`` and ``resume``, the :class:`Limits` they are held
-  to, and :func:`parse_client_frame`, which validates them strictly.
+  ``cancel``, ``restart``, ``resume`` and ``pull``, the :class:`Limits` they
+  are held to, and :func:`parse_client_frame`, which validates them strictly.
 * **Server to client** (here): ``hello``, ``queued``, ``started``,
-  ``resumed``, ``delta``, ``done`` and ``error``. Each is described once, in
+  ``resumed``, ``delta``, ``done``, ``error``, and a pull's ``pull_progress``
+  and ``pull_done``. Each is described once, in
   ``_WIRE``: its type name and its members in wire order (the order is
   visible on the wire and in the docs' examples), each member saying how it
   is written and read back. :func:`serialize` and :func:`parse_server_frame`
@@ -38,6 +39,7 @@ from .client_frames import (
     Generate,
     Limits,
     Message,
+    Pull,
     Restart,
     Resume,
     ToolCall,
@@ -68,6 +70,10 @@ __all__ = [
     "Message",
     "ModelInfo",
     "Progress",
+    "Pull",
+    "PullDone",
+    "PullReason",
+    "Pulling",
     "Queued",
     "Restart",
     "Resume",
@@ -85,6 +91,7 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 
 DoneReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+PullReason = Literal["complete", "cancelled", "error"]
 
 
 # ---------------------------------------------------------------- server frames
@@ -104,6 +111,9 @@ class Hello:
     #: Every model the server serves (``model`` is the default), with its
     #: state and limits; a ``generate`` chooses one with ``model``.
     models: tuple[ModelInfo, ...] | None = None
+    #: Whether this connection may ``pull`` models (``None``: not said, a
+    #: server before it).
+    pull: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +208,30 @@ class Error:
     detail: str | None = field(default=None, compare=False)
 
 
-ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed
+@dataclass(frozen=True, slots=True)
+class Pulling:
+    """How far a ``pull`` is (sent at once on a new status or file, else at
+    most a couple of times a second)."""
+
+    id: str
+    progress: Progress
+
+
+@dataclass(frozen=True, slots=True)
+class PullDone:
+    """The end of a ``pull`` — exactly one per accepted pull, always its last frame."""
+
+    id: str
+    reason: PullReason
+    #: ``complete``: the model as the server now serves it.
+    model: ModelInfo | None = None
+    #: ``complete``: bytes that came over the network (0: all were cached).
+    downloaded: int | None = None
+    error_code: WireCode | None = None
+    error_message: str | None = None
+
+
+ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone
 
 
 # ---------------------------------------------------------------- the description
@@ -354,7 +387,9 @@ class _ToolCalls(_Optional):
 class _Progress(_Optional):
     """A pull's progress (:class:`~wsserver.pull.progress.Progress`), left out
     when ``None``: ``status``, ``completed``, ``total``, then ``file``,
-    ``rate`` and ``eta_s`` when known (the two figures rounded)."""
+    ``rate`` and ``eta_s`` when known (the two figures rounded). Required
+    where it is the frame's point (``pull_progress``): it is never ``None``
+    there."""
 
     __slots__ = ()
 
@@ -393,6 +428,22 @@ def read_progress(obj: dict[str, Any]) -> Progress:
         rate=obj.get("rate"),
         eta_s=obj.get("eta_s"),
     )
+
+
+class _Model(_Optional):
+    """One model object (``pull_done``'s), left out when ``None``."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = _model_object(value)
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        names = tuple(f.name for f in fields(ModelInfo))
+        into[self.key] = None if value is None else _read_model(value, names)
 
 
 class _Models(_Optional):
@@ -459,6 +510,7 @@ _WIRE: Final = (
         _Object("limits", Limits, extensible=True),
         _Names("honours"),
         _Models("models"),
+        _Optional("pull"),
     ),
     _Frame("queued", Queued, "id", "position", _Optional("loading"), _Progress("download")),
     _Frame("started", Started, "id", _Optional("resume_token")),
@@ -486,6 +538,16 @@ _WIRE: Final = (
         _Optional("model"),
     ),
     _Frame("error", Error, "id", "code", "message"),
+    _Frame("pull_progress", Pulling, "id", _Progress("progress")),
+    _Frame(
+        "pull_done",
+        PullDone,
+        "id",
+        "reason",
+        _Model("model"),
+        _Optional("downloaded"),
+        _Group("error", code="error_code", message="error_message"),
+    ),
 )
 _BY_CLASS: Final[dict[type[Any], _Frame]] = {wire.cls: wire for wire in _WIRE}
 _BY_TYPE: Final[dict[str, _Frame]] = {wire.type: wire for wire in _WIRE}

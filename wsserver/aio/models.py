@@ -49,8 +49,9 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..backends import ModelEntry
+from ..backends import ModelEntry, pulled_model
 from ..backends.base import Liveness
+from ..config import Config
 from ..errors import ModelLoadError, ProtocolError, PullError
 from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate, Progress
@@ -302,6 +303,25 @@ class ModelPool:
         for m in self.models.values():
             if m.state == "loaded":
                 m.backend.liveness()
+
+    def add_pulled(self, config: Config, pulled: Pulled) -> Model:
+        """Serve a model a client pulled, under its reference's name (loaded on
+        its first request). A name already served — a configured model, or the
+        same reference pulled before — is that model, untouched."""
+        reference = pulled.plan.reference
+        name = reference.name
+        existing = self.models.get(name) or self.aliases.get(name)
+        if existing is not None:
+            if existing.reference == reference and existing.pulled is None:
+                existing.pulled = pulled
+                if existing.use_file is not None:
+                    existing.use_file(pulled.model_path)
+            return existing
+        model = Model(pulled_model(config, reference, pulled.model_path))
+        model.pulled = pulled
+        self.models[name] = model
+        log.info("model %s: pulled by a client, served from %s", name, pulled.model_path)
+        return model
 
     # ------------------------------------------------------------ requests
 

@@ -182,6 +182,7 @@ class Server:
             wire_limits=self.wire_limits,
             server_name=self.server_name,
             background=self.background,
+            pulls=self.pulls,
         )
         #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
         self.http = HttpContext(

@@ -25,6 +25,7 @@ __all__ = [
     "create_backend",
     "create_models",
     "default_aliases",
+    "pulled_model",
 ]
 
 
@@ -138,6 +139,24 @@ def create_models(config: Config) -> list[ModelEntry]:
         settings = dataclasses.replace(llama, model=str(path), models=(), aliases=[])
         add(path.stem, settings, False, f"backend.llama.models_dir {path}")
     return entries
+
+
+def pulled_model(config: Config, reference: Reference, path: Path) -> ModelEntry:
+    """A model a client pulled, served under its reference's name with the
+    ``[backend.llama]`` settings (loaded on its first request)."""
+    from .llama import LlamaBackend
+
+    settings = dataclasses.replace(config.backend.llama, model=str(path), models=(), aliases=[])
+    backend = LlamaBackend.from_config(settings, name=reference.name)
+    return ModelEntry(
+        reference.name,
+        backend,
+        settings.keep_alive_s,
+        False,
+        (),
+        reference,
+        _file_setter(backend),
+    )
 
 
 def _reference_name(reference: Reference | None) -> str:
