@@ -103,6 +103,7 @@ SANS_IO = [
     "wsserver.pull",
     "wsserver.pull.reference",
     "wsserver.pull.progress",
+    "wsserver.pull.requests",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")
