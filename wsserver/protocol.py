@@ -476,6 +476,8 @@ def _read_model(obj: dict[str, Any], names: tuple[str, ...]) -> ModelInfo:
 def _model_object(model: ModelInfo) -> dict[str, Any]:
     out = {f.name: getattr(model, f.name) for f in fields(ModelInfo)}
     out["aliases"] = list(model.aliases)
+    if model.chat_template is None:
+        del out["chat_template"]  # not known: not said
     return out
 
 

@@ -56,6 +56,7 @@ from ..errors import ModelLoadError, ProtocolError, PullError
 from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate, Progress
 from ..pull.hub import PullCancelled, Pulled
+from ..pull.progress import PlainLines
 from .pulls import Pulls
 from .scheduler import Scheduler
 
@@ -154,7 +155,15 @@ class Model:
             parallel=self.backend.slots,
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
+            chat_template=self._chat_template() if state == "loaded" else None,
         )
+
+    def _chat_template(self) -> bool | None:
+        """Whether the loaded engine has a chat template (a llama engine's
+        ``chat_template``; an engine without the notion: not said)."""
+        if not hasattr(self.backend, "chat_template"):
+            return None
+        return getattr(self.backend, "chat_template", None) is not None
 
     def _set(self, state: str) -> None:
         self.state = state
@@ -461,10 +470,16 @@ class ModelPool:
                 f"{reference.text} is a Hub reference, and this server pulls nothing"
             )
         subscription = self.pulls.start(reference, keep=True)
+        # The operator watching the log (a first `serve --model hf:…`) sees
+        # it go: a line per status change and per tenth.
+        lines = PlainLines()
+        loop = asyncio.get_running_loop()
 
         def progressed(progress: Progress) -> None:
             model.download = progress
             model.scheduler.reannounce()
+            for line in lines.lines(progress, loop.time()):
+                log.info("model %s: %s", model.name, line)
 
         subscription.on_progress = progressed
         try:
