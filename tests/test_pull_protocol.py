@@ -310,3 +310,56 @@ async def test_a_connection_runs_a_few_pulls_at_once(
                 await client.until(
                     lambda f, n=n: f["type"] == "pull_done" and f["id"] == f"p{n}", units=30
                 )
+
+
+# ---------------------------------------------------------------- the Python clients
+
+
+async def test_the_async_client_pulls_with_progress_and_cancels(
+    hub: FakeHub, files: dict[str, bytes], tmp_path: Path, tiny_gguf: Path
+) -> None:
+    from wsserver_client import Client, GenerationError
+
+    digest = sha256(files["tiny-Q4_K_M.gguf"])
+    async with running_server(config(hub, tmp_path, tiny_gguf)) as server:
+        server.pulls.interval = 0.02
+        async with Client(server.url, token=TOKEN) as client:
+            assert client.hello is not None and client.hello.pull is True
+            pull = client.pull("org/real-GGUF")
+            statuses = [progress.status async for progress in pull]
+            assert statuses[0] == "resolving" and statuses[-1] == "done"
+            done = await pull.result()
+            assert done.reason == "complete" and done.model is not None
+            assert done.model.name == "org/real-GGUF"
+            result = await client.generate("Hi", model="org/real-GGUF", max_tokens=3).result()
+            assert result.done.model == "org/real-GGUF"
+
+            with hub.held(digest, after=MiB):
+                slow = client.pull("org/tiny-GGUF")
+                async for progress in slow:
+                    if progress.status == "downloading":
+                        break
+                cancelled = await slow.cancel()
+            assert cancelled.reason == "cancelled"
+
+            refused = client.pull("org/../etc/passwd")
+            with pytest.raises(GenerationError) as info:
+                await refused.result()
+            assert info.value.code == "bad_reference"
+
+
+async def test_the_sync_client_pulls_too(hub: FakeHub, tmp_path: Path, tiny_gguf: Path) -> None:
+    import asyncio
+
+    from wsserver_client.sync import Client
+
+    async with running_server(config(hub, tmp_path, tiny_gguf)) as server:
+
+        def pull() -> tuple[list[str], str]:
+            with Client(server.url, token=TOKEN) as client:
+                handle = client.pull("org/real-GGUF")
+                statuses = [progress.status for progress in handle]
+                return statuses, handle.result().reason
+
+        statuses, reason = await asyncio.to_thread(pull)
+    assert statuses[-1] == "done" and reason == "complete"
