@@ -4,13 +4,16 @@ cancel by id, shared downloads, who may pull."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import handlers_finished, make_config, running_server, wire
+from conftest import handlers_finished, make_config, running_server, timeout, wire
 from fake_hub import FakeHub, sha256
 
 from wsserver.errors import ProtocolError
@@ -107,6 +110,14 @@ def hub(files: dict[str, bytes], tiny_gguf: Path) -> Iterator[FakeHub]:
         yield fake
 
 
+def v1_models(port: int) -> Any:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout()) as response:
+        return json.load(response)
+
+
 def config(hub: FakeHub, cache: Path, tiny: Path, **overrides: Any) -> Any:
     values: dict[str, Any] = {
         "backend__kind": "llama",
@@ -156,6 +167,8 @@ async def test_a_pull_streams_progress_then_serves_the_model(
         async with wire(server, **AUTH) as other:
             names = [m["name"] for m in other.hello["models"]]  # type: ignore[index]
             assert "org/real-GGUF" in names
+            listed = await asyncio.to_thread(v1_models, server.port)
+            assert "org/real-GGUF" in [m["id"] for m in listed["data"]]
             # Pulling it again: already here, nothing downloaded.
             await other.send({"type": "pull", "id": "again", "model": "org/real-GGUF"})
             frames = await other.until(lambda f: f["type"] == "pull_done")
@@ -349,8 +362,6 @@ async def test_the_async_client_pulls_with_progress_and_cancels(
 
 
 async def test_the_sync_client_pulls_too(hub: FakeHub, tmp_path: Path, tiny_gguf: Path) -> None:
-    import asyncio
-
     from wsserver_client.sync import Client
 
     async with running_server(config(hub, tmp_path, tiny_gguf)) as server:
