@@ -457,3 +457,29 @@ def test_a_disk_that_fills_up_mid_download_leaves_nothing_half_written(
         assert errors[0].code == "disk_full"
         assert leftovers(disk) == []
         assert not (storage(disk / "cache") / "blobs" / digest).exists()
+
+
+def test_a_listing_that_points_outside_the_cache_is_not_followed(tmp_path: Path) -> None:
+    # The endpoint may be a mirror: its listing is input too.
+    good = os.urandom(1000)
+    with FakeHub() as fake:
+        fake.add_repo(
+            "org/evil",
+            {
+                "../../../outside-Q4_K_M.gguf": os.urandom(100),
+                "sub/../x-Q4_K_M.gguf": b"x",
+                "ok-Q8_0.gguf": good,
+            },
+        )
+        pulled = Hub(settings(fake, tmp_path / "cache")).pull("org/evil")
+        assert pulled.model_path.name == "ok-Q8_0.gguf" and pulled.model_path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert not any("outside" in p.name for p in tmp_path.rglob("*"))
+
+
+def test_a_commit_that_is_not_one_is_refused(files: dict[str, bytes], tmp_path: Path) -> None:
+    with FakeHub() as fake:
+        fake.add_repo(REPO, files, commit="../../../tmp")
+        with pytest.raises(PullError) as info:
+            Hub(settings(fake, tmp_path)).pull("org/tiny-GGUF")
+    assert info.value.code == "hub_error" and "no usable commit" in info.value.message

@@ -191,3 +191,14 @@ def test_split_info_reads_llama_cpp_names() -> None:
     assert split_info("x/Model-Q4_K_M-00002-of-00005.gguf").count == 5
     assert split_info("model.q8_0.gguf").tag == "Q8_0"
     assert split_info("model.gguf").tag == ""
+
+
+def test_listed_paths_that_leave_the_folder_are_ignored() -> None:
+    listing = files(
+        "../x-Q4_K_M.gguf",
+        "/abs-Q4_K_M.gguf",
+        "a//b-Q4_K_M.gguf",
+        "a\\b-Q4_K_M.gguf",
+        "m-Q8_0.gguf",
+    )
+    assert plan_files(Reference("o/r"), listing, "c").parts[0].path == "m-Q8_0.gguf"

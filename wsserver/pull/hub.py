@@ -250,6 +250,8 @@ class Hub:
                 return self.resolve_cached(ref)
             except PullError:
                 raise error from None
+        if not isinstance(info.sha, str) or not _COMMIT_RE.fullmatch(info.sha):
+            raise PullError("hub_error", f"the Hub gave {ref.repo} no usable commit ({info.sha!r})")
         files = [
             RemoteFile(
                 path=s.rfilename,
@@ -627,10 +629,12 @@ class Hub:
             # Not the blob this pull verified (cannot happen unless the cache
             # was changed under us): verify what the pointer leads to.
             self._verify_cached(pointer.resolve(), file, threading.Event(), lambda *a: None)
-        if ref.revision is not None and ref.revision != commit:
-            _write_ref(storage, ref.revision, commit)
-        elif ref.revision is None:
-            _write_ref(storage, "main", commit)
+        revision = ref.revision if ref.revision is not None else "main"
+        if revision != commit:
+            try:
+                _write_ref(storage, revision, commit)
+            except OSError as exc:  # a convenience for offline use, not the pull
+                log.warning("cannot record %s's %s as %s: %s", ref.repo, revision, commit, exc)
         return pointer
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "Reference",
     "RemoteFile",
     "SplitInfo",
+    "is_safe_path",
     "parse_reference",
     "plan_files",
     "split_info",
@@ -229,6 +230,17 @@ def parse_reference(text: str) -> Reference:
     return Reference(repo=f"{org}/{repo}", quant=quant, file=file, revision=revision)
 
 
+def is_safe_path(path: str) -> bool:
+    """Whether a path the Hub *listed* can be a path under the cache: plain
+    segments, none empty, ``.`` or ``..``, no backslash or control character.
+    (A listing comes from the endpoint, which may be a mirror: it is input too.)"""
+    if not path or len(path) > 4096 or path.startswith("/") or "\\" in path:
+        return False
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        return False
+    return all(segment not in ("", ".", "..") for segment in path.split("/"))
+
+
 def split_info(path: str) -> SplitInfo:
     """The split set and quantization tag a GGUF's path names (llama.cpp's rules)."""
     name = path[: -len(".gguf")] if path.lower().endswith(".gguf") else path
@@ -279,7 +291,7 @@ def plan_files(reference: Reference, files: Sequence[RemoteFile], commit: str | 
     Raises :class:`~wsserver.errors.PullError` ``hub_not_found`` when the
     repository has no such file or quantization (the message lists its GGUFs).
     """
-    ordered = sorted(files, key=lambda f: f.path)
+    ordered = sorted((f for f in files if is_safe_path(f.path)), key=lambda f: f.path)
     where = reference.repo + (f"@{reference.revision}" if reference.revision else "")
     primary: RemoteFile | None = None
     if reference.file is not None:
