@@ -84,11 +84,15 @@ class Connection:
         )
         self._sender = Sender(websocket, self._watch)
         #: Its ``pull`` requests, beside its generations (docs/models.md).
+        # Given the sender and the session, not this connection's methods: no
+        # reference cycle back to the connection (it is freed when it closes,
+        # without waiting for the cyclic GC).
+        session = self.driver.session
         self.pulls = ConnectionPulls(
             services,
-            write=self.write,
+            write=self._sender.send,
             log=self.log,
-            id_taken=lambda request_id: self.driver.session.state_of(request_id) is not None,
+            id_taken=lambda request_id: session.state_of(request_id) is not None,
         )
         if isinstance(websocket, PeerAwareConnection):
             websocket.on_peer_close = self._peer_closed
