@@ -100,6 +100,10 @@ SANS_IO = [
     "wsserver.anthropic_render",
     "wsserver.models",
     "wsserver.backends.gguf_meta",
+    "wsserver.pull",
+    "wsserver.pull.reference",
+    "wsserver.pull.progress",
+    "wsserver.pull.requests",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

@@ -1,4 +1,4 @@
-"""Command line: ``wsserver serve`` and ``wsserver config show``."""
+"""Command line: ``wsserver serve``, ``wsserver config show``, ``wsserver pull`` and ``wsserver models``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--host", help="address to bind (server.host)")
         p.add_argument("--port", type=int, help="port to bind, 0 = any free port (server.port)")
         p.add_argument("--backend", choices=("fake", "llama", "openai"), help="backend.kind")
-        p.add_argument("--model", metavar="PATH", help="GGUF file for the llama backend")
+        p.add_argument(
+            "--model",
+            metavar="PATH",
+            help="GGUF file for the llama backend, or a Hub reference: hf:org/repo[:QUANT]",
+        )
         p.add_argument(
             "--chat-template-file",
             metavar="PATH",
@@ -53,6 +57,38 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="inspect the configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     common(config_sub.add_parser("show", help="print the effective configuration and its sources"))
+
+    def settings(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", metavar="PATH", help="TOML configuration file ([models])")
+        p.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE", help="override any key"
+        )
+
+    pull = sub.add_parser(
+        "pull",
+        help="download a GGUF model from the Hugging Face Hub (docs/models.md)",
+        description="Download a GGUF model into the Hub's cache: resumed if interrupted, "
+        "verified against the Hub's sha256. Prints the model's path.",
+    )
+    pull.add_argument(
+        "reference",
+        help="org/repo (its Q4_K_M GGUF, else Q8_0, else the first), org/repo:QUANT, "
+        "or org/repo/path/file.gguf; @revision at the end pins a branch, tag or commit",
+    )
+    settings(pull)
+    models = sub.add_parser(
+        "models",
+        help="list the cached GGUF models, their size and which configured model uses them",
+    )
+    models.add_argument("--remove", metavar="REFERENCE", help="remove a cached model")
+    models.add_argument(
+        "--force", action="store_true", help="remove it even if the configuration uses it"
+    )
+    models.add_argument(
+        "--remove-partial", metavar="ORG/REPO", help="delete a repository's partial downloads"
+    )
+    models.add_argument("--json", action="store_true", help="print the listing as JSON")
+    settings(models)
     return parser
 
 
@@ -64,13 +100,16 @@ def _load(args: argparse.Namespace) -> LoadedConfig:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = value.strip()
     flags = {
-        "server.host": args.host,
-        "server.port": args.port,
-        "backend.kind": args.backend,
-        "backend.llama.model": args.model,
-        "backend.llama.chat_template_file": args.chat_template_file,
-        "server.log_format": args.log_format,
-        "server.log_level": args.log_level,
+        key: getattr(args, attr, None)
+        for key, attr in (
+            ("server.host", "host"),
+            ("server.port", "port"),
+            ("backend.kind", "backend"),
+            ("backend.llama.model", "model"),
+            ("backend.llama.chat_template_file", "chat_template_file"),
+            ("server.log_format", "log_format"),
+            ("server.log_level", "log_level"),
+        )
     }
     overrides.update({k: v for k, v in flags.items() if v is not None})
     return load_config(path=args.config, overrides=overrides)
@@ -86,6 +125,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(describe(loaded))
         return 0
+    if args.command in ("pull", "models"):
+        # Imported here: huggingface_hub costs its import only when used.
+        from .pull import commands
+
+        if args.command == "pull":
+            return commands.pull_command(
+                args.reference, loaded.config, out=sys.stdout, err=sys.stderr
+            )
+        if args.remove_partial is not None:
+            return commands.remove_partials_command(
+                args.remove_partial, loaded.config, out=sys.stdout, err=sys.stderr
+            )
+        return commands.models_command(
+            loaded.config,
+            remove_ref=args.remove,
+            force=args.force,
+            as_json=args.json,
+            out=sys.stdout,
+            err=sys.stderr,
+        )
     config = loaded.config
     if config.backend.kind == "llama" and importlib.util.find_spec("llama_cpp") is None:
         sys.stderr.write(llama_missing_message())

@@ -28,7 +28,8 @@ from .chat_input import (
     parse_tool_choice,
     parse_tools,
 )
-from .errors import ProtocolError
+from .errors import ProtocolError, PullError
+from .pull.reference import Reference, parse_reference
 from .sampling import (
     MAX_TOP_LOGPROBS,
     SAMPLING_FIELDS,
@@ -47,6 +48,7 @@ __all__ = [
     "Generate",
     "Limits",
     "Message",
+    "Pull",
     "Restart",
     "Resume",
     "ToolCall",
@@ -197,7 +199,17 @@ class Restart:
         return replace(old, id=self.new_id, **changes)
 
 
-ClientFrame = Generate | Cancel | Restart | Resume
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Download a model from the Hugging Face Hub and serve it (docs/models.md):
+    ``pull_progress`` frames, then exactly one ``pull_done``; ``cancel`` by id."""
+
+    id: str
+    #: What to pull, parsed strictly (``org/repo:Q4_K_M``, ``org/repo/file.gguf``, ``@rev``).
+    model: Reference
+
+
+ClientFrame = Generate | Cancel | Restart | Resume | Pull
 
 
 # ---------------------------------------------------------------- parsing
@@ -235,6 +247,8 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
             return _parse_resume(obj)
         if kind == "restart":
             return _parse_restart(obj, limits)
+        if kind == "pull":
+            return _parse_pull(obj)
     except ProtocolError as exc:
         if exc.request_id is None:
             exc.request_id = request_id
@@ -413,6 +427,20 @@ def _parse_resume(obj: dict[str, Any]) -> Resume:
             "bad_request", "'after_seq' must be an integer >= -1 (-1: no delta arrived)"
         )
     return Resume(id=request_id, resume_token=token, after_seq=after_seq)
+
+
+def _parse_pull(obj: dict[str, Any]) -> Pull:
+    _check_keys(obj, {"type", "id", "model"})
+    request_id = _parse_id(obj, "id")
+    value = obj.get("model")
+    if not isinstance(value, str):
+        raise ProtocolError(
+            "bad_request", "'model' must be a string: org/repo[:QUANT] or org/repo/file.gguf"
+        )
+    try:
+        return Pull(id=request_id, model=parse_reference(value))
+    except PullError as exc:
+        raise ProtocolError(exc.code, exc.message, request_id) from None
 
 
 def _parse_token(obj: dict[str, Any]) -> str:

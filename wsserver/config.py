@@ -32,6 +32,7 @@ __all__ = [
     "LimitsConfig",
     "LlamaConfig",
     "LlamaModelConfig",
+    "ModelsConfig",
     "OpenAIConfig",
     "SecurityConfig",
     "ServerConfig",
@@ -222,6 +223,8 @@ MODEL_OVERRIDES = (
     "engine_stall_s",
 )
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
+#: What a model's name (and an alias) may be.
+MODEL_NAME_RE = _MODEL_NAME_RE
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +329,25 @@ class OpenAIConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelsConfig:
+    """Models by name: pulling GGUFs from the Hugging Face Hub (docs/models.md)."""
+
+    #: Let API clients (the WebSocket ``pull`` request, the page) download
+    #: models; needs ``security.auth_token``. The ``wsserver pull`` command and
+    #: ``hf:`` references in the configuration are the operator's and always pull.
+    allow_pull: bool = _key(False)
+    #: The largest pull, every file of it together, bytes (0 = no limit).
+    max_download_bytes: int = _key(64 << 30, low=0, high=1 << 50)
+    #: The Hub's address ("" = https://huggingface.co; HF_ENDPOINT sets it too).
+    endpoint: str = _key("")
+    #: The Hub's cache, where pulled files go ("" = HF_HUB_CACHE, else
+    #: HF_HOME/hub, else ~/.cache/huggingface/hub: shared with other tools).
+    cache_dir: str = _key("")
+    #: Never ask the Hub; only cached files (HF_HUB_OFFLINE=1 sets it too).
+    offline: bool = _key(False)
+
+
+@dataclass(frozen=True, slots=True)
 class BackendConfig:
     kind: str = _key("llama", choices=("fake", "llama", "openai"))
     fake: FakeConfig = field(default_factory=FakeConfig)
@@ -339,6 +361,7 @@ class Config:
     stream: StreamConfig = field(default_factory=StreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
 
 
@@ -514,6 +537,9 @@ def load_config(
         for key, value in _flatten(table, source).items():
             values[key] = _coerce(key, KEYS[key], value, source)
             sources[key] = source
+    for key, raw, name in _hub_environment(env):
+        values[key] = _coerce(key, KEYS[key], raw, f"env {name}")
+        sources[key] = f"env {name}"
     known_env = {env_name(p): p for p in KEYS}
     for name, raw in env.items():
         if not name.startswith("WSSERVER_"):
@@ -552,6 +578,18 @@ def load_config(
             "aliases name backend.openai.model, and none is set (without it, requests "
             "name the models the upstreams list)"
         )
+    if config.models.allow_pull and not token:
+        raise ConfigError(
+            f"models.allow_pull (from {sources[('models', 'allow_pull')]}) needs "
+            "security.auth_token: a pull writes gigabytes to this machine's disk on a "
+            "client's word (docs/models.md, 'Who may pull')"
+        )
+    endpoint = config.models.endpoint
+    if endpoint and not _ENDPOINT_RE.fullmatch(endpoint):
+        raise ConfigError(
+            f"models.endpoint (from {sources[('models', 'endpoint')]}): {endpoint!r} is not "
+            "an http(s) URL"
+        )
     llama = config.backend.llama
     if llama.cache_type_v != "f16" and llama.flash_attn == "off":
         raise ConfigError(
@@ -573,6 +611,28 @@ def _check_urls(urls: list[str], source: str) -> None:
 
 
 _UPSTREAM_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?/v1")
+_ENDPOINT_RE = re.compile(r"https?://[^\s/?#@]+(/[^\s?#]*)?")
+
+
+def _hub_environment(env: Mapping[str, str]) -> list[tuple[tuple[str, ...], str, str]]:
+    """The Hub's own environment variables, as huggingface_hub reads them, for
+    the ``[models]`` keys they mean: (key, value, variable). They rank with the
+    environment, below ``WSSERVER_MODELS_*``."""
+    found: list[tuple[tuple[str, ...], str, str]] = []
+    if env.get("HF_ENDPOINT"):
+        found.append((("models", "endpoint"), env["HF_ENDPOINT"].rstrip("/"), "HF_ENDPOINT"))
+    if env.get("HF_HUB_CACHE"):
+        found.append((("models", "cache_dir"), env["HF_HUB_CACHE"], "HF_HUB_CACHE"))
+    elif env.get("HF_HOME"):
+        home = os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
+        found.append((("models", "cache_dir"), home, "HF_HOME"))
+    offline = env.get("HF_HUB_OFFLINE")
+    if offline is not None and offline.strip():
+        value = "true" if offline.strip().upper() in ("1", "ON", "YES", "TRUE") else "false"
+        found.append((("models", "offline"), value, "HF_HUB_OFFLINE"))
+    return found
+
+
 _TOKEN_RE = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,512}")
 
 #: Keys whose values ``describe()`` never prints.

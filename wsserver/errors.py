@@ -8,6 +8,9 @@ Hierarchy::
     ├── ConfigError          the configuration is invalid; the server will not start.
     ├── BackendError         a backend failed; goes over the wire as code ``internal``
     │   └── ModelLoadError   the model could not be loaded.
+    ├── PullError            a model could not be pulled from the Hub (a reference that
+    │                        does not parse, a file not there, a full disk …); carries a
+    │                        wire code of its own (docs/models.md, "Errors").
     └── GenerationCancelled  raised inside a producer thread when its request was
                              cancelled; never leaves the producer.
 
@@ -28,6 +31,7 @@ __all__ = [
     "GenerationCancelled",
     "ModelLoadError",
     "ProtocolError",
+    "PullError",
     "WireCode",
     "WsServerError",
     "refusal_headers",
@@ -73,6 +77,17 @@ WireCode = Literal[
     # is queued), or its model failed to load (the requests queued for it).
     "model_not_found",
     "model_load_failed",
+    # Pulling a model from the Hugging Face Hub (docs/models.md, "Errors"): a
+    # ``pull`` refused, or a pull (or a model's download) that failed.
+    "bad_reference",
+    "pull_not_allowed",
+    "hub_not_found",
+    "hub_unauthorized",
+    "hub_unreachable",
+    "hub_error",
+    "download_too_large",
+    "disk_full",
+    "verification_failed",
 ]
 WIRE_CODES: Final[frozenset[str]] = frozenset(get_args(WireCode))
 
@@ -128,6 +143,18 @@ class BackendError(WsServerError):
 
 class ModelLoadError(BackendError):
     """The model could not be loaded."""
+
+
+class PullError(WsServerError):
+    """A model could not be pulled; ``code`` is its wire code, ``message`` says
+    what to do about it (it names the reference, the file, the directory)."""
+
+    def __init__(self, code: WireCode, message: str) -> None:
+        if code not in WIRE_CODES:
+            raise ValueError(f"unknown wire code {code!r}")
+        super().__init__(message)
+        self.code: WireCode = code
+        self.message = message
 
 
 class GenerationCancelled(WsServerError):

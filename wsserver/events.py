@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .errors import ProtocolError, WireCode
 from .logprobs import TokenLogprob
-from .protocol import DoneReason
+from .protocol import DoneReason, Progress
 from .tool_calls import CallPart
 
 __all__ = [
@@ -64,6 +64,8 @@ class QueuePosition:
     position: int
     #: The model is still being loaded (the ``queued`` frame says so).
     loading: bool = False
+    #: ... and, before that, downloaded: how far.
+    download: Progress | None = None
 
 
 @dataclass(frozen=True, slots=True)

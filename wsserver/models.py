@@ -40,6 +40,10 @@ class ModelInfo:
     max_waiting: int = 0
     #: More names requests may give for it (its configured ``aliases``).
     aliases: tuple[str, ...] = ()
+    #: Whether it has a chat template (``False``: a base model, which
+    #: continues text; chats get a plain-text rendering). ``None``: not known
+    #: (not loaded yet, or an engine without templates). Written when known.
+    chat_template: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,11 @@ machine-checkable form.
 The two directions:
 
 * **Client to server** (:mod:`wsserver.client_frames`): ``generate``,
-  ``cancel``, ``restart`` and ``resume``, the :class:`Limits` they are held
-  to, and :func:`parse_client_frame`, which validates them strictly.
+  ``cancel``, ``restart``, ``resume`` and ``pull``, the :class:`Limits` they
+  are held to, and :func:`parse_client_frame`, which validates them strictly.
 * **Server to client** (here): ``hello``, ``queued``, ``started``,
-  ``resumed``, ``delta``, ``done`` and ``error``. Each is described once, in
+  ``resumed``, ``delta``, ``done``, ``error``, and a pull's ``pull_progress``
+  and ``pull_done``. Each is described once, in
   ``_WIRE``: its type name and its members in wire order (the order is
   visible on the wire and in the docs' examples), each member saying how it
   is written and read back. :func:`serialize` and :func:`parse_server_frame`
@@ -38,6 +39,7 @@ from .client_frames import (
     Generate,
     Limits,
     Message,
+    Pull,
     Restart,
     Resume,
     ToolCall,
@@ -46,6 +48,7 @@ from .client_frames import (
 from .errors import WireCode
 from .logprobs import TokenLogprob, parse_entries
 from .models import ModelInfo
+from .pull.progress import Progress
 from .tool_calls import CallPart
 
 __all__ = [
@@ -66,6 +69,11 @@ __all__ = [
     "Limits",
     "Message",
     "ModelInfo",
+    "Progress",
+    "Pull",
+    "PullDone",
+    "PullReason",
+    "Pulling",
     "Queued",
     "Restart",
     "Resume",
@@ -83,6 +91,7 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 
 DoneReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+PullReason = Literal["complete", "cancelled", "error"]
 
 
 # ---------------------------------------------------------------- server frames
@@ -102,6 +111,9 @@ class Hello:
     #: Every model the server serves (``model`` is the default), with its
     #: state and limits; a ``generate`` chooses one with ``model``.
     models: tuple[ModelInfo, ...] | None = None
+    #: Whether this connection may ``pull`` models (``None``: not said, a
+    #: server before it).
+    pull: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +122,9 @@ class Queued:
     position: int
     #: ``True`` while the request's model is being loaded (else not written).
     loading: bool | None = None
+    #: While the model is being downloaded (a configured ``hf:`` reference):
+    #: how far (else not written).
+    download: Progress | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +208,30 @@ class Error:
     detail: str | None = field(default=None, compare=False)
 
 
-ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed
+@dataclass(frozen=True, slots=True)
+class Pulling:
+    """How far a ``pull`` is (sent at once on a new status or file, else at
+    most a couple of times a second)."""
+
+    id: str
+    progress: Progress
+
+
+@dataclass(frozen=True, slots=True)
+class PullDone:
+    """The end of a ``pull`` — exactly one per accepted pull, always its last frame."""
+
+    id: str
+    reason: PullReason
+    #: ``complete``: the model as the server now serves it.
+    model: ModelInfo | None = None
+    #: ``complete``: bytes that came over the network (0: all were cached).
+    downloaded: int | None = None
+    error_code: WireCode | None = None
+    error_message: str | None = None
+
+
+ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone
 
 
 # ---------------------------------------------------------------- the description
@@ -346,6 +384,68 @@ class _ToolCalls(_Optional):
         into[self.key] = None if value is None else tuple(CallPart(**part) for part in value)
 
 
+class _Progress(_Optional):
+    """A pull's progress (:class:`~wsserver.pull.progress.Progress`), left out
+    when ``None``: ``status``, ``completed``, ``total``, then ``file``,
+    ``rate`` and ``eta_s`` when known (the two figures rounded). Required
+    where it is the frame's point (``pull_progress``): it is never ``None``
+    there."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = progress_object(value)
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        into[self.key] = None if value is None else read_progress(value)
+
+
+def progress_object(progress: Progress) -> dict[str, Any]:
+    """A pull's progress as its wire object."""
+    out: dict[str, Any] = {
+        "status": progress.status,
+        "completed": progress.completed,
+        "total": progress.total,
+    }
+    if progress.file is not None:
+        out["file"] = progress.file
+    if progress.rate is not None:
+        out["rate"] = round(progress.rate, 1)
+    if progress.eta_s is not None:
+        out["eta_s"] = round(progress.eta_s, 1)
+    return out
+
+
+def read_progress(obj: dict[str, Any]) -> Progress:
+    return Progress(
+        status=obj["status"],
+        completed=obj["completed"],
+        total=obj["total"],
+        file=obj.get("file"),
+        rate=obj.get("rate"),
+        eta_s=obj.get("eta_s"),
+    )
+
+
+class _Model(_Optional):
+    """One model object (``pull_done``'s), left out when ``None``."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        value = getattr(frame, self.key)
+        if value is not None:
+            out[self.key] = _model_object(value)
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        value = obj.get(self.key)
+        names = tuple(f.name for f in fields(ModelInfo))
+        into[self.key] = None if value is None else _read_model(value, names)
+
+
 class _Models(_Optional):
     """``hello``'s models: a list of objects, left out when ``None``; a reader
     keeps the members it knows (servers may add some within v1)."""
@@ -376,6 +476,8 @@ def _read_model(obj: dict[str, Any], names: tuple[str, ...]) -> ModelInfo:
 def _model_object(model: ModelInfo) -> dict[str, Any]:
     out = {f.name: getattr(model, f.name) for f in fields(ModelInfo)}
     out["aliases"] = list(model.aliases)
+    if model.chat_template is None:
+        del out["chat_template"]  # not known: not said
     return out
 
 
@@ -410,8 +512,9 @@ _WIRE: Final = (
         _Object("limits", Limits, extensible=True),
         _Names("honours"),
         _Models("models"),
+        _Optional("pull"),
     ),
-    _Frame("queued", Queued, "id", "position", _Optional("loading")),
+    _Frame("queued", Queued, "id", "position", _Optional("loading"), _Progress("download")),
     _Frame("started", Started, "id", _Optional("resume_token")),
     _Frame("resumed", Resumed, "id", "after_seq"),
     _Frame(
@@ -437,6 +540,16 @@ _WIRE: Final = (
         _Optional("model"),
     ),
     _Frame("error", Error, "id", "code", "message"),
+    _Frame("pull_progress", Pulling, "id", _Progress("progress")),
+    _Frame(
+        "pull_done",
+        PullDone,
+        "id",
+        "reason",
+        _Model("model"),
+        _Optional("downloaded"),
+        _Group("error", code="error_code", message="error_message"),
+    ),
 )
 _BY_CLASS: Final[dict[type[Any], _Frame]] = {wire.cls: wire for wire in _WIRE}
 _BY_TYPE: Final[dict[str, _Frame]] = {wire.type: wire for wire in _WIRE}

@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 
 from .events import Outcome
-from .protocol import Done, Generate, Timings, Usage
+from .protocol import Done, Generate, Progress, Timings, Usage
 from .replay import ReplayTail
 
 __all__ = ["Parked", "RequestRecord", "RequestState", "make_done"]
@@ -39,6 +39,8 @@ class RequestRecord:
     #: Of those, the tokens of the model's reasoning.
     reasoning_tokens: int = 0
     position: int | None = None
+    #: The download its ``queued`` frames last told of (its model's, from the Hub).
+    download: Progress | None = None
     #: Only for a resumable request: its token (the one copy: the registry of
     #: resumable requests reads it here) and the deltas kept for a replay.
     resume_token: str | None = None

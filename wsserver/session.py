@@ -295,11 +295,18 @@ class Session:
     def _queued(self, event: QueuePosition, now: float) -> list[Effect]:
         entry = self._active
         assert entry is not None
-        if entry.position == event.position:
+        if entry.position == event.position and entry.download == event.download:
             return []
         entry.position = event.position
+        entry.download = event.download
         loading = True if event.loading else None
-        return [Send(Queued(id=event.id, position=event.position, loading=loading))]
+        return [
+            Send(
+                Queued(
+                    id=event.id, position=event.position, loading=loading, download=event.download
+                )
+            )
+        ]
 
     def _granted(self, event: ModelGranted, now: float) -> list[Effect]:
         entry = self._active

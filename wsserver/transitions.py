@@ -18,7 +18,7 @@ whose row is missing is late — its request ended — and is dropped.
     state    event           next     effects
     -------  --------------  -------  -----------------------------------------------------
     -        Generate        WAITING  StartGeneration (held while a producer winds down)
-    WAITING  QueuePosition   WAITING  Send(queued) when the position changed
+    WAITING  QueuePosition   WAITING  Send(queued) when the position or download changed
     WAITING  ModelGranted    RUNNING  Send(started)
     WAITING  Rejected        DONE     Send(error overloaded), no done
     WAITING  PromptCounted   WAITING  -
@@ -52,7 +52,7 @@ from .events import (
     Rejected,
     TextProduced,
 )
-from .protocol import Cancel, Generate, Restart, Resume
+from .protocol import Cancel, Generate, Pull, Restart, Resume
 from .request_record import RequestState
 
 __all__ = ["REFUSALS", "TRANSITIONS", "Row", "render_transitions"]
@@ -71,7 +71,9 @@ class Row(NamedTuple):
 #: (state of the event's request — ``None``: never seen —, event type) → transition.
 TRANSITIONS: Final[dict[tuple[RequestState | None, type], Row]] = {
     (None, Generate): Row("_accept", WAITING, "StartGeneration (held while a producer winds down)"),
-    (WAITING, QueuePosition): Row("_queued", WAITING, "Send(queued) when the position changed"),
+    (WAITING, QueuePosition): Row(
+        "_queued", WAITING, "Send(queued) when the position or download changed"
+    ),
     (WAITING, ModelGranted): Row("_granted", RUNNING, "Send(started)"),
     (WAITING, Rejected): Row("_rejected", DONE, "Send(error overloaded), no done"),
     (WAITING, PromptCounted): Row("_prompt_counted", WAITING, "-"),
@@ -102,6 +104,7 @@ REFUSALS: Final[dict[type, tuple[WireCode, str]]] = {
     Cancel: ("unknown_id", "no running request {id!r}"),
     Restart: ("unknown_id", "no recent request {id!r} to restart"),
     Resume: ("bad_request", "resume is not handled here"),
+    Pull: ("bad_request", "pull is not handled here"),
 }
 
 _ORDER: Final = {None: 0, WAITING: 1, RUNNING: 2, DONE: 3}

@@ -71,6 +71,16 @@ export async function documentedUsage(output: { append(text: string): void }): P
   messages.splice(1, 0, turn.message());
   void reasoning;
 
+  if (hello.pull) {
+    const pull = client.pull("ggml-org/gemma-3-1b-it-GGUF:Q4_K_M", {
+      onProgress: ({ status, completed, total, rate, eta_s }) => void [status, completed, total, rate, eta_s],
+    });
+    const ended = await pull.done;
+    const served: string | undefined = ended.reason === "complete" ? ended.model?.name : ended.error?.code;
+    void [served, pull.progress?.completed];
+    await pull.cancel();
+  }
+
   off();
   client.close();
 }

@@ -148,6 +148,8 @@ export interface HelloFrame {
   honours?: string[];
   /** Every model the server serves (`model` is the default). Absent from a server before it. */
   models?: ModelInfo[];
+  /** Whether this connection may `pull` models. Absent from a server before it. */
+  pull?: boolean;
 }
 
 /** One served model, as `hello` lists it. */
@@ -161,6 +163,11 @@ export interface ModelInfo {
   max_waiting: number;
   /** More names requests may give for it (its configured `aliases`). Absent from a server before it. */
   aliases?: string[];
+  /**
+   * Whether the loaded model has a chat template: `false` is a base model,
+   * which continues text rather than answering. Absent when not known.
+   */
+  chat_template?: boolean;
 }
 
 export interface QueuedFrame {
@@ -169,6 +176,65 @@ export interface QueuedFrame {
   position: number;
   /** Present (true) while the request's model is being loaded. */
   loading?: true;
+  /** Present while the request's model (a Hub reference) is being downloaded: how far. */
+  download?: PullProgress;
+}
+
+/** How far a pull is, every file of it together (docs/models.md). */
+export interface PullProgress {
+  status: "resolving" | "checking" | "downloading" | "verifying" | "done";
+  /** Bytes in place: cached, resumed or downloaded. */
+  completed: number;
+  /** Bytes of every file of the pull (0 until the Hub has said). */
+  total: number;
+  /** The file being worked on, its path in the repository. */
+  file?: string;
+  /** Bytes per second over the last seconds. */
+  rate?: number;
+  /** Seconds left at that rate. */
+  eta_s?: number;
+}
+
+export interface PullProgressFrame {
+  type: "pull_progress";
+  id: string;
+  progress: PullProgress;
+}
+
+/** The end of a pull: exactly one per accepted pull. */
+export interface PullDoneFrame {
+  type: "pull_done";
+  id: string;
+  reason: "complete" | "cancelled" | "error";
+  /** `complete`: the model as the server now serves it. */
+  model?: ModelInfo;
+  /** `complete`: bytes that came over the network (0: all were cached). */
+  downloaded?: number;
+  /** `error`: why (`hub_not_found`, `disk_full`, …). */
+  error?: { code: ErrorCode; message: string };
+}
+
+export interface PullOptions {
+  /** The request ID (default: a fresh one). */
+  id?: string;
+  /** Called with each `pull_progress`. */
+  onProgress?: (progress: PullProgress) => void;
+  /** Aborting it cancels the pull. */
+  signal?: AbortSignal;
+}
+
+/** A pull in flight (`client.pull()`). */
+export interface PullHandle {
+  readonly id: string;
+  /** The last progress received, or `null`. */
+  readonly progress: PullProgress | null;
+  /**
+   * Resolves with the `pull_done` frame; rejects with a `WsError` if the pull
+   * was refused or its connection lost.
+   */
+  readonly done: Promise<PullDoneFrame>;
+  /** Cancel it (its `pull_done`, reason `cancelled`, comes at once); returns `done`. */
+  cancel(): Promise<PullDoneFrame>;
 }
 
 export interface StartedFrame {
@@ -301,7 +367,16 @@ export type ErrorCode =
   | "unsupported_option"
   | "invalid_tool_call"
   | "model_not_found"
-  | "model_load_failed";
+  | "model_load_failed"
+  | "bad_reference"
+  | "pull_not_allowed"
+  | "hub_not_found"
+  | "hub_unauthorized"
+  | "hub_unreachable"
+  | "hub_error"
+  | "download_too_large"
+  | "disk_full"
+  | "verification_failed";
 
 export interface ErrorFrame {
   type: "error";
@@ -317,7 +392,9 @@ export type ServerFrame =
   | DeltaFrame
   | DoneFrame
   | ErrorFrame
-  | ResumedFrame;
+  | ResumedFrame
+  | PullProgressFrame
+  | PullDoneFrame;
 
 // ------------------------------------------------------------------ errors
 
@@ -413,7 +490,8 @@ export interface ClientEvents {
 }
 
 export interface StreamEvents {
-  queued: { position: number };
+  /** `loading` while its model loads; `download` while it downloads first: how far. */
+  queued: { position: number; loading?: true; download?: PullProgress };
   started: undefined;
   /** The text of each `delta` frame that has text, as it arrives. */
   delta: string;
@@ -633,6 +711,11 @@ export declare class WsClient extends Emitter<ClientEvents> {
     saved: { id: string; resumeToken: string; afterSeq: number; toolCalls?: SavedToolCall[] },
     options?: RequestOptions,
   ): GenerationStream;
+  /**
+   * Download a model from the Hugging Face Hub onto the server (where
+   * `hello.pull` is true); served once `done` resolves with `complete`.
+   */
+  pull(reference: string, options?: PullOptions): PullHandle;
 }
 
 // Without this, every top-level declaration of a .d.ts module is exported,

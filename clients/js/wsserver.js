@@ -44,6 +44,12 @@
  * `reasoning` and `toolCall` events as they arrive. `client.resume()` picks up a request a
  * previous page (or process) started, from its id, token and last seq.
  *
+ * `client.pull(reference)` downloads a model from the Hugging Face Hub where
+ * the server allows it (`hello.pull`): its `pull_progress` frames go to
+ * `onProgress`, its one `pull_done` settles `done`. A pull is not resumable
+ * across connections: a lost connection fails it with `connection_lost`
+ * (the server keeps what it fetched, and pulling again resumes the file).
+ *
  * When to reconnect, how long to wait, what a kept request sends, which
  * refused resume is asked again and when to give up is one policy for every
  * wsserver client ({@link reconnectPolicy}, {@link RECONNECT_DEFAULTS}): the
@@ -86,6 +92,24 @@ const RECENT_LIMIT = 64;
 /** @typedef {import("./wsserver.d.ts").ToolCallPart} ToolCallPart */
 /** @typedef {import("./wsserver.d.ts").ToolCallInput} ToolCallInput */
 /** @typedef {import("./wsserver.d.ts").SavedToolCall} SavedToolCall */
+/** @typedef {import("./wsserver.d.ts").PullOptions} PullOptions */
+/** @typedef {import("./wsserver.d.ts").PullHandle} PullHandle */
+/** @typedef {import("./wsserver.d.ts").PullProgress} PullProgress */
+/** @typedef {import("./wsserver.d.ts").PullDoneFrame} PullDoneFrame */
+
+/**
+ * A pull in flight (internal).
+ *
+ * @typedef {object} PullState
+ * @property {string} id
+ * @property {Record<string, unknown>} frame
+ * @property {PullProgress | null} progress
+ * @property {boolean} sent
+ * @property {((progress: PullProgress) => void) | undefined} onProgress
+ * @property {(done: PullDoneFrame) => void} resolve
+ * @property {(error: WsError) => void} reject
+ * @property {Promise<PullDoneFrame>} done
+ */
 
 /**
  * An error for one request, or for the client.
@@ -494,7 +518,11 @@ export class GenerationStream extends Emitter {
         if (this.#abandoned) return;
         this.status = "queued";
         this.position = frame.position;
-        this.emit("queued", { position: frame.position });
+        /** @type {{ position: number, loading?: true, download?: PullProgress }} */
+        const detail = { position: frame.position };
+        if (frame.loading) detail.loading = true;
+        if (frame.download) detail.download = frame.download;
+        this.emit("queued", detail);
         return;
       case "started":
         if (typeof frame.resume_token === "string") this.resumeToken = frame.resume_token;
@@ -727,6 +755,8 @@ export class WsClient extends Emitter {
   #outbox = [];
   /** @type {Map<string, GenerationStream>} recently finished requests, for restart */
   #recent = new Map();
+  /** @type {Map<string, PullState>} pulls not ended, by ID */
+  #pulls = new Map();
   /** @type {HelloFrame | null} */
   #hello = null;
   #closedByUser = false;
@@ -950,7 +980,114 @@ export class WsClient extends Emitter {
     return stream;
   }
 
+  /**
+   * Download a model from the Hugging Face Hub onto the server, which serves
+   * it once `done` resolves with reason `complete` (its `model` member).
+   * Where the server does not allow it (`hello.pull` is not true) `done`
+   * rejects with code `pull_not_allowed`. `done` resolves with the
+   * `pull_done` frame (`complete`, `cancelled` or `error`); it rejects with a
+   * `WsError` if the pull is refused (`bad_reference`, `busy`, …) or its
+   * connection is lost.
+   *
+   * @param {string} reference `org/repo[:QUANT]`, `org/repo/file.gguf`, `@revision` after
+   * @param {PullOptions} [options]
+   * @returns {PullHandle}
+   */
+  pull(reference, options = {}) {
+    const id = this.#takeId(options.id);
+    /** @type {(done: PullDoneFrame) => void} */
+    let resolve = () => {};
+    /** @type {(error: WsError) => void} */
+    let reject = () => {};
+    /** @type {Promise<PullDoneFrame>} */
+    const done = new Promise((res, rej) => {
+      resolve = res;
+      reject = rej;
+    });
+    /** @type {PullState} */
+    const state = {
+      id,
+      frame: { type: "pull", id, model: reference },
+      progress: null,
+      sent: false,
+      onProgress: options.onProgress,
+      resolve,
+      reject,
+      done,
+    };
+    this.#pulls.set(id, state);
+    const cancel = () => this.#cancelPull(state);
+    const signal = options.signal;
+    if (signal) {
+      if (signal.aborted) queueMicrotask(cancel);
+      else {
+        signal.addEventListener("abort", cancel, { once: true });
+        done.finally(() => signal.removeEventListener("abort", cancel)).catch(() => {});
+      }
+    }
+    if (this.#closedByUser) {
+      queueMicrotask(() => this.#endPull(state, new WsError("closed", "the client is closed")));
+    } else if (this.#state === "open") {
+      this.#sendPull(state);
+    }
+    // Else it goes out with the next hello (#onHello).
+    return {
+      id,
+      done,
+      get progress() {
+        return state.progress;
+      },
+      cancel() {
+        cancel();
+        return done;
+      },
+    };
+  }
+
   // ---------------------------------------------------------------- internals
+
+  /** @param {PullState} state */
+  #sendPull(state) {
+    state.sent = true;
+    this.#send(state.frame);
+  }
+
+  /** @param {PullState} state */
+  #cancelPull(state) {
+    if (this.#pulls.get(state.id) !== state) return;
+    if (!state.sent) {
+      // Never sent: what the server would have said.
+      this.#endPull(state, { type: "pull_done", id: state.id, reason: "cancelled" });
+    } else if (this.#ws && this.#state === "open") {
+      this.#send({ type: "cancel", id: state.id });
+    }
+  }
+
+  /**
+   * @param {PullState} state
+   * @param {PullDoneFrame | WsError} end
+   */
+  #endPull(state, end) {
+    if (this.#pulls.get(state.id) !== state) return;
+    this.#pulls.delete(state.id);
+    if (end instanceof WsError) state.reject(end);
+    else state.resolve(end);
+  }
+
+  /**
+   * @param {PullState} state
+   * @param {ServerFrame} frame
+   */
+  #onPullFrame(state, frame) {
+    if (frame.type === "pull_progress") {
+      state.progress = frame.progress;
+      state.onProgress?.(frame.progress);
+    } else if (frame.type === "pull_done") {
+      this.#endPull(state, frame);
+    } else if (frame.type === "error") {
+      this.#endPull(state, new WsError(frame.code, frame.message, { requestId: state.id, frame }));
+    }
+  }
 
   /**
    * The server refused a resume with `already_attached`: it has not noticed
@@ -1019,7 +1156,7 @@ export class WsClient extends Emitter {
   #takeId(id) {
     if (id === undefined) return this.newId();
     if (!ID_RE.test(id)) throw new TypeError("a request id is 1-64 characters of A-Z a-z 0-9 _ . : -");
-    if (this.#streams.has(id)) throw new TypeError(`request id ${id} is in use`);
+    if (this.#streams.has(id) || this.#pulls.has(id)) throw new TypeError(`request id ${id} is in use`);
     return id;
   }
 
@@ -1134,6 +1271,11 @@ export class WsClient extends Emitter {
       return;
     }
     const id = "id" in frame ? frame.id : null;
+    const pull = typeof id === "string" ? this.#pulls.get(id) : undefined;
+    if (pull) {
+      this.#onPullFrame(pull, frame);
+      return;
+    }
     const stream = typeof id === "string" ? this.#streams.get(id) : undefined;
     if (stream) {
       stream._handle(frame);
@@ -1168,6 +1310,9 @@ export class WsClient extends Emitter {
       }
     }
     if (resumed.length > 0) this.emit("reconnect", { epoch: this.#epoch, resumed });
+    for (const state of this.#pulls.values()) {
+      if (!state.sent && this.#state === "open") this.#sendPull(state);
+    }
     const waiting = this.#outbox;
     this.#outbox = [];
     for (const stream of waiting) {
@@ -1228,6 +1373,10 @@ export class WsClient extends Emitter {
    * @param {boolean} waiting
    */
   #failAll(error, waiting) {
+    for (const state of [...this.#pulls.values()]) {
+      // Pulls are not resumable: the server leaves a download nobody waits for.
+      if (state.sent || waiting) this.#endPull(state, new WsError(error.code, error.message, { requestId: state.id }));
+    }
     for (const stream of [...this.#streams.values()]) {
       if (stream.status === "pending" && !waiting) continue;
       if (reconnectPolicy.keepsOnLoss(stream.resumable, !waiting && this.#reconnect !== null)) {

@@ -44,6 +44,7 @@ import { ConversationStore } from "/store.js";
 import { DEFAULTS, RANGES, loadSettings, requestOptions, saveSettings, unhonoured, valid } from "/sampling.js";
 import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
 import { loadTools, parseTools, saveTools, setThinking, showToolCalls, storedCalls, thinkingBlock } from "/tools.js";
+import { describeProgress, setupPulls } from "/pulls.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
@@ -249,9 +250,11 @@ class Turn {
     article.classList.add("streaming");
     article.setAttribute("aria-busy", "true");
 
-    stream.on("queued", ({ position }) => {
+    stream.on("queued", ({ position, download }) => {
       if (current !== this) return;
-      setState("queued", `Queued — position ${position}`);
+      // A model from the Hub is downloaded before it loads (docs/models.md).
+      if (download) setState("queued", `Getting the model — ${describeProgress(download)}`);
+      else setState("queued", `Queued — position ${position}`);
     });
     stream.on("started", () => {
       if (current !== this) return;
@@ -796,14 +799,29 @@ function showSampling(problems = []) {
  */
 function chosenModel() {
   const picked = store.current?.model;
-  const served = client.hello?.models?.some((m) => m.name === picked) ?? false;
+  const served = servedModels().some((m) => m.name === picked);
   return picked !== undefined && served ? picked : undefined;
+}
+
+/**
+ * Models pulled from this page since its connection's hello (a new
+ * connection's hello lists them itself).
+ * @type {import("/wsserver.js").ModelInfo[]}
+ */
+const pulledModels = [];
+
+/** The server's models: its hello's, and any pulled since. */
+function servedModels() {
+  const listed = client.hello?.models ?? [];
+  const names = new Set(listed.map((m) => m.name));
+  return [...listed, ...pulledModels.filter((m) => !names.has(m.name))];
 }
 
 /** The picker: the server's models, the current conversation's selected. */
 function showModels() {
   const hello = client.hello;
-  const models = hello?.models ?? [];
+  const models = servedModels();
+  pulls.update();
   ui.modelPicker.hidden = models.length < 2;
   ui.model.hidden = !ui.modelPicker.hidden;
   if (models.length < 2 || !hello) return;
@@ -821,6 +839,19 @@ function showModels() {
 ui.modelPicker.addEventListener("change", () => {
   conversation().model = ui.modelPicker.value;
   store.saveNow(); // kept with it, without moving it up the history
+  pulls.update();
+});
+
+/** The base-model notice and the "Get a model" dialog (pulls.js). */
+const pulls = setupPulls({
+  client,
+  currentModel: () => chosenModel() ?? client.hello?.model ?? "",
+  onPulled: (model) => {
+    pulledModels.push(model);
+    conversation().model = model.name; // talk to it from now on
+    store.saveNow();
+    showModels();
+  },
 });
 
 /** Show the current conversation from the store (on load, switch, edit). */

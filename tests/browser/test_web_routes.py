@@ -20,6 +20,7 @@ ASSETS = {
     "/store.js": ("web/store.js", "text/javascript; charset=utf-8"),
     "/sampling.js": ("web/sampling.js", "text/javascript; charset=utf-8"),
     "/tools.js": ("web/tools.js", "text/javascript; charset=utf-8"),
+    "/pulls.js": ("web/pulls.js", "text/javascript; charset=utf-8"),
     "/style.css": ("web/style.css", "text/css; charset=utf-8"),
     "/wsserver.js": ("js/wsserver.js", "text/javascript; charset=utf-8"),
     "/vendor/marked.esm.js": ("web/vendor/marked.esm.js", "text/javascript; charset=utf-8"),

@@ -10,7 +10,8 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
     │   ├── sender         frames to the socket (serialized as they are)
-    │   └── peer           the websockets connection class, memory bound
+    │   ├── peer           the websockets connection class, memory bound
+    │   └── pull_requests  its pull requests: progress frames, cancel, the model added
     ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects
     │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
     │   ├── http_route     the seam to the routes: Responder, Exchange, RouteRequest
@@ -25,6 +26,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
         │   ├── channel        engine → loop bounded queue (the seam's Sink)
         │   └── services       what every request uses (built once by the server)
         │       ├── models         the model registry: load on demand, budget, idle unload
+        │       │   └── pulls          downloads from the Hub, one per reference, shared
         │       ├── scheduler      FIFO of requests waiting for a model's slots
         │       └── metrics        Prometheus metrics, loop-lag probe
         ├── resume         the resumable requests: detached ones, grace timers, tokens

@@ -27,13 +27,14 @@ from websockets.exceptions import ConnectionClosed
 
 from ..errors import ProtocolError
 from ..logs import ConnectionLog
-from ..protocol import Hello, ServerFrame, parse_client_frame
+from ..protocol import Cancel, Generate, Hello, Pull, Restart, ServerFrame, parse_client_frame
 from ..security import FrameLimiter
 from ..session import Session
 from .drain import DrainWatch, write_buffered
 from .driver import RequestDriver
 from .peer import PeerAwareConnection, resume_tail_bytes
 from .pipeline import Generation
+from .pull_requests import ConnectionPulls
 from .resume import Resumes
 from .sender import Sender
 from .services import Services
@@ -82,6 +83,17 @@ class Connection:
             request_id=lambda: self.driver.session.active_id,
         )
         self._sender = Sender(websocket, self._watch)
+        #: Its ``pull`` requests, beside its generations (docs/models.md).
+        # Given the sender and the session, not this connection's methods: no
+        # reference cycle back to the connection (it is freed when it closes,
+        # without waiting for the cyclic GC).
+        session = self.driver.session
+        self.pulls = ConnectionPulls(
+            services,
+            write=self._sender.send,
+            log=self.log,
+            id_taken=lambda request_id: session.state_of(request_id) is not None,
+        )
         if isinstance(websocket, PeerAwareConnection):
             websocket.on_peer_close = self._peer_closed
         limits = config.limits
@@ -113,6 +125,7 @@ class Connection:
                     limits=services.wire_limits,
                     honours=tuple(sorted(services.backend.honours)),
                     models=tuple(services.models.infos()),
+                    pull=self.pulls.allowed,
                 )
             )
             idle = self._idle_timeout
@@ -122,7 +135,7 @@ class Connection:
                     async with asyncio.timeout(idle):
                         message = await self.ws.recv()
                 except TimeoutError:
-                    if self.generations:
+                    if self.generations or len(self.pulls):
                         continue  # a request is running: the connection is not idle
                     self.log.info("idle for %.0fs; closing", idle)
                     await self._close(1000, "idle timeout")
@@ -131,6 +144,7 @@ class Connection:
         except ConnectionClosed:
             pass
         finally:
+            await self.pulls.close()
             await self.driver.close()
             # The watchdog holds bound methods of the driver: break that
             # cycle, so that a closed connection's memory returns at once,
@@ -156,6 +170,20 @@ class Connection:
                 extra={} if exc.request_id is None else {"request": exc.request_id},
             )
             await self.driver.refuse(exc)
+            return
+        # A pull is not a generation: it runs beside them, by its own rules
+        # (aio/pull_requests.py); the two share the connection's ids.
+        if isinstance(frame, Pull):
+            await self.pulls.receive(frame)
+            return
+        if isinstance(frame, Cancel) and self.pulls.owns(frame.id):
+            await self.pulls.cancel(frame.id)
+            return
+        new_id = frame.new_id if isinstance(frame, Restart) else frame.id
+        if isinstance(frame, Generate | Restart) and self.pulls.knows(new_id):
+            await self.driver.refuse(
+                ProtocolError("duplicate_id", f"id {new_id!r} was already used", new_id)
+            )
             return
         await self.driver.receive(frame)
 

@@ -56,6 +56,7 @@ from ..protocol import (
     Done,
     Error,
     Generate,
+    Progress,
     Restart,
     Resume,
     ServerFrame,
@@ -236,11 +237,18 @@ class RequestDriver:
         if self._on_prompt is not None and isinstance(event, PromptCounted):
             self._on_prompt(event)
 
-    def queued(self, request_id: str, position: int, loading: bool = False) -> None:
+    def queued(
+        self,
+        request_id: str,
+        position: int,
+        loading: bool = False,
+        download: Progress | None = None,
+    ) -> None:
         """The scheduler's callback: a waiting request's position changed
-        (``loading``: its model is still being loaded)."""
+        (``loading``: its model is still being loaded; ``download``: and
+        before that downloaded, this far)."""
         effects = self.session.handle(
-            QueuePosition(request_id, position, loading), self._loop.time()
+            QueuePosition(request_id, position, loading, download), self._loop.time()
         )
         if effects:
             self.services.in_background(self._send_queued(request_id, effects))

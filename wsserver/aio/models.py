@@ -11,6 +11,12 @@ in its queue, and their ``queued`` frames say ``loading``.
 
 A request for an unloaded model starts its load (:meth:`ModelPool.acquire`):
 
+0. a model whose file is a Hub reference (``model = "hf:org/repo:Q4_K_M"``)
+   is pulled first (:mod:`wsserver.aio.pulls`), unless its file is already
+   here: its waiting requests' ``queued`` frames carry the download's
+   progress. The download is *kept*: a cancelled request leaves the queue as
+   always, and the download goes on (two models of one reference, or a
+   client's ``pull`` of it, share it);
 1. the memory it needs is estimated on a worker thread (the GGUF's size and
    its KV cache, from its header; a corrupt file fails here);
 2. room is made under the budget (:func:`wsserver.models.plan_room`): idle
@@ -43,11 +49,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..backends import ModelEntry
+from ..backends import ModelEntry, pulled_model
 from ..backends.base import Liveness
-from ..errors import ProtocolError
+from ..config import Config
+from ..errors import ModelLoadError, ProtocolError, PullError
 from ..models import ModelInfo, ModelState, Resident, plan_room
-from ..protocol import Generate
+from ..protocol import Generate, Progress
+from ..pull.hub import PullCancelled, Pulled
+from ..pull.progress import PlainLines
+from .pulls import Pulls
 from .scheduler import Scheduler
 
 # asyncio.to_thread's executor imports concurrent.futures.thread on first use;
@@ -58,9 +68,9 @@ __all__ = ["Model", "ModelPool", "ModelStats", "machine_budget"]
 
 log = logging.getLogger("wsserver.models")
 
-#: A waiter's position callback: its place in the model's queue, and whether
-#: the model is still loading.
-QueuedCallback = Callable[[int, bool], None]
+#: A waiter's position callback: its place in the model's queue, whether the
+#: model is still loading, and how far its download is (if it downloads).
+QueuedCallback = Callable[[int, bool, Progress | None], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +111,13 @@ class Model:
         self.keep_alive_s = spec.keep_alive_s
         self.preload = spec.preload
         self.scheduler = Scheduler(spec.backend.slots, spec.backend.max_waiting, ready=False)
+        #: Its Hub reference, if its file is one; what the last pull gave.
+        self.reference = spec.reference
+        #: Tells its engine the file a pull gave.
+        self.use_file = spec.use_file
+        self.pulled: Pulled | None = None
+        #: While its file downloads: how far.
+        self.download: Progress | None = None
         #: ``unloading`` is shown to clients as ``unloaded``.
         self.state: ModelState | str = "unloaded"
         #: The memory it holds (estimated when its load starts; 0 when unloaded).
@@ -138,7 +155,15 @@ class Model:
             parallel=self.backend.slots,
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
+            chat_template=self._chat_template() if state == "loaded" else None,
         )
+
+    def _chat_template(self) -> bool | None:
+        """Whether the loaded engine has a chat template (a llama engine's
+        ``chat_template``; an engine without the notion: not said)."""
+        if not hasattr(self.backend, "chat_template"):
+            return None
+        return getattr(self.backend, "chat_template", None) is not None
 
     def _set(self, state: str) -> None:
         self.state = state
@@ -149,9 +174,13 @@ class Model:
 class ModelPool:
     """Every model the server serves (see the module docstring)."""
 
-    def __init__(self, specs: Sequence[ModelEntry], *, budget: int = 0) -> None:
+    def __init__(
+        self, specs: Sequence[ModelEntry], *, budget: int = 0, pulls: Pulls | None = None
+    ) -> None:
         if not specs:
             raise ValueError("a server serves at least one model")
+        #: The server's downloads (for models whose file is a Hub reference).
+        self.pulls = pulls
         self.models: dict[str, Model] = {spec.name: Model(spec) for spec in specs}
         self.default = next(iter(self.models.values()))
         #: Each alias → its model (create_models refused any clash).
@@ -284,6 +313,25 @@ class ModelPool:
             if m.state == "loaded":
                 m.backend.liveness()
 
+    def add_pulled(self, config: Config, pulled: Pulled) -> Model:
+        """Serve a model a client pulled, under its reference's name (loaded on
+        its first request). A name already served — a configured model, or the
+        same reference pulled before — is that model, untouched."""
+        reference = pulled.plan.reference
+        name = reference.name
+        existing = self.models.get(name) or self.aliases.get(name)
+        if existing is not None:
+            if existing.reference == reference and existing.pulled is None:
+                existing.pulled = pulled
+                if existing.use_file is not None:
+                    existing.use_file(pulled.model_path)
+            return existing
+        model = Model(pulled_model(config, reference, pulled.model_path))
+        model.pulled = pulled
+        self.models[name] = model
+        log.info("model %s: pulled by a client, served from %s", name, pulled.model_path)
+        return model
+
     # ------------------------------------------------------------ requests
 
     async def acquire(self, model: Model, request_id: str, on_queued: QueuedCallback) -> int:
@@ -297,7 +345,8 @@ class ModelPool:
             self._start_load(model)
         try:
             return await model.scheduler.acquire(
-                request_id, lambda position: on_queued(position, model.state != "loaded")
+                request_id,
+                lambda position: on_queued(position, model.state != "loaded", model.download),
             )
         finally:
             self._check_idle(model)
@@ -353,6 +402,8 @@ class ModelPool:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
+            if model.reference is not None:
+                await self._pull(model)
             need = await asyncio.to_thread(model.backend.memory_estimate)
             model.bytes = need
             while True:
@@ -406,6 +457,49 @@ class ModelPool:
         log.info("model %s loaded in %.1fs", model.name, loop.time() - started)
         model.scheduler.open()
         self._check_idle(model)
+
+    async def _pull(self, model: Model) -> None:
+        """Bring a Hub model's files here, verified (its waiting requests hear
+        how far); nothing to do while the last pull's file is still there."""
+        reference = model.reference
+        assert reference is not None
+        if model.pulled is not None and model.pulled.model_path.exists():
+            return
+        if self.pulls is None:
+            raise ModelLoadError(
+                f"{reference.text} is a Hub reference, and this server pulls nothing"
+            )
+        subscription = self.pulls.start(reference, keep=True)
+        # The operator watching the log (a first `serve --model hf:…`) sees
+        # it go: a line per status change and per tenth.
+        lines = PlainLines()
+        loop = asyncio.get_running_loop()
+
+        def progressed(progress: Progress) -> None:
+            model.download = progress
+            model.scheduler.reannounce()
+            for line in lines.lines(progress, loop.time()):
+                log.info("model %s: %s", model.name, line)
+
+        subscription.on_progress = progressed
+        try:
+            pulled = await subscription.wait()
+        except (PullError, PullCancelled) as exc:
+            why = exc.message if isinstance(exc, PullError) else "the pull was stopped"
+            raise ModelLoadError(f"cannot pull {reference.text}: {why}") from None
+        finally:
+            subscription.on_progress = None
+            model.download = None
+        model.pulled = pulled
+        if model.use_file is not None:
+            model.use_file(pulled.model_path)
+        log.info(
+            "model %s: %s is %s%s",
+            model.name,
+            reference.text,
+            pulled.model_path,
+            f" (projector {pulled.mmproj.name})" if pulled.mmproj is not None else "",
+        )
 
     def _resident(self, *, besides: Model) -> list[Resident]:
         return [

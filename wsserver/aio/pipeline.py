@@ -50,7 +50,7 @@ from ..events import Finished, ModelGranted, Outcome, PromptCounted, Rejected, R
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
 from ..pacing import Coalescer
-from ..protocol import Generate
+from ..protocol import Generate, Progress
 from ..reasoning import ReasoningSplitter, Split
 from ..request_record import RequestRecord
 from ..tool_calls import Syntax as ToolSyntax
@@ -75,7 +75,13 @@ class Owner(Protocol):
     def note(self, event: Report) -> None:
         """A report that sends nothing (the prompt count)."""
 
-    def queued(self, request_id: str, position: int, loading: bool = False) -> None: ...
+    def queued(
+        self,
+        request_id: str,
+        position: int,
+        loading: bool = False,
+        download: Progress | None = None,
+    ) -> None: ...
 
     async def generation_gone(self, generation: Generation) -> None: ...
 
@@ -179,10 +185,13 @@ class Generation:
         """Whether the engine still runs anything for this request."""
         return self.submission is not None and self.submission.alive()
 
-    def queued(self, position: int, loading: bool = False) -> None:
+    def queued(
+        self, position: int, loading: bool = False, download: Progress | None = None
+    ) -> None:
         """The scheduler's callback: the request's place in the queue changed
-        (``loading``: its model is still being loaded)."""
-        self.owner.queued(self.request.id, position, loading)
+        (``loading``: its model is still being loaded; ``download``: and
+        downloaded before that, this far)."""
+        self.owner.queued(self.request.id, position, loading, download)
 
     # ------------------------------------------------------------ the path
 

@@ -161,6 +161,13 @@ class Scheduler:
             self._waiters.popleft().future.set_result(slot)
         self._announce()
 
+    def reannounce(self) -> None:
+        """Tell every waiter its position again (what goes with it changed:
+        its model's download progressed)."""
+        for waiter in self._waiters:
+            if not waiter.future.done():
+                waiter.on_position(waiter.position)
+
     def _announce(self) -> None:
         for index, waiter in enumerate(self._waiters, start=1):
             if waiter.position != index:

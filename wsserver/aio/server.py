@@ -34,6 +34,7 @@ from ..backends import Backend, ModelEntry, create_models, default_aliases
 from ..config import Config
 from ..logs import ConnectionLog
 from ..protocol import Limits
+from ..pull.hub import Hub, HubSettings
 from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
 from .anthropic_http import PREFIX as MESSAGES_PREFIX
@@ -47,6 +48,7 @@ from .openai_gate import Gate, RateLimiter
 from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
+from .pulls import Pulls
 from .responses_http import PREFIX as RESPONSES_PREFIX
 from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
@@ -106,15 +108,21 @@ def _select_subprotocol(
 class Server:
     """A wsserver instance. ``await start()``, then ``await stop()``."""
 
-    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+    def __init__(
+        self, config: Config, backend: Backend | None = None, *, hub: Hub | None = None
+    ) -> None:
         self.config = config
         entries = (
             [ModelEntry(backend.model_name, backend, aliases=default_aliases(config))]
             if backend is not None
             else create_models(config)
         )
+        #: Downloads from the Hugging Face Hub, one per reference (docs/models.md).
+        self.pulls = Pulls(hub or Hub(HubSettings.from_config(config.models)))
         #: Every model served (docs/operations.md, "Several models"); the default first.
-        self.models = ModelPool(entries, budget=config.backend.llama.models_memory_bytes)
+        self.models = ModelPool(
+            entries, budget=config.backend.llama.models_memory_bytes, pulls=self.pulls
+        )
         #: The default model's engine and queue.
         self.backend = self.models.default.backend
         self.server_name = f"wsserver/{__version__}"
@@ -174,6 +182,7 @@ class Server:
             wire_limits=self.wire_limits,
             server_name=self.server_name,
             background=self.background,
+            pulls=self.pulls,
         )
         #: Plain HTTP on the WebSocket port; ``http.routes`` holds the extra routes.
         self.http = HttpContext(
@@ -428,6 +437,7 @@ class Server:
         await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
+        self.pulls.close()
         await self.models.close()
         log.info("stopped")
 

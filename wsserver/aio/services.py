@@ -12,6 +12,7 @@ from ..config import Config
 from ..protocol import Limits
 from .metrics import Metrics
 from .models import ModelPool
+from .pulls import Pulls
 from .scheduler import Scheduler
 
 __all__ = ["Services"]
@@ -32,6 +33,8 @@ class Services:
     server_name: str
     #: Tasks started from callbacks, kept referenced until they finish.
     background: set[asyncio.Task[Any]]
+    #: Downloads from the Hugging Face Hub (``None``: this server pulls nothing).
+    pulls: Pulls | None = None
 
     def in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run a coroutine beside the caller; kept referenced until it ends."""

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Config, LlamaConfig
-from ..errors import ConfigError
+from ..config import MODEL_NAME_RE, Config, LlamaConfig
+from ..errors import ConfigError, PullError
+from ..pull.reference import PREFIX as HUB_PREFIX
+from ..pull.reference import Reference, parse_reference
 from .base import Backend, GenerationRequest, Sink, Submission, ThreadedBackend, TokenSink
 from .fake import FakeBackend
 
@@ -22,6 +25,7 @@ __all__ = [
     "create_backend",
     "create_models",
     "default_aliases",
+    "pulled_model",
 ]
 
 
@@ -35,6 +39,20 @@ class ModelEntry:
     preload: bool = False
     #: More names requests may give for it (``aliases`` in its configuration).
     aliases: tuple[str, ...] = ()
+    #: Its file is a Hub reference (``model = "hf:org/repo:Q4_K_M"``), pulled
+    #: before its first load; ``use_file`` then tells the engine the file.
+    reference: Reference | None = None
+    use_file: Callable[[Path], None] | None = None
+
+
+def hub_reference(model: str, where: str) -> Reference | None:
+    """The reference a model setting names (``hf:…``), or ``None`` for a path."""
+    if not model.startswith(HUB_PREFIX):
+        return None
+    try:
+        return parse_reference(model)
+    except PullError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
 
 
 def create_models(config: Config) -> list[ModelEntry]:
@@ -69,7 +87,18 @@ def create_models(config: Config) -> list[ModelEntry]:
             raise ConfigError(f"{where}: the model name {name!r} is already taken (by {taken})")
         paths[name] = settings.model
         backend = LlamaBackend.from_config(settings, name=name)
-        entries.append(ModelEntry(name, backend, settings.keep_alive_s, preload, aliases))
+        reference = hub_reference(settings.model, f"{where}.model")
+        entries.append(
+            ModelEntry(
+                name,
+                backend,
+                settings.keep_alive_s,
+                preload,
+                aliases,
+                reference,
+                _file_setter(backend) if reference else None,
+            )
+        )
         _check_names(entries, where)
 
     dir_files: list[Path] = []
@@ -79,10 +108,21 @@ def create_models(config: Config) -> list[ModelEntry]:
             raise ConfigError(f"backend.llama.models_dir: {folder} is not a directory")
         dir_files = sorted(folder.glob("*.gguf"))
     if llama.model or not (llama.models or dir_files):
-        default = LlamaBackend.from_config(llama)
+        reference = hub_reference(llama.model, "backend.llama.model")
+        default = LlamaBackend.from_config(llama, name=_reference_name(reference))
         paths[default.model_name] = llama.model
         aliases = tuple(llama.aliases)
-        entries.append(ModelEntry(default.model_name, default, llama.keep_alive_s, True, aliases))
+        entries.append(
+            ModelEntry(
+                default.model_name,
+                default,
+                llama.keep_alive_s,
+                True,
+                aliases,
+                reference,
+                _file_setter(default) if reference else None,
+            )
+        )
         _check_names(entries, "backend.llama.aliases")
     elif llama.aliases:
         raise ConfigError(
@@ -99,6 +139,47 @@ def create_models(config: Config) -> list[ModelEntry]:
         settings = dataclasses.replace(llama, model=str(path), models=(), aliases=[])
         add(path.stem, settings, False, f"backend.llama.models_dir {path}")
     return entries
+
+
+def pulled_model(config: Config, reference: Reference, path: Path) -> ModelEntry:
+    """A model a client pulled, served under its reference's name with the
+    ``[backend.llama]`` settings (loaded on its first request)."""
+    from .llama import LlamaBackend
+
+    settings = dataclasses.replace(config.backend.llama, model=str(path), models=(), aliases=[])
+    backend = LlamaBackend.from_config(settings, name=reference.name)
+    return ModelEntry(
+        reference.name,
+        backend,
+        settings.keep_alive_s,
+        False,
+        (),
+        reference,
+        _file_setter(backend),
+    )
+
+
+def _reference_name(reference: Reference | None) -> str:
+    """The default model's name when its file is a Hub reference: the
+    reference without revision (``org/repo:Q4_K_M``), if that is a model name."""
+    if reference is None:
+        return ""
+    name = reference.name
+    if not MODEL_NAME_RE.fullmatch(name):
+        raise ConfigError(
+            f"backend.llama.model: {name[:140]!r} is too long to be the model's name; "
+            "list it as a [[backend.llama.models]] table with a name of its own"
+        )
+    return name
+
+
+def _file_setter(backend: Backend) -> Callable[[Path], None]:
+    """How the registry tells a llama engine the file it pulled."""
+
+    def use_file(path: Path) -> None:
+        backend.model_path = str(path)  # type: ignore[attr-defined]
+
+    return use_file
 
 
 def default_aliases(config: Config) -> tuple[str, ...]:

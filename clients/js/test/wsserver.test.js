@@ -342,3 +342,26 @@ test("a server that shuts down and comes back: backoff, then open again", { time
     client.close();
   }
 });
+
+test("a pull where the server allows none is refused: done rejects with its code", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER, { reconnect: false });
+  try {
+    const hello = await client.ready();
+    assert.equal(hello.pull, false);
+    const seen = [];
+    const pull = client.pull("ggml-org/gemma-3-1b-it-GGUF", { onProgress: (p) => seen.push(p) });
+    await assert.rejects(pull.done, (error) => error instanceof WsError && error.code === "pull_not_allowed");
+    assert.deepEqual(seen, []);
+    assert.equal(pull.progress, null);
+    // A refused pull touches nothing: its id is free again, as a refused generate's.
+    const reused = client.generate({ prompt: "x", max_tokens: 2 }, { id: pull.id });
+    assert.equal((await reused.done).reason, "length");
+    // A pull cancelled before it went out ends as cancelled, locally.
+    const offline = new WsClient(SERVER, { connect: false, reconnect: false });
+    const early = offline.pull("org/repo");
+    assert.equal((await early.cancel()).reason, "cancelled");
+    offline.close();
+  } finally {
+    client.close();
+  }
+});

@@ -16,7 +16,7 @@ from typing import Any, Generic, Literal, Self, TypeVar
 
 from wsserver.protocol import Error, Hello
 
-from .core import Request, RequestTable
+from .core import PullRequest, Request, RequestTable
 from .reconnect import ReconnectPolicy
 
 __all__ = ["ClientBase"]
@@ -149,6 +149,23 @@ class ClientBase(Generic[S]):
             overrides.setdefault("resumable", True)
         request_id, frame = self.requests.restart_frame(old, new_id, overrides)
         return self.requests.add(self._stream(request_id, frame))
+
+    def pull(self, reference: str, *, id: str | None = None) -> Any:
+        """Download a model from the Hugging Face Hub onto the server, where it
+        allows that (``hello.pull``; docs/models.md): iterate the returned pull
+        for its progress, take its ``result()`` (the ``pull_done`` frame:
+        ``complete`` with the served ``model``, ``cancelled`` or ``error``), or
+        ``cancel()`` it. A refused pull raises :class:`GenerationError`
+        (``pull_not_allowed``, ``bad_reference``, ``busy`` …), as does a lost
+        connection (``connection_lost``: a pull is not resumed)."""
+        request_id, frame = self.requests.pull_frame(reference, id)
+        pull = self._pull(request_id, frame)
+        self.requests.add_pull(pull)
+        return pull
+
+    def _pull(self, request_id: str, frame: dict[str, Any]) -> PullRequest:
+        """The client's pull for a ``pull`` frame (not yet sent)."""
+        raise NotImplementedError
 
     def _stream(self, request_id: str, frame: dict[str, Any]) -> S:
         """The client's stream for a request frame (not yet sent)."""

@@ -31,12 +31,12 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.protocol import Done
+from wsserver.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
-from .core import Event, GenerationError, Request, RequestResult
+from .core import Event, GenerationError, PullRequest, Request, RequestResult
 
-__all__ = ["Client", "GenerationError", "RequestResult", "Stream"]
+__all__ = ["Client", "GenerationError", "Pull", "RequestResult", "Stream"]
 
 T = TypeVar("T")
 
@@ -111,6 +111,49 @@ class Stream(Request):
         return self.done
 
 
+class Pull(PullRequest):
+    """A model being pulled onto the server. ``async for progress in pull``
+    yields its progress reports; :meth:`result` is its ``pull_done``."""
+
+    def __init__(self, client: Client, request_id: str, frame: dict[str, Any]) -> None:
+        super().__init__(request_id, frame)
+        self.client = client
+        self._wake = asyncio.Event()
+
+    def changed(self) -> None:
+        self._wake.set()
+
+    async def send(self) -> Pull:
+        if not self.sent:
+            self.sent = True
+            await self.client._send(self.frame)
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[Progress]:
+        await self.send()
+        for report in self.reports():
+            if report is not None:
+                yield report
+            elif not self.ready:
+                self._wake.clear()
+                await self._wake.wait()
+
+    async def result(self) -> PullDone:
+        """Wait for the end: the ``pull_done`` frame."""
+        async for _ in self:
+            pass
+        return self.finished_done()
+
+    async def cancel(self) -> PullDone:
+        """Cancel it; its ``pull_done`` (reason ``cancelled``) comes at once."""
+        if not self.finished and self.sent:
+            await self.client._send({"type": "cancel", "id": self.id})
+        elif not self.sent:
+            self.done = PullDone(id=self.id, reason="cancelled")
+            self.client.requests.pulls.pop(self.id, None)
+        return await self.result()
+
+
 class Client(ClientBase[Stream]):
     """A connection to wsserver. Use as an async context manager.
 
@@ -167,6 +210,13 @@ class Client(ClientBase[Stream]):
 
     def _stream(self, request_id: str, frame: dict[str, Any]) -> Stream:
         return Stream(self, request_id, frame)
+
+    def _pull(self, request_id: str, frame: dict[str, Any]) -> Pull:
+        return Pull(self, request_id, frame)
+
+    def pull(self, reference: str, *, id: str | None = None) -> Pull:
+        pull: Pull = super().pull(reference, id=id)
+        return pull
 
     async def _send(self, frame: dict[str, Any]) -> None:
         await self._connected.wait()  # while reconnecting, for the new connection

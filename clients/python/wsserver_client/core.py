@@ -23,6 +23,10 @@ else lives here, once, with no socket, no asyncio and no websockets:
   server to replay what may not have arrived (``after_seq`` = the last
   ``seq`` received) and go on; deltas the client already has are dropped, so
   the caller's text has no gap and no duplicate;
+* a ``pull`` (:class:`PullRequest`): a model downloaded onto the server,
+  its progress in order, its one ``pull_done``; not resumed on a lost
+  connection (it fails with ``connection_lost``; pulling again resumes the
+  file on the server);
 * when to reconnect, how long to wait before each try, when to ask again
   after a refused ``resume`` and when to give up: the policy of
   :mod:`wsserver_client.reconnect`, applied by :meth:`RequestTable.lost`,
@@ -54,6 +58,9 @@ from wsserver.protocol import (
     Done,
     Error,
     Hello,
+    Progress,
+    PullDone,
+    Pulling,
     Queued,
     Resumed,
     ServerFrame,
@@ -73,6 +80,7 @@ from .reconnect import (
 __all__ = [
     "Event",
     "GenerationError",
+    "PullRequest",
     "Reasoning",
     "Request",
     "RequestResult",
@@ -414,6 +422,71 @@ class Request:
             self.changed()
 
 
+class PullRequest:
+    """One ``pull``: its progress reports in order, then its ``pull_done``."""
+
+    def __init__(self, request_id: str, frame: dict[str, Any]) -> None:
+        self.id = request_id
+        self.frame = frame
+        self.sent = False
+        #: The server's ``pull_done``, once it arrived.
+        self.done: PullDone | None = None
+        #: Why the pull ended without one (refused, connection lost).
+        self.error: GenerationError | None = None
+        #: The last progress reported.
+        self.progress: Progress | None = None
+        self._unread: deque[Progress] = deque()
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+    @property
+    def ready(self) -> bool:
+        """True when :meth:`take` has a report or the pull has ended."""
+        return bool(self._unread) or self.finished
+
+    def take(self) -> Progress | None:
+        return self._unread.popleft() if self._unread else None
+
+    def reports(self) -> Iterator[Progress | None]:
+        """Each progress report in turn, ``None`` when there is none yet (the
+        I/O layer waits until :attr:`ready`); ends with the pull, raising its
+        :class:`GenerationError` if it was refused or lost."""
+        while self._unread or not self.finished:
+            yield self.take()
+        if self.error is not None:
+            raise self.error
+
+    def finished_done(self) -> PullDone:
+        """The ``pull_done`` (call once :attr:`finished`); raises if there is none."""
+        if self.done is None:
+            raise self.error or GenerationError("internal", "the pull has not ended", self.id)
+        return self.done
+
+    def changed(self) -> None:
+        """Called after a report arrived or the pull ended; a hook for I/O layers."""
+
+    def deliver(self, frame: ServerFrame) -> None:
+        if self.finished:
+            return
+        if isinstance(frame, Pulling):
+            self.progress = frame.progress
+            self._unread.append(frame.progress)
+        elif isinstance(frame, PullDone):
+            self.done = frame
+        elif isinstance(frame, Error):
+            self.error = GenerationError(frame.code, frame.message, frame.id)
+        else:
+            return
+        self.changed()
+
+    def fail(self, error: GenerationError) -> None:
+        if not self.finished:
+            self.error = error
+            self.changed()
+
+
 R = TypeVar("R", bound=Request)
 
 
@@ -437,6 +510,8 @@ class RequestTable(Generic[R]):
         self._clock = clock
         self._draw = draw
         self.live: dict[str, R] = {}
+        #: Pulls not ended yet, by ID.
+        self.pulls: dict[str, PullRequest] = {}
         self.hello: Hello | None = None
         #: ``error`` frames about no live request (for debugging and tests).
         self.errors: list[Error] = []
@@ -499,12 +574,26 @@ class RequestTable(Generic[R]):
         self.live[request.id] = request
         return request
 
+    def pull_frame(self, reference: str, request_id: str | None) -> tuple[str, dict[str, Any]]:
+        request_id = request_id or self.new_id()
+        return request_id, {"type": "pull", "id": request_id, "model": reference}
+
+    def add_pull(self, pull: PullRequest) -> PullRequest:
+        self.pulls[pull.id] = pull
+        return pull
+
     # Frames received.
 
     def receive(self, message: str | bytes) -> R | None:
         """Route one received message; returns the request it was about, if live."""
         frame = parse_server_frame(message)
         request_id = getattr(frame, "id", None)
+        pull = self.pulls.get(request_id) if request_id is not None else None
+        if pull is not None:
+            pull.deliver(frame)
+            if pull.finished:
+                del self.pulls[pull.id]
+            return None
         request = self.live.get(request_id) if request_id is not None else None
         if request is None:
             # Late frames of finished requests are dropped; errors kept for debugging.
@@ -524,6 +613,10 @@ class RequestTable(Generic[R]):
         reconnect), resumable ones stay live (returned) for :meth:`resume_frames`
         after a reconnect."""
         now = self._clock()
+        for pull in list(self.pulls.values()):
+            if pull.sent:  # not resumed: the server leaves a download nobody waits for
+                pull.fail(GenerationError("connection_lost", reason, pull.id))
+                del self.pulls[pull.id]
         kept = []
         for request in list(self.live.values()):
             request.resuming = False

@@ -47,12 +47,13 @@ import orjson
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from wsserver.protocol import Done
+from wsserver.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
 from .core import (
     Event,
     GenerationError,
+    PullRequest,
     Reasoning,
     Request,
     RequestResult,
@@ -65,6 +66,7 @@ __all__ = [
     "Client",
     "Event",
     "GenerationError",
+    "Pull",
     "Reasoning",
     "RequestResult",
     "Stream",
@@ -148,6 +150,46 @@ class Stream(Request):
             self.cancel(timeout=self.client.cancel_timeout)
 
 
+class Pull(PullRequest):
+    """A model being pulled onto the server. ``for progress in pull`` yields
+    its progress reports; :meth:`result` is its ``pull_done``."""
+
+    def __init__(self, client: Client, request_id: str, frame: dict[str, Any]) -> None:
+        super().__init__(request_id, frame)
+        self.client = client
+
+    def send(self) -> Pull:
+        if not self.sent:
+            self.sent = True
+            self.client._send(self.frame)
+        return self
+
+    def __iter__(self) -> Iterator[Progress]:
+        self.send()
+        for report in self.reports():
+            if report is None:
+                self.client._wait(lambda: self.ready)
+            else:
+                yield report
+
+    def result(self, timeout: float | None = None) -> PullDone:
+        """Wait for the end: the ``pull_done`` frame."""
+        self.send()
+        self.client._wait(lambda: self.finished, timeout)
+        for _ in self:
+            pass
+        return self.finished_done()
+
+    def cancel(self, timeout: float | None = None) -> PullDone:
+        """Cancel it; its ``pull_done`` (reason ``cancelled``) comes at once."""
+        if not self.finished and self.sent:
+            self.client._send({"type": "cancel", "id": self.id})
+        elif not self.sent:
+            self.done = PullDone(id=self.id, reason="cancelled")
+            self.client.requests.pulls.pop(self.id, None)
+        return self.result(timeout)
+
+
 class Client(ClientBase[Stream]):
     """A connection to wsserver. Use as a context manager.
 
@@ -221,6 +263,13 @@ class Client(ClientBase[Stream]):
 
     def _stream(self, request_id: str, frame: dict[str, Any]) -> Stream:
         return Stream(self, request_id, frame)
+
+    def _pull(self, request_id: str, frame: dict[str, Any]) -> Pull:
+        return Pull(self, request_id, frame)
+
+    def pull(self, reference: str, *, id: str | None = None) -> Pull:
+        pull: Pull = super().pull(reference, id=id)
+        return pull
 
     def _send(self, frame: dict[str, Any]) -> None:
         assert self.ws is not None, "call connect() first"
