@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import FAKE_MODEL, handlers_finished, running_server, timeout, wire
+from test_metrics import scrape
 from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
@@ -235,6 +236,56 @@ async def test_bad_events_are_errors_and_the_socket_stays_usable() -> None:
                 {"type": "response.create", "input": "ok", "max_output_tokens": 2}
             )
             assert (await until_terminal(connection))[-1].type == "response.incomplete"
+
+
+#: Frames that are no JSON object: each an ``error`` event, the socket kept.
+NOT_AN_OBJECT: list[tuple[str, str | bytes]] = [
+    ("invalid JSON", '{"type": "response.create", "input": '),
+    ("an array", '[{"type": "response.create", "input": "x"}]'),
+    ("a string", '"response.create"'),
+    ("null", "null"),
+    ("NaN", "NaN"),
+    ("5,000-deep nesting", "[" * 5000 + "]" * 5000),
+    ("a number", "42"),
+    ("binary, not UTF-8", b"\xff\xfe{"),
+]
+
+
+async def test_a_frame_that_is_no_json_object_is_an_error_and_the_socket_stays() -> None:
+    """Issue 34, fault 6: each of these closed the socket (an UnboundLocalError
+    in the receive loop), ending every other response on it, and none was
+    counted. Each is now an ``error`` (``bad_json``), counted in
+    ``wsserver_errors_total`` like every wire's refusals; a response running
+    on another lane meanwhile goes on, and a new one after completes."""
+    async with (
+        running_server(backend__fake__tokens_per_s=100.0, backend__fake__parallel=2) as server,
+        connected(server) as connection,
+    ):
+        before = (await scrape(server)).get('wsserver_errors_total{code="bad_json"}', 0.0)
+        await connection.send(
+            {"type": "response.create", "input": "x", "max_output_tokens": 10**6, "stream_id": "bg"}
+        )
+        running = (await next_event(connection, "response.created")).response.id
+        for refused, (what, payload) in enumerate(NOT_AN_OBJECT, start=1):
+            await connection.send_raw(payload)
+            async with asyncio.timeout(timeout(30)):
+                async for event in connection:
+                    if event.type == "error":
+                        break
+                    # Only the running response's own events meanwhile.
+                    assert event.stream_id == "bg" and event.type not in TERMINAL, (what, event)
+            assert event.status == 400, what
+            assert event.error.code == "bad_json", (what, event.error)
+            assert getattr(event, "stream_id", None) is None, what
+            counted = (await scrape(server))['wsserver_errors_total{code="bad_json"}']
+            assert counted == before + refused, what
+        # The response running all along is still streaming; cancelled, it ends.
+        await next_event(connection, "response.output_text.delta")
+        await connection.send({"type": "response.cancel", "response_id": running})
+        final = (await until_terminal(connection))[-1]
+        assert final.type == "response.incomplete" and final.response.id == running
+        await connection.send({"type": "response.create", "input": "ok", "max_output_tokens": 2})
+        assert (await until_terminal(connection))[-1].type == "response.incomplete"
 
 
 async def test_the_token_is_checked_at_the_upgrade() -> None:

@@ -135,8 +135,14 @@ class ResponsesSocket:
             self.ws.transport.abort()
             return
         if verdict != "ok":
-            await self.send_error(429, "rate_limited", "too many events; slow down", None, None)
+            limited = ApiError(
+                HTTPStatus.TOO_MANY_REQUESTS, "too many events; slow down", "rate_limited"
+            )
+            await self.refuse(limited, None)
             return
+        # Whatever a frame holds, it is refused with an error event and the
+        # connection stays: its other lanes' responses go on.
+        event: dict[str, Any] | None = None
         try:
             event = parse_json(message)
             kind = event.get("type")
@@ -153,9 +159,8 @@ class ResponsesSocket:
                     "type",
                 )
         except ApiError as exc:
-            stream_id = event.get("stream_id") if isinstance(event, dict) else None
-            lane = stream_id if isinstance(stream_id, str) else None
-            await self.send_error(int(exc.status), exc.code, exc.message, exc.param, lane)
+            stream_id = event.get("stream_id") if event is not None else None
+            await self.refuse(exc, stream_id if isinstance(stream_id, str) else None)
 
     def _enqueue(self, request: ResponsesRequest) -> None:
         lane = request.stream_id
@@ -205,9 +210,7 @@ class ResponsesSocket:
                 try:
                     await self._respond(request)
                 except ApiError as exc:
-                    await self.send_error(
-                        int(exc.status), exc.code, exc.message, exc.param, request.stream_id
-                    )
+                    await self.refuse(exc, request.stream_id)
         except ConnectionClosed:
             pass
         finally:
@@ -267,9 +270,17 @@ class ResponsesSocket:
         if not await self._watch.wait(self.ws.drain, waited=interval):
             raise ConnectionClosed(None, None)
 
+    async def refuse(self, exc: ApiError, stream_id: str | None) -> None:
+        """An event refused here, before any driver saw it: counted in the
+        errors metric and logged as every wire's refusals are, then sent."""
+        self._services.metrics.errors.labels(exc.code).inc()
+        self.log.info("refused: %s %s", exc.code, exc.message, extra={"code": exc.code})
+        await self.send_error(int(exc.status), exc.code, exc.message, exc.param, stream_id)
+
     async def send_error(
         self, status: int, code: str, message: str, param: str | None, stream_id: str | None
     ) -> None:
+        """An ``error`` event (a refusal already counted and logged)."""
         event: dict[str, Any] = {
             "type": "error",
             "status": status,
@@ -277,7 +288,6 @@ class ResponsesSocket:
         }
         if stream_id is not None:
             event["stream_id"] = stream_id
-        self.log.info("refused: %s %s", code, message, extra={"code": code})
         with contextlib.suppress(ConnectionClosed):
             await self.send(event)
 
