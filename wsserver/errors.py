@@ -8,8 +8,11 @@ Hierarchy::
     ├── ConfigError          the configuration is invalid; the server will not start.
     ├── BackendError         a backend failed; goes over the wire as code ``internal``
     │   └── ModelLoadError   the model could not be loaded.
-    └── GenerationCancelled  raised inside a producer thread when its request was
-                             cancelled; never leaves the producer.
+    ├── GenerationCancelled  raised inside a producer thread when its request was
+    │                        cancelled; never leaves the producer.
+    └── WireLost             a client's wire is gone (closed, reset, or aborted for
+                             reading nothing): raised by a dialect's ``write``, handled
+                             by the request driver and the pipeline; never sent.
 
 Only :class:`ProtocolError` and the fixed set of codes in :data:`WIRE_CODES`
 (typed as :data:`WireCode`, so a misspelt code fails mypy) ever reach a client; tracebacks and exception text from third-party code never do.
@@ -29,6 +32,7 @@ __all__ = [
     "ModelLoadError",
     "ProtocolError",
     "WireCode",
+    "WireLost",
     "WsServerError",
     "refusal_headers",
 ]
@@ -132,6 +136,17 @@ class ModelLoadError(BackendError):
 
 class GenerationCancelled(WsServerError):
     """The request was cancelled; the producer unwinds and exits."""
+
+
+class WireLost(WsServerError):
+    """The client's wire is gone: a frame could not be written and never will be.
+
+    The core's own signal, whatever the wire: the socket layer translates its
+    library's (websockets' ``ConnectionClosed``, a reset, an abort for making
+    no progress) into this at the seam, so that the request driver and the
+    pipeline know no transport. A wire that cannot tell (HTTP, whose client
+    gone is a cancel) never raises it.
+    """
 
 
 #: The challenge a 401 carries: browsers' plain-HTTP clients may answer Basic

@@ -34,9 +34,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol
 
-from websockets.exceptions import ConnectionClosed
-
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..events import (
     DoneDelivered,
     Finished,
@@ -86,15 +84,16 @@ class Dialect(Protocol):
     """How one wire writes the core's frames."""
 
     async def write(self, frame: ServerFrame) -> None:
-        """Render one frame. Raises ``ConnectionClosed`` when the wire is lost
-        and could tell (a WebSocket); a wire that cannot (HTTP) drops it."""
+        """Render one frame. Raises :class:`~wsserver.errors.WireLost` when the
+        wire is lost and could tell (a WebSocket); a wire that cannot (HTTP)
+        drops it."""
 
 
 class _Closed:
     """The dialect of a driver whose connection is gone."""
 
     async def write(self, frame: ServerFrame) -> None:
-        raise ConnectionClosed(None, None)
+        raise WireLost("the connection is gone")
 
 
 class RequestDriver:
@@ -366,7 +365,7 @@ class RequestDriver:
         )
 
     async def _apply_safely(self, effects: Iterable[Effect]) -> None:
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(WireLost):
             await self.apply(effects)
 
     # ------------------------------------------------------------ resuming

@@ -40,7 +40,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from ..api_errors import ApiError, error_object
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..logs import ConnectionLog
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender
@@ -123,7 +123,7 @@ class ResponsesSocket:
         try:
             async for message in self.ws:
                 await self._receive(message)
-        except ConnectionClosed:
+        except (ConnectionClosed, WireLost):
             pass
         finally:
             await self.close()
@@ -211,7 +211,7 @@ class ResponsesSocket:
                     await self._respond(request)
                 except ApiError as exc:
                     await self.refuse(exc, request.stream_id)
-        except ConnectionClosed:
+        except WireLost:
             pass
         finally:
             if self._lanes.get(lane) is queue and not queue:
@@ -258,7 +258,9 @@ class ResponsesSocket:
     # ------------------------------------------------------------ sending
 
     async def send(self, event: dict[str, Any]) -> None:
-        """One event; waits while the client reads slowly (judged by the drain watch)."""
+        """One event; waits while the client reads slowly (judged by the drain
+        watch). Raises :class:`~wsserver.errors.WireLost` if the client is gone
+        (websockets' ``ConnectionClosed`` stops here, as in ``sender.py``)."""
         data = orjson.dumps(event)
         interval = self._watch.interval
         try:
@@ -267,8 +269,10 @@ class ResponsesSocket:
             return
         except TimeoutError:
             pass  # written; only the wait for the drain was cut short
+        except ConnectionClosed:
+            raise WireLost("the connection is closed") from None
         if not await self._watch.wait(self.ws.drain, waited=interval):
-            raise ConnectionClosed(None, None)
+            raise WireLost("the connection is gone")
 
     async def refuse(self, exc: ApiError, stream_id: str | None) -> None:
         """An event refused here, before any driver saw it: counted in the
@@ -288,7 +292,7 @@ class ResponsesSocket:
         }
         if stream_id is not None:
             event["stream_id"] = stream_id
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(WireLost):
             await self.send(event)
 
     def _stall(self) -> None:
