@@ -700,7 +700,7 @@ class LlamaBackend(Backend):
                 _check_grammar_room(engine.grammar_calls_running())
             engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
             for key, _ in frame.logit_bias or ():
-                if isinstance(key, int) and key >= engine.n_vocab:
+                if isinstance(key, int) and not 0 <= key < engine.n_vocab:
                     raise BackendError(
                         f"logit_bias: token {key} is not in the model's vocabulary "
                         f"(ids 0 to {engine.n_vocab - 1})",
