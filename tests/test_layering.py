@@ -104,6 +104,7 @@ SANS_IO = [
     "wsserver.anthropic_render",
     "wsserver.models",
     "wsserver.backends.gguf_meta",
+    "wsserver.backends.token_text",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")
