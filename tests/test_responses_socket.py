@@ -398,6 +398,94 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
                         break
 
 
+async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
+    """Issue 34, fault 7: lanes multiplied a client that reads nothing. Its
+    lanes' responses each held the engine in turn: the stall rule ended only
+    a response blocked on its full channel, and the slot went to the next
+    lane's response, ahead of every other client in the queue. A lane's
+    response may be long to even start producing (here: a long prompt's
+    prefill) — which kept a second client waiting for all of them.
+
+    Now a connection's lanes count together: once it has read nothing for
+    the stall timeout while another client waits, all its responses end
+    (``stalled``), those still waiting for the model too, and the other
+    client is served — while the connection that reads nothing stays open."""
+    lanes = "abcdefgh"
+    async with running_server(
+        backend__fake__tokens_per_s=0.0,
+        backend__fake__parallel=1,
+        # A lane's long input takes 1,000 s of prefill; a short one 0.1 s.
+        backend__fake__prefill_ms_per_token=100.0,
+        stream__queue_tokens=16,
+        server__sndbuf=4096,
+        server__write_limit=4096,
+        server__ping_interval_s=0,
+        # Only the stall rule frees the engine: the connection is never
+        # aborted for reading nothing while the test runs.
+        server__send_timeout_s=timeout(600),
+        stream__stall_timeout_s=timeout(0.5),
+    ) as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        url = f"ws://127.0.0.1:{server.port}/v1/responses"
+        async with ws_connect(url, sock=sock, max_queue=1) as ws:
+            # (An event refused first: its answer says the connection is served.)
+            await ws.send(json.dumps({"type": "hello"}))
+            assert json.loads(await ws.recv())["type"] == "error"
+            (hog,) = server.responses_sockets.values()
+            table = hog.generations = _Announcing(hog.generations)
+            ws.transport.pause_reading()  # from now on it reads nothing
+            for lane in lanes:
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "response.create",
+                            "input": "p" if lane == "a" else "x" * 40_000,
+                            "max_output_tokens": 10**6,
+                            "stream_id": lane,
+                        }
+                    )
+                )
+            # Lane a holds the one slot and its output fills every buffer;
+            # the other seven lanes' responses wait for the model.
+            async with asyncio.timeout(timeout(30)):
+                first = await table.added.get()
+                for _ in lanes[1:]:
+                    await table.added.get()
+                await hog.ws.writing_paused.wait()
+            assert await asyncio.to_thread(first.channel.blocked.wait, timeout(30))
+            assert first.slot is not None and server.models.waiting == len(lanes) - 1
+
+            # Another client asks: it is served, the lanes' responses
+            # notwithstanding.
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{server.port}/v1",
+                api_key="x",
+                max_retries=0,
+                timeout=timeout(30),
+            )
+            try:
+                reply = await client.responses.create(
+                    model=FAKE_MODEL, input="hi", max_output_tokens=3
+                )
+            finally:
+                await client.close()
+            assert reply.status == "incomplete" and reply.usage is not None
+            assert reply.usage.output_tokens == 3
+            # Every lane's response ended stalled; none of the seven that
+            # waited ever had the engine; the connection is still open.
+            stalled = server.metrics.registry.get_sample_value(
+                "wsserver_errors_total", {"code": "stalled"}
+            )
+            assert stalled == len(lanes)
+            assert server.responses_sockets == {hog.conn_id: hog}
+            ws.transport.abort()
+        await handlers_finished(server)
+        assert server.producer_threads() == 0
+
+
 class _Announcing(dict[str, Any]):
     """A socket's generations table that announces each generation added."""
 

@@ -299,15 +299,19 @@ class RequestDriver:
             effects = self.session.handle(ProducerExited(request_id), self._loop.time())
             await self._apply_safely(effects)
 
-    def stall(self) -> None:
+    def stall(self, *, every: bool = False) -> None:
         """The client read nothing for the stall timeout: end the requests whose
         engine waits on it, if another request waits for the model (else
-        nobody is harmed)."""
-        if self.services.models.waiting == 0:
+        nobody is harmed). ``every``: end all of this driver's live requests,
+        waiting for the model or running, blocked or not — the caller judged
+        that others wait (a connection whose lanes count together)."""
+        if not every and self.services.models.waiting == 0:
             return
         now = self._loop.time()
         for generation in list(self.generations.values()):
-            if generation.channel.blocked.is_set() and not generation.stopped:
+            if generation.stopped or self.session.state_of(generation.request.id) not in _LIVE:
+                continue  # (the table may be shared with other drivers: theirs)
+            if every or generation.channel.blocked.is_set():
                 generation.log.warning(
                     "client read nothing for %.1fs; ending the request as stalled",
                     self.services.config.stream.stall_timeout_s,

@@ -296,8 +296,22 @@ class ResponsesSocket:
             await self.send(event)
 
     def _stall(self) -> None:
+        """The client read nothing for the stall timeout. Its lanes count
+        together: if a request of another connection waits for the model,
+        every response of this one ends as stalled — running or still waiting
+        for the model, blocked or not — or else each lane's next response
+        would take the engine again, one after another, for a client that
+        reads nothing (issue 34). Creates still waiting in a lane start only
+        once the client takes the events before them."""
+        mine = sum(
+            1
+            for generation in list(self.generations.values())
+            if generation.slot is None and not generation.stopped
+        )
+        if self._services.models.waiting <= mine:
+            return  # only this connection's own responses wait: nobody is harmed
         for run in list(self.runs.values()):
-            run.driver.stall()
+            run.driver.stall(every=True)
 
     # ------------------------------------------------------------ closing
 
