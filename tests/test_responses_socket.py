@@ -398,6 +398,63 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
                         break
 
 
+LANES = "abcdefgh"
+#: A server where a lane's long input takes 1,000 s of prefill (a short one
+#: 0.1 s) and only the stall rule frees the engine from a client that reads
+#: nothing: such a connection is never aborted while a test runs.
+STALLING = {
+    "backend__fake__tokens_per_s": 0.0,
+    "backend__fake__prefill_ms_per_token": 100.0,
+    "stream__queue_tokens": 16,
+    "server__sndbuf": 4096,
+    "server__write_limit": 4096,
+    "server__ping_interval_s": 0,
+    "server__send_timeout_s": timeout(600),
+    "stream__stall_timeout_s": timeout(0.5),
+}
+
+
+@contextlib.asynccontextmanager
+async def never_reading(server: Server) -> AsyncIterator[tuple[Any, Any, list[Any]]]:
+    """A WebSocket-mode client that sends one ``response.create`` per lane of
+    :data:`LANES` — lane a a short input, the others long ones — and reads
+    nothing: (its websocket, the server's side of it, the generations of its
+    lanes in order), once every lane's response has been started."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    before = set(server.responses_sockets)
+    async with ws_connect(url, sock=sock, max_queue=1) as ws:
+        # (An event refused first: its answer says the connection is served.)
+        await ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(await ws.recv())["type"] == "error"
+        (conn_id,) = set(server.responses_sockets) - before
+        hog = server.responses_sockets[conn_id]
+        table = hog.generations = _Announcing(hog.generations)
+        ws.transport.pause_reading()  # from now on it reads nothing
+        for lane in LANES:
+            body = {
+                "type": "response.create",
+                "input": "p" if lane == "a" else "x" * 40_000,
+                "max_output_tokens": 10**6,
+                "stream_id": lane,
+            }
+            await ws.send(json.dumps(body))
+        async with asyncio.timeout(timeout(30)):
+            started = [await table.added.get() for _ in LANES]
+        try:
+            yield ws, hog, started
+        finally:
+            ws.transport.abort()
+
+
+def stalled(server: Server) -> float:
+    value = server.metrics.registry.get_sample_value("wsserver_errors_total", {"code": "stalled"})
+    return value or 0.0
+
+
 async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
     """Issue 34, fault 7: lanes multiplied a client that reads nothing. Its
     lanes' responses each held the engine in turn: the stall rule ended only
@@ -410,80 +467,68 @@ async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
     the stall timeout while another client waits, all its responses end
     (``stalled``), those still waiting for the model too, and the other
     client is served — while the connection that reads nothing stays open."""
-    lanes = "abcdefgh"
-    async with running_server(
-        backend__fake__tokens_per_s=0.0,
-        backend__fake__parallel=1,
-        # A lane's long input takes 1,000 s of prefill; a short one 0.1 s.
-        backend__fake__prefill_ms_per_token=100.0,
-        stream__queue_tokens=16,
-        server__sndbuf=4096,
-        server__write_limit=4096,
-        server__ping_interval_s=0,
-        # Only the stall rule frees the engine: the connection is never
-        # aborted for reading nothing while the test runs.
-        server__send_timeout_s=timeout(600),
-        stream__stall_timeout_s=timeout(0.5),
-    ) as server:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-        url = f"ws://127.0.0.1:{server.port}/v1/responses"
-        async with ws_connect(url, sock=sock, max_queue=1) as ws:
-            # (An event refused first: its answer says the connection is served.)
-            await ws.send(json.dumps({"type": "hello"}))
-            assert json.loads(await ws.recv())["type"] == "error"
-            (hog,) = server.responses_sockets.values()
-            table = hog.generations = _Announcing(hog.generations)
-            ws.transport.pause_reading()  # from now on it reads nothing
-            for lane in lanes:
-                await ws.send(
-                    json.dumps(
-                        {
-                            "type": "response.create",
-                            "input": "p" if lane == "a" else "x" * 40_000,
-                            "max_output_tokens": 10**6,
-                            "stream_id": lane,
-                        }
-                    )
-                )
-            # Lane a holds the one slot and its output fills every buffer;
-            # the other seven lanes' responses wait for the model.
-            async with asyncio.timeout(timeout(30)):
-                first = await table.added.get()
-                for _ in lanes[1:]:
-                    await table.added.get()
-                await hog.ws.writing_paused.wait()
-            assert await asyncio.to_thread(first.channel.blocked.wait, timeout(30))
-            assert first.slot is not None and server.models.waiting == len(lanes) - 1
+    async with (
+        running_server(backend__fake__parallel=1, **STALLING) as server,
+        never_reading(server) as (_, hog, lanes),
+    ):
+        # Lane a holds the one slot and its output fills every buffer; the
+        # other seven lanes' responses wait for the model.
+        async with asyncio.timeout(timeout(30)):
+            await hog.ws.writing_paused.wait()
+        assert await asyncio.to_thread(lanes[0].channel.blocked.wait, timeout(30))
+        assert lanes[0].slot is not None and server.models.waiting == len(LANES) - 1
 
-            # Another client asks: it is served, the lanes' responses
-            # notwithstanding.
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{server.port}/v1",
-                api_key="x",
-                max_retries=0,
-                timeout=timeout(30),
-            )
-            try:
-                reply = await client.responses.create(
-                    model=FAKE_MODEL, input="hi", max_output_tokens=3
-                )
-            finally:
-                await client.close()
-            assert reply.status == "incomplete" and reply.usage is not None
-            assert reply.usage.output_tokens == 3
-            # Every lane's response ended stalled; none of the seven that
-            # waited ever had the engine; the connection is still open.
-            stalled = server.metrics.registry.get_sample_value(
-                "wsserver_errors_total", {"code": "stalled"}
-            )
-            assert stalled == len(lanes)
-            assert server.responses_sockets == {hog.conn_id: hog}
-            ws.transport.abort()
-        await handlers_finished(server)
-        assert server.producer_threads() == 0
+        # Another client asks: it is served, the lanes' responses notwithstanding.
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+        try:
+            reply = await client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=3)
+        finally:
+            await client.close()
+        assert reply.status == "incomplete" and reply.usage is not None
+        assert reply.usage.output_tokens == 3
+        # Every lane's response ended stalled, none of the seven that waited
+        # ever had the engine, and the connection is still open.
+        assert stalled(server) == len(LANES)
+        assert all(lane.slot is None for lane in lanes[1:])
+        assert server.responses_sockets == {hog.conn_id: hog}
+
+
+async def test_connections_take_turns_for_the_model_whatever_their_lanes() -> None:
+    """Issue 34, fault 7, with several connections: three that read nothing,
+    eight lanes each, asked one connection after the other, then a client on
+    our protocol. The queue was first come, first served: the client was
+    23rd, behind every lane. Now connections take turns (the scheduler is
+    fair by owner): it is 3rd, behind the first lane of each connection that
+    holds no slot — and served once the stall rule has ended theirs."""
+    async with contextlib.AsyncExitStack() as stack:
+        # A longer stall timeout: no connection may be judged before the
+        # client below has its place in the queue.
+        config = {**STALLING, "stream__stall_timeout_s": timeout(3)}
+        server = await stack.enter_async_context(
+            running_server(backend__fake__parallel=2, **config)
+        )
+        hogs = [await stack.enter_async_context(never_reading(server)) for _ in range(3)]
+        first = hogs[0][2]
+        # The first connection's lanes a and b took both slots at once.
+        assert first[0].slot is not None and first[1].slot is not None
+        async with wire(server) as client:
+            await client.send({"type": "generate", "id": "b", "prompt": "hi", "max_tokens": 3})
+            queued = await client.recv()
+            assert server.models.waiting == 3 * len(LANES) - 2 + 1
+            assert queued["type"] == "queued" and queued["position"] == 3, queued
+            _, frames = await client.done("b", units=60)
+        assert frames[-1]["reason"] == "length"
+        # The second and third connections' first lanes were served before
+        # it; the rest of their lanes never had the engine.
+        assert all(lane.slot is not None for lane in (hogs[1][2][0], hogs[2][2][0]))
+        assert all(lane.slot is None for _, _, lanes in hogs[1:] for lane in lanes[1:])
+        assert stalled(server) == 3 * len(LANES)
+        assert len(server.responses_sockets) == 3
 
 
 class _Announcing(dict[str, Any]):

@@ -190,8 +190,12 @@ class Generation:
         services = self.owner.services
         request_id = self.request.id
         try:
+            # The connection's share of the model: its requests (the lanes of
+            # a Responses WebSocket) get one slot in turn, like every other's.
             self.acquire = asyncio.ensure_future(
-                services.models.acquire(self.model, request_id, self.queued)
+                services.models.acquire(
+                    self.model, request_id, self.queued, owner=self.owner.log.conn_id
+                )
             )
             try:
                 self.slot = await self.acquire
