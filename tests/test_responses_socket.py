@@ -459,14 +459,16 @@ async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
     """Issue 34, fault 7: lanes multiplied a client that reads nothing. Its
     lanes' responses each held the engine in turn: the stall rule ended only
     a response blocked on its full channel, and the slot went to the next
-    lane's response, ahead of every other client in the queue. A lane's
-    response may be long to even start producing (here: a long prompt's
-    prefill) — which kept a second client waiting for all of them.
+    lane's response (ahead of every other client, too, while the queue was
+    first come, first served). A lane's response may be long to even start
+    producing (here: a long prompt's prefill), and holds the engine all that
+    time for a client that reads nothing.
 
     Now a connection's lanes count together: once it has read nothing for
     the stall timeout while another client waits, all its responses end
-    (``stalled``), those still waiting for the model too, and the other
-    client is served — while the connection that reads nothing stays open."""
+    (``stalled``), those still waiting for the model too — none of them ever
+    has the engine again — and the other client is served, while the
+    connection that reads nothing stays open."""
     async with (
         running_server(backend__fake__parallel=1, **STALLING) as server,
         never_reading(server) as (_, hog, lanes),
