@@ -488,7 +488,7 @@ async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
         # long prefill would hold the slot now); the connection is still open.
         metrics = await scrape(server)
         assert metrics['wsserver_errors_total{code="stalled"}'] == len(LANES)
-        assert metrics["wsserver_requests_active"] == metrics["wsserver_requests_queued"] == 0
+        assert metrics["wsserver_requests_queued"] == 0
         assert metrics["wsserver_open_connections"] == 1
 
 
@@ -498,7 +498,8 @@ async def test_connections_take_turns_for_the_model_whatever_their_lanes() -> No
     our protocol. The queue was first come, first served: the client was
     23rd, behind every lane. Now connections take turns (the scheduler is
     fair by owner): it is 3rd, behind the first lane of each connection that
-    holds no slot — and served once the stall rule has ended theirs."""
+    holds no slot — and served as soon as the stall rule has ended one of
+    theirs."""
     # A longer stall timeout: no connection may be judged before the client
     # below has its place in the queue.
     config = {**STALLING, "stream__stall_timeout_s": timeout(3)}
@@ -518,8 +519,11 @@ async def test_connections_take_turns_for_the_model_whatever_their_lanes() -> No
             assert queued["type"] == "queued" and queued["position"] == 3, queued
             _, frames = await client.done("b", units=60)
         assert frames[-1]["reason"] == "length"
+        # It had a slot once the first connection, and then the second or
+        # the third, had read nothing for the stall timeout: each lost all
+        # its lanes' responses at once. (The last one's stall may come after.)
         metrics = await scrape(server)
-        assert metrics['wsserver_errors_total{code="stalled"}'] == 3 * len(LANES)
+        assert metrics['wsserver_errors_total{code="stalled"}'] in (2 * len(LANES), 3 * len(LANES))
         assert metrics["wsserver_open_connections"] == 3
 
 
