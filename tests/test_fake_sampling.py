@@ -13,7 +13,8 @@ import pytest
 from conftest import FAKE_MODEL, running_server, wire
 from test_openai_http import sdk
 
-from wsserver.backends.fake import fake_vocabulary
+from wsserver.backends.fake import fake_vocabulary, word_weights
+from wsserver.errors import BackendError
 
 WORDS = fake_vocabulary()
 SCHEMA: dict[str, Any] = {
@@ -59,6 +60,13 @@ async def test_a_seeded_logit_bias_forces_bans_and_reproduces() -> None:
         await ws.send({**base, "id": "pen", "repeat_penalty": 1.5})
         (error,) = [f for f in await ws.until(lambda f: f["type"] == "error")]
         assert error["code"] == "unsupported_option" and "repeat_penalty" in error["message"]
+
+
+@pytest.mark.parametrize("token", [-1, len(WORDS)])
+def test_a_token_id_outside_the_fakes_vocabulary_is_refused(token: int) -> None:
+    # -1 biased the last word (a negative index; issue 34).
+    with pytest.raises(BackendError, match=f"token {token} is not in the fake"):
+        word_weights(((token, 1.0),))
 
 
 async def test_a_bias_is_refused_where_the_fake_streams_a_fixed_text() -> None:

@@ -11,6 +11,10 @@
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
   Responses API — imports no other dialect's modules: what they share is the
   request driver's (and the HTTP seam's, ``aio/http_route.py``).
+* The request's way, the same for every wire — the request driver, the
+  pipeline and what they share with every dialect — imports no websockets:
+  the socket layer translates websockets' ``ConnectionClosed`` into the
+  core's :class:`~wsserver.errors.WireLost` at the seam.
 * No import cycle in wsserver, in bench or in the Python client
   (``wsserver_client``): the graph of imports between each package's own
   modules, read from the source with :mod:`ast` (imports inside functions
@@ -104,6 +108,7 @@ SANS_IO = [
     "wsserver.pull.reference",
     "wsserver.pull.progress",
     "wsserver.pull.requests",
+    "wsserver.backends.token_text",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")
@@ -146,6 +151,38 @@ def test_no_dialect_imports_another(dialect: str) -> None:
         assert module in graph, f"{module} is not a module any more: update DIALECTS"
         crossing = graph[module] & others
         assert not crossing, f"{module} imports {sorted(crossing)}"
+
+
+#: The request's way through the asyncio layer, the same for every wire: it
+#: knows no transport library (issue 34; the socket layer translates).
+WIRE_NEUTRAL = [
+    "wsserver.aio.driver",
+    "wsserver.aio.pipeline",
+    "wsserver.aio.channel",
+    "wsserver.aio.scheduler",
+    "wsserver.aio.services",
+    "wsserver.aio.resume",
+    "wsserver.aio.responses_run",
+]
+
+
+@pytest.mark.parametrize("module", WIRE_NEUTRAL)
+def test_the_request_driver_and_pipeline_import_no_websockets(module: str) -> None:
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    assert path.is_file(), f"{module} is not a module any more: update WIRE_NEUTRAL"
+    found = sorted(m for m in _absolute_imports(path) if m.partition(".")[0] == "websockets")
+    assert not found, f"{module} imports {found}"
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """The absolute module names a source file imports, anywhere in it."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
 
 
 def test_only_the_llama_backend_imports_llama_cpp() -> None:

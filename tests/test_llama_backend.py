@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +29,7 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 from wsserver_client import Client  # noqa: E402
 
 from wsserver.aio import Server  # noqa: E402
+from wsserver.aio.peer import PeerAwareConnection  # noqa: E402
 from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
 from wsserver.backends.llama import CHAT_FALLBACK_STOPS, LlamaBackend, plain_chat_prompt  # noqa: E402
 from wsserver.protocol import Message  # noqa: E402
@@ -851,43 +853,73 @@ async def test_server_slow_reader_is_stalled_out_and_the_context_moves_on(tiny_g
             assert slow_frames[-1]["usage"]["completion_tokens"] < 8000
 
 
+#: A slow reader's request: each token carries its 20 most likely
+#: alternatives (~1 KB a token on the wire, however tokens merge into
+#: frames), so a 1 KiB socket is full within tens of tokens and a few hundred
+#: prove the backpressure in bounded work (8,000 plain tokens, ~4 bytes each,
+#: timed out under two CPU-bound processes; issue 34).
+SLOW_READER: dict[str, Any] = {
+    "prompt": "Hello",
+    "max_tokens": 300,
+    "temperature": 0,
+    "logprobs": True,
+    "top_logprobs": 20,
+}
+
+
+def reader_buffer(client: Wire, size: int) -> None:
+    """Give a client's socket a receive buffer of ``size`` bytes (its TCP window)."""
+    sock = client.ws.transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
+def tokens_of(frames: list[dict[str, Any]]) -> list[tuple[str, list[int]]]:
+    """Each token's text and bytes, from the deltas' log-probabilities (their
+    values may differ in the last bits: the second request reuses the cache)."""
+    return [
+        (entry["token"], entry["bytes"])
+        for f in frames
+        if f["type"] == "delta"
+        for entry in f.get("logprobs", ())
+    ]
+
+
 async def test_server_slow_reader_loses_nothing(tiny_gguf: Path) -> None:
+    """A client that stops reading fills the socket (the server's write
+    buffer passes its mark: its sends wait), then its channel, and the engine
+    pauses its request short of the end; once it reads again it gets every
+    token — the same text, token by token, as a reader that never stopped."""
     async with llama_server(
         tiny_gguf,
-        backend__llama__n_ctx=LONG_CTX,
         stream__queue_tokens=1,
         server__sndbuf=1024,
         server__write_limit=1024,
     ) as server:
         async with slow_wire(server, rcvbuf=1024, max_queue=1) as slow:
-            await slow.send(
-                {
-                    "type": "generate",
-                    "id": "slow",
-                    "prompt": "Hello",
-                    "max_tokens": 8000,
-                    "temperature": 0,
-                }
-            )
+            await slow.send({"type": "generate", "id": "slow", **SLOW_READER})
             await slow.until(lambda f: f["type"] == "started")
             (connection,) = server.connections.values()
             channel = connection.generations["slow"].channel
-            blocked = await asyncio.to_thread(channel.blocked.wait, timeout(20))
+            # It reads nothing more: the socket fills, then the channel.
+            assert isinstance(connection.ws, PeerAwareConnection)
+            async with asyncio.timeout(timeout(30)):
+                await connection.ws.writing_paused.wait()
+            blocked = await asyncio.to_thread(channel.blocked.wait, timeout(30))
             assert blocked, "the producer never felt the backpressure"
+            assert connection.ws.writing_paused.is_set()
+            assert channel.tokens < SLOW_READER["max_tokens"], "it did not pause short of the end"
+            # It reads again, at full speed: through the 1 KiB window it
+            # stopped with, TCP would take minutes for these ~300 KB.
+            reader_buffer(slow, 1 << 20)
             slow_text, frames = await slow.done("slow", units=60)
             assert frames[-1]["reason"] == "length"
+            assert frames[-1]["usage"]["completion_tokens"] == SLOW_READER["max_tokens"]
         async with wire(server) as fast:
-            await fast.send(
-                {
-                    "type": "generate",
-                    "id": "fast",
-                    "prompt": "Hello",
-                    "max_tokens": 8000,
-                    "temperature": 0,
-                }
-            )
-            fast_text, _ = await fast.done("fast", units=60)
+            await fast.send({"type": "generate", "id": "fast", **SLOW_READER})
+            fast_text, fast_frames = await fast.done("fast", units=60)
         assert slow_text == fast_text
+        assert tokens_of(frames) == tokens_of(fast_frames)
+        assert len(tokens_of(frames)) == SLOW_READER["max_tokens"]
 
 
 async def http_status(server: Server, path: str) -> int:

@@ -21,6 +21,8 @@ from conftest import make_config, running_server, timeout, wire  # noqa: E402
 from test_llama_backend import loaded, request, run  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
+from wsserver.errors import ProtocolError  # noqa: E402
+from wsserver.protocol import Generate  # noqa: E402
 from wsserver.sampling import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -101,11 +103,17 @@ def test_logit_bias_by_text_biases_each_of_its_tokens(backend: LlamaBackend) -> 
     assert set(forced) <= set(ids)
 
 
-def test_logit_bias_outside_the_vocabulary_is_a_bad_request(backend: LlamaBackend) -> None:
-    outcome, sink = run(backend, request(sampling=with_sampling(logit_bias=((10**9, 1.0),))))
+@pytest.mark.parametrize("token", [10**9, -1])
+def test_logit_bias_outside_the_vocabulary_is_a_bad_request(
+    backend: LlamaBackend, token: int
+) -> None:
+    outcome, sink = run(backend, request(sampling=with_sampling(logit_bias=((token, 1.0),))))
     assert outcome.reason == "error" and outcome.error_code == "bad_request"
-    assert "vocabulary" in outcome.error_message
+    assert "vocabulary" in outcome.error_message and str(token) in outcome.error_message
     assert sink.text == ""
+    # The admission check names it too, before anything starts.
+    with pytest.raises(ProtocolError, match=f"logit_bias: token {token} is not in"):
+        backend.check(Generate(id="b", prompt="p", logit_bias=((token, 1.0),)))
 
 
 # ---------------------------------------------------------------- penalties, DRY, XTC
@@ -249,5 +257,12 @@ async def test_openai_sdk_sends_penalties_and_logit_bias(tiny_gguf: Path) -> Non
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.completions.create(presence_penalty=3.0, **kwargs)
             assert "presence_penalty" in str(caught.value)
+            # No token of any vocabulary: refused by name (it was a 200,
+            # biasing the text "-1"; issue 34).
+            for bias in ({"-1": 5}, {"100000": 5}):
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await client.completions.create(logit_bias=bias, **kwargs)
+                assert "logit_bias" in str(caught.value), caught.value
+                assert next(iter(bias)) in str(caught.value), caught.value
         finally:
             await client.close()

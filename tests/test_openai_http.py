@@ -675,3 +675,54 @@ async def test_a_connection_kept_alive_by_v1_still_gets_the_plain_routes() -> No
     assert page[0] == 200 and page[1].startswith("text/html") and b"<html" in page[2].lower()
     assert again[0] == 200
     assert missing[0] == 404
+
+
+@pytest.mark.parametrize("path", ["/", "/v1/responses"])
+async def test_a_websocket_upgrade_on_a_kept_alive_connection_is_a_websocket(path: str) -> None:
+    """Issue 34: aiohttp reuses the connection a ``GET /v1/models`` kept alive
+    (as HTTP/1.1 allows) for its next ``ws_connect``; the upgrade on it was
+    answered 200 by the HTTP handler ("Invalid response status 200"). Every
+    request on a kept-alive connection is routed like the first one: the
+    upgrade goes to websockets, with the handshake's checks, and the socket
+    serves as on a new connection."""
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        opened: list[str] = []
+        trace = aiohttp.TraceConfig()
+
+        async def created(*_: Any) -> None:
+            opened.append("new")
+
+        async def reused(*_: Any) -> None:
+            opened.append("reused")
+
+        trace.on_connection_create_end.append(created)
+        trace.on_connection_reuseconn.append(reused)
+        async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+            async with session.get(url + "/v1/models") as response:
+                assert response.status == 200
+                await response.read()
+            async with session.ws_connect(url + path) as ws:
+                # The same TCP connection: the one the GET kept alive.
+                assert opened == ["new", "reused"]
+                async with asyncio.timeout(timeout(30)):
+                    if path == "/":
+                        assert (await ws.receive_json())["type"] == "hello"
+                        await ws.send_json(
+                            {"type": "generate", "id": "a", "prompt": "p", "max_tokens": 3}
+                        )
+                        while (frame := await ws.receive_json())["type"] != "done":
+                            pass
+                        assert frame["reason"] == "length"
+                    else:
+                        await ws.send_json(
+                            {"type": "response.create", "input": "p", "max_output_tokens": 3}
+                        )
+                        while (event := await ws.receive_json())["type"] not in (
+                            "response.completed",
+                            "response.incomplete",
+                            "response.failed",
+                            "error",
+                        ):
+                            pass
+                        assert event["type"] == "response.incomplete", event

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 from conftest import FAKE_MODEL, handlers_finished, running_server, timeout, wire
+from test_metrics import scrape
 from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
@@ -237,6 +238,56 @@ async def test_bad_events_are_errors_and_the_socket_stays_usable() -> None:
             assert (await until_terminal(connection))[-1].type == "response.incomplete"
 
 
+#: Frames that are no JSON object: each an ``error`` event, the socket kept.
+NOT_AN_OBJECT: list[tuple[str, str | bytes]] = [
+    ("invalid JSON", '{"type": "response.create", "input": '),
+    ("an array", '[{"type": "response.create", "input": "x"}]'),
+    ("a string", '"response.create"'),
+    ("null", "null"),
+    ("NaN", "NaN"),
+    ("5,000-deep nesting", "[" * 5000 + "]" * 5000),
+    ("a number", "42"),
+    ("binary, not UTF-8", b"\xff\xfe{"),
+]
+
+
+async def test_a_frame_that_is_no_json_object_is_an_error_and_the_socket_stays() -> None:
+    """Issue 34, fault 6: each of these closed the socket (an UnboundLocalError
+    in the receive loop), ending every other response on it, and none was
+    counted. Each is now an ``error`` (``bad_json``), counted in
+    ``wsserver_errors_total`` like every wire's refusals; a response running
+    on another lane meanwhile goes on, and a new one after completes."""
+    async with (
+        running_server(backend__fake__tokens_per_s=100.0, backend__fake__parallel=2) as server,
+        connected(server) as connection,
+    ):
+        before = (await scrape(server)).get('wsserver_errors_total{code="bad_json"}', 0.0)
+        await connection.send(
+            {"type": "response.create", "input": "x", "max_output_tokens": 10**6, "stream_id": "bg"}
+        )
+        running = (await next_event(connection, "response.created")).response.id
+        for refused, (what, payload) in enumerate(NOT_AN_OBJECT, start=1):
+            await connection.send_raw(payload)
+            async with asyncio.timeout(timeout(30)):
+                async for event in connection:
+                    if event.type == "error":
+                        break
+                    # Only the running response's own events meanwhile.
+                    assert event.stream_id == "bg" and event.type not in TERMINAL, (what, event)
+            assert event.status == 400, what
+            assert event.error.code == "bad_json", (what, event.error)
+            assert getattr(event, "stream_id", None) is None, what
+            counted = (await scrape(server))['wsserver_errors_total{code="bad_json"}']
+            assert counted == before + refused, what
+        # The response running all along is still streaming; cancelled, it ends.
+        await next_event(connection, "response.output_text.delta")
+        await connection.send({"type": "response.cancel", "response_id": running})
+        final = (await until_terminal(connection))[-1]
+        assert final.type == "response.incomplete" and final.response.id == running
+        await connection.send({"type": "response.create", "input": "ok", "max_output_tokens": 2})
+        assert (await until_terminal(connection))[-1].type == "response.incomplete"
+
+
 async def test_the_token_is_checked_at_the_upgrade() -> None:
     async with running_server(security__auth_token="s3cret-token-1234") as server:
         async with connected(server, api_key="s3cret-token-1234") as connection:
@@ -345,6 +396,135 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
                     ended += event.type == "response.incomplete"
                     if ended == 3:
                         break
+
+
+LANES = "abcdefgh"
+#: A server where a lane's long input takes 1,000 s of prefill (a short one
+#: 0.1 s) and only the stall rule frees the engine from a client that reads
+#: nothing: such a connection is never aborted while a test runs.
+STALLING = {
+    "backend__fake__tokens_per_s": 0.0,
+    "backend__fake__prefill_ms_per_token": 100.0,
+    "stream__queue_tokens": 16,
+    "server__sndbuf": 4096,
+    "server__write_limit": 4096,
+    "server__ping_interval_s": 0,
+    "server__send_timeout_s": timeout(600),
+    "stream__stall_timeout_s": timeout(0.5),
+}
+
+
+@contextlib.asynccontextmanager
+async def never_reading(server: Server) -> AsyncIterator[Any]:
+    """A WebSocket-mode client that sends one ``response.create`` per lane of
+    :data:`LANES` — lane a a short input, the others long ones — reads each
+    response's ``response.created`` (all eight are then running or waiting
+    for the model), and from then on reads nothing."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    url = f"ws://127.0.0.1:{server.port}/v1/responses"
+    async with ws_connect(url, sock=sock, max_queue=1) as ws:
+        for lane in LANES:
+            body = {
+                "type": "response.create",
+                "input": "p" if lane == "a" else "x" * 40_000,
+                "max_output_tokens": 10**6,
+                "stream_id": lane,
+            }
+            await ws.send(json.dumps(body))
+        created: set[str] = set()
+        async with asyncio.timeout(timeout(30)):
+            while len(created) < len(LANES):
+                event = json.loads(await ws.recv())
+                if event["type"] == "response.created":
+                    created.add(event["stream_id"])
+        ws.transport.pause_reading()  # from now on it reads nothing
+        try:
+            yield ws
+        finally:
+            ws.transport.abort()
+
+
+async def test_a_never_reading_connections_lanes_are_stalled_together() -> None:
+    """Issue 34, fault 7: lanes multiplied a client that reads nothing. Its
+    lanes' responses each held the engine in turn: the stall rule ended only
+    a response blocked on its full channel, and the slot went to the next
+    lane's response (ahead of every other client, too, while the queue was
+    first come, first served). A lane's response may be long to even start
+    producing (here: a long prompt's prefill), and holds the engine all that
+    time for a client that reads nothing.
+
+    Now a connection's lanes count together: once it has read nothing for
+    the stall timeout while another client waits, all its responses end
+    (``stalled``), those still waiting for the model too, and the other
+    client is served, while the connection that reads nothing stays open.
+    (On the wire and /metrics only: the Responses WebSocket mode is to be
+    rewritten onto the generic connection, issue 35.)"""
+    async with (
+        running_server(backend__fake__parallel=1, **STALLING) as server,
+        never_reading(server),
+    ):
+        # Lane a has the one slot; the other seven lanes' responses wait.
+        metrics = await scrape(server)
+        assert metrics["wsserver_requests_active"] == 1
+        assert metrics["wsserver_requests_queued"] == len(LANES) - 1
+
+        # Another client asks: it is served, the lanes' responses notwithstanding.
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=timeout(30),
+        )
+        try:
+            reply = await client.responses.create(model=FAKE_MODEL, input="hi", max_output_tokens=3)
+        finally:
+            await client.close()
+        assert reply.status == "incomplete" and reply.usage is not None
+        assert reply.usage.output_tokens == 3
+        # Every lane's response ended stalled, at once (else the next lane's
+        # long prefill would hold the slot now); the connection is still open.
+        metrics = await scrape(server)
+        assert metrics['wsserver_errors_total{code="stalled"}'] == len(LANES)
+        assert metrics["wsserver_requests_queued"] == 0
+        assert metrics["wsserver_open_connections"] == 1
+
+
+async def test_connections_take_turns_for_the_model_whatever_their_lanes() -> None:
+    """Issue 34, fault 7, with several connections: three that read nothing,
+    eight lanes each, asked one connection after the other, then a client on
+    our protocol. The queue was first come, first served: the client was
+    23rd, behind every lane. Now connections take turns (the scheduler is
+    fair by owner): it is 3rd, behind the first lane of each connection that
+    holds no slot — and served as soon as the stall rule has ended one of
+    theirs."""
+    # A longer stall timeout: no connection may be judged before the client
+    # below has its place in the queue.
+    config = {**STALLING, "stream__stall_timeout_s": timeout(3)}
+    async with contextlib.AsyncExitStack() as stack:
+        server = await stack.enter_async_context(
+            running_server(backend__fake__parallel=2, **config)
+        )
+        for _ in range(3):
+            await stack.enter_async_context(never_reading(server))
+        # The first connection's lanes a and b took both slots at once.
+        metrics = await scrape(server)
+        assert metrics["wsserver_requests_active"] == 2
+        assert metrics["wsserver_requests_queued"] == 3 * len(LANES) - 2
+        async with wire(server) as client:
+            await client.send({"type": "generate", "id": "b", "prompt": "hi", "max_tokens": 3})
+            queued = await client.recv()
+            assert queued["type"] == "queued" and queued["position"] == 3, queued
+            _, frames = await client.done("b", units=60)
+        assert frames[-1]["reason"] == "length"
+        # It had a slot once the first connection, and then the second or
+        # the third, had read nothing for the stall timeout: each lost all
+        # its lanes' responses at once. (The last one's stall may come after.)
+        metrics = await scrape(server)
+        assert metrics['wsserver_errors_total{code="stalled"}'] in (2 * len(LANES), 3 * len(LANES))
+        assert metrics["wsserver_open_connections"] == 3
 
 
 class _Announcing(dict[str, Any]):

@@ -101,7 +101,13 @@ def test_logit_bias_takes_pairs_too() -> None:
         ({"logit_bias": {"15": 101}}, "between -100 and 100"),
         ({"logit_bias": {"": 1}}, "a 'logit_bias' key must be a token id or a non-empty text"),
         ({"logit_bias": [[1, 2, 3]]}, "holds [token or text, bias] pairs"),
-        ({"logit_bias": [[-1, 2]]}, "token id must be an integer >= 0"),
+        ({"logit_bias": [[-1, 2]]}, "token id must be an integer >= 0, not -1"),
+        # A key that is a signed number is a token id (as llama-server reads
+        # it), not text: -1 was biased as the text "-1" (issue 34).
+        ({"logit_bias": {"-1": 2}}, "token id must be an integer >= 0, not -1"),
+        ({"logit_bias": [["-7", 2]]}, "token id must be an integer >= 0, not -7"),
+        ({"logit_bias": {"4294967296": 2}}, "token id must be an integer >= 0"),
+        ({"logit_bias": {"9" * 5000: 2}}, "token id must be an integer >= 0"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "more than 1024 entries"),
     ],
 )

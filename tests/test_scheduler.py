@@ -201,3 +201,52 @@ def finish(
     for slot in held + served + [t.result() for t in pending if not t.cancelled()]:
         scheduler.release(slot)
     assert (scheduler.free, scheduler.busy, scheduler.waiting) == (capacity, 0, 0), context
+
+
+async def test_a_free_slot_goes_to_the_owner_holding_the_fewest() -> None:
+    """Fair by owner (issue 34): one connection's many requests (a Responses
+    WebSocket's lanes) do not all go ahead of a client that came after; it
+    gets a slot in turn. Between owners holding as many, first come first."""
+    scheduler = Scheduler(1, 10)
+    slot = await scheduler.acquire("x0", lambda p: None, "x")
+    positions = {name: Positions() for name in ("x1", "x2", "x3", "y1", "z1")}
+    tasks = {}
+    for name in ("x1", "x2", "x3", "y1", "z1"):
+        tasks[name] = asyncio.create_task(scheduler.acquire(name, positions[name], name[0]))
+        await positions[name].changed()
+    # x holds the slot: y and z, though later, come before x's next ones.
+    assert {name: p.seen[-1] for name, p in positions.items()} == {
+        "y1": 1,
+        "z1": 2,
+        "x1": 3,
+        "x2": 4,
+        "x3": 5,
+    }
+    order = []
+    for _ in range(5):
+        scheduler.release(slot)
+        done, _ = await asyncio.wait(
+            [t for t in tasks.values() if not t.done()], return_when=asyncio.FIRST_COMPLETED
+        )
+        (task,) = done
+        order.append(next(name for name, t in tasks.items() if t is task))
+        slot = task.result()
+    assert order == ["y1", "z1", "x1", "x2", "x3"]
+    scheduler.release(slot)
+    assert (scheduler.free, scheduler.busy, scheduler.waiting) == (1, 0, 0)
+
+
+async def test_owners_holding_nothing_are_served_first_come_first_served() -> None:
+    scheduler = Scheduler(2, 10)
+    held = [await scheduler.acquire(n, lambda p: None, "x") for n in ("x0", "x1")]
+    tasks = []
+    for name in "abc":
+        queued = Positions()
+        tasks.append(asyncio.create_task(scheduler.acquire(name, queued, name)))
+        await queued.changed()
+    scheduler.release(held[0])
+    assert await tasks[0] == held[0]
+    scheduler.release(held[1])
+    assert await tasks[1] == held[1]
+    scheduler.release(held[0])
+    assert await tasks[2] == held[0]

@@ -108,6 +108,7 @@ def write_tiny_gguf(
     seed: int = 1234,
     chat_template: str | None = None,
     eos_scale: float = 0.5,
+    extra_tokens: tuple[tuple[str, gguf.TokenType], ...] = (),
 ) -> Path:
     """Write the tiny model to ``path`` and return it (about 0.6 MB).
 
@@ -116,10 +117,16 @@ def write_tiny_gguf(
     ``eos_scale`` scales the spread of the end-of-sequence logit: at the
     default 0.5 greedy decoding practically never ends by itself (long-running
     tests need that); at 3 it ends after a handful of tokens.
+    ``extra_tokens`` (text, type) come last in the vocabulary, in order: a
+    vocabulary's control and user-defined tokens.
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
     tokens, scores, types = _vocab(merges)
+    for text, kind in extra_tokens:
+        tokens.append(text)
+        scores.append(0.0)
+        types.append(int(kind))
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
 

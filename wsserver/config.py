@@ -317,7 +317,7 @@ class OpenAIConfig:
     model: str = _key("")
     #: More names requests may give for ``model`` (only with a configured ``model``).
     aliases: list[str] = _key([])  # noqa: RUF009 - a default_factory
-    #: Requests at once per upstream; more wait in FIFO order.
+    #: Requests at once per upstream; more wait their turn.
     parallel: int = _key(4, low=1, high=4096)
     max_waiting: int = _key(64, low=0, high=100000)
     #: Opening the TCP (and TLS) connection to an upstream.

@@ -11,8 +11,11 @@ Hierarchy::
     ├── PullError            a model could not be pulled from the Hub (a reference that
     │                        does not parse, a file not there, a full disk …); carries a
     │                        wire code of its own (docs/models.md, "Errors").
-    └── GenerationCancelled  raised inside a producer thread when its request was
-                             cancelled; never leaves the producer.
+    ├── GenerationCancelled  raised inside a producer thread when its request was
+    │                        cancelled; never leaves the producer.
+    └── WireLost             a client's wire is gone (closed, reset, or aborted for
+                             reading nothing): raised by a dialect's ``write``, handled
+                             by the request driver and the pipeline; never sent.
 
 Only :class:`ProtocolError` and the fixed set of codes in :data:`WIRE_CODES`
 (typed as :data:`WireCode`, so a misspelt code fails mypy) ever reach a client; tracebacks and exception text from third-party code never do.
@@ -33,6 +36,7 @@ __all__ = [
     "ProtocolError",
     "PullError",
     "WireCode",
+    "WireLost",
     "WsServerError",
     "refusal_headers",
 ]
@@ -159,6 +163,17 @@ class PullError(WsServerError):
 
 class GenerationCancelled(WsServerError):
     """The request was cancelled; the producer unwinds and exits."""
+
+
+class WireLost(WsServerError):
+    """The client's wire is gone: a frame could not be written and never will be.
+
+    The core's own signal, whatever the wire: the socket layer translates its
+    library's (websockets' ``ConnectionClosed``, a reset, an abort for making
+    no progress) into this at the seam, so that the request driver and the
+    pipeline know no transport. A wire that cannot tell (HTTP, whose client
+    gone is a cancel) never raises it.
+    """
 
 
 #: The challenge a 401 carries: browsers' plain-HTTP clients may answer Basic

@@ -22,6 +22,7 @@ one (``unsupported_option``) instead of ignoring it: see
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Final
@@ -56,6 +57,9 @@ DEFAULT_DRY_BREAKERS: Final = ("\n", ":", '"', "*")
 MAX_TOP_LOGPROBS: Final = 20
 #: Window sizes (``repeat_last_n``, ``dry_penalty_last_n``) are capped here.
 _MAX_WINDOW: Final = 1 << 20
+
+#: A ``logit_bias`` key that is a token id: an ASCII decimal integer, maybe signed.
+_TOKEN_ID: Final = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 #: A logit bias entry: a token id, or a string whose tokens all get the bias
 #: (llama-server's extension); ``-inf`` bans the token (``false`` on the wire).
@@ -227,9 +231,10 @@ def _breakers(value: Any, fail: Fail) -> tuple[str, ...]:
 def _logit_bias(value: Any, fail: Fail) -> LogitBias:
     """``{"15043": 2.5, "Hello": -1}`` or ``[[15043, 2.5], ["Hello", false]]``.
 
-    A key that is a decimal integer is a token id; any other string is text,
-    each of whose tokens gets the bias (llama-server's extension). ``false``
-    bans the token(s).
+    A key that is a decimal integer, signed or not, is a token id (as
+    llama-server reads it; a negative one is refused by name, not taken for
+    text); any other string is text, each of whose tokens gets the bias
+    (llama-server's extension). ``false`` bans the token(s).
     """
     if isinstance(value, dict):
         pairs = list(value.items())
@@ -253,11 +258,16 @@ def _logit_bias(value: Any, fail: Fail) -> LogitBias:
         if isinstance(key, int):
             token = key
         elif isinstance(key, str) and key:
-            token = int(key) if key.isascii() and key.isdigit() else key
+            token = key
+            if _TOKEN_ID.fullmatch(key):
+                # More than ten digits is beyond any id (and int() of a
+                # very long one is slow, then refused).
+                digits = key.lstrip("+-").lstrip("0")
+                token = int(key) if len(digits) <= 10 else 2**31
         else:
             raise fail("a 'logit_bias' key must be a token id or a non-empty text")
         if isinstance(token, int) and not 0 <= token < 2**31:
-            raise fail("a 'logit_bias' token id must be an integer >= 0")
+            raise fail(f"a 'logit_bias' token id must be an integer >= 0, not {str(key)[:40]}")
         if bias is False:
             out.append((token, -math.inf))
             continue

@@ -74,6 +74,7 @@ from .tool_relay import RELAY_MARKER, RelayedCalls, relay_part_text
 
 __all__ = [
     "FRAGMENT_CHARS",
+    "MARKERS",
     "RELAY_MARKER",
     "SYNTAXES",
     "CallPart",
@@ -91,6 +92,9 @@ _HERMES: Final = "<tool_call>"
 _HERMES_END: Final = "</tool_call>"
 _MISTRAL: Final = "[TOOL_CALLS]"
 _PYTHON_TAG: Final = "<|python_tag|>"
+#: The markers the parser reads in a model's text: an engine must render them
+#: as text even where its vocabulary makes them control tokens.
+MARKERS: Final = (_HERMES, _HERMES_END, _MISTRAL, _PYTHON_TAG)
 
 
 def detect_syntax(template: str | None) -> Syntax:

@@ -27,7 +27,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
         │   └── services       what every request uses (built once by the server)
         │       ├── models         the model registry: load on demand, budget, idle unload
         │       │   └── pulls          downloads from the Hub, one per reference, shared
-        │       ├── scheduler      FIFO of requests waiting for a model's slots
+        │       ├── scheduler      the queue for a model's slots: first come, connections in turn
         │       └── metrics        Prometheus metrics, loop-lag probe
         ├── resume         the resumable requests: detached ones, grace timers, tokens
         └── drain          the one drain watchdog (every dialect's transport uses it)

@@ -6,7 +6,7 @@
 accepted as ``x-api-key`` too):
 
 * ``POST /v1/messages`` — a :class:`MessageRun` on the request driver, as
-  every request runs (FIFO queue, paced deltas, bounded memory behind a slow
+  every request runs (the shared queue, paced deltas, bounded memory behind a slow
   reader, disconnect = cancel even mid-prompt). With ``stream``, Anthropic's
   events as SSE (:mod:`wsserver.anthropic_render`), the head written when the
   request starts or waits, ``message_start`` once the engine counted the

@@ -25,7 +25,7 @@ import logging
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..logs import ConnectionLog
 from ..protocol import Cancel, Generate, Hello, Pull, Restart, ServerFrame, parse_client_frame
 from ..security import FrameLimiter
@@ -141,7 +141,7 @@ class Connection:
                     await self._close(1000, "idle timeout")
                     return
                 await self._receive(message)
-        except ConnectionClosed:
+        except (ConnectionClosed, WireLost):
             pass
         finally:
             await self.pulls.close()
@@ -157,7 +157,7 @@ class Connection:
             if verdict == "flood":
                 self.log.warning("kept sending over the frame rate limit; closing")
                 await self._close_discarding(1008, "frame rate limit exceeded")
-                raise ConnectionClosed(None, None)
+                raise WireLost("closed for flooding")
             await self.driver.refuse(ProtocolError("rate_limited", "too many frames; slow down"))
             return
         try:

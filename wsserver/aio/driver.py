@@ -34,9 +34,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Protocol
 
-from websockets.exceptions import ConnectionClosed
-
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..events import (
     DoneDelivered,
     Finished,
@@ -87,15 +85,16 @@ class Dialect(Protocol):
     """How one wire writes the core's frames."""
 
     async def write(self, frame: ServerFrame) -> None:
-        """Render one frame. Raises ``ConnectionClosed`` when the wire is lost
-        and could tell (a WebSocket); a wire that cannot (HTTP) drops it."""
+        """Render one frame. Raises :class:`~wsserver.errors.WireLost` when the
+        wire is lost and could tell (a WebSocket); a wire that cannot (HTTP)
+        drops it."""
 
 
 class _Closed:
     """The dialect of a driver whose connection is gone."""
 
     async def write(self, frame: ServerFrame) -> None:
-        raise ConnectionClosed(None, None)
+        raise WireLost("the connection is gone")
 
 
 class RequestDriver:
@@ -308,15 +307,19 @@ class RequestDriver:
             effects = self.session.handle(ProducerExited(request_id), self._loop.time())
             await self._apply_safely(effects)
 
-    def stall(self) -> None:
+    def stall(self, *, every: bool = False) -> None:
         """The client read nothing for the stall timeout: end the requests whose
         engine waits on it, if another request waits for the model (else
-        nobody is harmed)."""
-        if self.services.models.waiting == 0:
+        nobody is harmed). ``every``: end all of this driver's live requests,
+        waiting for the model or running, blocked or not — the caller judged
+        that others wait (a connection whose lanes count together)."""
+        if not every and self.services.models.waiting == 0:
             return
         now = self._loop.time()
         for generation in list(self.generations.values()):
-            if generation.channel.blocked.is_set() and not generation.stopped:
+            if generation.stopped or self.session.state_of(generation.request.id) not in _LIVE:
+                continue  # (the table may be shared with other drivers: theirs)
+            if every or generation.channel.blocked.is_set():
                 generation.log.warning(
                     "client read nothing for %.1fs; ending the request as stalled",
                     self.services.config.stream.stall_timeout_s,
@@ -374,7 +377,7 @@ class RequestDriver:
         )
 
     async def _apply_safely(self, effects: Iterable[Effect]) -> None:
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(WireLost):
             await self.apply(effects)
 
     # ------------------------------------------------------------ resuming

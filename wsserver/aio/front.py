@@ -17,6 +17,11 @@ connection over for good:
   far, and the transport is pointed at it (``set_protocol``), so nothing of
   ours sits between the socket and websockets from then on.
 
+A connection the OpenAI handler keeps alive is routed the same way request
+by request: it answers the plain routes itself and gives a WebSocket upgrade
+back to websockets through :meth:`Front.to_websockets` (the front is done
+with the connection, but keeps what websockets' connection is built from).
+
 A method other than ``GET`` and ``HEAD`` outside ``/v1`` is answered here,
 405 with ``Allow: GET, HEAD``: websockets would drop a request with a body
 (``Content-Length``, ``Transfer-Encoding``) without a word.
@@ -72,7 +77,7 @@ class Front(asyncio.Protocol):
         server: WsServer,
         *,
         ws_factory: WsFactory,
-        http_factory: Callable[[], asyncio.Protocol],
+        http_factory: Callable[[Callable[[bytes], None]], asyncio.Protocol],
         **ws_kwargs: Any,
     ) -> None:
         #: websockets' ``select_subprotocol`` closure checks that the object
@@ -101,7 +106,7 @@ class Front(asyncio.Protocol):
             return
         line = bytes(self._buffer[: max(end, 0)]).rstrip(b"\r")
         if end >= 0 and is_openai_target(line):
-            self._hand_over(self._http_factory())
+            self._hand_over(self._http_factory(self.to_websockets))
         elif end >= 0 and line.split(b" ", 1)[0] not in (b"GET", b"HEAD") and b" " in line:
             self._not_allowed()
         else:
@@ -129,6 +134,13 @@ class Front(asyncio.Protocol):
         # close() waits for the answer to be taken; a client that never reads is dropped.
         self._timer = asyncio.get_running_loop().call_later(OPEN_TIMEOUT_S, transport.abort)
 
+    def to_websockets(self, data: bytes) -> None:
+        """Give the connection to websockets with ``data``, the bytes read so
+        far: a WebSocket upgrade on a connection the OpenAI handler kept
+        alive, served as if it were the connection's first request."""
+        self._buffer = bytearray(data)
+        self._hand_over(self._ws_factory(self.protocol, self._server, **self._ws_kwargs))
+
     def _hand_over(self, protocol: asyncio.Protocol) -> None:
         self._cancel_timer()
         transport = self._transport
@@ -148,7 +160,7 @@ _NOT_ALLOWED: Final = (
 
 
 def front_factory(
-    *, ws_factory: WsFactory, http_factory: Callable[[], asyncio.Protocol]
+    *, ws_factory: WsFactory, http_factory: Callable[[Callable[[bytes], None]], asyncio.Protocol]
 ) -> Callable[..., Front]:
     """What to pass as ``serve(create_connection=...)``: a :class:`Front` per client."""
 

@@ -5,7 +5,7 @@ Theory of operation
 Each model the server serves is a :class:`Model`: its backend (for llama, a
 :class:`~wsserver.backends.llama.LlamaBackend` with its own context, batch,
 queue and prefix cache) and its own :class:`~wsserver.aio.scheduler.Scheduler`
-(the FIFO of requests waiting for one of its slots, with their positions).
+(the queue of requests waiting for one of its slots, with their positions).
 The scheduler is *closed* while the model is not loaded: requests for it wait
 in its queue, and their ``queued`` frames say ``loading``.
 
@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from ..backends import ModelEntry, pulled_model
@@ -334,8 +334,11 @@ class ModelPool:
 
     # ------------------------------------------------------------ requests
 
-    async def acquire(self, model: Model, request_id: str, on_queued: QueuedCallback) -> int:
-        """Wait for one of ``model``'s slots, loading it first if needed.
+    async def acquire(
+        self, model: Model, request_id: str, on_queued: QueuedCallback, owner: Hashable = None
+    ) -> int:
+        """Wait for one of ``model``'s slots, loading it first if needed;
+        ``owner``: the connection asking (its share: the scheduler's "Fair by owner").
 
         Raises ``ProtocolError``: ``overloaded`` (its queue is full) or
         ``model_load_failed``. Cancelling the wait leaves the queue at once.
@@ -347,6 +350,7 @@ class ModelPool:
             return await model.scheduler.acquire(
                 request_id,
                 lambda position: on_queued(position, model.state != "loaded", model.download),
+                owner,
             )
         finally:
             self._check_idle(model)

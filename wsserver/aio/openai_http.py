@@ -12,6 +12,14 @@ only moves bytes, vets each request and routes it:
 * other dialects' routes given in :attr:`HttpApi.routes` (the Responses
   API's ``/v1/responses``), through the seam of :mod:`wsserver.aio.http_route`.
 
+Every request on a kept-alive connection is routed as the first request of a
+connection is (:func:`~wsserver.aio.front.is_openai_target`): the plain
+routes outside ``/v1`` are answered here (:attr:`HttpApi.plain`), and a
+WebSocket upgrade that is no OpenAI target (``/``, ``GET /v1/responses``)
+hands the connection to websockets, as the front would have: aiohttp, for
+one, reuses a connection a ``GET /v1/models`` kept alive for its next
+``ws_connect``.
+
 Every request first passes :class:`~wsserver.aio.openai_gate.Gate` (the
 WebSocket handshake's checks, CORS, a request rate). Each response carries
 ``X-Request-ID`` (the client's, if valid, else a generated one): the
@@ -60,6 +68,7 @@ from ..errors import ProtocolError, refusal_headers
 from ..logs import ConnectionLog
 from ..openai_api import models_body, parse_request
 from .drain import DrainWatch, write_buffered
+from .front import is_openai_target
 from .http_route import ErrorBody, Exchange, Headers, Route, RouteRequest
 from .openai_gate import Gate, RequestHeaders, request_id_of
 from .openai_stream import Completion
@@ -81,6 +90,9 @@ PROBES: Final = frozenset({"/healthz", "/readyz"})
 
 #: A plain route's answer for a kept-alive connection (see :attr:`HttpApi.plain`).
 PlainRoute = Callable[[str, Headers], tuple[int, Headers, bytes]]
+#: Hands the connection to websockets with the bytes read so far (the request
+#: first): what the front does with a first request that is no OpenAI target.
+ToWebsockets = Callable[[bytes], None]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -109,8 +121,9 @@ class HttpApi:
 class HttpConnection(asyncio.Protocol):
     """One HTTP/1.1 connection that asked for the OpenAI API."""
 
-    def __init__(self, http_api: HttpApi) -> None:
+    def __init__(self, http_api: HttpApi, *, to_websockets: ToWebsockets | None = None) -> None:
         self._http_api = http_api
+        self._to_websockets = to_websockets
         self._services = http_api.services
         self.conn_id = http_api.next_id()
         self.log = ConnectionLog(log, self.conn_id)
@@ -187,12 +200,17 @@ class HttpConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._client_gone()
+        self._release()
+        self.log.info("closed (HTTP)")
+
+    def _release(self) -> None:
+        """The connection is no longer this handler's (lost, or handed over)."""
         self._disarm_idle()
         self._disarm_receiving()
         if self._close_deadline is not None:
             self._close_deadline.cancel()
             self._close_deadline = None
-        self._client_gone()
         if not self.generations:
             # Else when the last engine is gone: until then its slot is this
             # connection's (the server's orphan check, /readyz), as a
@@ -202,7 +220,6 @@ class HttpConnection(asyncio.Protocol):
         if self._watch is not None:
             self._watch.detach()
         self.closed.set()
-        self.log.info("closed (HTTP)")
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -238,6 +255,9 @@ class HttpConnection(asyncio.Protocol):
                 break
             if isinstance(event, h11.Request):
                 self._disarm_idle()
+                if self._to_websockets is not None and _upgrade_elsewhere(event):
+                    self._hand_to_websockets(event)
+                    return
                 self._arm_receiving()
                 if not self._start_request(event):
                     return
@@ -258,6 +278,18 @@ class HttpConnection(asyncio.Protocol):
         if self._handler is not None and len(self._h11.trailing_data[0]) > MAX_PIPELINED:
             self.log.info("sent too much ahead of its answer; closing")
             self._close()
+
+    def _hand_to_websockets(self, request: h11.Request) -> None:
+        """A WebSocket upgrade on this kept-alive connection: websockets gets
+        the connection, the request and whatever followed it, as the front
+        gives it a first request — the handshake's checks and the connection
+        limits are its. This handler's part ends here, as if it had closed."""
+        assert self._to_websockets is not None
+        data = _head_bytes(request) + self._h11.trailing_data[0]
+        self._lost = True
+        self._release()
+        self.log.info("WebSocket upgrade of %s: handed to websockets", _clip(_path_of(request)))
+        self._to_websockets(data)
 
     @property
     def _max_body(self) -> int:
@@ -370,6 +402,15 @@ class HttpConnection(asyncio.Protocol):
             self._simple(HTTPStatus.NO_CONTENT, b"", extra)
             return
         gate.check_client(headers, peer=self._peer, now=self._loop.time())
+        if self._http_api.plain is not None and not is_openai_target(
+            request.method + b" " + request.target
+        ):
+            # A keep-alive connection that asked /v1 before stays here: what
+            # websockets answers on a new connection is answered here too.
+            if method not in ("GET", "HEAD"):
+                raise _not_allowed(method, "GET, HEAD")
+            self._plain(request, method, extra)
+            return
         route = self._route_of(path)
         if route is not None:
             if self._lost:
@@ -434,12 +475,6 @@ class HttpConnection(asyncio.Protocol):
             raise ApiError(
                 HTTPStatus.NOT_FOUND, f"the model {name!r} does not exist", "model_not_found"
             )
-        elif self._http_api.plain is not None and not path.startswith("/v1"):
-            # A keep-alive connection that asked /v1 before stays here: the
-            # routes websockets answers on a new connection are answered here too.
-            if method not in ("GET", "HEAD"):
-                raise _not_allowed(method, "GET, HEAD")
-            self._plain(request, method, extra)
         else:
             raise ApiError(
                 HTTPStatus.NOT_FOUND, f"no route {_clip(method)} {_clip(path)}", "not_found"
@@ -629,6 +664,23 @@ _METRIC_CODES: Final = frozenset(
 
 #: Statuses outside the HTTP standard that a dialect answers with.
 _PHRASES: Final = {529: b"Overloaded"}
+
+
+def _upgrade_elsewhere(request: h11.Request) -> bool:
+    """A WebSocket upgrade that the front would give to websockets as a
+    connection's first request: any target but the OpenAI API's."""
+    upgrade = any(
+        name == b"upgrade" and value.strip().lower() == b"websocket"
+        for name, value in request.headers
+    )
+    return upgrade and not is_openai_target(request.method + b" " + request.target)
+
+
+def _head_bytes(request: h11.Request) -> bytes:
+    """The request's head as it came (h11 keeps the headers' own spelling)."""
+    lines = [b"%s %s HTTP/%s" % (request.method, request.target, request.http_version)]
+    lines += [name + b": " + value for name, value in request.headers.raw_items()]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
 def _path_of(request: h11.Request) -> str:

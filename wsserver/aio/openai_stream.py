@@ -3,7 +3,7 @@
 A :class:`Completion` runs the request exactly as a WebSocket ``generate``
 runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
 :class:`~wsserver.session.Session` of its own takes it through the scheduler's
-FIFO, the engine, the bounded channel, the pacing and the cancel bookkeeping —
+queue, the engine, the bounded channel, the pacing and the cancel bookkeeping —
 and only renders the frames the driver gives back (:meth:`Completion.write`):
 
 * ``queued`` → the response's headers and a ``: keep-alive`` comment (also

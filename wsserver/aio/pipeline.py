@@ -41,11 +41,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import orjson
-from websockets.exceptions import ConnectionClosed
 
 from .. import pacing
 from ..backends.base import GenerationRequest, Submission
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..events import Finished, ModelGranted, Outcome, PromptCounted, Rejected, Report, TextProduced
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
@@ -70,7 +69,8 @@ class Owner(Protocol):
 
     async def report(self, event: Report) -> bool:
         """Hand a report to the session and write what it answers. Whether the
-        request is still live; raises ``ConnectionClosed`` if the wire is lost."""
+        request is still live; raises :class:`~wsserver.errors.WireLost` if
+        the wire is lost."""
 
     def note(self, event: Report) -> None:
         """A report that sends nothing (the prompt count)."""
@@ -172,7 +172,7 @@ class Generation:
         owner = self.owner
         try:
             return await owner.report(event)
-        except ConnectionClosed:
+        except WireLost:
             if self.resume_token is None or self.stopped:
                 raise
         self.waiting_for_resume = True
@@ -199,8 +199,12 @@ class Generation:
         services = self.owner.services
         request_id = self.request.id
         try:
+            # The connection's share of the model: its requests (the lanes of
+            # a Responses WebSocket) get one slot in turn, like every other's.
             self.acquire = asyncio.ensure_future(
-                services.models.acquire(self.model, request_id, self.queued)
+                services.models.acquire(
+                    self.model, request_id, self.queued, owner=self.owner.log.conn_id
+                )
             )
             try:
                 self.slot = await self.acquire
@@ -209,7 +213,7 @@ class Generation:
                     return  # cancelled while waiting for the model
                 raise
             except ProtocolError as exc:
-                with contextlib.suppress(ConnectionClosed):
+                with contextlib.suppress(WireLost):
                     await self.owner.report(Rejected(request_id, exc))
                 return
             if self.stopped:
@@ -231,7 +235,7 @@ class Generation:
                 return
             self._submit(asyncio.get_running_loop(), request)
             await self._pump()
-        except ConnectionClosed:
+        except WireLost:
             self.stop()
         except Exception:
             self.log.exception("sender failed")

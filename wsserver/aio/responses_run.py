@@ -3,7 +3,7 @@
 A :class:`ResponseRun` runs its request exactly as a WebSocket ``generate`` or
 a chat completion runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
 :class:`~wsserver.session.Session` of its own takes it through the scheduler's
-FIFO, the engine, the bounded channel, the pacing and the cancel bookkeeping —
+queue, the engine, the bounded channel, the pacing and the cancel bookkeeping —
 and is the driver's :class:`~wsserver.aio.driver.Dialect`: it renders the
 frames it gets back as Responses events (:class:`~wsserver.responses_render.ResponseRender`)
 and hands them to its transport — SSE or a whole body over HTTP

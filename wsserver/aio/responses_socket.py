@@ -40,7 +40,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from ..api_errors import ApiError, error_object
-from ..errors import ProtocolError
+from ..errors import ProtocolError, WireLost
 from ..logs import ConnectionLog
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender
@@ -123,7 +123,7 @@ class ResponsesSocket:
         try:
             async for message in self.ws:
                 await self._receive(message)
-        except ConnectionClosed:
+        except (ConnectionClosed, WireLost):
             pass
         finally:
             await self.close()
@@ -135,8 +135,14 @@ class ResponsesSocket:
             self.ws.transport.abort()
             return
         if verdict != "ok":
-            await self.send_error(429, "rate_limited", "too many events; slow down", None, None)
+            limited = ApiError(
+                HTTPStatus.TOO_MANY_REQUESTS, "too many events; slow down", "rate_limited"
+            )
+            await self.refuse(limited, None)
             return
+        # Whatever a frame holds, it is refused with an error event and the
+        # connection stays: its other lanes' responses go on.
+        event: dict[str, Any] | None = None
         try:
             event = parse_json(message)
             kind = event.get("type")
@@ -153,9 +159,8 @@ class ResponsesSocket:
                     "type",
                 )
         except ApiError as exc:
-            stream_id = event.get("stream_id") if isinstance(event, dict) else None
-            lane = stream_id if isinstance(stream_id, str) else None
-            await self.send_error(int(exc.status), exc.code, exc.message, exc.param, lane)
+            stream_id = event.get("stream_id") if event is not None else None
+            await self.refuse(exc, stream_id if isinstance(stream_id, str) else None)
 
     def _enqueue(self, request: ResponsesRequest) -> None:
         lane = request.stream_id
@@ -205,10 +210,8 @@ class ResponsesSocket:
                 try:
                     await self._respond(request)
                 except ApiError as exc:
-                    await self.send_error(
-                        int(exc.status), exc.code, exc.message, exc.param, request.stream_id
-                    )
-        except ConnectionClosed:
+                    await self.refuse(exc, request.stream_id)
+        except WireLost:
             pass
         finally:
             if self._lanes.get(lane) is queue and not queue:
@@ -255,7 +258,9 @@ class ResponsesSocket:
     # ------------------------------------------------------------ sending
 
     async def send(self, event: dict[str, Any]) -> None:
-        """One event; waits while the client reads slowly (judged by the drain watch)."""
+        """One event; waits while the client reads slowly (judged by the drain
+        watch). Raises :class:`~wsserver.errors.WireLost` if the client is gone
+        (websockets' ``ConnectionClosed`` stops here, as in ``sender.py``)."""
         data = orjson.dumps(event)
         interval = self._watch.interval
         try:
@@ -264,12 +269,22 @@ class ResponsesSocket:
             return
         except TimeoutError:
             pass  # written; only the wait for the drain was cut short
+        except ConnectionClosed:
+            raise WireLost("the connection is closed") from None
         if not await self._watch.wait(self.ws.drain, waited=interval):
-            raise ConnectionClosed(None, None)
+            raise WireLost("the connection is gone")
+
+    async def refuse(self, exc: ApiError, stream_id: str | None) -> None:
+        """An event refused here, before any driver saw it: counted in the
+        errors metric and logged as every wire's refusals are, then sent."""
+        self._services.metrics.errors.labels(exc.code).inc()
+        self.log.info("refused: %s %s", exc.code, exc.message, extra={"code": exc.code})
+        await self.send_error(int(exc.status), exc.code, exc.message, exc.param, stream_id)
 
     async def send_error(
         self, status: int, code: str, message: str, param: str | None, stream_id: str | None
     ) -> None:
+        """An ``error`` event (a refusal already counted and logged)."""
         event: dict[str, Any] = {
             "type": "error",
             "status": status,
@@ -277,13 +292,26 @@ class ResponsesSocket:
         }
         if stream_id is not None:
             event["stream_id"] = stream_id
-        self.log.info("refused: %s %s", code, message, extra={"code": code})
-        with contextlib.suppress(ConnectionClosed):
+        with contextlib.suppress(WireLost):
             await self.send(event)
 
     def _stall(self) -> None:
+        """The client read nothing for the stall timeout. Its lanes count
+        together: if a request of another connection waits for the model,
+        every response of this one ends as stalled — running or still waiting
+        for the model, blocked or not — or else each lane's next response
+        would take the engine again, one after another, for a client that
+        reads nothing (issue 34). Creates still waiting in a lane start only
+        once the client takes the events before them."""
+        mine = sum(
+            1
+            for generation in list(self.generations.values())
+            if generation.slot is None and not generation.stopped
+        )
+        if self._services.models.waiting <= mine:
+            return  # only this connection's own responses wait: nobody is harmed
         for run in list(self.runs.values()):
-            run.driver.stall()
+            run.driver.stall(every=True)
 
     # ------------------------------------------------------------ closing
 

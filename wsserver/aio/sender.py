@@ -15,6 +15,7 @@ import asyncio
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from ..errors import WireLost
 from ..protocol import ServerFrame, serialize
 from .drain import DrainWatch
 
@@ -29,8 +30,10 @@ class Sender:
         self.watch = watch
 
     async def send(self, frame: ServerFrame) -> None:
-        """Send one frame; raises ``ConnectionClosed`` if the client is gone,
-        or was aborted for reading nothing for ``server.send_timeout_s``."""
+        """Send one frame; raises :class:`~wsserver.errors.WireLost` if the
+        client is gone, or was aborted for reading nothing for
+        ``server.send_timeout_s``. This is the seam: websockets'
+        ``ConnectionClosed`` stops here, and the driver above knows no transport."""
         data = serialize(frame)
         interval = self.watch.interval
         try:
@@ -40,5 +43,7 @@ class Sender:
         except TimeoutError:
             # The frame is written; only the wait for the drain was cut short.
             pass
+        except ConnectionClosed:
+            raise WireLost("the connection is closed") from None
         if not await self.watch.wait(self._ws.drain, waited=interval):
-            raise ConnectionClosed(None, None)
+            raise WireLost("the connection is gone")

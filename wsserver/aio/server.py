@@ -258,7 +258,9 @@ class Server:
                         output_ceiling=max(server.max_output_bytes, server.write_limit),
                         output_timeout=server.send_timeout_s,
                     ),
-                    http_factory=lambda: HttpConnection(self.api),
+                    http_factory=lambda to_websockets: HttpConnection(
+                        self.api, to_websockets=to_websockets
+                    ),
                 ),
             ),
             # Token frames are small and frequent: deflate would cost CPU on

@@ -32,8 +32,9 @@ whatever thread or task the engine runs on. Three kinds of engine fit:
 
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
-an async one. The server's scheduler queues requests for them in FIFO order
-and never grants a slot to two requests at once.
+an async one. The server's scheduler queues requests for them (first come,
+first served, connections in turn) and never grants a slot to two requests
+at once.
 
 What an engine guarantees
 -------------------------

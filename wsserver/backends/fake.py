@@ -145,7 +145,7 @@ def word_weights(bias: LogitBias) -> list[float] | None:
     logits = [0.0] * len(_WORDS)
     for key, value in bias:
         if isinstance(key, int):
-            if key >= len(_WORDS):
+            if not 0 <= key < len(_WORDS):
                 raise BackendError(
                     f"logit_bias: token {key} is not in the fake engine's vocabulary "
                     f"(ids 0 to {len(_WORDS) - 1})",

@@ -19,8 +19,11 @@ template — or, for a model without one (the default Gemma 3 270M base model),
 through the plain-text fallback :func:`plain_chat_prompt` — and maps tokens to
 their raw bytes (``llama_token_to_piece``: a byte token is a single byte,
 perhaps half a character) for the engine's
-:class:`~wsserver.textstream.TextAssembler`. Invalid byte sequences are
-dropped, as ``create_completion`` drops them (``errors="ignore"``).
+:class:`~wsserver.textstream.TextAssembler`; a token that is not text
+(:mod:`.token_text`: control tokens, as llama-server with ``--special`` off,
+and markers like Gemma 3's ``<start_of_image>``) maps to no bytes. Invalid
+byte sequences are dropped, as ``create_completion`` drops them
+(``errors="ignore"``).
 
 Cancel, the prompt cache and what batching does to numerics: see
 :mod:`.llama_engine` and docs/llama.md.
@@ -62,6 +65,7 @@ from .llama_engine import BatchEngine, RequestStats
 from .llama_template import ChatTemplate, TemplateLoadError
 from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
 from .llama_tool_grammar import forced_call_grammar
+from .token_text import is_text
 
 __all__ = [
     "CHAT_FALLBACK_STOPS",
@@ -76,6 +80,9 @@ log = logging.getLogger("wsserver.llama")
 #: How long ``close`` waits for the engine thread to stop (it finishes the
 #: native call it is in: a decode step, bounded by the model and the batch).
 ENGINE_STOP_S = 10.0
+
+#: The token attributes llama.cpp renders as nothing with ``special=false``.
+_TEXTLESS = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 
 _ROLE_LABELS = {
     "system": "System",
@@ -675,14 +682,22 @@ class LlamaBackend(Backend):
         return piece
 
     def _read_piece(self, token: int) -> bytes:
-        """:meth:`_piece`, not cached (a pass over the whole vocabulary)."""
+        """:meth:`_piece`, not cached (a pass over the whole vocabulary): the
+        token's bytes, or none for a token that is not text (:mod:`.token_text`)."""
+        vocab = self._model.vocab
         size = 64
         while True:
             buffer = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._model.vocab, token, buffer, size, 0, False)
+            # special=True: every token's whole text, for is_text to judge.
+            n = llama_cpp.llama_token_to_piece(vocab, token, buffer, size, 0, True)
             if n >= 0:
-                return buffer.raw[:n]
+                break
             size = -n
+        text = buffer.raw[:n]
+        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+        control = bool(attr & _TEXTLESS)
+        user_defined = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED)
+        return text if is_text(text, control=control, user_defined=user_defined) else b""
 
     # ------------------------------------------------------------ requests
 
@@ -700,7 +715,7 @@ class LlamaBackend(Backend):
                 _check_grammar_room(engine.grammar_calls_running())
             engine.grammars.compile(grammar=frame.grammar, json_schema=frame.json_schema)
             for key, _ in frame.logit_bias or ():
-                if isinstance(key, int) and key >= engine.n_vocab:
+                if isinstance(key, int) and not 0 <= key < engine.n_vocab:
                     raise BackendError(
                         f"logit_bias: token {key} is not in the model's vocabulary "
                         f"(ids 0 to {engine.n_vocab - 1})",

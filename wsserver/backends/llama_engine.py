@@ -539,7 +539,7 @@ class BatchEngine:
         out: list[tuple[int, float]] = []
         for key, value in request.sampling.logit_bias:
             if isinstance(key, int):
-                if key >= self.n_vocab:
+                if not 0 <= key < self.n_vocab:
                     raise BackendError(
                         f"logit_bias: token {key} is not in the model's vocabulary "
                         f"(ids 0 to {self.n_vocab - 1})",

@@ -259,9 +259,11 @@ class Candidates:
     Two kinds of token are never candidates of a constrained sequence, so
     that the grammar's view of the output and the text sent stay the same:
 
-    * control and unknown tokens other than end-of-generation: llama.cpp's
-      grammar matches them by their text (``<s>``, ``<unk>``,
-      ``<start_of_turn>``), which the engine never emits;
+    * tokens without text (``piece`` gives no bytes) other than
+      end-of-generation — control and unknown tokens, markers like
+      ``<start_of_image>`` (:mod:`.token_text`): llama.cpp's grammar matches
+      them by their text (``<s>``, ``<unk>``, ``<start_of_turn>``), which the
+      engine never emits;
     * a token that would make the bytes invalid UTF-8 (a continuation byte
       where a character should start, anything else where one should go
       on): llama.cpp's grammar decodes such bytes leniently, the engine's
@@ -302,15 +304,14 @@ class Candidates:
     def __init__(self, vocab: Any, n_vocab: int, piece: Callable[[int], bytes]) -> None:
         self.n_vocab = n_vocab
         self._ids = np.arange(n_vocab, dtype=np.int32)
-        textless = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
         first = np.full(n_vocab, _NO_BYTE, dtype=np.int32)
         second = np.full(n_vocab, _NO_BYTE, dtype=np.int32)
         control = np.zeros(n_vocab, dtype=bool)
         probes = np.full(256, -1, dtype=np.int32)
         for t in range(n_vocab):
             eog = llama_cpp.llama_vocab_is_eog(vocab, t)
-            control[t] = bool(llama_cpp.llama_vocab_get_attr(vocab, t) & textless) and not eog
             data = piece(t) if not eog else b""
+            control[t] = not data and not eog
             if data:
                 first[t] = data[0]
                 if len(data) > 1:
