@@ -59,10 +59,7 @@ not used (docs/models.md).
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import logging
-import os
 import re
 import shutil
 import threading
@@ -70,10 +67,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Final
-from urllib.parse import urlsplit
+from typing import Any, Final
 
 from ..errors import PullError
+from .blob import (
+    DOWNLOAD_CHUNK,
+    PullCancelled,
+    cached_files,
+    digest_of,
+    download,
+    hash_prefix,
+    is_digest,
+    repo_folder,
+    translate,
+    write_ref,
+)
 from .progress import Progress, PullStatus
 from .reference import Plan, Reference, RemoteFile, parse_reference, plan_files
 
@@ -82,18 +90,9 @@ __all__ = ["DEFAULT_ENDPOINT", "DOWNLOAD_CHUNK", "Hub", "HubSettings", "PullCanc
 log = logging.getLogger("wsserver.pull")
 
 DEFAULT_ENDPOINT: Final = "https://huggingface.co"
-_SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
-_GIT_OID_RE: Final = re.compile(r"[0-9a-f]{40}")
 _COMMIT_RE: Final = re.compile(r"[0-9a-f]{40}")
-_HASH_CHUNK: Final = 1 << 20
-#: The bytes between two checks of a cancel (and two progress reports).
-DOWNLOAD_CHUNK: Final = 1 << 20
 
 Report = Callable[[Progress], None]
-
-
-class PullCancelled(Exception):
-    """The pull was cancelled; what was downloaded stays for a later resume."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,70 +146,6 @@ class Pulled:
         return self.parts[0]
 
 
-def _repo_folder(repo: str) -> str:
-    return "models--" + repo.replace("/", "--")
-
-
-def _digest_of(file: RemoteFile) -> str | None:
-    return file.sha256 or file.git_oid
-
-
-def _new_hasher(file: RemoteFile) -> Any:
-    if file.sha256 is not None:
-        return hashlib.sha256()
-    hasher = hashlib.sha1()  # git's blob id: not a security choice, the Hub's naming
-    hasher.update(f"blob {file.size}\0".encode())
-    return hasher
-
-
-class _Writer:
-    """The file object ``http_get`` writes to: the partial file, hashed as it
-    grows, reporting progress and stopping at a cancel."""
-
-    def __init__(
-        self,
-        file: BinaryIO,
-        hasher: Any,
-        *,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-        rehash: Callable[[int], Any],
-    ) -> None:
-        self._file = file
-        self.hasher = hasher
-        self._on_bytes = on_bytes
-        self._cancel = cancel
-        self._rehash = rehash
-
-    def write(self, data: bytes) -> int:
-        if self._cancel.is_set():
-            raise PullCancelled()
-        view = memoryview(data)
-        while view:  # an unbuffered file may take part of a chunk (a disk filling up)
-            written = self._file.write(view)
-            view = view[written or 0 :]
-        self.hasher.update(data)
-        self._on_bytes(self._file.tell())
-        return len(data)
-
-    def tell(self) -> int:
-        return self._file.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._file.seek(offset, whence)
-
-    def truncate(self, size: int | None = None) -> int:
-        # The server ignored the Range and sent the whole file (huggingface_hub
-        # then starts over): the hash starts over from what is kept.
-        end = self._file.truncate(size)
-        self._file.seek(end)
-        self.hasher = self._rehash(end)
-        return end
-
-    def flush(self) -> None:
-        self._file.flush()
-
-
 class Hub:
     """Resolves references and fetches their files (blocking: call it from a
     worker thread). One per process is enough; it remembers which cached files
@@ -242,7 +177,7 @@ class Hub:
         try:
             info = api.model_info(ref.repo, revision=ref.revision, files_metadata=True)
         except Exception as exc:
-            error = _translate(exc, ref.text)
+            error = translate(exc, ref.text)
             if error.code != "hub_unreachable":
                 raise error from None
             log.warning("%s; looking in the cache", error.message)
@@ -265,7 +200,7 @@ class Hub:
 
     def resolve_cached(self, ref: Reference) -> Plan:
         """Resolve ``ref`` from the cache alone (offline)."""
-        storage = self.settings.cache() / _repo_folder(ref.repo)
+        storage = self.settings.cache() / repo_folder(ref.repo)
         revision = ref.revision or "main"
         commit: str | None = revision if _COMMIT_RE.fullmatch(revision) else None
         if commit is None:
@@ -279,7 +214,7 @@ class Hub:
                     "(offline): pull it once while online",
                 ) from None
         snapshot = storage / "snapshots" / commit
-        files = list(_cached_files(snapshot))
+        files = list(cached_files(snapshot))
         try:
             plan = plan_files(ref, files, commit)
         except PullError as exc:
@@ -314,7 +249,7 @@ class Hub:
                 f"{ref.text} is {total:,} bytes ({', '.join(f.path for f in plan.files)}), "
                 f"more than models.max_download_bytes ({cap:,})",
             )
-        storage = settings.cache() / _repo_folder(ref.repo)
+        storage = settings.cache() / repo_folder(ref.repo)
         blobs = storage / "blobs"
         missing = 0
         for file in plan.files:
@@ -352,7 +287,7 @@ class Hub:
         return Pulled(plan=plan, parts=parts, mmproj=mmproj, downloaded=downloaded)
 
     def _blob_path(self, blobs: Path, file: RemoteFile) -> Path | None:
-        digest = _digest_of(file)
+        digest = digest_of(file)
         return blobs / digest if digest else None
 
     def _check_space(self, blobs: Path, need: int) -> None:
@@ -390,14 +325,14 @@ class Hub:
             raise PullError("hub_unreachable", f"offline, and {file.path} is not cached")
         metadata = self._metadata(plan, file)
         etag = metadata.etag
-        expected = _digest_of(file)
+        expected = digest_of(file)
         if expected is not None and etag != expected:
             raise PullError(
                 "hub_error",
                 f"the Hub lists {file.path} with digest {expected} but serves {etag}: "
                 "the repository may be changing; try again",
             )
-        if not etag or not (_SHA256_RE.fullmatch(etag) or _GIT_OID_RE.fullmatch(etag)):
+        if not etag or not is_digest(etag):
             raise PullError("hub_error", f"the Hub gave {file.path} no usable digest ({etag!r})")
         if metadata.size is not None and metadata.size != file.size:
             raise PullError(
@@ -410,7 +345,17 @@ class Hub:
                 progress("checking", 0)
                 self._verify_cached(blob, file, cancel, progress)
                 return 0
-            return self._download(metadata, blob, file, progress, cancel)
+            downloaded = download(
+                metadata,
+                blob,
+                file,
+                progress,
+                cancel,
+                token=self.settings.token,
+                endpoint=self.settings.endpoint,
+            )
+            self._remember(blob)
+            return downloaded
 
     def _metadata(self, plan: Plan, file: RemoteFile) -> Any:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -427,7 +372,7 @@ class Hub:
                 url, token=self.settings.token, endpoint=self.settings.endpoint
             )
         except Exception as exc:
-            raise _translate(exc, f"{ref.repo}/{file.path}") from None
+            raise translate(exc, f"{ref.repo}/{file.path}") from None
         return metadata
 
     @contextmanager
@@ -459,109 +404,6 @@ class Hub:
         finally:
             local.release()
 
-    def _download(
-        self,
-        metadata: Any,
-        blob: Path,
-        file: RemoteFile,
-        progress: Callable[[PullStatus, int], None],
-        cancel: threading.Event,
-    ) -> int:
-        from huggingface_hub import constants
-        from huggingface_hub.file_download import http_get
-
-        # Public names (in its __all__) that its lazy module hides from mypy.
-        from huggingface_hub.utils import (  # type: ignore[attr-defined]
-            build_hf_headers,
-            silent_tqdm,
-        )
-
-        constants.DOWNLOAD_CHUNK_SIZE = DOWNLOAD_CHUNK
-
-        partial = blob.with_name(blob.name + ".incomplete")
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        headers = build_hf_headers(token=self.settings.token)
-        location = metadata.location
-        if _origin(location) != _origin(self.settings.endpoint):
-            # A signed URL on a CDN or a storage host: the token stays on the Hub
-            # (huggingface_hub does the same).
-            headers.pop("authorization", None)
-        try:
-            # Unbuffered: a full disk is reported by the write that hit it, not
-            # by a later flush (chunks are a megabyte; a buffer adds nothing).
-            handle = open(partial, "r+b" if partial.exists() else "w+b", buffering=0)  # noqa: SIM115
-        except OSError as exc:
-            raise _disk_error(exc, partial) from None
-        resumed = 0
-        try:
-            with handle:
-                resumed = handle.seek(0, os.SEEK_END)
-                if resumed > file.size:
-                    handle.truncate(0)
-                    resumed = handle.seek(0)
-                if resumed:
-                    log.info("%s: resuming after %d bytes", file.path, resumed)
-                    progress("checking", 0)
-
-                def rehash(upto: int) -> Any:
-                    return _hash_prefix(handle, file, upto, cancel, progress)
-
-                hasher = rehash(resumed)
-                handle.seek(resumed)
-                progress("downloading", resumed)
-                writer = _Writer(
-                    handle,
-                    hasher,
-                    on_bytes=lambda position: progress("downloading", position),
-                    cancel=cancel,
-                    rehash=rehash,
-                )
-                try:
-                    http_get(
-                        location,
-                        writer,  # type: ignore[arg-type]
-                        resume_size=resumed,
-                        headers=headers,
-                        expected_size=file.size,
-                        displayed_filename=file.path,
-                        tqdm_class=silent_tqdm,
-                    )
-                except PullCancelled:
-                    log.info(
-                        "%s: cancelled after %d bytes (kept for a resume)", file.path, handle.tell()
-                    )
-                    raise
-                except OSError as exc:
-                    if _is_disk_full(exc):
-                        raise _disk_error(exc, partial) from None
-                    raise _translate(exc, file.path) from None
-                except Exception as exc:
-                    raise _translate(exc, file.path) from None
-                progress("verifying", handle.tell())
-                handle.flush()
-                os.fsync(handle.fileno())
-                digest = writer.hasher.hexdigest()
-                written = handle.tell()
-        except PullError as error:
-            # A full disk: nothing half-written is left. Anything else (the
-            # network, the Hub): the bytes so far are kept for a resume, and
-            # checked by their hash when it completes.
-            if error.code == "disk_full":
-                partial.unlink(missing_ok=True)
-            raise
-        if digest != _digest_of(file) or written != file.size:
-            partial.unlink(missing_ok=True)
-            raise PullError(
-                "verification_failed",
-                f"{file.path}: the download's digest {digest} is not the Hub's "
-                f"{_digest_of(file)}; the file was deleted (try again)",
-            )
-        os.chmod(partial, 0o644)
-        os.replace(partial, blob)
-        self._remember(blob)
-        log.info("%s: downloaded and verified (%d bytes)", file.path, written - resumed)
-        return written - resumed
-
     def _verify_cached(
         self,
         blob: Path,
@@ -579,8 +421,8 @@ class Hub:
                 f"{file.size:,}; remove it (wsserver models --remove) and pull again",
             )
         with open(blob, "rb") as handle:
-            digest = _hash_prefix(handle, file, file.size, cancel, progress).hexdigest()
-        if digest != _digest_of(file):
+            digest = hash_prefix(handle, file, file.size, cancel, progress).hexdigest()
+        if digest != digest_of(file):
             raise PullError(
                 "verification_failed",
                 f"{file.path}: the cached {blob} does not match the Hub's digest; remove it "
@@ -622,7 +464,7 @@ class Hub:
                     tqdm_class=silent_tqdm,
                 )
             except Exception as exc:
-                raise _translate(exc, f"{ref.repo}/{file.path}") from None
+                raise translate(exc, f"{ref.repo}/{file.path}") from None
             pointer = Path(str(path))
         blob = self._blob_path(storage / "blobs", file)
         if blob is not None and pointer.resolve() != blob.resolve():
@@ -632,119 +474,7 @@ class Hub:
         revision = ref.revision if ref.revision is not None else "main"
         if revision != commit:
             try:
-                _write_ref(storage, revision, commit)
+                write_ref(storage, revision, commit)
             except OSError as exc:  # a convenience for offline use, not the pull
                 log.warning("cannot record %s's %s as %s: %s", ref.repo, revision, commit, exc)
         return pointer
-
-
-def _write_ref(storage: Path, revision: str, commit: str) -> None:
-    """``refs/<revision>`` → ``commit``, written atomically as huggingface_hub
-    writes it, so that an offline pull of the same reference finds it."""
-    ref_path = storage / "refs" / revision
-    try:
-        if ref_path.read_text() == commit:
-            return
-    except OSError:
-        pass
-    ref_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref_path.with_name(f"{ref_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(commit)
-    os.replace(tmp, ref_path)
-
-
-def _cached_files(snapshot: Path) -> Iterator[RemoteFile]:
-    """A snapshot's files as a listing: each pointer's blob name is its digest."""
-    if not snapshot.is_dir():
-        return
-    for path in sorted(snapshot.rglob("*")):
-        if not path.is_file():
-            continue
-        target = path.resolve()
-        name = target.name
-        yield RemoteFile(
-            path=path.relative_to(snapshot).as_posix(),
-            size=target.stat().st_size,
-            sha256=name if _SHA256_RE.fullmatch(name) else None,
-            git_oid=name if _GIT_OID_RE.fullmatch(name) else None,
-        )
-
-
-def _hash_prefix(
-    handle: BinaryIO,
-    file: RemoteFile,
-    upto: int,
-    cancel: threading.Event,
-    progress: Callable[[PullStatus, int], None],
-) -> Any:
-    """The hasher fed with the first ``upto`` bytes of ``handle``."""
-    hasher = _new_hasher(file)
-    handle.seek(0)
-    left = upto
-    while left > 0:
-        if cancel.is_set():
-            raise PullCancelled()
-        chunk = handle.read(min(_HASH_CHUNK, left))
-        if not chunk:
-            break
-        hasher.update(chunk)
-        left -= len(chunk)
-        progress("checking", upto - left)
-    return hasher
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    return parts.scheme, (parts.hostname or "").lower(), parts.port
-
-
-def _is_disk_full(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def _disk_error(exc: OSError, path: Path) -> PullError:
-    if _is_disk_full(exc):
-        return PullError(
-            "disk_full",
-            f"the disk holding {path.parent} is full; the partial download was deleted "
-            "(set HF_HUB_CACHE or models.cache_dir elsewhere, or free some space)",
-        )
-    return PullError("hub_error", f"cannot write {path}: {exc.strerror or exc}")
-
-
-def _translate(exc: BaseException, what: str) -> PullError:
-    """huggingface_hub's (and its HTTP library's) exceptions → a wire code."""
-    from huggingface_hub import errors as hf
-
-    if isinstance(exc, PullError):
-        return exc
-    if isinstance(exc, hf.GatedRepoError):
-        return PullError(
-            "hub_unauthorized",
-            f"{what} is gated: accept its terms on the Hub, then give a token (HF_TOKEN)",
-        )
-    if isinstance(exc, hf.RepositoryNotFoundError):
-        return PullError(
-            "hub_not_found",
-            f"no repository for {what} on the Hub (a private one needs a token: HF_TOKEN)",
-        )
-    if isinstance(exc, hf.RevisionNotFoundError):
-        return PullError("hub_not_found", f"{what}: no such revision on the Hub")
-    if isinstance(exc, hf.RemoteEntryNotFoundError):
-        return PullError("hub_not_found", f"{what}: no such file on the Hub")
-    if isinstance(exc, hf.HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            return PullError("hub_unauthorized", f"{what}: the Hub refused access ({status})")
-        return PullError("hub_error", f"{what}: the Hub answered {status}")
-    if isinstance(exc, hf.OfflineModeIsEnabled | hf.LocalEntryNotFoundError):
-        return PullError("hub_unreachable", f"{what}: offline, and not in the cache")
-    import httpx2
-
-    if isinstance(exc, httpx2.HTTPError):
-        return PullError(
-            "hub_unreachable", f"{what}: cannot reach the Hub: {type(exc).__name__} {exc}"
-        )
-    if isinstance(exc, OSError):
-        return PullError("hub_error", f"{what}: {exc}")
-    raise exc
