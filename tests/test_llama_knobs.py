@@ -21,7 +21,8 @@ from test_llama_backend import complete, loaded, request, run  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_context import model_params  # noqa: E402
-from wsserver.config import ConfigError, describe, load_config  # noqa: E402
+from wsserver.config import describe, load_config  # noqa: E402
+from wsserver.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.llama
 
