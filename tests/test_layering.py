@@ -92,6 +92,7 @@ SANS_IO = [
     "wsserver.config",
     "wsserver.logs",
     "wsserver.backends.base",
+    "wsserver.backends.request",
     "wsserver.backends.openai_wire",
     "wsserver.openai_api",
     "wsserver.api_errors",
