@@ -82,6 +82,7 @@ SANS_IO = [
     "wsserver.textstream",
     "wsserver.reasoning",
     "wsserver.tool_calls",
+    "wsserver.text_calls",
     "wsserver.tool_relay",
     "wsserver.call_parts",
     "wsserver.call_stream",

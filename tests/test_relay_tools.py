@@ -18,7 +18,8 @@ from test_openai_backend import relay
 from test_openai_http import base_url
 
 from wsserver.backends.openai_wire import ToolDelta, UpstreamError, parse_chunk
-from wsserver.tool_calls import ToolCallParser, relay_part_text
+from wsserver.tool_calls import parser_for
+from wsserver.tool_relay import relay_part_text
 
 WEATHER: Any = {
     "type": "function",
@@ -105,7 +106,7 @@ def test_relayed_parts_read_back_the_same_as_they_come() -> None:
         + relay_part_text(1, "", None, "get_time")
     )
     for cut in range(1, len(text)):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather", "get_time"}))
+        parser = parser_for("relay", names=frozenset({"get_weather", "get_time"}))
         parts = [parser.feed(text[:cut]), parser.feed(text[cut:]), parser.flush()]
         assert "".join(p.content for p in parts) == "So:  and "
         calls = [c for p in parts for c in p.calls]
@@ -119,25 +120,25 @@ def test_relayed_parts_read_back_the_same_as_they_come() -> None:
         assert (calls[4].index, calls[4].arguments) == (1, "{}")
         assert not any(p.error for p in parts)
     # The first fragment is released before the rest was written.
-    parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+    parser = parser_for("relay", names=frozenset({"get_weather"}))
     early = parser.feed(relay_part_text(0, '{"ci', "c", "get_weather"))
     assert [c.arguments for c in early.calls] == ['{"ci']
     # Joined arguments that are not a JSON object are reported at the end
     # (unless the output was cut off: then they are as far as they got).
     for arguments, error in (('{"ci', "not valid JSON"), ("[1]", "not a JSON object")):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
         parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
         assert error in (parser.flush().error or "")
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
         parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
         assert parser.flush(cut=True).error is None
     # A call without a name, or with one not in the tools, is refused.
     for name, error in (("", "names no function"), ("rm", "'rm', which is not")):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
         split = parser.feed(relay_part_text(0, "{}", "c", name))
         assert split.calls == () and error in (split.error or "")
     # Content with Hermes syntax in it stays content: only the marker opens a call.
-    parser = ToolCallParser("relay", names=frozenset({"f"}))
+    parser = parser_for("relay", names=frozenset({"f"}))
     hermes = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parser.feed(hermes).content + parser.flush().content == hermes
 

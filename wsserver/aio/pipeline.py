@@ -52,8 +52,8 @@ from ..pacing import Coalescer
 from ..protocol import Generate, Progress
 from ..reasoning import ReasoningSplitter, Split
 from ..request_record import RequestRecord
+from ..tool_calls import CallParser, ToolSplit, parser_for
 from ..tool_calls import Syntax as ToolSyntax
-from ..tool_calls import ToolCallParser, ToolSplit
 from .channel import Channel, End, Item, Piece, PromptDone
 from .models import Model
 from .services import Services
@@ -121,7 +121,7 @@ class Generation:
         #: Splits the think block from the answer (reasoning_format "auto").
         self.reasoning: ReasoningSplitter | None = None
         #: Finds the model's tool calls in the answer (a request with tools).
-        self.tools: ToolCallParser | None = None
+        self.tools: CallParser | None = None
         #: Why the model's tool call was refused (the request then ends in error).
         self.tool_error: str | None = None
 
@@ -434,14 +434,14 @@ class Generation:
         await self.owner.generation_gone(self)
 
 
-def tool_parser(request: Generate, syntax: ToolSyntax | None) -> ToolCallParser | None:
+def tool_parser(request: Generate, syntax: ToolSyntax | None) -> CallParser | None:
     """The parser of ``request``'s tool calls, if it has tools (and the
     engine gives text for the core to parse: ``syntax`` not None)."""
     if request.tools is None or syntax is None or request.tool_choice == "none":
         return None
     names = frozenset(tool["function"]["name"] for tool in orjson.loads(request.tools))
     parallel = request.parallel_tool_calls is not False
-    return ToolCallParser(syntax, names=names, parallel=parallel)
+    return parser_for(syntax, names=names, parallel=parallel)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:
