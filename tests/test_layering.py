@@ -80,6 +80,7 @@ SANS_IO = [
     *CORE,
     "wsserver.pacing",
     "wsserver.textstream",
+    "wsserver.shaping",
     "wsserver.reasoning",
     "wsserver.tool_calls",
     "wsserver.text_calls",

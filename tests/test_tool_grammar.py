@@ -125,7 +125,7 @@ def test_a_template_without_tools_gets_the_servers_note(tmp_path: Path) -> None:
         )
         expected = reference_prompt(PLAIN, [{"role": "system", "content": note}, *ASK])
         assert backend.tokenize_prompt(req) == backend._tokenize(expected, add_bos=False)
-        assert backend.tool_syntax(req) == "generic"
+        assert backend.output_format(req).tool_syntax == "generic"
         with_system = [{"role": "system", "content": "Be brief."}, *ASK]
         generate = frame(messages=with_system, tools=TOOLS, tool_choice="required")
         req = request(
@@ -155,14 +155,14 @@ async def test_every_seed_makes_a_valid_forced_call(
     path = tiny(tmp_path, template)
     async with running_server(llama_config(path)) as server:
         assert (
-            server.backend.tool_syntax(  # type: ignore[attr-defined]
+            server.backend.output_format(
                 request(
                     None,
                     messages=frame(messages=ASK).messages,
                     tools=json.dumps(TOOLS),
                     tool_choice="required",
                 )
-            )
+            ).tool_syntax
             == syntax
         )
         async with wire(server) as ws:

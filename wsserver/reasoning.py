@@ -84,6 +84,12 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         return self._state == "reasoning"
 
+    @property
+    def answering(self) -> bool:
+        """Whether the block is over for good: everything from now on is
+        answer, as it comes (the whitespace after the block was dropped)."""
+        return self._state == "answer" and not self._trim
+
     def feed(self, text: str, tokens: int = 0) -> Split:
         """Add a piece of final text made of ``tokens`` tokens."""
         if self._state == "answer":

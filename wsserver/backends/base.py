@@ -30,6 +30,16 @@ whatever thread or task the engine runs on. Three kinds of engine fit:
    ``loop.call_soon_threadsafe``), so a slow client stops the reading of its
    own upstream and no other. A cancel callback cancels the task.
 
+What an engine produces is final text — decoded, stop strings applied —
+and the core shapes it into the client's parts (:mod:`wsserver.shaping`:
+the answer, the reasoning, the tool calls), the same way for every engine.
+To do that for a request it asks the engine one question,
+:meth:`Backend.output_format`: whether the prompt opened a think block, and
+in which syntax the model's calls come. A model's calls are written in its
+text and parsed by the core; an engine that parses them itself (an
+upstream that streams ``tool_calls``) says ``relay`` and writes each part
+into its text in that syntax (:mod:`wsserver.tool_relay`).
+
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
 an async one. The server's scheduler queues requests for them (first come,
@@ -72,7 +82,7 @@ from ..logprobs import TokenLogprob
 from ..logs import context
 from ..protocol import Generate
 from ..sampling import options_asked
-from ..tool_calls import Syntax as ToolSyntax
+from ..shaping import OutputFormat
 from .request import GenerationRequest
 
 __all__ = [
@@ -81,6 +91,7 @@ __all__ = [
     "GenerationRequest",
     "Liveness",
     "Outcome",
+    "OutputFormat",
     "Sink",
     "Submission",
     "ThreadedBackend",
@@ -325,8 +336,8 @@ class Backend(abc.ABC):
     def prepare_blocks(self, request: GenerationRequest) -> bool:
         """Whether :meth:`prepare` has work for ``request`` (then the server runs
         it on a worker thread once the request has its slot, before
-        :meth:`opens_reasoning`, :meth:`tool_syntax` and :meth:`submit`, which
-        run on the loop). Quick; called on the event loop."""
+        :meth:`output_format` and :meth:`submit`, which run on the loop).
+        Quick; called on the event loop."""
         return False
 
     def prepare(self, request: GenerationRequest) -> GenerationRequest:
@@ -348,16 +359,17 @@ class Backend(abc.ABC):
         """
         return None
 
-    def opens_reasoning(self, request: GenerationRequest) -> bool:
-        """Whether ``request``'s prompt ends inside an open think block (a chat
-        template that opens it): its output then starts as reasoning."""
-        return False
-
-    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
-        """The syntax in which the model writes tool calls (wsserver.tool_calls),
-        for the core to parse them out of the text; ``None`` when the engine
-        reports calls itself. An engine without a chat template: ``any``."""
-        return "any"
+    def output_format(self, request: GenerationRequest) -> OutputFormat:
+        """What ``request``'s output will look like, for the core to shape it
+        (:mod:`wsserver.shaping`): whether its prompt ends inside an open think
+        block (a chat template that opens it: the output starts as
+        reasoning), and the syntax of the model's tool calls — written in the
+        text (read from the chat template; an engine without one: ``any``),
+        or ``relay`` for an engine that parsed them itself
+        (:mod:`wsserver.tool_relay`). Called on the event loop once per request,
+        after :meth:`prepare`: quick. Engines with reasoning budgets ask it
+        too (whether the block starts open)."""
+        return OutputFormat()
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""

@@ -58,7 +58,16 @@ from ..reasoning import FORCED_CLOSE, opens_reasoning
 from ..sampling import NEUTRAL
 from ..tool_calls import Syntax as ToolSyntax
 from ..tool_calls import detect_syntax
-from .base import Backend, CancelEvent, GenerationRequest, Liveness, Outcome, Sink, Submission
+from .base import (
+    Backend,
+    CancelEvent,
+    GenerationRequest,
+    Liveness,
+    Outcome,
+    OutputFormat,
+    Sink,
+    Submission,
+)
 from .gguf_meta import kv_cache_bytes
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
@@ -154,8 +163,8 @@ def _default_model_path() -> Path:
 @dataclasses.dataclass(frozen=True, slots=True)
 class PreparedPrompt:
     """A chat request's prompt, worked out by :meth:`LlamaBackend.prepare` on
-    a worker thread — what the loop-side questions (``opens_reasoning``,
-    ``tool_syntax``) and the engine's admission read instead of rendering the
+    a worker thread — what the loop-side question (``output_format``) and
+    the engine's admission read instead of rendering the
     chat template themselves (:attr:`GenerationRequest.prepared`)."""
 
     tokens: tuple[int, ...] = ()
@@ -369,7 +378,7 @@ class LlamaBackend(Backend):
             tokenize_text=self._tokenize_text,
             native_abort=native,
             reasoning_close=self._close_tokens(),
-            opens_reasoning=self.opens_reasoning,
+            opens_reasoning=lambda request: self.output_format(request).opens_reasoning,
             grammar_deadline_s=self.grammar_deadline_ms / 1000,
             stall_s=self.engine_stall_s,
         )
@@ -551,7 +560,7 @@ class LlamaBackend(Backend):
             describes = self._describes_tools(request)
             request = self.forced_call(request)
             tokens, stops = self._prompt(request)
-            opened = self.opens_reasoning(request)
+            opened = self._opens_reasoning(request)
         except BackendError as exc:
             failed = PreparedPrompt(error=(exc.code, str(exc)))
             return dataclasses.replace(request, prepared=failed)
@@ -568,7 +577,12 @@ class LlamaBackend(Backend):
         # Rendering a chat template waits on a worker process, up to its time bound.
         return frame.messages is not None and self.chat_template is not None
 
-    def opens_reasoning(self, request: GenerationRequest) -> bool:
+    def output_format(self, request: GenerationRequest) -> OutputFormat:
+        """Whether the chat template opened a think block (read by
+        :meth:`prepare`), and the call syntax its template teaches."""
+        return OutputFormat(self._opens_reasoning(request), self._tool_syntax(request))
+
+    def _opens_reasoning(self, request: GenerationRequest) -> bool:
         if isinstance(request.prepared, PreparedPrompt):
             return request.prepared.opens_reasoning
         if self.chat_template is None or request.messages is None:
@@ -580,7 +594,7 @@ class LlamaBackend(Backend):
             return False  # the engine reports it
         return opens_reasoning(prompt)
 
-    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+    def _tool_syntax(self, request: GenerationRequest) -> ToolSyntax:
         """Read from the chat template, as llama.cpp tells formats apart; the
         generic JSON format where the tools are described by the server (a
         forced call on a model whose template shows no tools, or has none)."""
@@ -632,9 +646,9 @@ class LlamaBackend(Backend):
         required = request.tool_choice == "required"
         if not required and not self._describes_tools(request):
             return request
-        syntax = self.tool_syntax(request)
+        syntax = self._tool_syntax(request)
         grammar = forced_call_grammar(
-            "generic" if syntax in (None, "any") else syntax,
+            "generic" if syntax == "any" else syntax,
             request.tools,
             name=request.tool_name,
             # One call unless several are asked for, as llama-server defaults:

@@ -51,12 +51,12 @@ from ..config import OpenAIConfig
 from ..logs import context
 from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
-from ..tool_calls import Syntax as ToolSyntax
 from .base import (
     Backend,
     CancelEvent,
     GenerationRequest,
     Outcome,
+    OutputFormat,
     Sink,
     Submission,
     UpstreamStats,
@@ -120,10 +120,10 @@ class OpenAIBackend(Backend):
     #: budget as llama-server's ``reasoning_budget_tokens``, docs/upstream.md).
     honours = frozenset(NEUTRAL) | {"tool_choice", "reasoning_budget_tokens"}
 
-    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+    def output_format(self, request: GenerationRequest) -> OutputFormat:
         """The upstream parses its model's calls and streams them as
-        ``tool_calls``; the relay writes them in the ``relay`` syntax."""
-        return "relay" if request.tools is not None else None
+        ``tool_calls``: the relay hands them on in the ``relay`` syntax."""
+        return OutputFormat(tool_syntax="relay")
 
     def __init__(
         self,
