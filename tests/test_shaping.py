@@ -1,7 +1,7 @@
 """The output shaper (wsserver/shaping.py), sans-I/O: golden outputs per syntax.
 
-One scripted output per tool call syntax written in a model's text
-(hermes, llama3, mistral, generic, any) goes through a :class:`~wsserver.shaping.Shaper` whole, cut in
+One scripted output per tool call syntax (hermes, llama3, mistral, generic,
+any, relay) goes through a :class:`~wsserver.shaping.Shaper` whole, cut in
 two at every position, and a character at a time — through the text
 assembler, byte by byte, too — and gives exactly the same parts every time:
 the reasoning, the answer's text, the calls (id, name, the arguments their
@@ -103,11 +103,15 @@ def shaper(syntax: Syntax, *, opened: bool = False, **fields: Any) -> Shaper:
 STOP = Outcome("stop")
 
 
-def shaped(shape: Shaper, pieces: list[str], outcome: Outcome = STOP) -> Golden:
-    """Each piece (text, one token) through ``shape``, then its end."""
+def shaped(shape: Shaper, pieces: list[str | CallPart], outcome: Outcome = STOP) -> Golden:
+    """Each piece (text, one token; or a part of a call the engine parsed)
+    through ``shape``, then its end."""
     out = Recorded()
     for piece in pieces:
-        shape.text(out, piece, 1)
+        if isinstance(piece, CallPart):
+            shape.call(out, piece, 1)
+        else:
+            shape.text(out, piece, 1)
     end = shape.end(out, outcome)
     return Golden(
         "".join(out.reasoning), "".join(out.text), out.calls(), end.reason, end.error_message
@@ -222,6 +226,52 @@ def test_a_models_output_gives_the_same_parts_split_anywhere(
     assert shaped(shaper(syntax, opened=opened), [*pieces, assembler.flush()]) == golden
 
 
+#: What the openai backend's relay hands over: the upstream's reasoning in the
+#: text between the markers, its content, and its calls as parts (the
+#: upstream's indexes, ids, names and fragments).
+RELAYED: list[str | CallPart] = [
+    "<think>",
+    "The user wants ",
+    "the weather.",
+    "</think>",
+    "Checking",
+    CallPart(3, "", "call_up_1", "get_weather"),
+    CallPart(3, '{"city": '),
+    " now <tool_call>",
+    CallPart(3, '"Paris"}'),
+    CallPart(5, "{}", None, "add"),
+]
+
+
+def test_relayed_calls_are_parts_and_the_text_is_content() -> None:
+    golden = Golden(
+        "The user wants the weather.",
+        "Checking now <tool_call>",
+        [("call_up_1", "get_weather", '{"city": "Paris"}'), ("call_0", "add", "{}")],
+        "tool_calls",
+    )
+    assert shaped(shaper("relay"), list(RELAYED)) == golden
+    # The text split anywhere, the parts where they came.
+    for number, piece in enumerate(RELAYED):
+        if isinstance(piece, str):
+            for pieces in cuts(piece):
+                split = [*RELAYED[:number], *pieces, *RELAYED[number + 1 :]]
+                assert shaped(shaper("relay"), split) == golden, split
+    # Each fragment is released as it came, not gathered.
+    out = Recorded()
+    shape = shaper("relay")
+    for piece in RELAYED[:7]:
+        if isinstance(piece, CallPart):
+            shape.call(out, piece, 1)
+        else:
+            shape.text(out, piece, 1)
+    assert [p.arguments for p in out.parts] == ["", '{"city": ']
+    # A call that ends a think block still undecided: what was held is answer.
+    assert shaped(shaper("relay"), ["\n", CallPart(0, "{}", "c", "add"), " ok"]) == Golden(
+        "", "\n ok", [("c", "add", "{}")], "tool_calls"
+    )
+
+
 @pytest.mark.parametrize(
     ("syntax", "pieces", "golden"),
     [
@@ -247,14 +297,27 @@ def test_a_models_output_gives_the_same_parts_split_anywhere(
                 'the model\'s tool call is not valid JSON: \'{"name": "add", "parameters": {"a": }}\'',
             ),
         ),
+        (
+            "relay",
+            [CallPart(0, '{"ci', "c", "add")],
+            Golden(
+                "",
+                "",
+                [("c", "add", '{"ci')],
+                "error",
+                "the arguments of the upstream's call to 'add' are not valid JSON",
+            ),
+        ),
     ],
 )
 def test_a_refused_call_ends_the_request_as_an_invalid_tool_call(
-    syntax: Syntax, pieces: list[str], golden: Golden
+    syntax: Syntax, pieces: list[str | CallPart], golden: Golden
 ) -> None:
     assert shaped(shaper(syntax), pieces) == golden
-    # A model's call refused as it came: an error, also when the output was then cut.
-    assert shaped(shaper(syntax), pieces, Outcome("length")).reason == "error"
+    # A model's call refused as it came: an error, also when the output was
+    # then cut; an upstream's last call cut is as far as it got (below).
+    length = shaped(shaper(syntax), pieces, Outcome("length")).reason
+    assert length == ("length" if syntax == "relay" else "error")
     # A request that ended otherwise first ends so.
     assert shaped(shaper(syntax), pieces, Outcome("cancelled")).reason == "cancelled"
 
@@ -270,6 +333,9 @@ def test_a_call_cut_by_max_tokens_is_released_as_far_as_it_got() -> None:
         "error",
         "the model's tool call was cut off before its end",
     )
+    # An upstream's last call, cut: as far as it got, not refused.
+    relayed = shaped(shaper("relay"), [CallPart(0, '{"ci', "c", "add")], Outcome("length"))
+    assert relayed == Golden("", "", [("c", "add", '{"ci')], "length")
 
 
 def test_a_stop_after_calls_is_tool_calls_and_forgets_the_stop_string() -> None:
@@ -303,6 +369,11 @@ def test_what_is_not_asked_for_is_not_shaped() -> None:
     for fields in ({"tools": None}, {"tool_choice": "none"}):
         golden = Golden("hm", "ok <tool_call>", [], "stop")
         assert shaped(shaper("hermes", **fields), [thought]) == golden
+    # …and a part an engine hands over then is dropped (its tokens still count).
+    out = Recorded()
+    shape = shaper("relay", tools=None)
+    shape.call(out, CallPart(0, "{}", "c", "add"), 2)
+    assert (out.parts, out.tokens, shape.end(out, Outcome("stop")).reason) == ([], 2, "stop")
 
 
 def test_tokens_and_logprobs_go_with_what_they_made() -> None:

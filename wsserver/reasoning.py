@@ -132,6 +132,16 @@ class ReasoningSplitter:
             self._trim = not text
         return text
 
+    def settle(self) -> Split:
+        """Something that is not text came (a call the engine parsed itself):
+        a block can no longer open, or it is over; what was held back goes
+        out as what it was, and everything from now on is answer."""
+        held, self._held = self._held, ""
+        state, self._state = self._state, "answer"
+        self._trim = False
+        self._undecided = 0
+        return Split(reasoning=held) if state == "reasoning" else Split(answer=held)
+
     def flush(self) -> Split:
         """The end of the output: release what was held back."""
         held, self._held = self._held, ""

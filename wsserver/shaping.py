@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-An engine produces text. What the client gets is three
+An engine produces text (and, if it parses its model's calls itself, call
+parts: the openai backend's upstream does). What the client gets is three
 kinds of parts — the answer's text, the model's reasoning, its tool calls —
 and how the request ended. :class:`Shaper` makes the one from the other,
 for one request, built from the request (its ``reasoning_format``, its
@@ -24,7 +25,9 @@ Each piece of text goes, in order, through
 and the parts go into a :class:`Parts` — the pipeline's
 :class:`~wsserver.pacing.Coalescer`, which paces them into frames. The
 tokens a piece came with are counted with its reasoning or its answer, its
-log-probabilities with the answer.
+log-probabilities with the answer. A call part the engine hands over
+itself (:meth:`Shaper.call`) ends a think block still undecided and goes
+through the ``relay`` syntax's parser, after whatever text came before it.
 
 At the end (:meth:`Shaper.end`) what was held back is released or judged,
 and the engine's outcome becomes the request's: ``tool_calls`` when the
@@ -63,10 +66,10 @@ class OutputFormat:
     #: The prompt ends inside an open think block (a chat template that
     #: opens it): the output starts as reasoning, before any ``<think>``.
     opens_reasoning: bool = False
-    #: The syntax of the model's tool calls in the text
-    #: (:mod:`wsserver.tool_calls`) — ``relay``: the parts of calls the
-    #: engine parsed itself (:mod:`wsserver.tool_relay`). An engine that
-    #: does not know: ``any``.
+    #: The syntax of the model's tool calls (:mod:`wsserver.tool_calls`):
+    #: written in the text, or ``relay`` — handed over as parts
+    #: (:meth:`~wsserver.backends.base.Sink.offer_call`), the text being
+    #: content as it is. An engine that does not know: ``any``.
     tool_syntax: Syntax = "any"
 
 
@@ -122,6 +125,14 @@ class Shaper:
         if reasoning.answering:
             self._reasoning = None  # from now on every piece is answer, as it comes
         self._split(out, split, tokens, logprobs)
+
+    def call(self, out: Parts, part: CallPart, tokens: int) -> None:
+        """A part of a call the engine parsed itself, made of ``tokens`` tokens."""
+        reasoning, self._reasoning = self._reasoning, None
+        if reasoning is not None:
+            self._split(out, reasoning.settle(), 0)
+        found = self._calls.part(part) if self._calls is not None else _NOTHING
+        self._put(out, found, tokens)
 
     def end(self, out: Parts, outcome: Outcome) -> Outcome:
         """The engine's end: release or judge what was held back, and how

@@ -3,8 +3,8 @@
 Models call tools by writing a call in their template's syntax. Which syntax
 is read from the chat template's text, the way llama.cpp's ``common/chat.cpp``
 tells formats apart (:func:`detect_syntax`); an engine says which one its
-output uses, and :func:`parser_for` makes that syntax's parser for one
-request:
+output uses (:class:`~wsserver.shaping.OutputFormat`), and :func:`parser_for`
+makes that syntax's parser for one request:
 
 * ``hermes`` (:class:`HermesCalls`) — Hermes 2 Pro, Qwen 2.5/3:
   ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, one block per
@@ -22,8 +22,8 @@ request:
 * ``any`` (:class:`AnyCalls`) — all of the above (an engine without a
   template: the fake);
 * ``relay`` (:class:`~wsserver.tool_relay.RelayedCalls`) — calls the
-  engine parsed itself (an upstream server's ``tool_calls``), written into
-  its text by the relay, whose other text is content as it came.
+  engine parsed itself (an upstream server's ``tool_calls``), handed over
+  as parts beside the text, which is content as it came.
 
 The first five are written in the text: a :class:`~wsserver.text_calls.TextCalls`
 each, which differ only in the markers that open a call and whether a bare
@@ -48,12 +48,11 @@ from .call_parts import (
 )
 from .call_stream import CallKind
 from .text_calls import HERMES_END, TextCalls
-from .tool_relay import RELAY_MARKER, RelayedCalls
+from .tool_relay import RelayedCalls
 
 __all__ = [
     "FRAGMENT_CHARS",
     "MARKERS",
-    "RELAY_MARKER",
     "SYNTAXES",
     "AnyCalls",
     "CallParser",

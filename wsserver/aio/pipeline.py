@@ -50,7 +50,7 @@ from ..pacing import Coalescer
 from ..protocol import Generate, Progress
 from ..request_record import RequestRecord
 from ..shaping import Shaper
-from .channel import Channel, Item, Piece, PromptDone
+from .channel import Call, Channel, Item, Piece, PromptDone
 from .models import Model
 from .services import Services
 
@@ -341,6 +341,8 @@ class Generation:
         outcome at the engine's end."""
         if isinstance(item, Piece):
             shaper.text(coalescer, item.text, item.tokens, item.logprobs)
+        elif isinstance(item, Call):
+            shaper.call(coalescer, item.part, item.tokens)
         elif isinstance(item, PromptDone):
             self.owner.note(PromptCounted(self.request.id, item.prompt_tokens, item.cached_tokens))
         else:

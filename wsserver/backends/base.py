@@ -37,8 +37,9 @@ To do that for a request it asks the engine one question,
 :meth:`Backend.output_format`: whether the prompt opened a think block, and
 in which syntax the model's calls come. A model's calls are written in its
 text and parsed by the core; an engine that parses them itself (an
-upstream that streams ``tool_calls``) says ``relay`` and writes each part
-into its text in that syntax (:mod:`wsserver.tool_relay`).
+upstream that streams ``tool_calls``) says ``relay`` and hands each part
+over with :meth:`Sink.offer_call`, in order with its text — never written
+into the text, where a model could forge one.
 
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
@@ -76,6 +77,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..call_parts import CallPart
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..events import Outcome
 from ..logprobs import TokenLogprob
@@ -193,6 +195,15 @@ class Sink(TokenSink, Protocol):
         """Hand over text without blocking. ``False``: the channel is full (or
         the request was cancelled) and nothing was taken; try again after
         :meth:`when_room`."""
+
+    def offer_call(self, part: CallPart, tokens: int = 0) -> bool:
+        """Hand over a part of a tool call the engine parsed itself (an
+        upstream's ``tool_calls``), as :meth:`offer` hands over text: after
+        the text before it, never blocking, ``False`` when full. ``part``
+        carries the engine's own call index, the arguments' text it adds
+        (a few KiB at most: :data:`~wsserver.call_parts.FRAGMENT_CHARS`), and
+        on a call's first part its ``name`` and ``id`` (if it has one). Only
+        an engine whose :meth:`Backend.output_format` says ``relay`` calls it."""
 
     def when_room(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once, from any thread, when :meth:`offer` may
@@ -365,8 +376,8 @@ class Backend(abc.ABC):
         block (a chat template that opens it: the output starts as
         reasoning), and the syntax of the model's tool calls — written in the
         text (read from the chat template; an engine without one: ``any``),
-        or ``relay`` for an engine that parsed them itself
-        (:mod:`wsserver.tool_relay`). Called on the event loop once per request,
+        or ``relay`` for an engine that hands them over as parts
+        (:meth:`Sink.offer_call`). Called on the event loop once per request,
         after :meth:`prepare`: quick. Engines with reasoning budgets ask it
         too (whether the block starts open)."""
         return OutputFormat()
