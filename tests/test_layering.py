@@ -161,6 +161,7 @@ def test_no_dialect_imports_another(dialect: str) -> None:
 WIRE_NEUTRAL = [
     "wsserver.aio.driver",
     "wsserver.aio.pipeline",
+    "wsserver.aio.pump",
     "wsserver.aio.channel",
     "wsserver.aio.scheduler",
     "wsserver.aio.services",

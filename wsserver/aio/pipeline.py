@@ -13,8 +13,8 @@ the session lets start:
    bounded :class:`~wsserver.aio.channel.Channel` and cancel event; the slot
    is released the moment the engine completes the submission, even if the
    client is still slow to take the last frames;
-4. **pump**: channel → :class:`~wsserver.shaping.Shaper` (text, reasoning
-   and call parts, shaped as the engine's
+4. **pump** (:mod:`.pump`): channel → :class:`~wsserver.shaping.Shaper`
+   (text, reasoning and call parts, shaped as the engine's
    :meth:`~wsserver.backends.base.Backend.output_format` says) →
    :class:`~wsserver.pacing.Coalescer` → reports of text, then the end;
 5. **finalize**: wait until the engine is gone (a thread joined), record the
@@ -41,17 +41,15 @@ import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
-from .. import pacing
 from ..backends.base import GenerationRequest, Submission
 from ..errors import ProtocolError, WireLost
-from ..events import Finished, ModelGranted, Outcome, PromptCounted, Rejected, Report, TextProduced
+from ..events import ModelGranted, Rejected, Report
 from ..logs import ConnectionLog
-from ..pacing import Coalescer
 from ..protocol import Generate, Progress
 from ..request_record import RequestRecord
-from ..shaping import Shaper
-from .channel import Call, Channel, Item, Piece, PromptDone
+from .channel import Channel
 from .models import Model
+from .pump import Pump
 from .services import Services
 
 __all__ = ["Generation", "Owner"]
@@ -114,8 +112,6 @@ class Generation:
         self.cancel_requested: float | None = None
         #: Loop time at which the engine of a cancelled request completed.
         self.exited_at: float | None = None
-        #: Shapes the engine's output into parts (made at the submit).
-        self.shaper: Shaper | None = None
 
     @property
     def resume_token(self) -> str | None:
@@ -149,7 +145,7 @@ class Generation:
         self.attached = True
         self._rebound.set()
 
-    async def _bound(self, unless: Owner | None = None) -> bool:
+    async def wait_attached(self, unless: Owner | None = None) -> bool:
         """Wait while detached (or still bound to ``unless``, a connection that
         failed). False if the request was stopped meanwhile."""
         while not self.stopped and (not self.attached or self.owner is unless):
@@ -157,7 +153,7 @@ class Generation:
             await self._rebound.wait()
         return not self.stopped
 
-    async def _report(self, event: Report) -> bool:
+    async def report(self, event: Report) -> bool:
         """Report to the owner. For a resumable request a lost connection is
         not the end: wait for a resume (what was written is in the replay
         tail). False if the request ended or was stopped meanwhile."""
@@ -169,9 +165,13 @@ class Generation:
                 raise
         self.waiting_for_resume = True
         try:
-            return await self._bound(unless=owner)
+            return await self.wait_attached(unless=owner)
         finally:
             self.waiting_for_resume = False
+
+    def note(self, event: Report) -> None:
+        """A report that sends nothing (the prompt count)."""
+        self.owner.note(event)
 
     def alive(self) -> bool:
         """Whether the engine still runs anything for this request."""
@@ -225,8 +225,10 @@ class Generation:
             # The token is made by the driver (only for a resumable request).
             if not await self.owner.report(ModelGranted(request_id)):
                 return
+            # The engine describes its output (for the pump's shaper), then gets the request.
+            pump = Pump(self.request, backend.output_format(request), self.channel, self, services)
             self._submit(asyncio.get_running_loop(), request)
-            await self._pump()
+            await pump.run()
         except WireLost:
             self.stop()
         except Exception:
@@ -241,12 +243,6 @@ class Generation:
         assert self.slot is not None
         slot: int = self.slot
         channel = self.channel
-        # The engine describes its output for the shaper, then gets the request.
-        self.shaper = Shaper(
-            self.request,
-            backend.output_format(request),
-            reasoning_format=services.config.stream.reasoning_format,
-        )
         self.submission = backend.submit(request, slot=slot, sink=channel, cancel=channel.cancel)
         exited: asyncio.Future[None] = loop.create_future()
         # The model is free as soon as the engine is done with the request.
@@ -259,95 +255,6 @@ class Generation:
     def _mark_exited(self, _: object) -> None:
         if self.cancel_requested is not None:
             self.exited_at = asyncio.get_running_loop().time()
-
-    async def _pump(self) -> None:
-        """Channel → shaped parts, coalesced → the owner, then the engine's end."""
-        stream = self.owner.services.config.stream
-        channel = self.channel
-        shaper = self.shaper
-        assert shaper is not None
-        coalescer = Coalescer(
-            flush_window=stream.flush_ms / 1000.0,
-            flush_tokens=stream.flush_tokens,
-            max_chars=pacing.FRAME_TEXT_CHARS,
-        )
-        loop = asyncio.get_running_loop()
-        while True:
-            # Detached: take nothing more (the channel fills, the engine pauses).
-            # (Checked inline first: this loop runs per token at full speed.)
-            if not self.attached and not await self._bound():
-                return
-            if coalescer.due(loop.time()):
-                if not await self._flush(coalescer):
-                    return
-                continue
-            if coalescer.full:
-                # A frame's worth of text waits for its window; the rest stays
-                # in the bounded channel meanwhile, and the engine pauses.
-                wait = max(0.0, coalescer.deadline() - loop.time())
-                await asyncio.sleep(wait)  # sleep-ok: the pacing itself, not a synchronisation
-                continue
-            try:
-                # Wait for the window only with text pending: tokens whose bytes
-                # are held back (half a character) never make a flush due, and
-                # waiting on a past deadline for them would spin.
-                if coalescer.has_text:
-                    async with asyncio.timeout_at(coalescer.deadline()):
-                        item = await channel.get()
-                else:
-                    item = await channel.get()
-            except TimeoutError:
-                continue
-            if item is None:
-                return  # closed: cancelled, or the connection is going
-            if not self.attached and not await self._bound():
-                return
-            end = self._take(shaper, coalescer, item)
-            # Merge whatever else is already waiting: one frame, not many.
-            while end is None and not coalescer.full:
-                more = channel.get_nowait()
-                if more is None:
-                    break
-                end = self._take(shaper, coalescer, more)
-            if end is not None:
-                # Tool calls may take more than one frame (each bounded).
-                while await self._flush(coalescer):
-                    if not coalescer.pending:
-                        await self._report(Finished(self.request.id, end))
-                        return
-                return
-
-    async def _flush(self, coalescer: Coalescer) -> bool:
-        """Report everything pending as one text. False if the request has ended."""
-        reasoning, reasoning_tokens = coalescer.take_reasoning()
-        tool_calls = coalescer.take_calls()
-        text, tokens = coalescer.take(asyncio.get_running_loop().time())
-        logprobs = coalescer.take_logprobs()
-        self.owner.services.metrics.tokens.inc(tokens)
-        return await self._report(
-            TextProduced(
-                self.request.id,
-                text,
-                tokens,
-                reasoning=reasoning,
-                reasoning_tokens=reasoning_tokens,
-                logprobs=logprobs,
-                tool_calls=tool_calls,
-            )
-        )
-
-    def _take(self, shaper: Shaper, coalescer: Coalescer, item: Item) -> Outcome | None:
-        """One item of the channel into the coalescer, as parts; the request's
-        outcome at the engine's end."""
-        if isinstance(item, Piece):
-            shaper.text(coalescer, item.text, item.tokens, item.logprobs)
-        elif isinstance(item, Call):
-            shaper.call(coalescer, item.part, item.tokens)
-        elif isinstance(item, PromptDone):
-            self.owner.note(PromptCounted(self.request.id, item.prompt_tokens, item.cached_tokens))
-        else:
-            return shaper.end(coalescer, item.outcome)
-        return None
 
     async def _finalize(self) -> None:
         services = self.owner.services
