@@ -34,7 +34,7 @@ from test_llama_template import (
 from test_openai_http import sdk
 from tiny_gguf import write_tiny_gguf
 
-from wsserver.backends.llama import generic_tools_note
+from wsserver.backends.llama_chat import generic_tools_note
 from wsserver.backends.llama_tool_grammar import forced_call_grammar
 from wsserver.errors import BackendError
 
@@ -124,7 +124,7 @@ def test_a_template_without_tools_gets_the_servers_note(tmp_path: Path) -> None:
             parallel_tool_calls=False,
         )
         expected = reference_prompt(PLAIN, [{"role": "system", "content": note}, *ASK])
-        assert backend.tokenize_prompt(req) == backend._tokenize(expected, add_bos=False)
+        assert backend.tokenize_prompt(req) == backend.vocab.tokenize(expected, add_bos=False)
         assert backend.output_format(req).tool_syntax == "generic"
         with_system = [{"role": "system", "content": "Be brief."}, *ASK]
         generate = frame(messages=with_system, tools=TOOLS, tool_choice="required")
@@ -135,7 +135,7 @@ def test_a_template_without_tools_gets_the_servers_note(tmp_path: Path) -> None:
         merged = reference_prompt(
             PLAIN, [{"role": "system", "content": f"Be brief.\n\n{note}"}, *ASK]
         )
-        assert backend.tokenize_prompt(req) == backend._tokenize(merged, add_bos=False)
+        assert backend.tokenize_prompt(req) == backend.vocab.tokenize(merged, add_bos=False)
 
 
 @pytest.mark.parametrize(
