@@ -269,7 +269,7 @@ async def test_the_thinking_of_a_tool_use_loop_is_in_the_prompt_and_counted(
             return counted.input_tokens
 
         with_thinking = await count(loop)
-        assert with_thinking == len(backend._tokenize(expected, add_bos=False))
+        assert with_thinking == len(backend.vocab.tokenize(expected, add_bos=False))
         assert with_thinking > await count(bare)
         # The next turn: the loop's thinking is an earlier turn's, left out.
         assert await count([*loop, *later]) == await count([*bare, *later])

@@ -16,7 +16,7 @@ import asyncio
 from conftest import make_config, slow_wire, timeout, wire
 
 from wsserver.aio import Server
-from wsserver.aio.channel import Channel, End, Piece, PromptDone
+from wsserver.aio.channel import Call, Channel, End, Piece, PromptDone
 from wsserver.backends.base import (
     Backend,
     CancelEvent,
@@ -25,6 +25,7 @@ from wsserver.backends.base import (
     Sink,
     Submission,
 )
+from wsserver.call_parts import CallPart
 from wsserver.errors import GenerationCancelled
 
 
@@ -173,6 +174,24 @@ async def test_offer_says_full_and_when_room_wakes_on_room() -> None:
     channel.when_room(lambda: woken.append("at once"))  # there is room: called now
     assert woken == ["room", "at once"]
     assert channel.tokens == 2 and channel.blocked_seconds >= 0.0
+
+
+async def test_a_call_part_takes_its_place_after_the_text_and_counts_toward_the_bound() -> None:
+    """``offer_call`` (a call the engine parsed itself) is ``offer``'s twin:
+    in order with the text, counted in pieces and in characters (its
+    arguments'), refused when full or cancelled."""
+    channel = Channel(2)
+    part = CallPart(0, '{"a": 1}', "call_x", "add")
+    assert channel.offer("Checking") and channel.offer_call(part, 2)
+    assert not channel.offer_call(CallPart(0, "}"))  # full: nothing taken
+    assert channel.buffered_bytes() == len("Checking") + len(part.arguments)
+    assert [await channel.get(), await channel.get()] == [Piece("Checking", 1), Call(part, 2)]
+    assert channel.tokens == 3 and channel.offer_call(CallPart(0, "}"))
+    wide = Channel(4)
+    assert wide.offer_call(CallPart(0, "x" * (wide.max_chars + 1)))  # the one that found room
+    assert not wide.offer("a")  # ... and the bound in characters holds after it
+    channel.close()
+    assert not channel.offer_call(part)
 
 
 async def test_an_end_always_fits_and_nothing_passes_a_cancel() -> None:

@@ -31,7 +31,8 @@ from wsserver_client import Client  # noqa: E402
 from wsserver.aio import Server  # noqa: E402
 from wsserver.aio.peer import PeerAwareConnection  # noqa: E402
 from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
-from wsserver.backends.llama import CHAT_FALLBACK_STOPS, LlamaBackend, plain_chat_prompt  # noqa: E402
+from wsserver.backends.llama import LlamaBackend  # noqa: E402
+from wsserver.backends.llama_chat import CHAT_FALLBACK_STOPS, plain_chat_prompt  # noqa: E402
 from wsserver.protocol import Message  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -140,7 +141,7 @@ def prompt_tokens(backend: LlamaBackend, req: GenerationRequest) -> int | None:
 
 def has_chat_template(backend: LlamaBackend) -> bool:
     """Whether messages go through the model's own chat template (else the plain-text fallback)."""
-    return backend.chat_template is not None
+    return backend.chat.template is not None
 
 
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:

@@ -103,11 +103,11 @@ def test_they_match_llama_cpp_pythons_create_completion(
 
 def test_they_come_from_before_the_sampler_chain(backend: LlamaBackend) -> None:
     _, plain = entries_of(backend, max_tokens=4, logprobs=3)
-    forced_token = 5 if plain[0].bytes != backend._piece(5) else 6
+    forced_token = 5 if plain[0].bytes != backend.vocab.piece(5) else 6
     bias = Sampling.from_options({"logit_bias": ((forced_token, 100.0),)})
     _, forced = entries_of(backend, max_tokens=4, logprobs=3, sampling=bias)
     # The bias chose the token; the numbers are still the model's own.
-    assert all(e.bytes == backend._piece(forced_token) for e in forced)
+    assert all(e.bytes == backend.vocab.piece(forced_token) for e in forced)
     assert forced[0].logprob < forced[0].top[0].logprob
     same_distribution(forced[0], plain[0])
     # Sampled at temperature 1.5: the same distribution at the first position.

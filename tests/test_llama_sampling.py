@@ -97,7 +97,7 @@ def test_logit_bias_minus_100_removes_the_greedy_token_and_plus_100_forces_one(
 
 def test_logit_bias_by_text_biases_each_of_its_tokens(backend: LlamaBackend) -> None:
     text = "hello"
-    ids = backend._tokenize_text(text)
+    ids = backend.vocab.tokenize_text(text)
     assert ids
     forced = tokens_of(backend, max_tokens=4, sampling=with_sampling(logit_bias=((text, 100.0),)))
     assert set(forced) <= set(ids)
@@ -144,7 +144,7 @@ def test_dry_breaks_a_loop_the_greedy_sampler_is_stuck_in(backend: LlamaBackend)
     )
     assert set(dry) == {5, 6}
     # A breaker cuts the sequences DRY matches: both tokens break, nothing repeats.
-    pieces = [backend._piece(t).decode("utf-8", "replace") for t in (5, 6)]
+    pieces = [backend.vocab.piece(t).decode("utf-8", "replace") for t in (5, 6)]
     if all(pieces):
         broken = tokens_of(
             backend,
@@ -252,7 +252,7 @@ async def test_openai_sdk_sends_penalties_and_logit_bias(tiny_gguf: Path) -> Non
                 temperature=0, logit_bias={"5": 100}, extra_body={"repeat_penalty": 1.0}, **kwargs
             )
             assert server.backend is not None
-            piece = server.backend._piece(5).decode("utf-8", "ignore")  # type: ignore[attr-defined]
+            piece = server.backend.vocab.piece(5).decode("utf-8", "ignore")  # type: ignore[attr-defined]
             assert forced.choices[0].text == piece * 24
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.completions.create(presence_penalty=3.0, **kwargs)

@@ -179,8 +179,8 @@ def test_the_engine_feeds_the_rendered_prompt(hermes: LlamaBackend) -> None:
     req = request(None, messages=generate.messages, tools=generate.tools, max_tokens=4)
     expected = reference_prompt(HERMES, CONVERSATION, tools=[WEATHER])
     assert expected.startswith("<s><|im_start|>system\nYou are terse.\n\n# Tools\n<tools>\n")
-    tokens = hermes._tokenize(expected, add_bos=False)
-    assert tokens[0] == hermes._bos[0]  # the template's BOS, not a second one
+    tokens = hermes.vocab.tokenize(expected, add_bos=False)
+    assert tokens[0] == hermes.vocab.bos[0]  # the template's BOS, not a second one
     assert hermes.tokenize_prompt(req) == tokens
     outcome, _ = run(hermes, req)
     assert (outcome.reason, outcome.prompt_tokens) == ("length", len(tokens))
@@ -233,7 +233,7 @@ def test_the_template_file_overrides_the_models(tmp_path: Path, tiny_gguf: Path)
     with loaded(tiny_gguf, chat_template_file=str(override)) as backend:
         req = request(None, messages=(Message("user", "Hi"),), max_tokens=2)
         expected = reference_prompt(THINKING, [{"role": "user", "content": "Hi"}])
-        assert backend.tokenize_prompt(req) == backend._tokenize(expected, add_bos=False)
+        assert backend.tokenize_prompt(req) == backend.vocab.tokenize(expected, add_bos=False)
     with pytest.raises(ModelLoadError, match="cannot read"):
         LlamaBackend(model=str(tiny_gguf), chat_template_file=str(tmp_path / "missing")).load()
 
@@ -244,17 +244,17 @@ def test_check_refuses_before_the_start(hermes: LlamaBackend, tiny_gguf: Path) -
     # hold the answer to a grammar — which would constrain the think block this
     # one opens, so it is refused.
     think = ChatTemplate(THINKING)
-    hermes.chat_template, saved = think, hermes.chat_template
+    hermes.chat.template, saved = think, hermes.chat.template
     try:
         with pytest.raises(ProtocolError, match="think block") as caught:
             hermes.check(frame(messages=CONVERSATION, tools=[WEATHER]))
         assert caught.value.code == "unsupported_option"
-        hermes.chat_template = ChatTemplate(STRICT)
+        hermes.chat.template = ChatTemplate(STRICT)
         with pytest.raises(ProtocolError, match="Only user and assistant") as caught:
             hermes.check(frame(messages=CONVERSATION))
         assert caught.value.code == "bad_request"
     finally:
-        hermes.chat_template = saved
+        hermes.chat.template = saved
     with loaded(tiny_gguf) as plain:  # no template: the server describes the tools
         plain.check(frame(messages=CONVERSATION, tools=[WEATHER]))
         with pytest.raises(ProtocolError, match="needs a chat template") as caught:
@@ -283,7 +283,7 @@ async def test_websocket_and_openai_take_tool_conversations(tmp_path: Path) -> N
         expected = reference_prompt(HERMES, CONVERSATION, tools=[WEATHER], enable_thinking=False)
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
-        n_prompt = len(backend._tokenize(expected, add_bos=False))
+        n_prompt = len(backend.vocab.tokenize(expected, add_bos=False))
         assert frames[-1]["usage"]["prompt_tokens"] == n_prompt
         api = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{server.port}/v1",

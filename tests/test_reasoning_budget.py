@@ -228,7 +228,7 @@ def test_the_engine_forces_the_close_per_sequence(thinking: Any) -> None:
     assert free_outcome.completion_tokens == 30
     # The budgeted one: the same first `budget` tokens, then the close — exactly,
     # though this tokenizer puts a space before a text — then more tokens.
-    forced = b"".join(thinking._piece(token) for token in close).decode()
+    forced = b"".join(thinking.vocab.piece(token) for token in close).decode()
     assert forced == FORCED_CLOSE
     first = "".join(free_sink.pieces[:budget])
     cut_text = "".join(cut_sink.pieces)
@@ -271,7 +271,7 @@ async def test_the_anthropic_sdk_gets_a_thinking_block_within_its_budget(
         assert [b.type for b in whole.content] == ["thinking", "text"], whole
         thought = whole.content[0].thinking  # type: ignore[union-attr]
         assert whole.content[1].text  # type: ignore[union-attr]
-        assert 0 < len(backend._tokenize_text(thought)) <= budget
+        assert 0 < len(backend.vocab.tokenize_text(thought)) <= budget
         async with client.messages.stream(**asked, thinking=enabled) as stream:
             final = await stream.get_final_message()
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
@@ -281,4 +281,4 @@ async def test_the_anthropic_sdk_gets_a_thinking_block_within_its_budget(
         assert [b.type for b in unbounded.content] == ["thinking"]
         long_thought = unbounded.content[0].thinking  # type: ignore[union-attr]
         assert long_thought.startswith(thought)
-        assert len(backend._tokenize_text(long_thought)) > budget
+        assert len(backend.vocab.tokenize_text(long_thought)) > budget

@@ -382,7 +382,7 @@ def test_responses_bad_reasoning_items_are_refused_naming_them(
 
 
 def test_the_plain_text_fallback_leaves_reasoning_out() -> None:
-    llama = pytest.importorskip("wsserver.backends.llama")
+    llama = pytest.importorskip("wsserver.backends.llama_chat")
     with_reasoning = (
         Message("user", "Fix the bug"),
         Message("assistant", "", (LS,), reasoning="Look."),

@@ -18,7 +18,7 @@ from test_openai_backend import relay
 from test_openai_http import base_url
 
 from wsserver.backends.openai_wire import ToolDelta, UpstreamError, parse_chunk
-from wsserver.tool_calls import ToolCallParser, relay_part_text
+from wsserver.tool_calls import CallPart, ToolSplit, parser_for
 
 WEATHER: Any = {
     "type": "function",
@@ -92,52 +92,49 @@ def test_the_chunk_parser_reads_reasoning_and_call_parts() -> None:
             parse_chunk(json.dumps({"choices": [{"index": 0, "delta": bad}]}))
 
 
-def test_relayed_parts_read_back_the_same_as_they_come() -> None:
-    """What the relay writes, the ``relay`` parser reads back, split anywhere:
-    each part as it came (the argument fragments too), the upstream's ids,
-    names and argument text; a call without arguments gets ``{}``."""
-    text = (
-        "So: "
-        + relay_part_text(0, "", "call_a", "get_weather")
-        + relay_part_text(0, '{"city": ')
-        + " and "
-        + relay_part_text(0, '"Tōkyō 😀"}')
-        + relay_part_text(1, "", None, "get_time")
-    )
-    for cut in range(1, len(text)):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather", "get_time"}))
-        parts = [parser.feed(text[:cut]), parser.feed(text[cut:]), parser.flush()]
-        assert "".join(p.content for p in parts) == "So:  and "
-        calls = [c for p in parts for c in p.calls]
-        assert [(c.index, c.id, c.name, c.arguments) for c in calls[:3]] == [
-            (0, "call_a", "get_weather", ""),
-            (0, None, None, '{"city": '),
-            (0, None, None, '"Tōkyō 😀"}'),
-        ]
-        assert (calls[3].index, calls[3].name, calls[3].arguments) == (1, "get_time", "")
-        assert calls[3].id is not None and calls[3].id.startswith("call_")
-        assert (calls[4].index, calls[4].arguments) == (1, "{}")
-        assert not any(p.error for p in parts)
-    # The first fragment is released before the rest was written.
-    parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
-    early = parser.feed(relay_part_text(0, '{"ci', "c", "get_weather"))
-    assert [c.arguments for c in early.calls] == ['{"ci']
+def test_relayed_parts_are_released_as_they_come() -> None:
+    """The ``relay`` syntax's parser: the engine's text is content as it
+    came, each call part is released at once (the argument fragments too),
+    with the upstream's ids and names, renumbered in the order the calls
+    came; a call without arguments gets ``{}``."""
+    parser = parser_for("relay", names=frozenset({"get_weather", "get_time"}))
+    splits = [
+        parser.feed("So: "),
+        parser.part(CallPart(3, "", "call_a", "get_weather")),
+        parser.part(CallPart(3, '{"city": ')),
+        parser.feed(" and "),
+        parser.part(CallPart(3, '"Tōkyō 😀"}')),
+        parser.part(CallPart(7, "", None, "get_time")),
+        parser.flush(),
+    ]
+    assert "".join(s.content for s in splits) == "So:  and "
+    calls = [c for s in splits for c in s.calls]
+    assert [(c.index, c.id, c.name, c.arguments) for c in calls[:3]] == [
+        (0, "call_a", "get_weather", ""),
+        (0, None, None, '{"city": '),
+        (0, None, None, '"Tōkyō 😀"}'),
+    ]
+    assert (calls[3].index, calls[3].name, calls[3].arguments) == (1, "get_time", "")
+    assert calls[3].id is not None and calls[3].id.startswith("call_")
+    assert (calls[4].index, calls[4].arguments) == (1, "{}")
+    assert not any(s.error for s in splits) and parser.calls_made == 2
     # Joined arguments that are not a JSON object are reported at the end
     # (unless the output was cut off: then they are as far as they got).
     for arguments, error in (('{"ci', "not valid JSON"), ("[1]", "not a JSON object")):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
-        parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
+        parser.part(CallPart(0, arguments, "c", "get_weather"))
         assert error in (parser.flush().error or "")
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
-        parser.feed(relay_part_text(0, arguments, "c", "get_weather"))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
+        parser.part(CallPart(0, arguments, "c", "get_weather"))
         assert parser.flush(cut=True).error is None
     # A call without a name, or with one not in the tools, is refused.
     for name, error in (("", "names no function"), ("rm", "'rm', which is not")):
-        parser = ToolCallParser("relay", names=frozenset({"get_weather"}))
-        split = parser.feed(relay_part_text(0, "{}", "c", name))
+        parser = parser_for("relay", names=frozenset({"get_weather"}))
+        split = parser.part(CallPart(0, "{}", "c", name))
         assert split.calls == () and error in (split.error or "")
-    # Content with Hermes syntax in it stays content: only the marker opens a call.
-    parser = ToolCallParser("relay", names=frozenset({"f"}))
+        assert parser.feed("more") == ToolSplit()  # nothing more is read
+    # Content with any model's syntax in it stays content: only parts are calls.
+    parser = parser_for("relay", names=frozenset({"f"}))
     hermes = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert parser.feed(hermes).content + parser.flush().content == hermes
 

@@ -107,7 +107,7 @@ async def test_function_items_reach_the_models_tools_template(
         backend = server.backend
         assert isinstance(backend, LlamaBackend)
         expected = reference_prompt(HERMES, CONVERSATION, tools=[WEATHER])
-        prompt_tokens = len(backend._tokenize(expected, add_bos=False))
+        prompt_tokens = len(backend.vocab.tokenize(expected, add_bos=False))
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{server.port}/v1",
             api_key="unused",
@@ -142,7 +142,9 @@ async def test_function_items_reach_the_models_tools_template(
         ]
         expected_chained = reference_prompt(HERMES, later, tools=[WEATHER])
         assert chained.usage is not None
-        assert chained.usage.input_tokens == len(backend._tokenize(expected_chained, add_bos=False))
+        assert chained.usage.input_tokens == len(
+            backend.vocab.tokenize(expected_chained, add_bos=False)
+        )
 
 
 async def test_a_think_block_the_template_opens_is_a_reasoning_item(

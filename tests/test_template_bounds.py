@@ -316,7 +316,7 @@ def test_the_server_never_compiles_a_template_itself_so_constant_folding_is_boun
     fold = "{% if messages | length > 1000 %}{{ '%0300000000d' % 1 }}{% endif %}"
     path = write_tiny_gguf(tmp_path / "fold.gguf", chat_template=SIMPLE + fold)
     with loaded(path) as backend:
-        assert backend.chat_template is not None
+        assert backend.chat.template is not None
         backend.check(chat("hi"))
     # A width the worker can fold but not compile into code: the load fails on memory.
     fits = "{% if messages | length > 1000 %}{{ '%0100000000d' % 1 }}{% endif %}"

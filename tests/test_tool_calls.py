@@ -23,8 +23,8 @@ from wsserver.tool_calls import (
     FRAGMENT_CHARS,
     CallPart,
     Syntax,
-    ToolCallParser,
     detect_syntax,
+    parser_for,
 )
 
 NAMES = frozenset({"get_weather", "add"})
@@ -41,7 +41,7 @@ def run(
     errors. ``cut``: the output ends as cut off by ``max_tokens``."""
     counter = ids()
     assembler = TextAssembler()
-    parser = ToolCallParser(
+    parser = parser_for(
         syntax,
         names=NAMES,
         new_id=lambda: f"call_{next(counter)}",
@@ -162,7 +162,7 @@ def test_every_split_position(
 
 
 def test_content_is_released_as_it_comes_and_markers_are_held() -> None:
-    parser = ToolCallParser("hermes", names=NAMES)
+    parser = parser_for("hermes", names=NAMES)
     assert parser.feed("Hello <tool_c").content == "Hello "
     assert parser.feed("all>{").content == ""  # inside a call: not content
     split = parser.feed('"name": "add", "arguments": {"a": 1}}</tool_call>')
@@ -267,7 +267,7 @@ def test_one_call_when_parallel_calls_are_off() -> None:
 def test_long_arguments_come_in_bounded_fragments() -> None:
     value = "é" * (FRAGMENT_CHARS * 2 + 5)
     text = '<tool_call>{"name": "add", "arguments": {"a": "' + value + '"}}</tool_call>'
-    parser = ToolCallParser("hermes", names=NAMES)
+    parser = parser_for("hermes", names=NAMES)
     parts = parser.feed(text).calls
     assert len(parts) == 3 and all(len(p.arguments) <= FRAGMENT_CHARS for p in parts)
     assert orjson.loads("".join(p.arguments for p in parts)) == {"a": value}
@@ -281,7 +281,7 @@ def test_the_syntax_is_read_from_the_template() -> None:
     assert detect_syntax("{{ '<|python_tag|>' }}") == "llama3"
     assert detect_syntax("{% for m in messages %}{{ m.content }}{% endfor %}") == "generic"
     with pytest.raises(ValueError, match="unknown tool call syntax"):
-        ToolCallParser("xml")  # type: ignore[arg-type]
+        parser_for("xml")  # type: ignore[arg-type]
 
 
 RESPONSE = '  {"response": "Hi \\u00e9 \\ud83d\\ude00 \\"q\\" 日本\\n"}'
@@ -294,7 +294,7 @@ def test_a_generic_answer_streams_as_its_string_comes(syntax: Syntax) -> None:
     for cut in range(1, len(data)):
         assert run(syntax, data, [cut]) == (decoded, [], []), cut
     # Fed a byte at a time: the answer comes out as it is written, not at the end.
-    parser = ToolCallParser(syntax, names=NAMES)
+    parser = parser_for(syntax, names=NAMES)
     assembler = TextAssembler()
     seen: list[str] = []
     for position in range(len(data)):
@@ -360,7 +360,7 @@ def test_a_models_call_streams_as_its_json_comes(
     """Fed a byte at a time, each call's first part (id, name) goes out once
     its name is read — before its arguments are complete — and its arguments
     follow in many fragments that join to exactly the model's JSON text."""
-    parser = ToolCallParser(syntax, names=NAMES)
+    parser = parser_for(syntax, names=NAMES)
     assembler = TextAssembler()
     data = text.encode()
     feeds: list[tuple[CallPart, ...]] = []
@@ -392,7 +392,7 @@ def test_a_models_call_streams_as_its_json_comes(
 
 
 def test_arguments_before_the_name_wait_for_it() -> None:
-    parser = ToolCallParser("hermes", names=NAMES)
+    parser = parser_for("hermes", names=NAMES)
     assert parser.feed('<tool_call>{"arguments": {"a": 1}, ').calls == ()
     split = parser.feed('"name": "ad')
     assert split.calls == () and split.error is None
@@ -441,7 +441,7 @@ def test_mistral_calls_get_ids_its_template_takes_back() -> None:
     """A streamed call cannot wait for the id Mistral writes after the
     arguments: the fresh id is in Mistral's shape, so that the call and its
     result render in the next turn's prompt."""
-    parser = ToolCallParser("mistral", names=NAMES)
+    parser = parser_for("mistral", names=NAMES)
     text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abc123XYZ"}]'
     parts = parser.feed(text).calls + parser.flush().calls
     call_id = parts[0].id
@@ -454,7 +454,7 @@ def test_mistral_calls_get_ids_its_template_takes_back() -> None:
     prompt = ChatTemplate(MISTRAL_TEMPLATE).render(history)
     assert f'"id":"{call_id}"' in prompt.replace(" ", "")
     # OpenAI's shape elsewhere — which this template refuses.
-    hermes_id = ToolCallParser("hermes").feed('<tool_call>{"name": "f"}</tool_call>').calls[0].id
+    hermes_id = parser_for("hermes").feed('<tool_call>{"name": "f"}</tool_call>').calls[0].id
     assert hermes_id is not None and hermes_id.startswith("call_")
     with pytest.raises(BackendError, match="length 9"):
         ChatTemplate(MISTRAL_TEMPLATE).render(

@@ -34,7 +34,7 @@ from test_llama_template import (
 from test_openai_http import sdk
 from tiny_gguf import write_tiny_gguf
 
-from wsserver.backends.llama import generic_tools_note
+from wsserver.backends.llama_chat import generic_tools_note
 from wsserver.backends.llama_tool_grammar import forced_call_grammar
 from wsserver.errors import BackendError
 
@@ -124,8 +124,8 @@ def test_a_template_without_tools_gets_the_servers_note(tmp_path: Path) -> None:
             parallel_tool_calls=False,
         )
         expected = reference_prompt(PLAIN, [{"role": "system", "content": note}, *ASK])
-        assert backend.tokenize_prompt(req) == backend._tokenize(expected, add_bos=False)
-        assert backend.tool_syntax(req) == "generic"
+        assert backend.tokenize_prompt(req) == backend.vocab.tokenize(expected, add_bos=False)
+        assert backend.output_format(req).tool_syntax == "generic"
         with_system = [{"role": "system", "content": "Be brief."}, *ASK]
         generate = frame(messages=with_system, tools=TOOLS, tool_choice="required")
         req = request(
@@ -135,7 +135,7 @@ def test_a_template_without_tools_gets_the_servers_note(tmp_path: Path) -> None:
         merged = reference_prompt(
             PLAIN, [{"role": "system", "content": f"Be brief.\n\n{note}"}, *ASK]
         )
-        assert backend.tokenize_prompt(req) == backend._tokenize(merged, add_bos=False)
+        assert backend.tokenize_prompt(req) == backend.vocab.tokenize(merged, add_bos=False)
 
 
 @pytest.mark.parametrize(
@@ -155,14 +155,14 @@ async def test_every_seed_makes_a_valid_forced_call(
     path = tiny(tmp_path, template)
     async with running_server(llama_config(path)) as server:
         assert (
-            server.backend.tool_syntax(  # type: ignore[attr-defined]
+            server.backend.output_format(
                 request(
                     None,
                     messages=frame(messages=ASK).messages,
                     tools=json.dumps(TOOLS),
                     tool_choice="required",
                 )
-            )
+            ).tool_syntax
             == syntax
         )
         async with wire(server) as ws:

@@ -1,6 +1,6 @@
 """A model's tool calls found while their JSON is written (sans-I/O).
 
-:class:`~wsserver.tool_calls.ToolCallParser` hands the JSON text of a call
+:class:`~wsserver.text_calls.TextCalls` hands the JSON text of a call
 — Hermes/Qwen's object inside ``<tool_call>``, Mistral's array after
 ``[TOOL_CALLS]``, a Llama 3.x call or the generic ``{"tool_call": …}`` /
 ``{"tool_calls": […]}`` — to a :class:`CallStream` as it grows. The stream

@@ -84,6 +84,12 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         return self._state == "reasoning"
 
+    @property
+    def answering(self) -> bool:
+        """Whether the block is over for good: everything from now on is
+        answer, as it comes (the whitespace after the block was dropped)."""
+        return self._state == "answer" and not self._trim
+
     def feed(self, text: str, tokens: int = 0) -> Split:
         """Add a piece of final text made of ``tokens`` tokens."""
         if self._state == "answer":
@@ -125,6 +131,16 @@ class ReasoningSplitter:
             text = text.lstrip()
             self._trim = not text
         return text
+
+    def settle(self) -> Split:
+        """Something that is not text came (a call the engine parsed itself):
+        a block can no longer open, or it is over; what was held back goes
+        out as what it was, and everything from now on is answer."""
+        held, self._held = self._held, ""
+        state, self._state = self._state, "answer"
+        self._trim = False
+        self._undecided = 0
+        return Split(reasoning=held) if state == "reasoning" else Split(answer=held)
 
     def flush(self) -> Split:
         """The end of the output: release what was held back."""

@@ -1,15 +1,19 @@
 """The bounded channel from an engine to the event loop: the seam's :class:`Sink`.
 
 One channel per running request, built on :mod:`janus` (a queue with a sync
-side for engine threads and an awaitable async side for the loop). Its bound
-is counted here, in text pieces — at most ``capacity`` of them, each one
+side for engine threads and an awaitable async side for the loop). Its items
+are the sink's calls, in order: :class:`Piece` (text), :class:`Call` (a part
+of a call the engine parsed itself), :class:`PromptDone`, :class:`End`. Its
+bound is counted here, in pieces — at most ``capacity`` of them, each one
 token's text (and, if the request asked for them, that token's
-log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) — *and*
-in characters: at most :data:`CHARS_PER_TOKEN` per piece on average (≤ 256
-UTF-8 bytes a piece), whatever the engine puts in a piece, plus the one piece
-that found room; so a connection's memory is bounded by bytes even for an
-upstream whose chunks are megabytes. The prompt count and the end are not counted: they always fit, so an engine can end a request whose
-channel is full without waiting (a batched engine must never wait).
+log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) or one
+call part — *and* in characters (a call part's: its arguments'): at most
+:data:`CHARS_PER_TOKEN` per piece on average (≤ 256 UTF-8 bytes a piece),
+whatever the engine puts in a piece, plus the one piece that found room; so a
+connection's memory is bounded by bytes even for an upstream whose chunks are
+megabytes. The prompt count and the end are not counted: they always fit, so
+an engine can end a request whose channel is full without waiting (a batched
+engine must never wait).
 
 When the sender is parked in a slow ``send()`` the channel fills. Then
 :meth:`Channel.emit` blocks a threaded engine in a condition wait — no
@@ -31,10 +35,11 @@ from dataclasses import dataclass
 import janus
 
 from ..backends.base import CancelEvent, Outcome
+from ..call_parts import CallPart
 from ..errors import GenerationCancelled
 from ..logprobs import TokenLogprob, entries_size
 
-__all__ = ["CHARS_PER_TOKEN", "Channel", "End", "Item", "Piece", "PromptDone"]
+__all__ = ["CHARS_PER_TOKEN", "Call", "Channel", "End", "Item", "Piece", "PromptDone"]
 
 #: The channel holds at most ``capacity`` x this many characters (4 bytes
 #: each at most: the 256 bytes a token may carry, ``peer.MAX_TOKEN_BYTES``).
@@ -50,6 +55,14 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class Call:
+    """A part of a call the engine parsed itself (:meth:`Channel.offer_call`)."""
+
+    part: CallPart
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class PromptDone:
     prompt_tokens: int
     cached_tokens: int = 0
@@ -60,7 +73,7 @@ class End:
     outcome: Outcome
 
 
-Item = Piece | PromptDone | End
+Item = Piece | Call | PromptDone | End
 
 
 class Channel:
@@ -108,7 +121,16 @@ class Channel:
             if self._full():
                 self._pause()
                 return False
-            return self._put_piece(text, tokens, logprobs)
+            return self._put_piece(Piece(text, tokens, logprobs), len(text), tokens)
+
+    def offer_call(self, part: CallPart, tokens: int = 0) -> bool:
+        with self._room:
+            if self.cancel.is_set():
+                return False
+            if self._full():
+                self._pause()
+                return False
+            return self._put_piece(Call(part, tokens), len(part.arguments), tokens)
 
     def emit(self, text: str, tokens: int = 1, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         with self._room:
@@ -119,7 +141,8 @@ class Channel:
                 while self._full() and not self.cancel.is_set():
                     self._room.wait()
                 self.blocked_cpu_seconds += time.thread_time() - cpu
-            if self.cancel.is_set() or not self._put_piece(text, tokens, logprobs):
+            piece = Piece(text, tokens, logprobs)
+            if self.cancel.is_set() or not self._put_piece(piece, len(text), tokens):
                 raise GenerationCancelled()
 
     def when_room(self, callback: Callable[[], None]) -> None:
@@ -129,14 +152,14 @@ class Channel:
                 return
         callback()
 
-    def _put_piece(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> bool:
+    def _put_piece(self, item: Piece | Call, chars: int, tokens: int) -> bool:
         """Queue a piece (``_room`` held). False if the queue was shut down."""
         try:
-            self.queue.sync_q.put_nowait(Piece(text, tokens, logprobs))
+            self.queue.sync_q.put_nowait(item)
         except janus.SyncQueueShutDown:
             return False
         self._pieces += 1
-        self._chars += len(text)
+        self._chars += chars
         self.tokens += tokens
         return True
 
@@ -186,11 +209,15 @@ class Channel:
         return item
 
     def _taken(self, item: Item) -> None:
-        if not isinstance(item, Piece):
+        if isinstance(item, Piece):
+            chars = len(item.text)
+        elif isinstance(item, Call):
+            chars = len(item.part.arguments)
+        else:
             return
         with self._room:
             self._pieces -= 1
-            self._chars -= len(item.text)
+            self._chars -= chars
             callbacks = [] if self._full() else self._resume()
         for callback in callbacks:
             callback()
@@ -205,10 +232,15 @@ class Channel:
             callback()
 
     def buffered_bytes(self) -> int:
-        """UTF-8 bytes of text waiting in the queue, and what its
-        log-probabilities hold (a snapshot)."""
+        """UTF-8 bytes of text (and call arguments) waiting in the queue, and
+        what its log-probabilities hold (a snapshot)."""
         with self.queue._sync_mutex:  # janus has no public snapshot API
             items = list(self.queue._queue)
         return sum(
-            len(i.text.encode()) + entries_size(i.logprobs) for i in items if isinstance(i, Piece)
+            len(i.text.encode()) + entries_size(i.logprobs)
+            if isinstance(i, Piece)
+            else len(i.part.arguments.encode())
+            if isinstance(i, Call)
+            else 0
+            for i in items
         )

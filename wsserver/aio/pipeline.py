@@ -13,8 +13,10 @@ the session lets start:
    bounded :class:`~wsserver.aio.channel.Channel` and cancel event; the slot
    is released the moment the engine completes the submission, even if the
    client is still slow to take the last frames;
-4. **pump**: channel → :class:`~wsserver.pacing.Coalescer` → reports of text,
-   then the engine's end;
+4. **pump** (:mod:`.pump`): channel → :class:`~wsserver.shaping.Shaper`
+   (text, reasoning and call parts, shaped as the engine's
+   :meth:`~wsserver.backends.base.Backend.output_format` says) →
+   :class:`~wsserver.pacing.Coalescer` → reports of text, then the end;
 5. **finalize**: wait until the engine is gone (a thread joined), record the
    cancel latency, and tell the driver.
 
@@ -36,26 +38,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
-import orjson
-
-from .. import pacing
 from ..backends.base import GenerationRequest, Submission
 from ..errors import ProtocolError, WireLost
-from ..events import Finished, ModelGranted, Outcome, PromptCounted, Rejected, Report, TextProduced
-from ..logprobs import TokenLogprob
+from ..events import ModelGranted, Rejected, Report
 from ..logs import ConnectionLog
-from ..pacing import Coalescer
 from ..protocol import Generate, Progress
-from ..reasoning import ReasoningSplitter, Split
 from ..request_record import RequestRecord
-from ..tool_calls import Syntax as ToolSyntax
-from ..tool_calls import ToolCallParser, ToolSplit
-from .channel import Channel, End, Item, Piece, PromptDone
+from .channel import Channel
 from .models import Model
+from .pump import Pump
 from .services import Services
 
 __all__ = ["Generation", "Owner"]
@@ -118,12 +112,6 @@ class Generation:
         self.cancel_requested: float | None = None
         #: Loop time at which the engine of a cancelled request completed.
         self.exited_at: float | None = None
-        #: Splits the think block from the answer (reasoning_format "auto").
-        self.reasoning: ReasoningSplitter | None = None
-        #: Finds the model's tool calls in the answer (a request with tools).
-        self.tools: ToolCallParser | None = None
-        #: Why the model's tool call was refused (the request then ends in error).
-        self.tool_error: str | None = None
 
     @property
     def resume_token(self) -> str | None:
@@ -157,7 +145,7 @@ class Generation:
         self.attached = True
         self._rebound.set()
 
-    async def _bound(self, unless: Owner | None = None) -> bool:
+    async def wait_attached(self, unless: Owner | None = None) -> bool:
         """Wait while detached (or still bound to ``unless``, a connection that
         failed). False if the request was stopped meanwhile."""
         while not self.stopped and (not self.attached or self.owner is unless):
@@ -165,7 +153,7 @@ class Generation:
             await self._rebound.wait()
         return not self.stopped
 
-    async def _report(self, event: Report) -> bool:
+    async def report(self, event: Report) -> bool:
         """Report to the owner. For a resumable request a lost connection is
         not the end: wait for a resume (what was written is in the replay
         tail). False if the request ended or was stopped meanwhile."""
@@ -177,9 +165,13 @@ class Generation:
                 raise
         self.waiting_for_resume = True
         try:
-            return await self._bound(unless=owner)
+            return await self.wait_attached(unless=owner)
         finally:
             self.waiting_for_resume = False
+
+    def note(self, event: Report) -> None:
+        """A report that sends nothing (the prompt count)."""
+        self.owner.note(event)
 
     def alive(self) -> bool:
         """Whether the engine still runs anything for this request."""
@@ -233,8 +225,10 @@ class Generation:
             # The token is made by the driver (only for a resumable request).
             if not await self.owner.report(ModelGranted(request_id)):
                 return
+            # The engine describes its output (for the pump's shaper), then gets the request.
+            pump = Pump(self.request, backend.output_format(request), self.channel, self, services)
             self._submit(asyncio.get_running_loop(), request)
-            await self._pump()
+            await pump.run()
         except WireLost:
             self.stop()
         except Exception:
@@ -249,11 +243,6 @@ class Generation:
         assert self.slot is not None
         slot: int = self.slot
         channel = self.channel
-        reasoning_format = self.request.reasoning_format or services.config.stream.reasoning_format
-        if reasoning_format == "auto" and self.request.messages is not None:
-            opened = backend.opens_reasoning(request)
-            self.reasoning = ReasoningSplitter(opened=opened)
-        self.tools = tool_parser(self.request, backend.tool_syntax(request))
         self.submission = backend.submit(request, slot=slot, sink=channel, cancel=channel.cancel)
         exited: asyncio.Future[None] = loop.create_future()
         # The model is free as soon as the engine is done with the request.
@@ -266,145 +255,6 @@ class Generation:
     def _mark_exited(self, _: object) -> None:
         if self.cancel_requested is not None:
             self.exited_at = asyncio.get_running_loop().time()
-
-    async def _pump(self) -> None:
-        """Channel → coalesced text → the owner, then the engine's end."""
-        stream = self.owner.services.config.stream
-        channel = self.channel
-        coalescer = Coalescer(
-            flush_window=stream.flush_ms / 1000.0,
-            flush_tokens=stream.flush_tokens,
-            max_chars=pacing.FRAME_TEXT_CHARS,
-        )
-        loop = asyncio.get_running_loop()
-        while True:
-            # Detached: take nothing more (the channel fills, the engine pauses).
-            # (Checked inline first: this loop runs per token at full speed.)
-            if not self.attached and not await self._bound():
-                return
-            if coalescer.due(loop.time()):
-                if not await self._flush(coalescer):
-                    return
-                continue
-            if coalescer.full:
-                # A frame's worth of text waits for its window; the rest stays
-                # in the bounded channel meanwhile, and the engine pauses.
-                wait = max(0.0, coalescer.deadline() - loop.time())
-                await asyncio.sleep(wait)  # sleep-ok: the pacing itself, not a synchronisation
-                continue
-            try:
-                # Wait for the window only with text pending: tokens whose bytes
-                # are held back (half a character) never make a flush due, and
-                # waiting on a past deadline for them would spin.
-                if coalescer.has_text:
-                    async with asyncio.timeout_at(coalescer.deadline()):
-                        item = await channel.get()
-                else:
-                    item = await channel.get()
-            except TimeoutError:
-                continue
-            if item is None:
-                return  # closed: cancelled, or the connection is going
-            if not self.attached and not await self._bound():
-                return
-            end = self._take(coalescer, item)
-            # Merge whatever else is already waiting: one frame, not many.
-            while end is None and not coalescer.full:
-                more = channel.get_nowait()
-                if more is None:
-                    break
-                end = self._take(coalescer, more)
-            if end is not None:
-                # Tool calls may take more than one frame (each bounded).
-                while await self._flush(coalescer):
-                    if not coalescer.pending:
-                        await self._report(Finished(self.request.id, self._outcome(end)))
-                        return
-                return
-
-    async def _flush(self, coalescer: Coalescer) -> bool:
-        """Report everything pending as one text. False if the request has ended."""
-        reasoning, reasoning_tokens = coalescer.take_reasoning()
-        tool_calls = coalescer.take_calls()
-        text, tokens = coalescer.take(asyncio.get_running_loop().time())
-        logprobs = coalescer.take_logprobs()
-        self.owner.services.metrics.tokens.inc(tokens)
-        return await self._report(
-            TextProduced(
-                self.request.id,
-                text,
-                tokens,
-                reasoning=reasoning,
-                reasoning_tokens=reasoning_tokens,
-                logprobs=logprobs,
-                tool_calls=tool_calls,
-            )
-        )
-
-    def _take(self, coalescer: Coalescer, item: Item) -> End | None:
-        if isinstance(item, Piece):
-            if self.reasoning is None:
-                split = Split(answer=item.text)
-            else:
-                split = self.reasoning.feed(item.text, item.tokens)
-            self._add_split(coalescer, split, item.tokens, item.logprobs)
-            return None
-        if isinstance(item, PromptDone):
-            self.owner.note(PromptCounted(self.request.id, item.prompt_tokens, item.cached_tokens))
-            return None
-        if self.reasoning is not None:
-            self._add_split(coalescer, self.reasoning.flush(), 0)
-        if self.tools is not None:
-            # Cut off by max_tokens: a call cut short is released as far as it got.
-            self._add_calls(coalescer, self.tools.flush(cut=item.outcome.reason == "length"))
-        return item
-
-    def _add_split(
-        self,
-        coalescer: Coalescer,
-        split: Split,
-        tokens: int,
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> None:
-        """Reasoning, then the answer — through the tool call parser, if any."""
-        coalescer.add_reasoning(split.reasoning, split.reasoning_tokens)
-        answer_tokens = max(0, tokens - split.reasoning_tokens)
-        if self.tools is None:
-            coalescer.add(split.answer, answer_tokens, logprobs)
-            return
-        found = self.tools.feed(split.answer) if split.answer else ToolSplit()
-        self._add_calls(coalescer, found, answer_tokens, logprobs)
-
-    def _add_calls(
-        self,
-        coalescer: Coalescer,
-        found: ToolSplit,
-        tokens: int = 0,
-        logprobs: tuple[TokenLogprob, ...] = (),
-    ) -> None:
-        """Content (and the tokens it came with), then the call parts."""
-        coalescer.add(found.content, tokens, logprobs)
-        coalescer.add_calls(found.calls)
-        if found.error is not None and self.tool_error is None:
-            self.tool_error = found.error
-
-    def _outcome(self, end: End) -> Outcome:
-        """The engine's outcome, as the tool calls make it: ``tool_calls``
-        when the model stopped after calling, an error for a bad call."""
-        outcome = end.outcome
-        if outcome.reason not in ("stop", "length") or self.tools is None:
-            return outcome
-        if self.tool_error is not None:
-            return dataclasses.replace(
-                outcome,
-                reason="error",
-                error_code="invalid_tool_call",
-                error_message=self.tool_error,
-                stop_sequence=None,
-            )
-        if outcome.reason == "stop" and self.tools.calls_made:
-            return dataclasses.replace(outcome, reason="tool_calls", stop_sequence=None)
-        return outcome
 
     async def _finalize(self) -> None:
         services = self.owner.services
@@ -432,16 +282,6 @@ class Generation:
                 extra={"cancel_latency_ms": round(latency * 1000.0, 3)},
             )
         await self.owner.generation_gone(self)
-
-
-def tool_parser(request: Generate, syntax: ToolSyntax | None) -> ToolCallParser | None:
-    """The parser of ``request``'s tool calls, if it has tools (and the
-    engine gives text for the core to parse: ``syntax`` not None)."""
-    if request.tools is None or syntax is None or request.tool_choice == "none":
-        return None
-    names = frozenset(tool["function"]["name"] for tool in orjson.loads(request.tools))
-    parallel = request.parallel_tool_calls is not False
-    return ToolCallParser(syntax, names=names, parallel=parallel)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -30,6 +30,17 @@ whatever thread or task the engine runs on. Three kinds of engine fit:
    ``loop.call_soon_threadsafe``), so a slow client stops the reading of its
    own upstream and no other. A cancel callback cancels the task.
 
+What an engine produces is final text — decoded, stop strings applied —
+and the core shapes it into the client's parts (:mod:`wsserver.shaping`:
+the answer, the reasoning, the tool calls), the same way for every engine.
+To do that for a request it asks the engine one question,
+:meth:`Backend.output_format`: whether the prompt opened a think block, and
+in which syntax the model's calls come. A model's calls are written in its
+text and parsed by the core; an engine that parses them itself (an
+upstream that streams ``tool_calls``) says ``relay`` and hands each part
+over with :meth:`Sink.offer_call`, in order with its text — never written
+into the text, where a model could forge one.
+
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
 an async one. The server's scheduler queues requests for them (first come,
@@ -63,16 +74,18 @@ import abc
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+from ..call_parts import CallPart
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..events import Outcome
 from ..logprobs import TokenLogprob
 from ..logs import context
-from ..protocol import Generate, Message
-from ..sampling import SAMPLING_FIELDS, Sampling, options_asked
-from ..tool_calls import Syntax as ToolSyntax
+from ..protocol import Generate
+from ..sampling import options_asked
+from ..shaping import OutputFormat
+from .request import GenerationRequest
 
 __all__ = [
     "Backend",
@@ -80,6 +93,7 @@ __all__ = [
     "GenerationRequest",
     "Liveness",
     "Outcome",
+    "OutputFormat",
     "Sink",
     "Submission",
     "ThreadedBackend",
@@ -117,77 +131,6 @@ class Liveness:
     stalled: bool = False
     #: Grammar computations the engine gave up on that still run natively.
     grammar_calls_running: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """A validated request with the server's defaults filled in."""
-
-    id: str
-    prompt: str | None
-    messages: tuple[Message, ...] | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    #: The connection it came from: for log lines and thread names only.
-    conn_id: str = ""
-    #: The rest of the sampler chain, llama-server's defaults filled in.
-    sampling: Sampling = field(default_factory=Sampling)
-    #: A GBNF grammar, or a JSON Schema as JSON text, the output must match.
-    grammar: str | None = None
-    json_schema: str | None = None
-    #: OpenAI's function tools and extra chat-template variables, as JSON text.
-    tools: str | None = None
-    chat_template_kwargs: str | None = None
-    #: ``required`` (a call is forced; ``tool_name``: that function) or None.
-    tool_choice: str | None = None
-    tool_name: str | None = None
-    #: At most one call when False.
-    parallel_tool_calls: bool | None = None
-    #: Tokens allowed inside the think block before the engine closes it
-    #: (``reasoning_budget_tokens``); None: no budget.
-    reasoning_budget: int | None = None
-    #: Log-probabilities asked for: how many alternatives per token (0-20);
-    #: ``None``: none (the engine computes nothing for them).
-    logprobs: int | None = None
-    #: The model asked for, resolved by the server (an engine that serves
-    #: several, :meth:`Backend.served_models`, routes by it).
-    model: str | None = None
-    #: What :meth:`Backend.prepare` worked out off the loop (the engine's own
-    #: type: a rendered and tokenized prompt); None until then.
-    prepared: object | None = None
-
-    @classmethod
-    def from_frame(
-        cls, frame: Generate, *, default_max_tokens: int, conn_id: str = ""
-    ) -> GenerationRequest:
-        return cls(
-            id=frame.id,
-            prompt=frame.prompt,
-            messages=frame.messages,
-            max_tokens=frame.max_tokens if frame.max_tokens is not None else default_max_tokens,
-            temperature=0.8 if frame.temperature is None else frame.temperature,
-            top_p=0.95 if frame.top_p is None else frame.top_p,
-            top_k=40 if frame.top_k is None else frame.top_k,
-            seed=frame.seed,
-            stop=frame.stop,
-            conn_id=conn_id,
-            sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
-            grammar=frame.grammar,
-            json_schema=frame.json_schema,
-            # tool_choice "none": the model is not shown the tools (nor parsed for calls).
-            tools=None if frame.tool_choice == "none" else frame.tools,
-            chat_template_kwargs=frame.chat_template_kwargs,
-            tool_choice="required" if frame.tool_choice == "required" else None,
-            tool_name=frame.tool_name,
-            parallel_tool_calls=frame.parallel_tool_calls,
-            reasoning_budget=frame.reasoning_budget_tokens,
-            logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
-            model=frame.model,
-        )
 
 
 class CancelEvent(threading.Event):
@@ -252,6 +195,15 @@ class Sink(TokenSink, Protocol):
         """Hand over text without blocking. ``False``: the channel is full (or
         the request was cancelled) and nothing was taken; try again after
         :meth:`when_room`."""
+
+    def offer_call(self, part: CallPart, tokens: int = 0) -> bool:
+        """Hand over a part of a tool call the engine parsed itself (an
+        upstream's ``tool_calls``), as :meth:`offer` hands over text: after
+        the text before it, never blocking, ``False`` when full. ``part``
+        carries the engine's own call index, the arguments' text it adds
+        (a few KiB at most: :data:`~wsserver.call_parts.FRAGMENT_CHARS`), and
+        on a call's first part its ``name`` and ``id`` (if it has one). Only
+        an engine whose :meth:`Backend.output_format` says ``relay`` calls it."""
 
     def when_room(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once, from any thread, when :meth:`offer` may
@@ -395,8 +347,8 @@ class Backend(abc.ABC):
     def prepare_blocks(self, request: GenerationRequest) -> bool:
         """Whether :meth:`prepare` has work for ``request`` (then the server runs
         it on a worker thread once the request has its slot, before
-        :meth:`opens_reasoning`, :meth:`tool_syntax` and :meth:`submit`, which
-        run on the loop). Quick; called on the event loop."""
+        :meth:`output_format` and :meth:`submit`, which run on the loop).
+        Quick; called on the event loop."""
         return False
 
     def prepare(self, request: GenerationRequest) -> GenerationRequest:
@@ -418,16 +370,17 @@ class Backend(abc.ABC):
         """
         return None
 
-    def opens_reasoning(self, request: GenerationRequest) -> bool:
-        """Whether ``request``'s prompt ends inside an open think block (a chat
-        template that opens it): its output then starts as reasoning."""
-        return False
-
-    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
-        """The syntax in which the model writes tool calls (wsserver.tool_calls),
-        for the core to parse them out of the text; ``None`` when the engine
-        reports calls itself. An engine without a chat template: ``any``."""
-        return "any"
+    def output_format(self, request: GenerationRequest) -> OutputFormat:
+        """What ``request``'s output will look like, for the core to shape it
+        (:mod:`wsserver.shaping`): whether its prompt ends inside an open think
+        block (a chat template that opens it: the output starts as
+        reasoning), and the syntax of the model's tool calls — written in the
+        text (read from the chat template; an engine without one: ``any``),
+        or ``relay`` for an engine that hands them over as parts
+        (:meth:`Sink.offer_call`). Called on the event loop once per request,
+        after :meth:`prepare`: quick. Engines with reasoning budgets ask it
+        too (whether the block starts open)."""
+        return OutputFormat()
 
     def upstream_stats(self) -> list[UpstreamStats]:
         """The upstream servers this engine relays, if any (``/metrics``)."""

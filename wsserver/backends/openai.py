@@ -7,7 +7,8 @@ events. This engine is the seam's third kind (see
 loop — no thread — that
 
 * picks the healthy upstream with the fewest requests in flight and POSTs
-  the request with ``stream: true`` (:mod:`.openai_wire`);
+  the request with ``stream: true`` (:mod:`.openai_wire`; the exchange with
+  one upstream is :func:`.openai_upstream.exchange`);
 * reads the response body a chunk at a time, but only once the request's
   channel has room (``offer`` / ``when_room``): a client that stops reading
   stops the reading of its own upstream response, TCP pushes back to the
@@ -43,7 +44,6 @@ import logging
 import re
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -51,18 +51,19 @@ from ..config import OpenAIConfig
 from ..logs import context
 from ..sampling import NEUTRAL
 from ..textstream import TextAssembler
-from ..tool_calls import Syntax as ToolSyntax
 from .base import (
     Backend,
     CancelEvent,
     GenerationRequest,
     Outcome,
+    OutputFormat,
     Sink,
     Submission,
     UpstreamStats,
 )
 from .openai_relay import Relay, call_soon
-from .openai_wire import UpstreamError, error_message, request_body
+from .openai_upstream import MAX_ERROR_BODY, Upstream, exchange
+from .openai_wire import UpstreamError
 
 __all__ = ["OpenAIBackend", "Upstream"]
 
@@ -70,8 +71,6 @@ log = logging.getLogger("wsserver.producer")
 
 #: aiohttp's read buffer per response: above it, it stops reading the socket.
 READ_BUFSIZE = 16384
-#: Most of an HTTP error body read to find the upstream's message.
-MAX_ERROR_BODY = 65536
 #: The longest model name shown (hello, chunks, metrics, logs) from an upstream's listing.
 MAX_MODEL_NAME = 256
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -85,33 +84,6 @@ def display_name(model: str) -> str:
     return name if len(name) <= MAX_MODEL_NAME else name[: MAX_MODEL_NAME - 1] + "…"
 
 
-@dataclass(eq=False)
-class Upstream:
-    """One OpenAI-compatible server and what the engine knows of it."""
-
-    url: str
-    in_flight: int = 0
-    #: Seconds until the next probe while it is out of rotation.
-    backoff: float = 0.0
-    errors: int = 0
-    requests: int = 0
-    #: Seconds from sending a request to the first byte of its stream: sum and count.
-    first_byte_seconds_sum: float = 0.0
-    first_byte_count: int = 0
-    #: The model ids its ``/v1/models`` listed (empty until it answered).
-    models: tuple[str, ...] = ()
-    probe: asyncio.Task[None] | None = field(default=None, repr=False)
-    #: Set while in rotation (tests and /readyz wait on it).
-    in_rotation: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-
-    def __post_init__(self) -> None:
-        self.in_rotation.set()
-
-    @property
-    def healthy(self) -> bool:
-        return self.in_rotation.is_set()
-
-
 class OpenAIBackend(Backend):
     """Relays each request to one of ``urls`` (see the module docstring)."""
 
@@ -120,10 +92,10 @@ class OpenAIBackend(Backend):
     #: budget as llama-server's ``reasoning_budget_tokens``, docs/upstream.md).
     honours = frozenset(NEUTRAL) | {"tool_choice", "reasoning_budget_tokens"}
 
-    def tool_syntax(self, request: GenerationRequest) -> ToolSyntax | None:
+    def output_format(self, request: GenerationRequest) -> OutputFormat:
         """The upstream parses its model's calls and streams them as
-        ``tool_calls``; the relay writes them in the ``relay`` syntax."""
-        return "relay" if request.tools is not None else None
+        ``tool_calls``: the relay hands them over as parts (``relay``)."""
+        return OutputFormat(tool_syntax="relay")
 
     def __init__(
         self,
@@ -399,7 +371,15 @@ class OpenAIBackend(Backend):
             upstream.in_flight += 1
             upstream.requests += 1
             try:
-                outcome = await self._relay(upstream, request, relay, target)
+                outcome = await exchange(
+                    self._session(),
+                    upstream,
+                    request,
+                    relay,
+                    target,
+                    first_byte_timeout_s=self.first_byte_timeout_s,
+                    silence_timeout_s=self.silence_timeout_s,
+                )
             except UpstreamError as exc:
                 upstream.errors += 1
                 if exc.unhealthy:
@@ -416,110 +396,6 @@ class OpenAIBackend(Backend):
             finally:
                 upstream.in_flight -= 1
             return outcome
-
-    async def _relay(
-        self, upstream: Upstream, request: GenerationRequest, relay: Relay, model: str
-    ) -> Outcome:
-        loop = asyncio.get_running_loop()
-        path, body = request_body(request, model)
-        sent = loop.time()
-        deadline = sent + self.first_byte_timeout_s
-        try:
-            async with asyncio.timeout_at(deadline):
-                response = await self._session().post(upstream.url + path, data=body)
-        except aiohttp.ConnectionTimeoutError:
-            raise _unreachable(upstream, "timed out connecting") from None
-        except TimeoutError:
-            raise _first_byte_timeout(self.first_byte_timeout_s) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise _unreachable(upstream, _connect_reason(exc)) from None
-        except aiohttp.ClientError:
-            raise UpstreamError(
-                "the upstream closed the connection before answering",
-                code="upstream_truncated",
-                retry=True,
-                unhealthy=True,
-            ) from None
-        clean = False
-        try:
-            if response.status >= 400:
-                raise await self._http_error(response, deadline)
-            if response.content_type != "text/event-stream":
-                # E.g. a server that ignored "stream": true and answered whole.
-                raise UpstreamError(
-                    f"the upstream answered with Content-Type {response.content_type!r}, "
-                    "not an event stream",
-                    code="upstream_bad_stream",
-                )
-            encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                raise UpstreamError(
-                    f"the upstream answered with Content-Encoding {encoding[:40]!r}, "
-                    "though asked for identity",
-                    code="upstream_bad_stream",
-                )
-            relay.begin()
-            first = True
-            while not relay.done:
-                try:
-                    # Silence is counted from the last event, not the last
-                    # byte: comments (": keep-alive") and blank lines are no content.
-                    async with asyncio.timeout_at(
-                        deadline if first else relay.last_event + self.silence_timeout_s
-                    ):
-                        data = await response.content.readany()
-                except TimeoutError:
-                    if first:
-                        raise _first_byte_timeout(self.first_byte_timeout_s) from None
-                    raise UpstreamError(
-                        f"the upstream sent nothing for {self.silence_timeout_s:g} s mid-stream",
-                        code="upstream_silent",
-                        unhealthy=True,
-                    ) from None
-                except aiohttp.ClientError:
-                    data = None  # the connection broke: as an end without the last chunk
-                if first:
-                    first = False
-                    relay.last_event = loop.time()
-                    upstream.first_byte_seconds_sum += loop.time() - sent
-                    upstream.first_byte_count += 1
-                if not data:
-                    if relay.finish is not None:
-                        break  # ended after its last choice, only without [DONE]: accepted
-                    raise UpstreamError(
-                        "the upstream's stream ended before its final chunk",
-                        code="upstream_truncated",
-                        retry=True,
-                        unhealthy=True,
-                    )
-                await relay.feed(data)
-                # One read's work at a time: let the other connections run.
-                await asyncio.sleep(0)  # sleep-ok: a yield, no time passes
-            outcome = await relay.end()
-            clean = relay.done and not relay.cut
-            return outcome
-        finally:
-            if clean:
-                response.release()  # complete: the connection goes back to the pool
-            else:
-                # Drop the connection now: the upstream sees its client leave
-                # and stops generating. (A cancel arrives here too.)
-                response.close()
-
-    async def _http_error(self, response: aiohttp.ClientResponse, deadline: float) -> UpstreamError:
-        status = response.status
-        body = b""
-        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-            async with asyncio.timeout_at(deadline):
-                body = await response.content.read(MAX_ERROR_BODY)
-        message = error_message(status, body)
-        if status == 429 or status >= 500:
-            # Overloaded or broken: another upstream may serve it. A 5xx also
-            # takes this one out of rotation; a 429 is a busy, working server.
-            return UpstreamError(
-                message, code="upstream_failed", retry=True, unhealthy=status >= 500
-            )
-        return UpstreamError(message, code="upstream_rejected")
 
     # ------------------------------------------------------------ health
 
@@ -592,30 +468,3 @@ def _models_of(listing: object) -> tuple[str, ...]:
     if not models or not all(isinstance(m, str) and m for m in models):
         raise ValueError("a listing without models, or a model without an id")
     return models
-
-
-def _unreachable(upstream: Upstream, reason: str) -> UpstreamError:
-    return UpstreamError(
-        f"cannot reach the upstream {upstream.url}: {reason}",
-        code="upstream_unreachable",
-        retry=True,
-        unhealthy=True,
-    )
-
-
-def _first_byte_timeout(seconds: float) -> UpstreamError:
-    return UpstreamError(
-        f"the upstream sent nothing within {seconds:g} s of the request",
-        code="upstream_timeout",
-        retry=True,
-        unhealthy=True,
-    )
-
-
-def _connect_reason(exc: aiohttp.ClientConnectorError) -> str:
-    error = exc.os_error
-    if isinstance(error, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror.lower()
-    return "connection failed"

@@ -19,18 +19,18 @@ upstream's usage when it reports it as it goes, else estimated from the text
 characters: an estimate that never ends an honest upstream early) — at the
 limit the request ends with reason ``length`` and the stream is closed.
 
-What an upstream splits off itself goes into the same text, in the core's
-own markers, so that it takes every engine's path (the reasoning splitter and
-the tool call parser in the pipeline: paced, numbered, replayed on resume):
-its reasoning (``delta.reasoning_content`` or ``delta.reasoning``) between
-``<think>`` and ``</think>`` — with ``reasoning_format: "none"`` the client
-then sees the block in the answer, as llama-server's ``none`` shows it — and
-its ``delta.tool_calls``, each part written as it arrives (once its call's
-name is known: an upstream that sends the name late has the parts before it
-gathered) as :func:`~wsserver.tool_relay.relay_part_text` (the ``relay``
-syntax: the upstream's ids, names and argument fragments, its content left
-as it was) — a call's fragments reach the client as fragments, paced like
-text, not gathered into one.
+What an upstream splits off itself takes every engine's path through the
+core's output shaping (:mod:`wsserver.shaping`: paced, numbered, replayed on
+resume): its reasoning (``delta.reasoning_content`` or ``delta.reasoning``)
+goes into the text between ``<think>`` and ``</think>``, the reasoning
+markers every engine's text has — with ``reasoning_format: "none"`` the
+client then sees the block in the answer, as llama-server's ``none`` shows
+it — and its ``delta.tool_calls`` go beside the text as call parts
+(:meth:`Sink.offer_call`, the ``relay`` syntax: the upstream's ids, names and
+argument fragments), each as it arrives once its call's name is known (an
+upstream that sends the name late has the parts before it gathered): a
+call's fragments reach the client as fragments, paced like text, not
+gathered into one, and no text the upstream sends can pass for a call.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from ..call_parts import FRAGMENT_CHARS, CallPart
 from ..logprobs import TokenLogprob
 from ..protocol import DoneReason
 from ..reasoning import CLOSE, OPEN
 from ..sse import SSEError, SSEParser
 from ..textstream import TextAssembler
-from ..tool_relay import relay_part_text
 from .base import CancelEvent, Outcome, Sink
 from .openai_wire import DONE, ToolDelta, UpstreamError, parse_chunk
 
@@ -218,7 +218,15 @@ class Relay:
         call_id_out, name_out = (call_id or None, name) if first else (None, None)
         self.calls[index][2] = ""
         tokens, self.call_parts = self.call_parts, 0
-        await self.offer(relay_part_text(index, arguments, call_id_out, name_out), tokens)
+        # In fragments of at most FRAGMENT_CHARS, as the core releases a
+        # call's arguments (the channel's bound holds for parts that size).
+        for start in range(0, max(len(arguments), 1), FRAGMENT_CHARS):
+            fragment = arguments[start : start + FRAGMENT_CHARS]
+            if start == 0:
+                part = CallPart(index, fragment, call_id_out, name_out)
+            else:
+                part = CallPart(index, fragment)
+            await self._offer_call(part, tokens if start == 0 else 0)
 
     async def _write_calls(self) -> None:
         """At the end: the calls never named go as they are (the parser
@@ -276,16 +284,25 @@ class Relay:
             )
 
     async def _offer(self, text: str, tokens: int, logprobs: tuple[TokenLogprob, ...]) -> None:
-        loop = asyncio.get_running_loop()
         while not (
             self.sink.offer(text, tokens, logprobs) if logprobs else self.sink.offer(text, tokens)
         ):
-            if self.cancel.is_set():
-                raise asyncio.CancelledError  # the task's own cancel is on its way
-            room: asyncio.Future[None] = loop.create_future()
-            self.sink.when_room(lambda room=room: call_soon(loop, _resolve, room))  # type: ignore[misc]
-            await room
+            await self._room()
         self.offered = True
+
+    async def _offer_call(self, part: CallPart, tokens: int) -> None:
+        while not self.sink.offer_call(part, tokens):
+            await self._room()
+        self.offered = True
+
+    async def _room(self) -> None:
+        """Wait (on the loop) until the full sink has room again."""
+        if self.cancel.is_set():
+            raise asyncio.CancelledError  # the task's own cancel is on its way
+        loop = asyncio.get_running_loop()
+        room: asyncio.Future[None] = loop.create_future()
+        self.sink.when_room(lambda: call_soon(loop, _resolve, room))
+        await room
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -1,0 +1,81 @@
+"""A request as an engine gets it: validated, the server's defaults filled in (sans-I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..protocol import Generate, Message
+from ..sampling import SAMPLING_FIELDS, Sampling
+
+__all__ = ["GenerationRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated request with the server's defaults filled in."""
+
+    id: str
+    prompt: str | None
+    messages: tuple[Message, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    #: The connection it came from: for log lines and thread names only.
+    conn_id: str = ""
+    #: The rest of the sampler chain, llama-server's defaults filled in.
+    sampling: Sampling = field(default_factory=Sampling)
+    #: A GBNF grammar, or a JSON Schema as JSON text, the output must match.
+    grammar: str | None = None
+    json_schema: str | None = None
+    #: OpenAI's function tools and extra chat-template variables, as JSON text.
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    #: ``required`` (a call is forced; ``tool_name``: that function) or None.
+    tool_choice: str | None = None
+    tool_name: str | None = None
+    #: At most one call when False.
+    parallel_tool_calls: bool | None = None
+    #: Tokens allowed inside the think block before the engine closes it
+    #: (``reasoning_budget_tokens``); None: no budget.
+    reasoning_budget: int | None = None
+    #: Log-probabilities asked for: how many alternatives per token (0-20);
+    #: ``None``: none (the engine computes nothing for them).
+    logprobs: int | None = None
+    #: The model asked for, resolved by the server (an engine that serves
+    #: several, :meth:`Backend.served_models`, routes by it).
+    model: str | None = None
+    #: What :meth:`Backend.prepare` worked out off the loop (the engine's own
+    #: type: a rendered and tokenized prompt); None until then.
+    prepared: object | None = None
+
+    @classmethod
+    def from_frame(
+        cls, frame: Generate, *, default_max_tokens: int, conn_id: str = ""
+    ) -> GenerationRequest:
+        return cls(
+            id=frame.id,
+            prompt=frame.prompt,
+            messages=frame.messages,
+            max_tokens=frame.max_tokens if frame.max_tokens is not None else default_max_tokens,
+            temperature=0.8 if frame.temperature is None else frame.temperature,
+            top_p=0.95 if frame.top_p is None else frame.top_p,
+            top_k=40 if frame.top_k is None else frame.top_k,
+            seed=frame.seed,
+            stop=frame.stop,
+            conn_id=conn_id,
+            sampling=Sampling.from_options({k: getattr(frame, k) for k in SAMPLING_FIELDS}),
+            grammar=frame.grammar,
+            json_schema=frame.json_schema,
+            # tool_choice "none": the model is not shown the tools (nor parsed for calls).
+            tools=None if frame.tool_choice == "none" else frame.tools,
+            chat_template_kwargs=frame.chat_template_kwargs,
+            tool_choice="required" if frame.tool_choice == "required" else None,
+            tool_name=frame.tool_name,
+            parallel_tool_calls=frame.parallel_tool_calls,
+            reasoning_budget=frame.reasoning_budget_tokens,
+            logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
+            model=frame.model,
+        )
