@@ -32,7 +32,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .api_errors import ApiError, error_body, error_object, status_of
+from .api_errors import ApiError, error_body, error_object, parse_json, status_of
 from .backends.openai_wire import DONE
 from .errors import ProtocolError
 from .logprobs import TokenLogprob, legacy_logprobs
@@ -140,12 +140,7 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> ApiRequest:
     """Validate a completion body; raise :class:`ApiError` with OpenAI's shape."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
+    obj = parse_json(body)
     given = {key: value for key, value in obj.items() if value is not None}
     n = given.get("n", 1)
     if n != 1 or isinstance(n, bool):

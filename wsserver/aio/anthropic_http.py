@@ -37,13 +37,12 @@ from ..anthropic_api import (
     anthropic_status,
     error_object,
     parse_body,
-    parse_json,
     refusal_wording,
     to_generate,
 )
 from ..anthropic_content import forced_call_refusal
 from ..anthropic_render import PING, MessageRender, sse
-from ..api_errors import ApiError, status_of
+from ..api_errors import ApiError, parse_json, status_of
 from ..backends.base import GenerationRequest
 from ..errors import ProtocolError, WireCode
 from ..logs import ConnectionLog
