@@ -22,6 +22,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
     ├── responses_run  one response on the driver, rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect
+        ├── request_log    a request's last log line (done), every wire
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)
         │   └── services       what every request uses (built once by the server)
