@@ -58,6 +58,7 @@ DIALECTS = {
         "wsserver.aio.openai_http",
         "wsserver.aio.openai_gate",
         "wsserver.openai_api",
+        "wsserver.openai_render",
     },
     "anthropic": {
         "wsserver.aio.anthropic_http",
@@ -94,7 +95,9 @@ SANS_IO = [
     "wsserver.backends.base",
     "wsserver.backends.openai_wire",
     "wsserver.openai_api",
+    "wsserver.openai_render",
     "wsserver.api_errors",
+    "wsserver.exchange",
     "wsserver.responses_api",
     "wsserver.responses_items",
     "wsserver.responses_render",

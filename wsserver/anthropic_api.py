@@ -149,8 +149,9 @@ _TYPES: Final[dict[int, str]] = {
 
 
 def anthropic_status(status: int, code: str) -> int:
-    """Anthropic's status for one of ours: an overloaded server is 529."""
-    return OVERLOADED if code == "overloaded" else status
+    """Anthropic's status for one of ours: an overloaded server — its queue
+    full, or stopping (a request it cancels) — is 529."""
+    return OVERLOADED if code in ("overloaded", "cancelled") else status
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:

@@ -34,11 +34,12 @@ from http import HTTPStatus
 from ..errors import CONTEXT_LENGTH_EXCEEDED
 from ..logprobs import TokenLogprob
 from ..logs import ConnectionLog
-from ..openai_api import KEEPALIVE, ApiRequest, Reply, error_body, error_event, status_of
+from ..openai_api import ApiRequest, error_body, status_of
+from ..openai_render import Reply, error_event
 from ..protocol import CallPart, Delta, Done, Error, Queued, ServerFrame, Started
 from ..session import Session
 from .driver import RequestDriver
-from .http_answer import CLIENT_GONE, HttpAnswer
+from .http_answer import CLIENT_GONE, KEEPALIVE, HttpAnswer
 from .http_route import Headers, Responder
 from .pipeline import Generation
 from .services import Services
