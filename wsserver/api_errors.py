@@ -6,8 +6,8 @@ Responses API (:mod:`wsserver.responses_api`), Anthropic's Messages API
 (:mod:`wsserver.anthropic_api`, which writes the same :class:`ApiError` in its
 own shape) — refuses with an :class:`ApiError`: its HTTP status, its wire
 code. The OpenAI-shaped ones write it as ``{"error": {"message", "type",
-"param", "code"}}``; the HTTP transport (:mod:`wsserver.aio.openai_http`)
-turns one raised by any route into its response. A body that is no JSON object is
+"param", "code"}}``; the HTTP router (:mod:`wsserver.aio.http_router`) turns
+one raised by any route into its response. A body that is no JSON object is
 refused the same way everywhere (:func:`parse_json`). It lives here, outside
 the dialects, because what dialects share must not be one dialect's.
 """

@@ -2,15 +2,15 @@
 
 Theory of operation
 -------------------
-Every wire — the WebSocket protocol (:mod:`wsserver.aio.connection`), the
-OpenAI HTTP API (:mod:`wsserver.aio.openai_stream`) — is a *dialect*: it
-parses its bytes into the core's client frames and hands them to a
+Every wire — the WebSocket protocol (:mod:`wsserver.aio.connection`), every
+HTTP API (through the HTTP exchange, :mod:`wsserver.aio.exchange`) — is a
+*dialect*: it parses its bytes into the core's client frames and hands them to a
 :class:`RequestDriver`, and it renders the frames the driver gives back
 (:class:`Dialect`). Everything between is the driver's, the same for every
 wire:
 
-* the model a request asks for, resolved once — here, or by the dialect on
-  its way in — and handed to its generation;
+* the model a request asks for, resolved once — here, or on its way in by
+  the HTTP exchange — and handed to its generation;
 * the :class:`~wsserver.session.Session`, fed through its one entry with the
   client's frames and with the reports (:mod:`wsserver.events`) of each
   request's :class:`~wsserver.aio.pipeline.Generation` (admission, the
