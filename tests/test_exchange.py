@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import make_config, timeout
+from conftest import FAKE_MODEL, make_config, timeout, wire
 
 from wsserver.aio import Server
 from wsserver.anthropic_api import parse_body as anthropic_body
@@ -390,6 +390,35 @@ async def test_every_outcome_ends_every_dialects_answer_once(
 async def _fetch(request: Any) -> tuple[int, bytes, Any]:
     async with request as response:
         return response.status, await response.read(), response.headers
+
+
+@pytest.mark.parametrize(
+    "dialect", [*DIALECTS, None], ids=[*(d.name for d in DIALECTS), "websocket"]
+)
+async def test_a_request_resolves_its_model_once(dialect: Dialect | None) -> None:
+    """On its way in, not again in the driver nor in the pipeline: every
+    lookup of a model by name goes through ``ModelPool.lookup``."""
+    async with serving() as (server, _), aiohttp.ClientSession() as session:
+        models = server.models
+        looked_up: list[str | None] = []
+        lookup = models.lookup
+
+        def counted(name: str | None, request_id: str | None = None) -> Any:
+            looked_up.append(name)
+            return lookup(name, request_id)
+
+        models.lookup = counted  # type: ignore[method-assign]
+        if dialect is None:
+            async with wire(server) as client:
+                await client.send({"type": "generate", "id": "g", "prompt": "stop"})
+                _, frames = await client.done("g")
+                assert frames[-1]["reason"] == "stop"
+        else:
+            url = f"http://127.0.0.1:{server.port}{dialect.path}"
+            body = {**dialect.body("stop", False), "model": FAKE_MODEL}
+            status, _, _ = await _fetch(session.post(url, json=body))
+            assert status == 200
+    assert len(looked_up) == 1, looked_up
 
 
 # ---------------------------------------------------------------- the table, sans-I/O
