@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from wsserver.anthropic_api import error_body, parse_body, parse_json, to_generate
+from wsserver.anthropic_api import error_body, parse_body, to_generate
 from wsserver.anthropic_render import MessageRender, sse
-from wsserver.api_errors import ApiError
+from wsserver.api_errors import ApiError, parse_json
 from wsserver.protocol import (
     MAX_STOP_STRINGS,
     CallPart,

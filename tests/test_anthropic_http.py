@@ -367,7 +367,7 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_its_close_is_a
         assert head.startswith(b"HTTP/1.1 200 OK")
         (connection,) = server.api.live.values()
         ((generation,),) = [c.generations.values() for c in server.api.live.values()]
-        await asyncio.wait_for(connection.writing_paused.wait(), timeout(20))
+        await asyncio.wait_for(connection.out.writing_paused.wait(), timeout(20))
         assert await asyncio.to_thread(generation.channel.blocked.wait, timeout(20))
         held = connection.buffered_bytes()
         assert held < 64 * 1024, f"{held} bytes held for one slow client"

@@ -9,8 +9,10 @@
   records, replay tails) loads neither the engines' package
   (``wsserver.backends``) nor the configuration: the core depends on no engine.
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
-  Responses API — imports no other dialect's modules: what they share is the
-  request driver's (and the HTTP seam's, ``aio/http_route.py``).
+  Responses API, Anthropic's Messages API — imports no other dialect's
+  modules: what they share is the request driver's, and the HTTP dialects'
+  the HTTP exchange's (``exchange.py``, ``aio/exchange.py``, the seam
+  ``aio/http_route.py``), which imports no dialect.
 * The request's way, the same for every wire — the request driver, the
   pipeline and what they share with every dialect — imports no websockets:
   the socket layer translates websockets' ``ConnectionClosed`` into the
@@ -54,10 +56,9 @@ CORE = [
 DIALECTS = {
     "websocket": {"wsserver.aio.connection", "wsserver.aio.sender", "wsserver.aio.peer"},
     "openai": {
-        "wsserver.aio.openai_stream",
-        "wsserver.aio.openai_http",
-        "wsserver.aio.openai_gate",
+        "wsserver.aio.openai_routes",
         "wsserver.openai_api",
+        "wsserver.openai_render",
     },
     "anthropic": {
         "wsserver.aio.anthropic_http",
@@ -97,7 +98,9 @@ SANS_IO = [
     "wsserver.backends.request",
     "wsserver.backends.openai_wire",
     "wsserver.openai_api",
+    "wsserver.openai_render",
     "wsserver.api_errors",
+    "wsserver.exchange",
     "wsserver.responses_api",
     "wsserver.responses_items",
     "wsserver.responses_render",
@@ -156,6 +159,27 @@ def test_no_dialect_imports_another(dialect: str) -> None:
         assert not crossing, f"{module} imports {sorted(crossing)}"
 
 
+#: What every HTTP dialect stands on: the HTTP exchange (both halves), the
+#: seam to the routes, the answer's writing, the transport's write side.
+HTTP_SHARED = [
+    "wsserver.api_errors",
+    "wsserver.exchange",
+    "wsserver.aio.exchange",
+    "wsserver.aio.http_route",
+    "wsserver.aio.http_answer",
+    "wsserver.aio.http_out",
+]
+
+
+@pytest.mark.parametrize("module", HTTP_SHARED)
+def test_the_http_exchange_imports_no_dialect(module: str) -> None:
+    graph = _import_graph()
+    dialects = set().union(*DIALECTS.values())
+    assert module in graph, f"{module} is not a module any more: update HTTP_SHARED"
+    crossing = graph[module] & dialects
+    assert not crossing, f"{module} imports {sorted(crossing)}"
+
+
 #: The request's way through the asyncio layer, the same for every wire: it
 #: knows no transport library (issue 34; the socket layer translates).
 WIRE_NEUTRAL = [
@@ -167,6 +191,7 @@ WIRE_NEUTRAL = [
     "wsserver.aio.services",
     "wsserver.aio.resume",
     "wsserver.aio.responses_run",
+    "wsserver.aio.exchange",
 ]
 
 

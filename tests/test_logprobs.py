@@ -21,7 +21,8 @@ from wsserver.backends.fake import fake_logprob
 from wsserver.errors import ProtocolError
 from wsserver.events import TextProduced
 from wsserver.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, legacy_logprobs
-from wsserver.openai_api import ApiError, Reply, parse_request
+from wsserver.openai_api import ApiError, parse_request
+from wsserver.openai_render import Reply
 from wsserver.pacing import Coalescer
 from wsserver.protocol import (
     Delta,

@@ -10,7 +10,8 @@ import pytest
 
 from wsserver.aio.front import is_openai_target
 from wsserver.backends.openai_wire import parse_chunk
-from wsserver.openai_api import ApiError, Reply, error_body, parse_request, status_of
+from wsserver.openai_api import ApiError, error_body, parse_request, status_of
+from wsserver.openai_render import Reply
 from wsserver.protocol import Done, Limits, Message, Timings, Usage
 from wsserver.sse import SSEParser
 

@@ -462,7 +462,7 @@ async def test_a_slow_sse_reader_pauses_its_request_with_bounded_memory_and_gets
         client.receive_data(head)
         ((generation,),) = [c.generations.values() for c in server.api.live.values()]
         connection = only_http(server)
-        await asyncio.wait_for(connection.writing_paused.wait(), timeout(20))
+        await asyncio.wait_for(connection.out.writing_paused.wait(), timeout(20))
         assert await asyncio.to_thread(generation.channel.blocked.wait, timeout(20))
         # Watch it for a second: paused, the engine makes no progress and the
         # buffers stay where they are (without backpressure it would run on).
@@ -490,7 +490,7 @@ async def test_a_slow_sse_reader_pauses_its_request_with_bounded_memory_and_gets
         writer.close()
         # At every write, not only when sampled: the write buffer never held
         # more than its high-water mark and one chunk.
-        assert connection.peak_write_buffer < 32 * 1024, connection.peak_write_buffer
+        assert connection.out.peak_write_buffer < 32 * 1024, connection.out.peak_write_buffer
         assert events[-1] == "[DONE]"
         chunks = [parse_chunk(e) for e in events[:-1]]
         assert "".join(c.text for c in chunks) == expected_fake_text("slow", max_tokens)
@@ -568,7 +568,8 @@ async def test_a_client_that_pipelines_and_never_reads_is_not_answered_ahead() -
         await asyncio.wait_for(connection.draining.wait(), timeout(20))
         served = requests_ended(server, "length")
         assert served < 10, f"{served} responses written to a client that reads nothing"
-        assert connection.peak_write_buffer < 16384 + 64 * 1024, connection.peak_write_buffer
+        peak = connection.out.peak_write_buffer
+        assert peak < 16384 + 64 * 1024, peak
         await asyncio.wait_for(connection.closed.wait(), timeout(20))
         assert requests_ended(server, "length") == served
         writer.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any, Final
 
 import orjson
@@ -41,7 +40,7 @@ from .anthropic_content import (
     parse_tools,
     text_of,
 )
-from .api_errors import ApiError, in_dialect_names
+from .api_errors import ERROR_TYPES, ApiError, Fields, in_dialect_names
 from .errors import ProtocolError
 from .protocol import Generate, Limits, Message, parse_client_frame
 
@@ -56,7 +55,6 @@ __all__ = [
     "error_body",
     "error_object",
     "parse_body",
-    "parse_json",
     "refusal_wording",
     "to_generate",
 ]
@@ -141,22 +139,19 @@ class MessagesRequest:
 
 # ---------------------------------------------------------------- errors
 
-#: Anthropic's error type of each status it answers with.
+#: Anthropic's error type of each status it answers with: OpenAI's names but
+#: for a body too large and its own 529 (else ``api_error``).
 _TYPES: Final[dict[int, str]] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
+    **ERROR_TYPES,
     413: "request_too_large",
-    429: "rate_limit_error",
     OVERLOADED: "overloaded_error",
 }
 
 
 def anthropic_status(status: int, code: str) -> int:
-    """Anthropic's status for one of ours: an overloaded server is 529."""
-    return OVERLOADED if code == "overloaded" else status
+    """Anthropic's status for one of ours: an overloaded server — its queue
+    full, or stopping (a request it cancels) — is 529."""
+    return OVERLOADED if code in ("overloaded", "cancelled") else status
 
 
 def error_object(status: int, message: str) -> dict[str, Any]:
@@ -171,17 +166,6 @@ def error_body(error: ApiError) -> tuple[int, bytes]:
 
 
 # ---------------------------------------------------------------- bodies
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    """A JSON object, or a 400."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
-    return obj
 
 
 def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesRequest:
@@ -224,16 +208,15 @@ def parse_body(obj: Mapping[str, Any], *, counting: bool = False) -> MessagesReq
     )
 
 
+_FIELDS: Final = Fields(HONOURED, HARMLESS, REFUSED)
+
+
 def _check_field(name: str, value: Any) -> None:
-    if name in HONOURED:
-        return
-    harmless = HARMLESS.get(name)
-    if harmless is not None and harmless(value):
-        return
-    reason = REFUSED.get(name)
-    if reason is not None:
+    reason = _FIELDS.refusal(name, value)
+    if reason:
         raise bad_request(f"{name}: not supported: {reason}", name, "unsupported_parameter")
-    raise bad_request(f"{name}: unknown field (extra inputs are not permitted)", name)
+    if reason is not None:
+        raise bad_request(f"{name}: unknown field (extra inputs are not permitted)", name)
 
 
 def _is_int(value: Any) -> bool:
@@ -294,20 +277,17 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
     if request.tools is not None:
         frame["tools"] = request.tools
         frame.update(request.tool_fields)
-    if request.reasoning_format is not None:
-        frame["reasoning_format"] = request.reasoning_format
-    if request.reasoning_budget is not None:
-        frame["reasoning_budget_tokens"] = request.reasoning_budget
-    if request.max_tokens is not None:
-        frame["max_tokens"] = request.max_tokens
-    for name in ("temperature", "top_p", "top_k"):
-        value = getattr(request, name)
-        if value is not None:
-            frame[name] = value
-    if request.stop_sequences:
-        frame["stop"] = list(request.stop_sequences)
-    if request.keep_alive is not None:
-        frame["keep_alive"] = request.keep_alive
+    optional = {
+        "reasoning_format": request.reasoning_format,
+        "reasoning_budget_tokens": request.reasoning_budget,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "stop": list(request.stop_sequences) or None,
+        "keep_alive": request.keep_alive,
+    }
+    frame.update((name, value) for name, value in optional.items() if value is not None)
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:

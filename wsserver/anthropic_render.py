@@ -44,10 +44,20 @@ from typing import Any, Final
 
 import orjson
 
-from .anthropic_api import MessagesRequest, error_object
-from .protocol import CallPart, Done
+from .anthropic_api import MessagesRequest, anthropic_status, error_object, refusal_wording
+from .anthropic_content import forced_call_refusal
+from .exchange import Failure, Renderer, sse, sse_events
+from .protocol import CallPart, Delta, Done
 
-__all__ = ["PING", "SIGNATURE", "MessageRender", "sse", "stop_reason", "tool_use_id"]
+__all__ = [
+    "PING",
+    "SIGNATURE",
+    "MessageAnswer",
+    "MessageRender",
+    "sse",
+    "stop_reason",
+    "tool_use_id",
+]
 
 #: A thinking block's ``signature``: nothing is signed here.
 SIGNATURE: Final = ""
@@ -57,11 +67,6 @@ def tool_use_id(call_id: str | None) -> str:
     """A call's id as Anthropic writes it (``toolu_…``)."""
     call_id = call_id or ""
     return "toolu_" + call_id.removeprefix("call_")
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    """One event as Server-Sent Events: its ``event:`` name, its JSON."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 #: The keep-alive a waiting stream gets (the SDKs skip it).
@@ -81,6 +86,10 @@ def stop_reason(done: Done, stop_sequences: tuple[str, ...]) -> tuple[str, str |
         return "stop_sequence", done.stop_sequence
     return "end_turn", None
 
+
+#: Where a step appends the events that tell it (None: it makes none).
+_Events = list[dict[str, Any]] | None
+_Calls = tuple[CallPart, ...] | None
 
 _DELTAS: Final = {
     "thinking": "thinking_delta",
@@ -141,63 +150,76 @@ class MessageRender:
         """One delta: its reasoning, its text, its call parts, each in its block
         (the message starts before the first, a block when its kind changes)."""
         events = self.begin()
-        if reasoning:
-            events += self._add("thinking", reasoning)
-        if text:
-            events += self._add("text", text)
-        for part in tool_calls or ():
-            if part.name is not None:
-                events += self._close()
-                self._calls[part.index] = len(self.blocks)
-                start = {"type": "tool_use", "id": tool_use_id(part.id), "name": part.name}
-                events += self._start({**start, "input": {}})
-            if part.arguments:
-                events += self._add("tool_use", part.arguments, self._calls[part.index])
+        self._take(text, reasoning, tool_calls, events)
         return events
 
-    def _add(self, kind: str, text: str, index: int | None = None) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def gather(
+        self,
+        text: str,
+        reasoning: str | None = None,
+        tool_calls: tuple[CallPart, ...] | None = None,
+    ) -> None:
+        """One delta for the ``message`` object alone (a whole body): its blocks
+        grow as with :meth:`delta`, and no event is made."""
+        self._take(text, reasoning, tool_calls, None)
+
+    # Each step changes the blocks, then — given a list (``events``), for a
+    # stream — appends the events that tell it; given None, makes none.
+
+    def _take(self, text: str, reasoning: str | None, calls: _Calls, events: _Events) -> None:
+        if reasoning:
+            self._add("thinking", reasoning, None, events)
+        if text:
+            self._add("text", text, None, events)
+        for part in calls or ():
+            if part.name is not None:
+                self._close(events)
+                self._calls[part.index] = len(self.blocks)
+                start = {"type": "tool_use", "id": tool_use_id(part.id), "name": part.name}
+                self._start({**start, "input": {}}, events)
+            if part.arguments:
+                self._add("tool_use", part.arguments, self._calls[part.index], events)
+
+    def _add(self, kind: str, text: str, index: int | None, events: _Events) -> None:
         if index is None and not (self._open and self.blocks[-1]["type"] == kind):
-            events += self._close()
-            events += self._start(
+            self._close(events)
+            self._start(
                 {"type": kind, kind: "", "signature": SIGNATURE}
                 if kind == "thinking"
-                else {"type": kind, kind: ""}
+                else {"type": kind, kind: ""},
+                events,
             )
         at = len(self.blocks) - 1 if index is None else index
         self._parts[at].append(text)
-        delta = {"type": _DELTAS[kind], _FIELDS[kind]: text}
-        events.append({"type": "content_block_delta", "index": at, "delta": delta})
-        return events
+        if events is not None:
+            delta = {"type": _DELTAS[kind], _FIELDS[kind]: text}
+            events.append({"type": "content_block_delta", "index": at, "delta": delta})
 
-    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+    def _start(self, block: dict[str, Any], events: _Events) -> None:
         self.blocks.append(block)
         self._parts.append([])
         self._open = True
-        index = len(self.blocks) - 1
-        return [{"type": "content_block_start", "index": index, "content_block": block}]
+        if events is not None:
+            index = len(self.blocks) - 1
+            events.append({"type": "content_block_start", "index": index, "content_block": block})
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, events: _Events) -> None:
         if not self._open:
-            return []
+            return
         self._open = False
+        if events is None:
+            return
         index = len(self.blocks) - 1
-        events: list[dict[str, Any]] = []
         if self.blocks[index]["type"] == "thinking":
             delta = {"type": "signature_delta", "signature": SIGNATURE}
             events.append({"type": "content_block_delta", "index": index, "delta": delta})
         events.append({"type": "content_block_stop", "index": index})
-        return events
 
     def end(self, done: Done) -> list[dict[str, Any]]:
         """A message that ran to its end: its block closed, its stop reason and usage."""
-        self.stop_reason, self.stop_sequence = stop_reason(done, self.request.stop_sequences)
-        # Anthropic counts the prompt's cached part apart from the rest.
-        self.cache_read_input_tokens = done.usage.cached_tokens
-        self.input_tokens = done.usage.prompt_tokens - done.usage.cached_tokens
-        self.output_tokens = done.usage.completion_tokens
+        self._ended(done)
         events = self.begin()
-        events += self._close()
+        self._close(events)
         events.append(
             {
                 "type": "message_delta",
@@ -208,10 +230,17 @@ class MessageRender:
         events.append({"type": "message_stop"})
         return events
 
-    @staticmethod
-    def error_event(status: int, message: str) -> dict[str, Any]:
-        """An ``error`` event (a failure after the stream began)."""
-        return error_object(status, message)
+    def finish(self, done: Done) -> None:
+        """The end for the ``message`` object alone (a whole body): no event."""
+        self._ended(done)
+        self._close(None)
+
+    def _ended(self, done: Done) -> None:
+        self.stop_reason, self.stop_sequence = stop_reason(done, self.request.stop_sequences)
+        # Anthropic counts the prompt's cached part apart from the rest.
+        self.cache_read_input_tokens = done.usage.cached_tokens
+        self.input_tokens = done.usage.prompt_tokens - done.usage.cached_tokens
+        self.output_tokens = done.usage.completion_tokens
 
     # ------------------------------------------------------------ the object
 
@@ -256,3 +285,54 @@ def _input(text: str) -> Any:
         return orjson.loads(text) if text else {}
     except orjson.JSONDecodeError:
         return {}
+
+
+class MessageAnswer(Renderer):
+    """One ``POST /v1/messages`` answered on the HTTP exchange: Anthropic's
+    events as SSE (a ``ping`` while it waits), or the ``message`` object as the
+    body. Every failure is Anthropic's error object with Anthropic's status
+    (:func:`~wsserver.anthropic_api.anthropic_status`): the whole answer, or an
+    ``error`` event once the stream began."""
+
+    keepalive = PING
+
+    def __init__(self, render: MessageRender, *, forced: bool = False) -> None:
+        self.render = render
+        self.stream = render.request.stream
+        #: The request forces a tool call (``any`` or a named tool).
+        self._forced = forced
+
+    def prompt_counted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.render.prompt_counted(prompt_tokens, cached_tokens)
+
+    def refusal_wording(self, message: str) -> str:
+        message = refusal_wording(message)
+        if self._forced and "'tool_choice'" in message:
+            # The engine cannot force a call: say so the Messages API's way.
+            message = forced_call_refusal(self.render.model).message
+        return message
+
+    def chunk(self, delta: Delta) -> bytes:
+        return sse_events(self.render.delta(delta.text, delta.reasoning, delta.tool_calls))
+
+    def last(self, done: Done) -> bytes:
+        return sse_events(self.render.end(done))
+
+    def error_event(self, failure: Failure) -> bytes:
+        return sse(self._error(failure)[1])
+
+    def gather(self, delta: Delta) -> None:
+        self.render.gather(delta.text, delta.reasoning, delta.tool_calls)
+
+    def body(self, done: Done) -> bytes:
+        self.render.finish(done)
+        return orjson.dumps(self.render.message())
+
+    def error_body(self, failure: Failure) -> tuple[int, bytes]:
+        status, error = self._error(failure)
+        return status, orjson.dumps(error)
+
+    @staticmethod
+    def _error(failure: Failure) -> tuple[int, dict[str, Any]]:
+        status = anthropic_status(failure.status, failure.code)
+        return status, error_object(status, failure.message)

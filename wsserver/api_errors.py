@@ -1,15 +1,21 @@
-"""OpenAI's error object, shared by the OpenAI-shaped dialects (sans-I/O).
+"""What the API dialects share about a refusal (sans-I/O): OpenAI's error
+object, the HTTP status of each wire code, and the JSON body check.
 
-Both HTTP dialects — chat/completions (:mod:`wsserver.openai_api`) and the
-Responses API (:mod:`wsserver.responses_api`) — refuse and fail with the same
-object, ``{"error": {"message", "type", "param", "code"}}``, and the same
-HTTP status per wire code; the HTTP transport (:mod:`wsserver.aio.openai_http`)
-turns an :class:`ApiError` raised by either into its response. It lives here,
-outside both dialects, because what dialects share must not be one dialect's.
+Every HTTP dialect — chat/completions (:mod:`wsserver.openai_api`), the
+Responses API (:mod:`wsserver.responses_api`), Anthropic's Messages API
+(:mod:`wsserver.anthropic_api`, which writes the same :class:`ApiError` in its
+own shape) — refuses with an :class:`ApiError`: its HTTP status, its wire
+code. The OpenAI-shaped ones write it as ``{"error": {"message", "type",
+"param", "code"}}``; the HTTP router (:mod:`wsserver.aio.http_router`) turns
+one raised by any route into its response. A body that is no JSON object is
+refused the same way everywhere (:func:`parse_json`). It lives here, outside
+the dialects, because what dialects share must not be one dialect's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -17,7 +23,15 @@ import orjson
 
 from .errors import ProtocolError, WireCode
 
-__all__ = ["ApiError", "error_body", "error_object", "status_of"]
+__all__ = [
+    "ERROR_TYPES",
+    "ApiError",
+    "Fields",
+    "error_body",
+    "error_object",
+    "parse_json",
+    "status_of",
+]
 
 #: The HTTP status of each wire code a request can be refused or fail with.
 _STATUS: Final[dict[str, HTTPStatus]] = {
@@ -30,7 +44,8 @@ _STATUS: Final[dict[str, HTTPStatus]] = {
     "overloaded": HTTPStatus.SERVICE_UNAVAILABLE,
     "stalled": HTTPStatus.SERVICE_UNAVAILABLE,
 }
-_TYPES: Final[dict[int, str]] = {
+#: OpenAI's error ``type`` of each status it answers with (else ``server_error``).
+ERROR_TYPES: Final[dict[int, str]] = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
@@ -84,10 +99,44 @@ def in_dialect_names(message: str, names: dict[str, str]) -> str:
 
 def error_object(status: int, message: str, code: str, param: str | None) -> dict[str, Any]:
     """The ``error`` member: message, type (from the status), param, code."""
-    kind = _TYPES.get(status, "server_error")
+    kind = ERROR_TYPES.get(status, "server_error")
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """OpenAI's error object as a JSON body."""
     return orjson.dumps({"error": error_object(status, message, code, param)})
+
+
+def parse_json(body: bytes | str) -> dict[str, Any]:
+    """A request body (or a WebSocket-mode event) that must be a JSON object,
+    or :class:`ApiError` ``bad_json``."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
+    return obj
+
+
+@dataclass(frozen=True, slots=True)
+class Fields:
+    """A dialect's top-level fields — honour or refuse, never ignore: each is
+    honoured, accepted only with values that change nothing we produce
+    (``harmless``: a check per field), or refused with a reason; any other is
+    unknown, and refused as such."""
+
+    honoured: frozenset[str]
+    harmless: Mapping[str, Callable[[Any], bool]]
+    refused: Mapping[str, str]
+
+    def refusal(self, name: str, value: Any) -> str | None:
+        """Why the field is refused as given: its reason, or ``""`` for a field
+        no table names (unknown); None when it is honoured or harmless."""
+        if name in self.honoured:
+            return None
+        harmless = self.harmless.get(name)
+        if harmless is not None and harmless(value):
+            return None
+        return self.refused.get(name, "")

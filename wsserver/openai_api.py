@@ -1,7 +1,8 @@
-"""The OpenAI HTTP API's shapes, without the I/O (sans-I/O).
+"""The OpenAI HTTP API's request bodies, without the I/O (sans-I/O).
 
-Bodies in, :class:`~wsserver.protocol.Generate` out; ``done`` and ``delta``
-frames in, OpenAI's JSON objects and Server-Sent Events out.
+Bodies in, :class:`~wsserver.protocol.Generate` out; the answers (``delta``
+and ``done`` frames in, OpenAI's JSON objects and Server-Sent Events out) are
+:mod:`wsserver.openai_render`'s.
 
 A ``/v1/chat/completions`` or ``/v1/completions`` body is mapped onto the
 WebSocket protocol's ``generate`` frame and validated by the very same
@@ -32,36 +33,23 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from .api_errors import ApiError, error_body, error_object, status_of
-from .backends.openai_wire import DONE
+from .api_errors import ApiError, error_body, parse_json, status_of
 from .errors import ProtocolError
-from .logprobs import TokenLogprob, legacy_logprobs
 from .models import ModelInfo
-from .openai_tools import chunk_tool_calls, message_tool_calls
-from .protocol import Done, Generate, Limits, parse_client_frame
+from .protocol import Generate, Limits, parse_client_frame
 from .sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
-from .tool_calls import CallPart
 
 __all__ = [
-    "DONE_EVENT",
-    "KEEPALIVE",
     "ApiError",
     "ApiRequest",
     "Kind",
-    "Reply",
     "error_body",
-    "error_event",
     "models_body",
     "parse_request",
     "status_of",
 ]
 
 Kind = Literal["chat", "completion"]
-
-#: A comment line: ignored by every SSE client, it keeps proxies and clients
-#: from timing out a request that waits for the model.
-KEEPALIVE: Final = b": keep-alive\n\n"
-DONE_EVENT: Final = b"data: " + DONE.encode() + b"\n\n"
 
 _ROLES: Final = {
     "system": "system",
@@ -70,14 +58,6 @@ _ROLES: Final = {
     "assistant": "assistant",
     "tool": "tool",
 }
-
-
-def error_event(status: int, message: str, code: str) -> bytes:
-    """The error object as an SSE event: a stream that already began cannot
-    change its status, so a failure after the headers is reported in-band
-    (the ``openai`` SDKs raise ``APIError`` on it)."""
-    obj = {"error": error_object(status, message, code, None)}
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def model_entry(model: ModelInfo) -> dict[str, Any]:
@@ -140,12 +120,7 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> ApiRequest:
     """Validate a completion body; raise :class:`ApiError` with OpenAI's shape."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
+    obj = parse_json(body)
     given = {key: value for key, value in obj.items() if value is not None}
     n = given.get("n", 1)
     if n != 1 or isinstance(n, bool):
@@ -352,159 +327,3 @@ def _content(value: Any, index: int) -> Any:
             raise _bad(f"messages[{index}].content: a text part needs a string 'text'", "messages")
         texts.append(text)
     return "".join(texts)
-
-
-class Reply:
-    """The chunks and bodies of one completion: the same ``id``, ``created``
-    and ``model`` on every one, in the shape of its kind."""
-
-    __slots__ = ("_chunk_object", "_first", "_head", "_offset", "include_usage", "kind", "logprobs")
-
-    def __init__(
-        self,
-        kind: Kind,
-        request_id: str,
-        model: str,
-        created: int,
-        *,
-        include_usage: bool,
-        logprobs: bool = False,
-    ) -> None:
-        self.kind = kind
-        self.include_usage = include_usage
-        #: The request asked for log-probabilities: every choice carries its tokens'.
-        self.logprobs = logprobs
-        #: Completions' ``text_offset``: the length of the tokens' text so far.
-        self._offset = 0
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        self._head = {"id": prefix + request_id, "created": created, "model": model}
-        self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        self._first = True
-
-    def _chunk(self, choice: dict[str, Any]) -> bytes:
-        obj: dict[str, Any] = {**self._head, "object": self._chunk_object, "choices": [choice]}
-        if self.include_usage:
-            obj["usage"] = None  # as OpenAI: null on every chunk but the usage one
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-    def text_chunk(
-        self,
-        text: str,
-        reasoning: str | None = None,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        tool_calls: Sequence[CallPart] | None = None,
-    ) -> bytes:
-        """One SSE event with this text (the first one also names the role);
-        reasoning goes first, as ``reasoning_content`` (llama-server's name),
-        tool call parts last (wsserver.openai_tools); and, if asked for, its
-        tokens' log-probabilities."""
-        if self.kind == "chat":
-            delta: dict[str, Any] = {}
-            if self._first:
-                delta["role"] = "assistant"
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if text or not (reasoning or tool_calls):
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = chunk_tool_calls(tool_calls)
-            self._first = False
-            return self._chunk(
-                {
-                    "index": 0,
-                    "delta": delta,
-                    "logprobs": self._logprobs(logprobs or ()),
-                    "finish_reason": None,
-                }
-            )
-        return self._chunk(
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(logprobs or ()),
-                "finish_reason": None,
-            }
-        )
-
-    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
-        """A choice's ``logprobs``: OpenAI's chat object, or the legacy one."""
-        if not self.logprobs:
-            return None
-        if self.kind == "chat":
-            return {"content": [entry.to_wire() for entry in entries], "refusal": None}
-        legacy = legacy_logprobs(entries, self._offset)
-        self._offset += sum(len(entry.token) for entry in entries)
-        return legacy
-
-    def final_chunks(self, done: Done) -> bytes:
-        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        reason = _finish_reason(done)
-        if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None}
-        choice["finish_reason"] = reason
-        out = self._chunk(choice)
-        if self.include_usage:
-            obj = {
-                **self._head,
-                "object": self._chunk_object,
-                "choices": [],
-                "usage": _usage(done),
-            }
-            out += b"data: " + orjson.dumps(obj) + b"\n\n"
-        return out + DONE_EVENT
-
-    def body(
-        self,
-        text: str,
-        done: Done,
-        reasoning: str = "",
-        logprobs: Sequence[TokenLogprob] | None = None,
-        tool_calls: Sequence[CallPart] = (),
-    ) -> bytes:
-        """The whole answer of a request without ``stream``."""
-        reason = _finish_reason(done)
-        if self.kind == "chat":
-            content = text if text or not tool_calls else None
-            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-            if reasoning:
-                message["reasoning_content"] = reasoning
-            if tool_calls:
-                message["tool_calls"] = message_tool_calls(tool_calls)
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "logprobs": self._logprobs(logprobs or ()),
-                "finish_reason": reason,
-            }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(logprobs or ()),
-                "finish_reason": reason,
-            }
-            kind = "text_completion"
-        return orjson.dumps(
-            {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
-        )
-
-
-def _finish_reason(done: Done) -> str:
-    return done.reason if done.reason in ("length", "tool_calls") else "stop"
-
-
-def _usage(done: Done) -> dict[str, Any]:
-    prompt, completion = done.usage.prompt_tokens, done.usage.completion_tokens
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        # What the engine's prefix cache saved (as OpenAI's prompt caching reports it).
-        "prompt_tokens_details": {"cached_tokens": done.usage.cached_tokens},
-    }
-    if done.usage.reasoning_tokens:
-        usage["completion_tokens_details"] = {"reasoning_tokens": done.usage.reasoning_tokens}
-    return usage

@@ -22,12 +22,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from typing import Any, Final
 
 import orjson
 
-from .api_errors import ApiError, in_dialect_names
+# parse_json: re-exported for the WebSocket mode's events (aio/responses_socket.py).
+from .api_errors import ApiError, Fields, in_dialect_names, parse_json
 from .errors import ProtocolError
 from .protocol import Generate, Limits, parse_client_frame
 from .responses_items import (
@@ -118,6 +118,7 @@ REFUSED: Final[dict[str, str]] = {
     "context_management": "context management is not supported",
 }
 
+_FIELDS: Final = Fields(HONOURED, HARMLESS, REFUSED)
 _METADATA_PAIRS: Final = 16
 
 
@@ -149,17 +150,6 @@ class ResponsesRequest:
     json_schema: Any = None
     #: ``keep_alive`` as given (the ``generate`` frame's parser checks it).
     keep_alive: Any = None
-
-
-def parse_json(body: bytes | str) -> dict[str, Any]:
-    """A JSON object, or :class:`ApiError` ``bad_json``."""
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"invalid JSON: {exc.msg}", "bad_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object", "bad_json")
-    return obj
 
 
 def parse_body(obj: Mapping[str, Any], *, websocket: bool = False) -> ResponsesRequest:
@@ -243,15 +233,11 @@ def _text_format(value: Any) -> dict[str, Any]:
 
 
 def _check_field(name: str, value: Any, *, websocket: bool) -> None:
-    if name in HONOURED or (websocket and name == "stream_id"):
-        return
-    harmless = HARMLESS.get(name)
-    if harmless is not None and harmless(value):
-        return
-    reason = REFUSED.get(name)
-    if reason is not None:
+    reason = None if websocket and name == "stream_id" else _FIELDS.refusal(name, value)
+    if reason:
         raise bad_request(f"'{name}' is not supported: {reason}", name, "unsupported_parameter")
-    raise bad_request(f"unknown field '{name}'", name, "unknown_parameter")
+    if reason is not None:
+        raise bad_request(f"unknown field '{name}'", name, "unknown_parameter")
 
 
 def _string(given: Mapping[str, Any], name: str) -> str | None:
@@ -323,16 +309,14 @@ def to_generate(
     if request.tools:
         frame["tools"] = chat_tools(request.tools)
     frame.update(_tool_choice(request))
-    if request.max_output_tokens is not None:
-        frame["max_tokens"] = request.max_output_tokens
-    if request.temperature is not None:
-        frame["temperature"] = request.temperature
-    if request.top_p is not None:
-        frame["top_p"] = request.top_p
-    if request.json_schema is not None:
-        frame["json_schema"] = request.json_schema
-    if request.keep_alive is not None:
-        frame["keep_alive"] = request.keep_alive
+    optional = {
+        "max_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "json_schema": request.json_schema,
+        "keep_alive": request.keep_alive,
+    }
+    frame.update((name, value) for name, value in optional.items() if value is not None)
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
     except ProtocolError as exc:

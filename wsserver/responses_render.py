@@ -43,33 +43,37 @@ open at that moment ends ``incomplete``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import orjson
 
-from .api_errors import error_object
-from .protocol import Done
-from .responses_api import Message, ResponsesRequest
+from .api_errors import error_body
+from .exchange import Failure, Renderer, sse, sse_events
+from .protocol import Delta, Done
+from .responses_api import Message, ResponsesRequest, refusal_wording
 from .tool_calls import CallPart, new_call_id
 
-__all__ = ["ResponseRender", "Status", "sse", "usage_of"]
+__all__ = ["Keep", "ResponseAnswer", "ResponseRender", "Status", "sse", "usage_of"]
+
+#: Keeps a finished response for ``previous_response_id``: (the response
+#: object, the conversation up to its output).
+Keep = Callable[[dict[str, Any], tuple[Message, ...]], None]
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
 ItemKind = Literal["reasoning", "message", "function_call"]
 _PREFIX: Final[dict[str, str]] = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+#: Where a step appends the events that tell it (None: it makes none).
+_Events = list[dict[str, Any]] | None
+_Calls = Sequence[CallPart]
 
 _TERMINAL: Final[dict[str, str]] = {
     "completed": "response.completed",
     "incomplete": "response.incomplete",
     "failed": "response.failed",
 }
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    """One event as Server-Sent Events: its ``event:`` name, its JSON."""
-    return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 def usage_of(done: Done) -> dict[str, Any]:
@@ -182,36 +186,26 @@ class ResponseRender:
         """One delta of the driver: its reasoning, then its text, then its call
         parts, each into its item (opened, and the one before closed, as needed)."""
         events = self.begin()
-        if reasoning:
-            events += self._add("reasoning", reasoning)
-        if text:
-            events += self._add("message", text)
-        for part in tool_calls:
-            events += self._add("function_call", part.arguments, part)
+        self._take(text, reasoning, tool_calls, events)
         return events
 
-    def end(self, done: Done) -> list[dict[str, Any]]:
-        """The engine's end: the open item closed, then the terminal event."""
-        self.usage = usage_of(done)
-        if done.reason == "error":
-            return self.fail(done.error_code or "internal", done.error_message or "failed")
-        if done.reason == "cancelled":
-            self.incomplete_reason = "cancelled"
-        elif done.reason == "length":
-            self.incomplete_reason = "max_output_tokens"
-        events = self.begin()
-        if not self.items and done.reason != "cancelled":
-            events += self._open_item("message")
-        events += self._close(final=True)
-        self.status = "completed" if self.incomplete_reason is None else "incomplete"
-        return [*events, self._terminal()]
+    def gather(
+        self, text: str, reasoning: str | None = None, tool_calls: Sequence[CallPart] = ()
+    ) -> None:
+        """One delta for the ``response`` object alone (a whole body): its items
+        grow as with :meth:`delta`, and no event is made."""
+        self._take(text, reasoning, tool_calls, None)
 
-    def fail(self, code: str, message: str) -> list[dict[str, Any]]:
-        """``response.failed`` (after ``created``, so that a client sees one response)."""
-        self.error = {"code": code, "message": message}
-        events = self.begin()
-        self.status = "failed"
-        return [*events, self._terminal()]
+    def end(self, done: Done) -> list[dict[str, Any]]:
+        """The engine's end: the open item closed, then the terminal event
+        (``response.failed`` after ``created``, so that a client sees one response)."""
+        events: list[dict[str, Any]] = []
+        self._end(done, events)
+        return events
+
+    def finish(self, done: Done) -> None:
+        """The engine's end for the ``response`` object alone (a whole body)."""
+        self._end(done, None)
 
     def error_event(
         self, status: int, code: str, message: str, param: str | None = None
@@ -219,18 +213,54 @@ class ResponseRender:
         """An ``error`` event: a refusal of a request that will not run (HTTP SSE shape)."""
         return self._event("error", code=code, message=message, param=param)
 
-    def _add(self, kind: ItemKind, text: str, part: CallPart | None = None) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    # ------------------------------------------------------------ the items
+    #
+    # Each step changes the items, then — given a list (``events``), for a
+    # stream — appends the events that tell it; given None (a whole body),
+    # no event is made at all.
+
+    def _take(self, text: str, reasoning: str | None, calls: _Calls, events: _Events) -> None:
+        if reasoning:
+            self._add("reasoning", reasoning, None, events)
+        if text:
+            self._add("message", text, None, events)
+        for part in calls:
+            self._add("function_call", part.arguments, part, events)
+
+    def _end(self, done: Done, events: _Events) -> None:
+        self.usage = usage_of(done)
+        if done.reason == "error":
+            self.error = {
+                "code": done.error_code or "internal",
+                "message": done.error_message or "failed",
+            }
+        elif done.reason == "cancelled":
+            self.incomplete_reason = "cancelled"
+        elif done.reason == "length":
+            self.incomplete_reason = "max_output_tokens"
+        if events is not None:
+            events += self.begin()
+        if self.error is not None:
+            self.status = "failed"  # the open item stays out of ``output``
+        else:
+            if not self.items and done.reason != "cancelled":
+                self._open_item("message", None, events)
+            self._close(True, events)
+            self.status = "completed" if self.incomplete_reason is None else "incomplete"
+        if events is not None:
+            events.append(self._terminal())
+
+    def _add(self, kind: ItemKind, text: str, part: CallPart | None, events: _Events) -> None:
         item = self._open
         new_call = part is not None and part.name is not None
         if item is None or item.kind != kind or new_call:
-            events += self._close(final=False)
-            events += self._open_item(kind, part)
-            item = self._open
-            assert item is not None
+            self._close(False, events)
+            item = self._open_item(kind, part, events)
         if not text:
-            return events
+            return
         item.texts.append(text)
+        if events is None:
+            return
         where = {"item_id": item.id, "output_index": item.index}
         if kind == "message":
             events.append(
@@ -250,9 +280,8 @@ class ResponseRender:
             events.append(
                 self._event("response.function_call_arguments.delta", **where, delta=text)
             )
-        return events
 
-    def _open_item(self, kind: ItemKind, part: CallPart | None = None) -> list[dict[str, Any]]:
+    def _open_item(self, kind: ItemKind, part: CallPart | None, events: _Events) -> _Item:
         index = len(self.items)
         prefix = _PREFIX[kind]
         item = _Item(kind, f"{prefix}_{self._suffix}" + (f"_{index}" if index else ""), index)
@@ -262,7 +291,11 @@ class ResponseRender:
             item.name = part.name
         self.items.append(item)
         self._open = item
-        events = [self._event("response.output_item.added", output_index=index, item=item.wire())]
+        if events is None:
+            return item
+        events.append(
+            self._event("response.output_item.added", output_index=index, item=item.wire())
+        )
         if kind != "function_call":
             events.append(
                 self._event(
@@ -273,18 +306,19 @@ class ResponseRender:
                     part=_part("") if kind == "message" else _reasoning_part(""),
                 )
             )
-        return events
+        return item
 
-    def _close(self, *, final: bool) -> list[dict[str, Any]]:
+    def _close(self, final: bool, events: _Events) -> None:
         item = self._open
         if item is None:
-            return []
+            return
         self._open = None
         cut = final and self.incomplete_reason is not None
         item.status = "incomplete" if cut else "completed"
+        if events is None:
+            return
         text = item.text
         where = {"item_id": item.id, "output_index": item.index}
-        events: list[dict[str, Any]] = []
         if item.kind == "message":
             events.append(
                 self._event(
@@ -307,7 +341,6 @@ class ResponseRender:
         events.append(
             self._event("response.output_item.done", output_index=item.index, item=item.wire())
         )
-        return events
 
     def _terminal(self) -> dict[str, Any]:
         return self._event(_TERMINAL[self.status], response=self.response())
@@ -394,6 +427,60 @@ def _reasoning_part(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
 
 
-def error_payload(status: int, code: str, message: str, param: str | None) -> dict[str, Any]:
-    """The ``error`` member of a WebSocket-mode ``error`` event."""
-    return error_object(status, message, code, param)
+class ResponseAnswer(Renderer):
+    """One ``POST /v1/responses`` answered on the HTTP exchange: the events as
+    SSE, or the ``response`` object as the body. In a stream a failed or
+    cancelled response ends with its own terminal event (``response.failed``,
+    ``response.incomplete``); a refusal before it ran, with an ``error`` event.
+    A response that completed (or was cut short) is kept for
+    ``previous_response_id`` *before* its last event goes out, so that a
+    client may chain on it at once."""
+
+    def __init__(
+        self,
+        render: ResponseRender,
+        *,
+        history: tuple[Message, ...] = (),
+        keep: Keep | None = None,
+    ) -> None:
+        self.render = render
+        self.stream = render.request.stream
+        self._history = history
+        self._keep = keep
+
+    def refusal_wording(self, message: str) -> str:
+        return refusal_wording(message)
+
+    def started(self) -> bytes:
+        return sse_events(self.render.begin())
+
+    def chunk(self, delta: Delta) -> bytes:
+        return sse_events(self.render.delta(delta.text, delta.reasoning, delta.tool_calls or ()))
+
+    def last(self, done: Done) -> bytes:
+        return self._ended(self.render.end(done))
+
+    def error_event(self, failure: Failure) -> bytes:
+        if failure.done is not None:
+            return self._ended(self.render.end(failure.done))
+        return sse(self.render.error_event(failure.status, failure.code, failure.message))
+
+    def gather(self, delta: Delta) -> None:
+        self.render.gather(delta.text, delta.reasoning, delta.tool_calls or ())
+
+    def body(self, done: Done) -> bytes:
+        self.render.finish(done)
+        self._kept()
+        return orjson.dumps(self.render.response())
+
+    def error_body(self, failure: Failure) -> tuple[int, bytes]:
+        return failure.status, error_body(failure.status, failure.message, failure.code)
+
+    def _ended(self, events: list[dict[str, Any]]) -> bytes:
+        self._kept()
+        return sse_events(events)
+
+    def _kept(self) -> None:
+        render = self.render
+        if self._keep is not None and render.status in ("completed", "incomplete"):
+            self._keep(render.response(), render.conversation(self._history))

@@ -12,16 +12,20 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     │   ├── sender         frames to the socket (serialized as they are)
     │   ├── peer           the websockets connection class, memory bound
     │   └── pull_requests  its pull requests: progress frames, cancel, the model added
-    ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects
-    │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
-    │   ├── http_route     the seam to the routes: Responder, Exchange, RouteRequest
-    │   ├── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
-    │   ├── openai_stream  one completion: rendered as SSE or a JSON body
-    │   ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
-    │   └── anthropic_http Anthropic's Messages API: /v1/messages (SSE or a body), count_tokens
+    ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects: reading, timers, close
+    │   ├── http_out       its write side: h11 events out, flow control, the drain watch
+    │   └── http_router    the one route table (every HTTP API path) and the gate's checks
+    │       ├── openai_gate    who may use the API: the handshake's checks, a request rate
+    │       ├── openai_routes  the OpenAI API: chat completions, completions, models
+    │       ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
+    │       ├── anthropic_http Anthropic's Messages API: /v1/messages, count_tokens
+    │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
+    │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
+    │           └── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
     ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
     ├── responses_run  one response on the driver, rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect
+        ├── request_log    a request's last log line (done), every wire
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)
         │   └── services       what every request uses (built once by the server)

@@ -2,13 +2,15 @@
 
 Theory of operation
 -------------------
-Every wire — the WebSocket protocol (:mod:`wsserver.aio.connection`), the
-OpenAI HTTP API (:mod:`wsserver.aio.openai_stream`) — is a *dialect*: it
-parses its bytes into the core's client frames and hands them to a
+Every wire — the WebSocket protocol (:mod:`wsserver.aio.connection`), every
+HTTP API (through the HTTP exchange, :mod:`wsserver.aio.exchange`) — is a
+*dialect*: it parses its bytes into the core's client frames and hands them to a
 :class:`RequestDriver`, and it renders the frames the driver gives back
 (:class:`Dialect`). Everything between is the driver's, the same for every
 wire:
 
+* the model a request asks for, resolved once — here, or on its way in by
+  the HTTP exchange — and handed to its generation;
 * the :class:`~wsserver.session.Session`, fed through its one entry with the
   client's frames and with the reports (:mod:`wsserver.events`) of each
   request's :class:`~wsserver.aio.pipeline.Generation` (admission, the
@@ -32,7 +34,7 @@ import contextlib
 import dataclasses
 import secrets
 from collections.abc import Callable, Iterable
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from ..errors import ProtocolError, WireLost
 from ..events import (
@@ -68,11 +70,13 @@ from ..session import (
     StopGeneration,
     input_size,
 )
+from .models import Model
 from .pipeline import Generation
+from .request_log import log_done
 from .resume import Resumes
 from .services import Services
 
-__all__ = ["Dialect", "RequestDriver", "log_done"]
+__all__ = ["Dialect", "RequestDriver"]
 
 _LIVE: Final = (RequestState.WAITING, RequestState.RUNNING)
 
@@ -130,12 +134,16 @@ class RequestDriver:
         #: Told the prompt's count as the engine reports it (a dialect that
         #: writes it before the end: the Messages API's ``message_start``).
         self._on_prompt = on_prompt
+        #: The request the session accepted last and its model, until its generation starts.
+        self._accepted: tuple[str, Model] | None = None
         self._loop = asyncio.get_running_loop()
 
     # ------------------------------------------------------------ the client's side
 
-    async def receive(self, frame: ClientFrame) -> None:
-        """A client frame, parsed by the dialect."""
+    async def receive(self, frame: ClientFrame, *, model: Model | None = None) -> None:
+        """A client frame, parsed by the dialect. ``model``: a ``generate``'s,
+        already resolved on its way in (an HTTP exchange's); else it is
+        resolved here — once: the request's generation is given it."""
         now = self._loop.time()
         if isinstance(frame, Generate | Restart):
             # The engine refuses what it cannot serve as asked (a grammar that
@@ -149,18 +157,8 @@ class RequestDriver:
                 frame if isinstance(frame, Generate) else Generate(frame.new_id, **frame.overrides)
             )
             try:
-                # An unknown model is refused here, before anything is queued;
-                # the request then carries the name its model is served under
-                # (an alias's canonical name): ``done`` says it.
-                model, name = self.services.models.lookup(asked.model, asked.id)
-                if isinstance(frame, Generate):
-                    frame = asked = dataclasses.replace(frame, model=name)
-                elif "model" in frame.overrides:
-                    overrides = {**frame.overrides, "model": name}
-                    frame = dataclasses.replace(frame, overrides=overrides)
-                    asked = dataclasses.replace(asked, model=name)
-                else:
-                    model = self.services.models.resolve(self._restarted_model(frame), asked.id)
+                if model is None:
+                    model, frame, asked = self._resolve(frame, asked)
                 check = model.backend.check
                 # A schema (or the tools' schemas) may convert to a grammar
                 # hundreds of times its size, which the engine's bounds then
@@ -177,7 +175,14 @@ class RequestDriver:
             except ProtocolError as exc:
                 await self.refuse(exc)
                 return
-        if isinstance(frame, Resume):
+            fresh = self.session.state_of(asked.id) is None
+            effects = self.session.handle(frame, now)
+            if fresh and self.session.active_id == asked.id:
+                # Accepted: its generation starts with this model (now, or
+                # once the previous request's engine is gone).
+                self._accepted = (asked.id, model)
+            await self.apply(effects)
+        elif isinstance(frame, Resume):
             await self._resume(frame, now)
         elif (
             isinstance(frame, Cancel)
@@ -187,6 +192,22 @@ class RequestDriver:
             await self._cancel_detached(frame, frame.resume_token, now)
         else:
             await self.apply(self.session.handle(frame, now))
+
+    def _resolve(
+        self, frame: Generate | Restart, asked: Generate
+    ) -> tuple[Model, Generate | Restart, Generate]:
+        """The model a request asks for, and the request carrying the name it
+        is served under (an alias's canonical name: ``done`` says it). An
+        unknown model is refused here, before anything is queued."""
+        models = self.services.models
+        if isinstance(frame, Restart) and "model" not in frame.overrides:
+            return models.resolve(self._restarted_model(frame), asked.id), frame, asked
+        model, name = models.lookup(asked.model, asked.id)
+        asked = dataclasses.replace(asked, model=name)
+        if isinstance(frame, Generate):
+            return model, asked, asked
+        overrides = {**frame.overrides, "model": name}
+        return model, dataclasses.replace(frame, overrides=overrides), asked
 
     def _restarted_model(self, frame: Restart) -> str | None:
         """The model of the request a ``restart`` runs again (unless it names one)."""
@@ -198,7 +219,7 @@ class RequestDriver:
         await self.apply(self.session.refuse(exc))
 
     def cancel_soon(self, why: str | None = None) -> None:
-        """From a callback (an HTTP client gone, the server shutting down): end
+        """From a callback (an HTTP client gone, the server's shutdown): end
         the running request as cancelled; its ``done`` is written in the background."""
         request_id = self.session.active_id
         if request_id is None:
@@ -209,7 +230,7 @@ class RequestDriver:
 
     async def cancel_active(self) -> None:
         """End the running request as cancelled (the client left, or the server
-        is shutting down), and write its ``done``."""
+        stops), and write its ``done``."""
         request_id = self.session.active_id
         if request_id is not None:
             effects = self.session.handle(Cancel(id=request_id), self._loop.time())
@@ -365,11 +386,13 @@ class RequestDriver:
     def _start(self, effect: StartGeneration) -> None:
         request = effect.request
         record = self.session.record(request.id)
+        accepted, self._accepted = self._accepted, None
         if self.closed or record is None:
             return  # closed: nothing starts any more
+        assert accepted is not None and accepted[0] == request.id, (accepted, request.id)
         wants = request.resumable if request.resumable is not None else self._resumable_default
         generation = Generation(
-            request, self, record, resumable=wants and self._resumes is not None
+            request, self, record, model=accepted[1], resumable=wants and self._resumes is not None
         )
         self.generations[request.id] = generation
         generation.task = asyncio.create_task(
@@ -475,31 +498,3 @@ class RequestDriver:
     def buffered_bytes(self) -> int:
         """Bytes this driver's requests hold in their channels."""
         return sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
-
-
-def log_done(log: Any, frame: Done) -> None:
-    """The one log line of a finished request, WebSocket or HTTP alike."""
-    timings = frame.timings
-    log.info(
-        "done %s",
-        _done_summary(frame),
-        extra={
-            "reason": frame.reason,
-            "model": frame.model,
-            "queued_ms": round(timings.queued_ms, 3),
-            "ttft_ms": None if timings.ttft_ms is None else round(timings.ttft_ms, 3),
-            "total_ms": round(timings.total_ms, 3),
-            "completion_tokens": frame.usage.completion_tokens,
-        },
-    )
-
-
-def _done_summary(frame: Done) -> str:
-    usage, timings = frame.usage, frame.timings
-    ttft = "-" if timings.ttft_ms is None else f"{timings.ttft_ms:.1f}ms"
-    return (
-        f"reason={frame.reason} prompt_tokens={usage.prompt_tokens} "
-        f"completion_tokens={usage.completion_tokens} queued={timings.queued_ms:.1f}ms "
-        f"ttft={ttft} total={timings.total_ms:.1f}ms tok/s={timings.tokens_per_s:.1f}"
-        + (f" model={frame.model}" if frame.model is not None else "")
-    )

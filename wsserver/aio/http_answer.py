@@ -1,6 +1,7 @@
 """Writing one HTTP answer: a streamed SSE body, or a whole one.
 
-Both HTTP dialects answer the same two ways, and this is written once:
+Every HTTP dialect answers the same two ways, and this is written once (the
+exchange, :mod:`wsserver.aio.exchange`, decides what; this writes it):
 
 * **streamed** — the head (``text/event-stream``, no buffering by proxies)
   goes out when the request starts or waits, then body bytes, each write
@@ -22,21 +23,15 @@ import asyncio
 from typing import Final
 
 from ..errors import refusal_headers
-from ..protocol import Generate
-from .driver import RequestDriver
+from ..exchange import KEEPALIVE
 from .http_route import Headers, Responder
 
-__all__ = ["KEEPALIVE", "KEEPALIVE_S", "HttpAnswer"]
+__all__ = ["KEEPALIVE_S", "HttpAnswer"]
 
-#: While a streamed request waits (for the model, or its prompt), a comment
+#: While a streamed request waits (for the model, or its prompt), its
+#: keep-alive (:data:`~wsserver.exchange.KEEPALIVE`, or the dialect's own)
 #: this often keeps proxies and clients from timing it out.
 KEEPALIVE_S: Final = 10.0
-#: A comment line: ignored by every SSE client.
-KEEPALIVE: Final = b": keep-alive\n\n"
-
-
-#: The log line of an HTTP request whose client went away while it ran.
-CLIENT_GONE: Final = "client disconnected; cancelling"
 
 
 class HttpAnswer:
@@ -57,17 +52,6 @@ class HttpAnswer:
     @property
     def lost(self) -> bool:
         return self._out.lost
-
-    async def serve(self, driver: RequestDriver, generate: Generate) -> None:
-        """Run one request on ``driver``: returns once its answer is complete,
-        or its client is gone (which is a cancel)."""
-        try:
-            await driver.receive(generate)
-            if self._out.lost:
-                driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
-            await self.finished
-        finally:
-            self.stop_keepalive()
 
     def head(self) -> None:
         """The streamed answer's head (once)."""

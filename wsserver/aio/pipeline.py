@@ -84,7 +84,13 @@ class Generation:
     """The live parts of one started request, and its path (:meth:`run`)."""
 
     def __init__(
-        self, request: Generate, owner: Owner, record: RequestRecord, *, resumable: bool = False
+        self,
+        request: Generate,
+        owner: Owner,
+        record: RequestRecord,
+        *,
+        model: Model,
+        resumable: bool = False,
     ) -> None:
         self.request = request
         #: The binding to a connection's driver; swapped by attach() on a resume.
@@ -106,8 +112,8 @@ class Generation:
         self.exited: asyncio.Future[None] | None = None
         self.stopped = False
         self.slot: int | None = None
-        #: The model that serves it (the driver checked the name it asked for).
-        self.model: Model = owner.services.models.resolve(request.model, request.id)
+        #: The model that serves it, resolved once on the request's way in.
+        self.model = model
         #: Loop time at which a cancel (or restart) frame stopped this request.
         self.cancel_requested: float | None = None
         #: Loop time at which the engine of a cancelled request completed.

@@ -4,16 +4,21 @@
 ``/v1/responses`` and everything under it (the seam of
 :mod:`wsserver.aio.http_route`; the gate's checks have run):
 
-* ``POST /v1/responses`` — a :class:`HttpResponse`: with ``stream``, the
-  events as SSE (``event:`` names, ``sequence_number``), the head written when
-  the request starts or queues, then keep-alives while it waits; without, the
-  ``response`` object as the body. A refusal before the head is OpenAI's
-  error object with its status; after it, an ``error`` event.
+* ``POST /v1/responses`` — the body parsed (:mod:`wsserver.responses_api`),
+  the conversation a ``previous_response_id`` names looked up, and the
+  request run on the HTTP exchange (:mod:`wsserver.aio.exchange`) with the
+  Responses renderer (:class:`~wsserver.responses_render.ResponseAnswer`):
+  with ``stream``, the events as SSE (``event:`` names, ``sequence_number``),
+  the head written when the request starts or queues, then keep-alives while
+  it waits; without, the ``response`` object as the body. A refusal before
+  the head is OpenAI's error object with its status; after it, an ``error``
+  event; a response that failed or was cancelled mid-stream ends with its own
+  terminal event.
 * ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}`` — responses kept
   in the server's :class:`~wsserver.responses_store.ResponseStore` (when
   ``store`` was not false), bounded by bytes and by age.
 
-A disconnect is a cancel, as for a chat completion.
+A disconnect is a cancel, as for every HTTP request (the exchange's).
 """
 
 from __future__ import annotations
@@ -21,21 +26,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any
 
 import orjson
 
-from ..api_errors import ApiError, error_body, status_of
-from ..errors import ProtocolError, WireCode
-from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
-from ..responses_render import ResponseRender, sse
+from ..api_errors import ApiError, parse_json
+from ..responses_api import ResponsesRequest, parse_body, to_generate
+from ..responses_render import Keep, ResponseAnswer, ResponseRender
 from ..responses_store import ResponseStore, StoredResponse
-from .http_answer import CLIENT_GONE, KEEPALIVE, HttpAnswer
-from .http_route import Responder, RouteRequest
-from .responses_run import Keep, ResponseRun
+from .exchange import Exchange
+from .http_answer import HttpAnswer
+from .http_route import RouteRequest, no_route, not_allowed
 from .services import Services
 
-__all__ = ["PREFIX", "HttpResponse", "ResponsesRoute", "new_response_id", "not_found"]
+__all__ = ["PREFIX", "ResponsesRoute", "new_response_id", "not_found"]
 
 PREFIX = "/v1/responses"
 
@@ -55,63 +59,6 @@ def not_found(response_id: str) -> ApiError:
     )
 
 
-class HttpResponse(ResponseRun):
-    """One ``POST /v1/responses``, answered as SSE or as a whole body."""
-
-    def __init__(self, *args: Any, out: Responder, stream: bool, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._out = out
-        self._stream = stream
-        self._answer: HttpAnswer | None = None
-
-    async def run(self, answer: HttpAnswer) -> None:
-        """Serve the request; returns once its answer is complete (or the client gone)."""
-        self._answer = answer
-        await answer.serve(self.driver, self.generate)
-
-    def client_gone(self) -> None:
-        """The client disconnected: that is a cancel."""
-        self.driver.cancel_soon(CLIENT_GONE)
-
-    async def waiting(self) -> None:
-        answer = self._answer
-        if self._stream and answer is not None:
-            answer.head()
-            await answer.write(KEEPALIVE, progress=False)
-
-    async def emit(self, events: list[dict[str, Any]], *, last: bool) -> None:
-        answer = self._answer
-        assert answer is not None
-        render = self.render
-        if render.status == "failed" and not (self._stream and answer.head_sent):
-            error = render.error or {}
-            code = str(error.get("code", "internal"))
-            await self.refused(
-                status_of(cast("WireCode", code)), code, str(error.get("message", "failed"))
-            )
-        elif self._stream:
-            answer.head()
-            data = b"".join(sse(event) for event in events)
-            if last:
-                answer.write_last(data)
-            else:
-                await answer.write(data)
-        elif last:
-            if render.incomplete_reason == "cancelled":
-                # Only a shutdown cancels a request whose client is still there.
-                await self.refused(503, "cancelled", "the server is shutting down")
-            else:
-                answer.respond(HTTPStatus.OK, orjson.dumps(render.response()))
-
-    async def refused(self, status: int, code: str, message: str) -> None:
-        answer = self._answer
-        assert answer is not None
-        if answer.head_sent:
-            answer.write_last(sse(self.render.error_event(status, code, message)))
-        else:
-            answer.respond(status, error_body(status, message, code))
-
-
 class ResponsesRoute:
     """``/v1/responses`` and ``/v1/responses/{id}``; built once by the server."""
 
@@ -122,14 +69,12 @@ class ResponsesRoute:
     async def __call__(self, request: RouteRequest) -> None:
         if request.path == PREFIX:
             if request.method != "POST":
-                raise _not_allowed(request.method, "POST")
+                raise not_allowed(request.method, "POST")
             await self._create(request)
             return
         response_id = request.path[len(PREFIX) + 1 :]
         if "/" in response_id or not response_id:
-            raise ApiError(
-                HTTPStatus.NOT_FOUND, f"no route {request.method} {request.path[:100]}", "not_found"
-            )
+            raise no_route(request.method, request.path)
         now = asyncio.get_running_loop().time()
         answer = HttpAnswer(request.out, request.headers)
         if request.method == "GET":
@@ -143,7 +88,7 @@ class ResponsesRoute:
             body = {"id": response_id, "object": "response.deleted", "deleted": True}
             answer.respond(HTTPStatus.OK, orjson.dumps(body))
         else:
-            raise _not_allowed(request.method, "GET or DELETE")
+            raise not_allowed(request.method, "GET or DELETE")
 
     async def _create(self, route: RouteRequest) -> None:
         request = parse_body(parse_json(route.body))
@@ -156,25 +101,13 @@ class ResponsesRoute:
             history = entry.conversation
         response_id = new_response_id()
         generate = to_generate(request, history, response_id, self._services.wire_limits)
-        try:
-            generate, model = self._services.models.for_api(generate, request.model)
-        except ProtocolError as exc:
-            raise ApiError.from_protocol(exc) from None
-        render = ResponseRender(request, response_id=response_id, model=model.name)
-        run = HttpResponse(
-            generate,
-            render,
-            services=self._services,
-            log=route.log,
-            generations=route.generations,
-            on_gone=route.on_gone,
-            history=history,
-            keep=self._keeper(request),
-            out=route.out,
-            stream=request.stream,
-        )
-        route.begin(run)
-        await run.run(HttpAnswer(route.out, route.headers))
+        keep = self._keeper(request)
+
+        def answer(model: str) -> ResponseAnswer:
+            render = ResponseRender(request, response_id=response_id, model=model)
+            return ResponseAnswer(render, history=history, keep=keep)
+
+        await Exchange(route, self._services).run(generate, request.model, answer)
 
     def _keeper(self, request: ResponsesRequest) -> Keep | None:
         if not request.store:
@@ -194,10 +127,4 @@ def _no_such(response_id: str) -> ApiError:
         HTTPStatus.NOT_FOUND,
         f"no stored response with id {response_id[:80]!r} (unknown, expired or deleted)",
         "not_found",
-    )
-
-
-def _not_allowed(method: str, allowed: str) -> ApiError:
-    return ApiError(
-        HTTPStatus.METHOD_NOT_ALLOWED, f"{method} is not allowed here; use {allowed}", "bad_request"
     )

@@ -1,22 +1,25 @@
-"""One response of the Responses API on the request driver, for either transport.
+"""One response of the Responses API's WebSocket mode on the request driver.
 
-A :class:`ResponseRun` runs its request exactly as a WebSocket ``generate`` or
-a chat completion runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
+(Over HTTP a response is an HTTP exchange's, :mod:`wsserver.aio.exchange`,
+rendered by :class:`~wsserver.responses_render.ResponseAnswer`.)
+
+A :class:`ResponseRun` runs its request exactly as a WebSocket ``generate``
+runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
 :class:`~wsserver.session.Session` of its own takes it through the scheduler's
 queue, the engine, the bounded channel, the pacing and the cancel bookkeeping —
 and is the driver's :class:`~wsserver.aio.driver.Dialect`: it renders the
 frames it gets back as Responses events (:class:`~wsserver.responses_render.ResponseRender`)
-and hands them to its transport — SSE or a whole body over HTTP
-(:mod:`wsserver.aio.responses_http`), JSON messages in WebSocket mode
+and hands them to its transport, JSON messages in WebSocket mode
 (:mod:`wsserver.aio.responses_socket`):
 
-* ``queued`` → :meth:`ResponseRun.waiting` (an HTTP stream's head and keep-alive);
+* ``queued`` → :meth:`ResponseRun.waiting`;
 * ``started`` → ``response.created``, ``response.in_progress``;
 * ``delta`` → ``response.output_text.delta`` (the item and part open first);
 * ``done`` → the item closed and ``response.completed`` / ``incomplete`` /
   ``failed`` — the conversation is kept for ``previous_response_id`` *before*
   that last event goes out, so a client may chain on it at once;
-* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseRun.refused`.
+* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseRun.refused`,
+  with the status the HTTP exchange's table gives it (:func:`wsserver.exchange.failure_of`).
 
 A cancel — the client gone, ``response.cancel``, the server's shutdown — is
 the driver's: the response ends ``incomplete`` (``cancelled``) at once and the
@@ -29,22 +32,17 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ..api_errors import status_of
-from ..errors import CONTEXT_LENGTH_EXCEEDED
+from ..exchange import failure_of
 from ..logs import ConnectionLog
 from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
 from ..responses_api import Message, refusal_wording
-from ..responses_render import ResponseRender
+from ..responses_render import Keep, ResponseRender
 from ..session import Session
 from .driver import RequestDriver
 from .pipeline import Generation
 from .services import Services
 
 __all__ = ["Keep", "ResponseRun"]
-
-#: Keeps a finished response for ``previous_response_id``: (the response
-#: object, the conversation up to its output).
-Keep = Callable[[dict[str, Any], tuple[Message, ...]], None]
 
 
 class ResponseRun:
@@ -107,12 +105,10 @@ class ResponseRun:
             finally:
                 self._finish()
         elif isinstance(frame, Error):
+            failure = failure_of(frame)
             try:
-                if frame.detail == CONTEXT_LENGTH_EXCEEDED:  # as OpenAI answers it
-                    await self.refused(400, CONTEXT_LENGTH_EXCEEDED, frame.message)
-                else:
-                    message = refusal_wording(frame.message)
-                    await self.refused(status_of(frame.code), frame.code, message)
+                message = refusal_wording(failure.message)
+                await self.refused(failure.status, failure.code, message)
             finally:
                 self._finish()
 

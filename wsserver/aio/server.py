@@ -29,7 +29,6 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.typing import Subprotocol
 
 from .. import __version__
-from ..anthropic_api import error_body as anthropic_error_body
 from ..backends import Backend, ModelEntry, create_models, default_aliases
 from ..config import Config
 from ..logs import ConnectionLog
@@ -37,11 +36,10 @@ from ..protocol import Limits
 from ..pull.hub import Hub, HubSettings
 from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
-from .anthropic_http import PREFIX as MESSAGES_PREFIX
-from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, plain_answer, process_request
+from .http_router import Router, api_routes
 from .metrics import Metrics, ModelCollector, Snapshot
 from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
@@ -49,7 +47,6 @@ from .openai_http import HttpApi, HttpConnection
 from .peer import peer_aware_connection
 from .pipeline import Generation
 from .pulls import Pulls
-from .responses_http import PREFIX as RESPONSES_PREFIX
 from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
 from .responses_socket import ResponsesSocket
@@ -201,22 +198,22 @@ class Server:
                 max_bytes=limits.responses_store_bytes, ttl_s=limits.responses_store_ttl_s
             ),
         )
-        #: The OpenAI HTTP API on the same port (wsserver.aio.front routes to it).
-        self.api = HttpApi(
-            services=self._services,
-            gate=Gate(
-                gatekeeper=self.gatekeeper,
-                connection_limiter=self.connection_limiter,
-                rate_limiter=RateLimiter(rate=limits.frames_per_s, burst=limits.frames_burst),
-                metrics=self.metrics,
-            ),
-            next_id=lambda: f"c{next(self._ids)}",
-            routes={
-                RESPONSES_PREFIX: self.responses,
-                MESSAGES_PREFIX: MessagesRoute(self._services),
-            },
-            error_bodies={MESSAGES_PREFIX: anthropic_error_body},
+        #: The HTTP API on the same port (wsserver.aio.front routes to it); its
+        #: routes are registered in one place, wsserver.aio.http_router.api_routes.
+        gate = Gate(
+            gatekeeper=self.gatekeeper,
+            connection_limiter=self.connection_limiter,
+            rate_limiter=RateLimiter(rate=limits.frames_per_s, burst=limits.frames_burst),
+            metrics=self.metrics,
+        )
+        router = Router(
+            self._services,
+            gate,
+            api_routes(self._services, self.responses),
             plain=functools.partial(plain_answer, self.http),
+        )
+        self.api = HttpApi(
+            services=self._services, gate=gate, router=router, next_id=lambda: f"c{next(self._ids)}"
         )
 
     @property
@@ -413,7 +410,7 @@ class Server:
         assert self._ws_server is not None
         ws_server = self._ws_server
         ws_server.close(close_connections=False)
-        log.info("shutting down: %d connection(s), grace %.1fs", len(self.connections), grace)
+        log.info("stopping: %d connection(s), grace %.1fs", len(self.connections), grace)
         running = [g.task for g in self._generations() if g.task is not None]
         if running and grace > 0:
             # asyncio.wait, not gather: a timeout must not cancel the requests.

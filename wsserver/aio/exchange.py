@@ -1,0 +1,166 @@
+"""One HTTP exchange: a request of any HTTP dialect, from its parsed body to its answer's end.
+
+Theory of operation
+-------------------
+Every HTTP dialect — OpenAI's chat completions and completions
+(:mod:`wsserver.aio.openai_routes`), the Responses API
+(:mod:`wsserver.aio.responses_http`), Anthropic's Messages API
+(:mod:`wsserver.aio.anthropic_http`) — parses its body into the core's
+:class:`~wsserver.protocol.Generate` and hands it here with its
+:class:`~wsserver.exchange.Renderer`: the dialect's sans-I/O half, which
+turns the core's frames into its bytes. Everything else is the exchange's,
+written once for every dialect:
+
+* **the model**, resolved once on the request's way in (:func:`resolve`:
+  the name asked for, an alias, the default; ``model_not_found`` is a 404 in
+  the dialect's shape) and carried to the engine: the driver and the
+  pipeline do not look it up again;
+* **the request driver** (:class:`~wsserver.aio.driver.RequestDriver`) with a
+  :class:`~wsserver.session.Session` of its own: the scheduler's queue, the
+  engine, the bounded channel, the pacing, cancel — as a WebSocket
+  ``generate`` runs; the exchange is the driver's dialect (:meth:`Exchange.write`);
+* **the answer** (:class:`~wsserver.aio.http_answer.HttpAnswer`): streamed,
+  its head when the request waits (then the dialect's keep-alive) or starts,
+  a chunk per ``delta`` — each write waits while the transport is above its
+  high-water mark, so a slow reader pauses its own engine —; whole, the text
+  gathered by the renderer. How it ends — the stream's last events, the whole
+  body, an error in the stream or as the whole answer, and with which status —
+  is one table for every dialect, :data:`wsserver.exchange.ENDINGS`;
+* **client gone, cancel, stall**: a disconnect is a cancel (its engine stops
+  within a step, mid-prompt too); the server's shutdown cancels and the
+  client is told (503, :data:`~wsserver.exchange.SHUTTING_DOWN`) — even when
+  it comes while the engine still checks the request; a client that reads
+  nothing while others wait for the model ends as ``stalled``.
+
+Adding a dialect is a renderer and a route registered in
+:func:`wsserver.aio.http_router.api_routes`, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from ..api_errors import ApiError
+from ..errors import ProtocolError
+from ..events import PromptCounted
+from ..exchange import Renderer, ending
+from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
+from ..session import Session
+from .driver import RequestDriver
+from .http_answer import HttpAnswer
+from .http_route import RouteRequest
+from .models import Model
+from .services import Services
+
+__all__ = ["CLIENT_GONE", "Exchange", "resolve"]
+
+#: The log line of an HTTP request whose client went away while it ran.
+CLIENT_GONE: Final = "client disconnected; cancelling"
+
+
+def resolve(services: Services, generate: Generate, asked: str | None) -> tuple[Generate, Model]:
+    """The model ``asked`` for (``None``: the default; an alias; a name an
+    engine serves) and the request carrying the name it is served under, which
+    the answer names: resolved here, once per request. ``model_not_found`` is
+    a 404 in the dialect's shape."""
+    try:
+        return services.models.for_api(generate, asked)
+    except ProtocolError as exc:
+        raise ApiError.from_protocol(exc) from None
+
+
+class Exchange:
+    """One HTTP request on the request driver, whatever its dialect."""
+
+    def __init__(self, route: RouteRequest, services: Services) -> None:
+        self._route = route
+        self._services = services
+        self._renderer = Renderer()
+        self._answer: HttpAnswer | None = None
+        self._driver: RequestDriver | None = None
+        #: The server's shutdown came before the driver had the request.
+        self._cancelled = False
+
+    async def run(
+        self, generate: Generate, asked: str | None, renderer_for: Callable[[str], Renderer]
+    ) -> None:
+        """Serve the request on the model ``asked`` for (:func:`resolve`), its
+        answer rendered by the renderer made for that model's name; returns
+        once the answer is complete, or its client is gone (which is a cancel)."""
+        generate, model = resolve(self._services, generate, asked)
+        self._renderer = renderer = renderer_for(model.name)
+        route = self._route
+        answer = self._answer = HttpAnswer(route.out, route.headers, keepalive=renderer.keepalive)
+        driver = self._driver = RequestDriver(
+            self._services,
+            dialect=self,
+            log=route.log,
+            session=Session(restart_bytes=0),
+            generations=route.generations,
+            on_gone=route.on_gone,
+            on_prompt=self._prompt_counted,
+        )
+        route.begin(self)
+        try:
+            await driver.receive(generate, model=model)
+            if route.out.lost:
+                driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
+            elif self._cancelled:
+                await driver.cancel_active()  # the shutdown came meanwhile
+            await answer.finished
+        finally:
+            answer.stop_keepalive()
+
+    # ------------------------------------------------------------ the connection's calls
+
+    def client_gone(self) -> None:
+        """The client disconnected: that is a cancel."""
+        if self._driver is not None:
+            self._driver.cancel_soon(CLIENT_GONE)
+
+    def cancel(self) -> None:
+        """Server shutdown: end the request as cancelled (the client is told)."""
+        self._cancelled = True
+        if self._driver is not None:
+            self._driver.cancel_soon()
+
+    def stall(self) -> None:
+        """The client read nothing for the stall timeout (see the driver's rule)."""
+        if self._driver is not None:
+            self._driver.stall()
+
+    # ------------------------------------------------------------ the driver's dialect
+
+    async def write(self, frame: ServerFrame) -> None:
+        """Render one frame of the request: a chunk, the head, the end."""
+        renderer = self._renderer
+        answer = self._answer
+        assert answer is not None
+        if isinstance(frame, Delta):
+            if renderer.stream:
+                answer.head()
+                await answer.write(renderer.chunk(frame))
+            else:
+                renderer.gather(frame)
+        elif isinstance(frame, Started):
+            # The head now: a client's stream returns while the prompt is read.
+            if renderer.stream:
+                answer.head()
+                started = renderer.started()
+                if started:
+                    await answer.write(started)
+        elif isinstance(frame, Queued):
+            if renderer.stream:
+                answer.head()
+                await answer.write(renderer.keepalive, progress=False)
+        elif isinstance(frame, Done | Error):
+            end = ending(renderer, frame, head_sent=answer.head_sent)
+            if end.in_stream:
+                answer.head()
+                answer.write_last(end.data)
+            else:
+                answer.respond(end.status, end.data)
+
+    def _prompt_counted(self, event: PromptCounted) -> None:
+        self._renderer.prompt_counted(event.prompt_tokens, event.cached_tokens)
