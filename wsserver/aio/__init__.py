@@ -5,7 +5,8 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
 :mod:`wsserver.pacing`, :mod:`wsserver.security`) and the engine seam
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
-    server        listening socket, lifecycle, shutdown; builds the rest
+    server        lifecycle, shutdown; builds the rest
+    ├── listener       the listening socket (a small SO_SNDBUF), the subprotocol
     ├── front          the first request line: /v1 → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket dialect: receive loop, frame rate, frames out

@@ -18,15 +18,12 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, cast
 
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.typing import Subprotocol
 
 from .. import __version__
 from ..anthropic_api import error_body as anthropic_error_body
@@ -36,12 +33,13 @@ from ..logs import ConnectionLog
 from ..protocol import Limits
 from ..pull.hub import Hub, HubSettings
 from ..responses_store import ResponseStore
-from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
+from ..security import ConnectionLimiter, Gatekeeper, exposure_warning
 from .anthropic_http import PREFIX as MESSAGES_PREFIX
 from .anthropic_http import MessagesRoute
 from .connection import Connection
 from .front import front_factory
 from .http import HttpContext, plain_answer, process_request
+from .listener import make_listening_socket, select_ws_subprotocol
 from .metrics import Metrics, ModelCollector, Snapshot
 from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
@@ -69,40 +67,6 @@ ORPHAN_GRACE_S = 1.0
 #: At shutdown, how long connections get for their last frames and closing
 #: handshake once the grace period is over (then they are aborted).
 _FAREWELL_S = 0.4
-
-
-def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
-    """A listening TCP socket whose accepted sockets inherit a small send buffer.
-
-    Linux autotunes send buffers to megabytes, which would swallow a slow
-    client's backlog before ``send()`` ever waits: the backpressure signal
-    would arrive seconds and megabytes late.
-    """
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, address = infos[0]
-    # IPPROTO_TCP, not 0: accepted sockets inherit the protocol number, and
-    # asyncio enables TCP_NODELAY only on sockets that say they are TCP.
-    # Without it Nagle's algorithm holds a first delta behind the unacknowledged
-    # ``started`` frame until the client's delayed ACK, up to ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if sndbuf > 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        sock.bind(address)
-        sock.listen(512)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _select_subprotocol(
-    connection: ServerConnection, offered: Sequence[Subprotocol]
-) -> Subprotocol | None:
-    selected = select_subprotocol(offered)
-    return None if selected is None else Subprotocol(selected)
 
 
 class Server:
@@ -248,7 +212,7 @@ class Server:
             ping_timeout=server.ping_interval_s or None,
             close_timeout=server.send_timeout_s,
             server_header=self.server_name,
-            select_subprotocol=_select_subprotocol,
+            select_subprotocol=select_ws_subprotocol,
             # Each client first meets the Front, which gives /v1 requests to the
             # OpenAI HTTP API and everything else to websockets' own connection.
             create_connection=cast(
