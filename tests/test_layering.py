@@ -10,7 +10,8 @@
   (``wsserver.backends``) nor the configuration: the core depends on no engine.
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
   Responses API — imports no other dialect's modules: what they share is the
-  request driver's (and the HTTP seam's, ``aio/http_route.py``).
+  request driver's (and the HTTP seam's, ``aio/http_route.py``; the one
+  WebSocket connection's, ``aio/socket_connection.py``, ``sender.py``, ``peer.py``).
 * The request's way, the same for every wire — the request driver, the
   pipeline and what they share with every dialect — imports no websockets:
   the socket layer translates websockets' ``ConnectionClosed`` into the
@@ -52,7 +53,7 @@ CORE = [
 
 #: Each dialect's own modules (a wire's parsing, rendering and transport).
 DIALECTS = {
-    "websocket": {"wsserver.aio.connection", "wsserver.aio.sender", "wsserver.aio.peer"},
+    "websocket": {"wsserver.aio.connection"},
     "openai": {
         "wsserver.aio.openai_stream",
         "wsserver.aio.openai_http",
@@ -112,6 +113,7 @@ SANS_IO = [
     "wsserver.pull.progress",
     "wsserver.pull.requests",
     "wsserver.backends.token_text",
+    "wsserver.lanes",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

@@ -5,14 +5,17 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
 :mod:`wsserver.pacing`, :mod:`wsserver.security`) and the engine seam
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
-    server        lifecycle, shutdown; builds the rest
+    server        lifecycle, shutdown, the connection table; builds the rest
     ├── listener       the listening socket (a small SO_SNDBUF), the subprotocol
     ├── front          the first request line: /v1 → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
-    ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
-    │   ├── sender         frames to the socket (serialized as they are)
-    │   ├── peer           the websockets connection class, memory bound
+    ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
     │   └── pull_requests  its pull requests: progress frames, cancel, the model added
+    ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
+    ├── socket_connection  one WebSocket connection, either dialect: receive loop,
+    │   │                  frame rate, one table of requests, closing, memory held
+    │   ├── sender         messages to the socket, drain-watched
+    │   └── peer           the websockets connection class, memory bound
     ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects
     │   ├── openai_gate    who may use the API: the handshake's checks, a request rate
     │   ├── http_route     the seam to the routes: Responder, Exchange, RouteRequest
@@ -20,8 +23,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     │   ├── openai_stream  one completion: rendered as SSE or a JSON body
     │   ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
     │   └── anthropic_http Anthropic's Messages API: /v1/messages (SSE or a body), count_tokens
-    ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
-    ├── responses_run  one response on the driver, rendered as Responses events
+    ├── responses_run  one response's frames rendered as Responses events
     └── driver         the request driver: a request's way, the same for every dialect
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)

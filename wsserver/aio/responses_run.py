@@ -1,22 +1,24 @@
 """One response of the Responses API on the request driver, for either transport.
 
-A :class:`ResponseRun` runs its request exactly as a WebSocket ``generate`` or
-a chat completion runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
-:class:`~wsserver.session.Session` of its own takes it through the scheduler's
-queue, the engine, the bounded channel, the pacing and the cancel bookkeeping —
-and is the driver's :class:`~wsserver.aio.driver.Dialect`: it renders the
-frames it gets back as Responses events (:class:`~wsserver.responses_render.ResponseRender`)
-and hands them to its transport — SSE or a whole body over HTTP
-(:mod:`wsserver.aio.responses_http`), JSON messages in WebSocket mode
-(:mod:`wsserver.aio.responses_socket`):
+A :class:`ResponseEvents` renders one response's frames — what a
+:class:`~wsserver.aio.driver.RequestDriver` gives back, the driver having
+taken the request through the scheduler's queue, the engine, the bounded
+channel, the pacing and the cancel bookkeeping exactly as a WebSocket
+``generate`` or a chat completion — as Responses events
+(:class:`~wsserver.responses_render.ResponseRender`), and hands them to its
+transport: SSE or a whole body over HTTP (:mod:`wsserver.aio.responses_http`),
+JSON messages in WebSocket mode (:mod:`wsserver.aio.responses_socket`). Over
+HTTP a :class:`ResponseRun` is that renderer on a driver of its own (with a
+:class:`~wsserver.session.Session` of its own); in WebSocket mode the driver
+is the response's lane's, which runs the lane's responses one after another.
 
-* ``queued`` → :meth:`ResponseRun.waiting` (an HTTP stream's head and keep-alive);
+* ``queued`` → :meth:`ResponseEvents.waiting` (an HTTP stream's head and keep-alive);
 * ``started`` → ``response.created``, ``response.in_progress``;
 * ``delta`` → ``response.output_text.delta`` (the item and part open first);
 * ``done`` → the item closed and ``response.completed`` / ``incomplete`` /
   ``failed`` — the conversation is kept for ``previous_response_id`` *before*
   that last event goes out, so a client may chain on it at once;
-* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseRun.refused`.
+* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseEvents.refused`.
 
 A cancel — the client gone, ``response.cancel``, the server's shutdown — is
 the driver's: the response ends ``incomplete`` (``cancelled``) at once and the
@@ -40,51 +42,30 @@ from .driver import RequestDriver
 from .pipeline import Generation
 from .services import Services
 
-__all__ = ["Keep", "ResponseRun"]
+__all__ = ["Keep", "ResponseEvents", "ResponseRun"]
 
 #: Keeps a finished response for ``previous_response_id``: (the response
 #: object, the conversation up to its output).
 Keep = Callable[[dict[str, Any], tuple[Message, ...]], None]
 
 
-class ResponseRun:
-    """One response: the driver's dialect; a transport subclasses the three outputs."""
+class ResponseEvents:
+    """One response's frames rendered as Responses events; a transport
+    subclasses the three outputs. It drives nothing: a driver writes to it
+    (the WebSocket mode's lane driver, or a :class:`ResponseRun`'s own)."""
 
     def __init__(
         self,
-        generate: Generate,
         render: ResponseRender,
         *,
-        services: Services,
-        log: ConnectionLog,
-        generations: dict[str, Generation],
-        on_gone: Callable[[Generation], None] | None = None,
         history: tuple[Message, ...] = (),
         keep: Keep | None = None,
     ) -> None:
-        self.generate = generate
         self.render = render
         self.id = render.id
-        self.log = log.request(self.id)
         self._history = history
         self._keep = keep
         self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.driver = RequestDriver(
-            services,
-            dialect=self,
-            log=log,
-            session=Session(restart_bytes=0),
-            generations=generations,
-            on_gone=on_gone,
-        )
-
-    async def start(self) -> None:
-        """Hand the request to the driver (it then runs on its own)."""
-        await self.driver.receive(self.generate)
-
-    def cancel(self) -> None:
-        """End the response as cancelled (its last events are still written)."""
-        self.driver.cancel_soon()
 
     # ------------------------------------------------------------ the dialect
 
@@ -132,3 +113,35 @@ class ResponseRun:
     async def refused(self, status: int, code: str, message: str) -> None:
         """The request was refused before it ran."""
         raise NotImplementedError
+
+
+class ResponseRun(ResponseEvents):
+    """One response on a driver of its own (over HTTP): the driver's dialect."""
+
+    def __init__(
+        self,
+        generate: Generate,
+        render: ResponseRender,
+        *,
+        services: Services,
+        log: ConnectionLog,
+        generations: dict[str, Generation],
+        on_gone: Callable[[Generation], None] | None = None,
+        history: tuple[Message, ...] = (),
+        keep: Keep | None = None,
+    ) -> None:
+        super().__init__(render, history=history, keep=keep)
+        self.generate = generate
+        self.log = log.request(self.id)
+        self.driver = RequestDriver(
+            services,
+            dialect=self,
+            log=log,
+            session=Session(restart_bytes=0),
+            generations=generations,
+            on_gone=on_gone,
+        )
+
+    def cancel(self) -> None:
+        """End the response as cancelled (its last events are still written)."""
+        self.driver.cancel_soon()

@@ -36,7 +36,7 @@ from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning
 from .anthropic_http import PREFIX as MESSAGES_PREFIX
 from .anthropic_http import MessagesRoute
-from .connection import Connection
+from .connection import ProtocolDialect
 from .front import front_factory
 from .http import HttpContext, plain_answer, process_request
 from .listener import make_listening_socket, select_ws_subprotocol
@@ -50,9 +50,10 @@ from .pulls import Pulls
 from .responses_http import PREFIX as RESPONSES_PREFIX
 from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
-from .responses_socket import ResponsesSocket
+from .responses_socket import ResponsesDialect
 from .resume import Resumes
 from .services import Services
+from .socket_connection import SocketConnection, SocketDialectFactory
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
 
@@ -101,9 +102,8 @@ class Server:
             default_max_tokens=limits.default_max_tokens,
         )
         self.scheduler = self.models.default.scheduler
-        self.connections: dict[str, Connection] = {}
-        #: WebSocket-mode connections of the Responses API (aio/responses_socket.py).
-        self.responses_sockets: dict[str, ResponsesSocket] = {}
+        #: Every WebSocket connection, whatever its dialect.
+        self.connections: dict[str, SocketConnection] = {}
         self.background: set[asyncio.Task[Any]] = set()
         self.ready = asyncio.Event()
         self._ids = itertools.count(1)
@@ -158,6 +158,12 @@ class Server:
             engine_unready=self.models.unready_reason,
             routes=web_routes(),
         )
+        #: The WebSocket dialects by the path of the upgrade: the Responses
+        #: API's WebSocket mode, and on any other path the WebSocket protocol.
+        self._socket_dialects: dict[str, SocketDialectFactory] = {
+            RESPONSES_SOCKET: ResponsesDialect
+        }
+        self._protocol_dialect = functools.partial(ProtocolDialect, resumes=self.resumes)
         #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
         self.responses = ResponsesRoute(
             self._services,
@@ -268,39 +274,19 @@ class Server:
         await asyncio.shield(self._load_task)
 
     async def _handle(self, websocket: ServerConnection) -> None:
-        if websocket.request is not None and (
-            websocket.request.path.split("?", 1)[0] == RESPONSES_SOCKET
-        ):
-            await self._handle_responses(websocket)
-            return
+        path = websocket.request.path.split("?", 1)[0] if websocket.request is not None else "/"
+        dialect = self._socket_dialects.get(path, self._protocol_dialect)
         conn_id = f"c{next(self._ids)}"
-        connection = Connection(self._services, websocket, conn_id, resumes=self.resumes)
+        connection = SocketConnection(self._services, websocket, conn_id, dialect=dialect)
         self.connections[conn_id] = connection
         self.metrics.connections_total.inc()
         peer = websocket.remote_address
         conn_log = ConnectionLog(log, conn_id)
-        conn_log.info("open from %s", peer[0] if peer else "?")
+        conn_log.info("open from %s%s", peer[0] if peer else "?", connection.dialect.label)
         try:
             await connection.run()
         finally:
             del self.connections[conn_id]
-            self.connection_limiter.release(websocket)
-            self.metrics.connection_closed(websocket.protocol)
-            conn_log.info("closed (code %s)", websocket.close_code)
-
-    async def _handle_responses(self, websocket: ServerConnection) -> None:
-        """The Responses API's WebSocket mode (the upgrade asked for /v1/responses)."""
-        conn_id = f"c{next(self._ids)}"
-        socket = ResponsesSocket(self._services, websocket, conn_id)
-        self.responses_sockets[conn_id] = socket
-        self.metrics.connections_total.inc()
-        peer = websocket.remote_address
-        conn_log = ConnectionLog(log, conn_id)
-        conn_log.info("open from %s (Responses WebSocket mode)", peer[0] if peer else "?")
-        try:
-            await socket.run()
-        finally:
-            del self.responses_sockets[conn_id]
             self.connection_limiter.release(websocket)
             self.metrics.connection_closed(websocket.protocol)
             conn_log.info("closed (code %s)", websocket.close_code)
@@ -335,7 +321,6 @@ class Server:
         the detached ones (resumable requests whose connection was lost)."""
         tables = [c.generations for c in list(self.connections.values())]
         tables += [h.generations for h in list(self.api.live.values())]
-        tables += [r.generations for r in list(self.responses_sockets.values())]
         return [g for table in tables for g in list(table.values())] + self.resumes.detached()
 
     def producer_threads(self) -> int:
@@ -356,12 +341,9 @@ class Server:
             if since is not None:
                 blocked_seconds += max(0.0, now - since)
         http = list(self.api.live.values())
-        sockets = list(self.responses_sockets.values())
         return Snapshot(
-            connections=len(connections) + len(sockets),
-            buffered=[c.buffered_bytes() for c in connections]
-            + [h.buffered_bytes() for h in http]
-            + [r.buffered_bytes() for r in sockets],
+            connections=len(connections),
+            buffered=[c.buffered_bytes() for c in connections] + [h.buffered_bytes() for h in http],
             producers_alive=sum(1 for g in generations if g.alive()),
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
@@ -393,7 +375,6 @@ class Server:
             http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
-            *(r.shutdown(timeout=_FAREWELL_S) for r in list(self.responses_sockets.values())),
             self._http_gone(https),
             return_exceptions=True,
         )
