@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import FAKE_MODEL, make_config, timeout, wire
+from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
 from wsserver.anthropic_api import parse_body as anthropic_body
@@ -393,9 +394,11 @@ async def _fetch(request: Any) -> tuple[int, bytes, Any]:
 
 
 @pytest.mark.parametrize(
-    "dialect", [*DIALECTS, None], ids=[*(d.name for d in DIALECTS), "websocket"]
+    "dialect",
+    [*DIALECTS, None, "responses-socket"],
+    ids=[*(d.name for d in DIALECTS), "websocket", "responses-socket"],
 )
-async def test_a_request_resolves_its_model_once(dialect: Dialect | None) -> None:
+async def test_a_request_resolves_its_model_once(dialect: Dialect | str | None) -> None:
     """On its way in, not again in the driver nor in the pipeline: every
     lookup of a model by name goes through ``ModelPool.lookup``."""
     async with serving() as (server, _), aiohttp.ClientSession() as session:
@@ -413,7 +416,15 @@ async def test_a_request_resolves_its_model_once(dialect: Dialect | None) -> Non
                 await client.send({"type": "generate", "id": "g", "prompt": "stop"})
                 _, frames = await client.done("g")
                 assert frames[-1]["reason"] == "stop"
+        elif dialect == "responses-socket":
+            async with ws_connect(f"ws://127.0.0.1:{server.port}/v1/responses") as ws:
+                create = {"type": "response.create", "input": "stop", "model": FAKE_MODEL}
+                await ws.send(json.dumps(create))
+                while (event := json.loads(await ws.recv()))["type"] != "response.completed":
+                    assert event["type"] != "error", event
+                assert event["response"]["model"] == FAKE_MODEL
         else:
+            assert isinstance(dialect, Dialect)
             url = f"http://127.0.0.1:{server.port}{dialect.path}"
             body = {**dialect.body("stop", False), "model": FAKE_MODEL}
             status, _, _ = await _fetch(session.post(url, json=body))

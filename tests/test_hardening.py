@@ -32,8 +32,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from wsserver.aio import Server
-from wsserver.aio.connection import Connection
 from wsserver.aio.peer import PeerAwareConnection, memory_bound
+from wsserver.aio.socket_connection import SocketConnection
 from wsserver.logs import RepeatFilter, TextFormatter, escape_controls, setup_logging
 from wsserver.security import ConnectionLimiter, client_group
 
@@ -261,7 +261,7 @@ async def test_loopback_sources_share_one_per_client_limit() -> None:
 # ---------------------------------------------------------------- memory ceilings
 
 
-def _connection(server: Server) -> Connection:
+def _connection(server: Server) -> SocketConnection:
     """The newest connection (an earlier one may still be winding down)."""
     return list(server.connections.values())[-1]
 

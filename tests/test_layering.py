@@ -10,9 +10,11 @@
   (``wsserver.backends``) nor the configuration: the core depends on no engine.
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
   Responses API, Anthropic's Messages API — imports no other dialect's
-  modules: what they share is the request driver's, and the HTTP dialects'
+  modules: what they share is the request driver's, the HTTP dialects'
   the HTTP exchange's (``exchange.py``, ``aio/exchange.py``, the seam
-  ``aio/http_route.py``), which imports no dialect.
+  ``aio/http_route.py``), which imports no dialect, and the WebSocket
+  dialects' the one WebSocket connection's (``aio/socket_connection.py``,
+  ``sender.py``, ``peer.py``).
 * The request's way, the same for every wire — the request driver, the
   pipeline and what they share with every dialect — imports no websockets:
   the socket layer translates websockets' ``ConnectionClosed`` into the
@@ -54,7 +56,7 @@ CORE = [
 
 #: Each dialect's own modules (a wire's parsing, rendering and transport).
 DIALECTS = {
-    "websocket": {"wsserver.aio.connection", "wsserver.aio.sender", "wsserver.aio.peer"},
+    "websocket": {"wsserver.aio.connection"},
     "openai": {
         "wsserver.aio.openai_routes",
         "wsserver.openai_api",
@@ -115,6 +117,7 @@ SANS_IO = [
     "wsserver.pull.progress",
     "wsserver.pull.requests",
     "wsserver.backends.token_text",
+    "wsserver.lanes",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")

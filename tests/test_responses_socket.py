@@ -17,7 +17,11 @@ from test_metrics import scrape
 from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
+from wsserver.aio.driver import RequestDriver
 from wsserver.aio.peer import PeerAwareConnection
+from wsserver.aio.pipeline import Generation
+from wsserver.aio.responses_socket import ResponsesDialect
+from wsserver.aio.socket_connection import SocketConnection
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -60,6 +64,15 @@ def requests_ended(server: Server, reason: str) -> float:
     return value or 0.0
 
 
+def responses_socket(server: Server) -> tuple[SocketConnection, ResponsesDialect]:
+    """The one open connection in the Responses WebSocket mode, and its dialect."""
+    (connection,) = [
+        c for c in server.connections.values() if isinstance(c.dialect, ResponsesDialect)
+    ]
+    assert isinstance(connection.dialect, ResponsesDialect)
+    return connection, connection.dialect
+
+
 async def ws_text(server: Server, **fields: Any) -> str:
     async with wire(server) as client:
         await client.send({"type": "generate", "id": "w", **fields})
@@ -89,9 +102,9 @@ async def test_three_chained_creates_on_one_socket() -> None:
                 assert final.previous_response_id == previous
                 previous = final.id
                 texts.append(final.output_text)
-            (socket,) = server.responses_sockets.values()
-            assert len(socket.store) == 3
-            assert socket.store.bytes <= server.config.limits.responses_memory_bytes
+            _, dialect = responses_socket(server)
+            assert len(dialect.store) == 3
+            assert dialect.store.bytes <= server.config.limits.responses_memory_bytes
         # The third turn saw the whole conversation.
         expected = await ws_text(
             server,
@@ -203,7 +216,7 @@ async def test_closing_the_socket_mid_stream_frees_the_engine() -> None:
         finally:
             await client.close()
         assert reply.status == "incomplete"
-        assert not server.responses_sockets
+        assert not server.connections
         assert server.producer_threads() == 0
 
 
@@ -300,7 +313,9 @@ async def test_the_token_is_checked_at_the_upgrade() -> None:
                 pass
 
 
-async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on() -> None:
+async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A client sends ``response.create`` and never reads: once the kernel's
     buffers and the server's write buffer are full its producer pauses on the
     full channel, the memory held for the connection stays bounded (the
@@ -329,7 +344,7 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
             created = json.loads(await ws.recv())
             assert created["type"] == "response.created"
             ws.transport.pause_reading()  # from now on, read nothing
-            (hog,) = server.responses_sockets.values()
+            hog, dialect = responses_socket(server)
             assert isinstance(hog.ws, PeerAwareConnection)
             first = hog.generations[created["response"]["id"]]
             # The kernel's buffers are full once the server's write buffer
@@ -362,14 +377,14 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
             # Its closing events repeat the whole text (output_text.done, …), as the
             # Responses API has them: one of them now waits in the write buffer,
             # on top of the bound. The text is what the response keeps anyway.
-            text_bytes = len(hog.runs[first.request.id].render.text.encode())
+            text_bytes = len(dialect.runs[first.request.id].render.text.encode())
             bound += text_bytes + 4096
 
             # A second lane's response pauses too; closing the socket releases it.
-            table = hog.generations = _Announcing(hog.generations)
+            started = announcing_generations(monkeypatch)
             await ws.send(json.dumps({**create, "stream_id": "b"}))
             async with asyncio.timeout(timeout(30)):
-                second = await table.added.get()
+                second = await started.get()
             # It has the model, but its first event waits behind the first
             # response's last ones in the full write buffer: nothing is made.
             assert hog.ws.writing_paused.is_set()
@@ -377,7 +392,7 @@ async def test_a_never_reading_client_holds_bounded_memory_and_others_stream_on(
             ws.transport.abort()
         await handlers_finished(server)
         assert second.channel.tokens == 0
-        assert not server.responses_sockets
+        assert not server.connections
         assert server.producer_threads() == 0
         # Both slots are free again: two lanes of a new client run at once.
         async with connected(server) as again:
@@ -527,13 +542,16 @@ async def test_connections_take_turns_for_the_model_whatever_their_lanes() -> No
         assert metrics["wsserver_open_connections"] == 3
 
 
-class _Announcing(dict[str, Any]):
-    """A socket's generations table that announces each generation added."""
+def announcing_generations(monkeypatch: pytest.MonkeyPatch) -> asyncio.Queue[Generation]:
+    """From now on, each generation a request driver starts is announced in the queue."""
+    started: asyncio.Queue[Generation] = asyncio.Queue()
+    start = RequestDriver._start
 
-    def __init__(self, table: dict[str, Any]) -> None:
-        super().__init__(table)
-        self.added: asyncio.Queue[Any] = asyncio.Queue()
+    def announcing(driver: RequestDriver, effect: Any) -> None:
+        start(driver, effect)
+        generation = driver.generations.get(effect.request.id)
+        if generation is not None:
+            started.put_nowait(generation)
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.added.put_nowait(value)
+    monkeypatch.setattr(RequestDriver, "_start", announcing)
+    return started

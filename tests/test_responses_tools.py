@@ -19,6 +19,7 @@ import pytest
 from conftest import FAKE_MODEL, running_server, timeout
 
 from wsserver.aio import Server
+from wsserver.aio.responses_socket import ResponsesDialect
 
 THOUGHT = "The user wants 日本's weather 😀."
 OUTPUT = (
@@ -249,8 +250,9 @@ async def test_a_call_in_websocket_mode_answered_on_the_same_socket(calling: str
             )
             second = (await until_terminal(connection))[-1].response
             assert second.status == "completed"
-            (socket,) = server.responses_sockets.values()
-            entry = socket.store.get(second.id, 0.0)
+            (socket,) = server.connections.values()
+            assert isinstance(socket.dialect, ResponsesDialect)
+            entry = socket.dialect.store.get(second.id, 0.0)
             assert entry is not None
             roles = [m["role"] for m in entry.conversation]
             assert roles == ["user", "assistant", "tool", "assistant"]

@@ -476,11 +476,11 @@ async def test_queued_position_update_never_follows_the_done() -> None:
         await holder.until(lambda f: f["type"] == "started")
         await waiter.send({"type": "generate", "id": "w", "prompt": "p"})
         await waiter.until(lambda f: f["type"] == "queued")
-        (connection,) = [c for c in server.connections.values() if c.session.active_id == "w"]
+        (connection,) = [c for c in server.connections.values() if "w" in c.generations]
         # The scheduler reports a new position (the send is now scheduled as a
         # task) and, before that task runs, the client's cancel is handled.
         connection.generations["w"].queued(7)
-        await connection._receive(json.dumps({"type": "cancel", "id": "w"}))
+        await connection.dialect.receive(json.dumps({"type": "cancel", "id": "w"}))
         await waiter.until(lambda f: f["type"] == "done" and f["id"] == "w")
         # Anything still in flight for "w" would arrive before this reply.
         await waiter.send({"type": "cancel", "id": "w"})

@@ -5,13 +5,16 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
 :mod:`wsserver.pacing`, :mod:`wsserver.security`) and the engine seam
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
-    server        listening socket, lifecycle, shutdown; builds the rest
+    server        lifecycle, shutdown, the connection table; builds the rest
+    ├── listener       the listening socket (a small SO_SNDBUF), the subprotocol
     ├── front          the first request line: /v1 → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
-    ├── connection     the WebSocket dialect: receive loop, frame rate, frames out
-    │   ├── sender         frames to the socket (serialized as they are)
-    │   ├── peer           the websockets connection class, memory bound
+    ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
     │   └── pull_requests  its pull requests: progress frames, cancel, the model added
+    ├── socket_connection  one WebSocket connection, either dialect: receive loop,
+    │   │                  frame rate, one table of requests, closing, memory held
+    │   ├── sender         messages to the socket, drain-watched
+    │   └── peer           the websockets connection class, memory bound
     ├── openai_http    the HTTP/1.1 transport (h11) of the HTTP dialects: reading, timers, close
     │   ├── http_out       its write side: h11 events out, flow control, the drain watch
     │   └── http_router    the one route table (every HTTP API path) and the gate's checks
@@ -22,8 +25,8 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
-    ├── responses_socket the Responses API's WebSocket mode: lanes, response.cancel
-    ├── responses_run  one response on the driver, rendered as Responses events
+    ├── responses_socket the Responses API's WebSocket mode: lanes, a driver per lane, response.cancel
+    ├── responses_run  one response's frames rendered as Responses events (WebSocket mode)
     └── driver         the request driver: a request's way, the same for every dialect
         ├── request_log    a request's last log line (done), every wire
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize

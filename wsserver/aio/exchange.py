@@ -86,10 +86,13 @@ class Exchange:
         self, generate: Generate, asked: str | None, renderer_for: Callable[[str], Renderer]
     ) -> None:
         """Serve the request on the model ``asked`` for (:func:`resolve`), its
-        answer rendered by the renderer made for that model's name; returns
+        answer rendered by the renderer made for the name it is served under; returns
         once the answer is complete, or its client is gone (which is a cancel)."""
         generate, model = resolve(self._services, generate, asked)
-        self._renderer = renderer = renderer_for(model.name)
+        # The name it is served under: an alias's model's, or (an engine that
+        # picks among its upstreams' models) the name asked for.
+        assert generate.model is not None
+        self._renderer = renderer = renderer_for(generate.model)
         route = self._route
         answer = self._answer = HttpAnswer(route.out, route.headers, keepalive=renderer.keepalive)
         driver = self._driver = RequestDriver(

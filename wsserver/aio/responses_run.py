@@ -1,24 +1,24 @@
-"""One response of the Responses API's WebSocket mode on the request driver.
+"""One response of the Responses API's WebSocket mode, rendered as Responses events.
 
 (Over HTTP a response is an HTTP exchange's, :mod:`wsserver.aio.exchange`,
 rendered by :class:`~wsserver.responses_render.ResponseAnswer`.)
 
-A :class:`ResponseRun` runs its request exactly as a WebSocket ``generate``
-runs — a :class:`~wsserver.aio.driver.RequestDriver` with a
-:class:`~wsserver.session.Session` of its own takes it through the scheduler's
-queue, the engine, the bounded channel, the pacing and the cancel bookkeeping —
-and is the driver's :class:`~wsserver.aio.driver.Dialect`: it renders the
-frames it gets back as Responses events (:class:`~wsserver.responses_render.ResponseRender`)
-and hands them to its transport, JSON messages in WebSocket mode
-(:mod:`wsserver.aio.responses_socket`):
+A :class:`ResponseEvents` renders one response's frames — what a
+:class:`~wsserver.aio.driver.RequestDriver` gives back, the driver having
+taken the request through the scheduler's queue, the engine, the bounded
+channel, the pacing and the cancel bookkeeping exactly as a WebSocket
+``generate`` or a chat completion — as Responses events
+(:class:`~wsserver.responses_render.ResponseRender`), and hands them to its
+transport, JSON messages in WebSocket mode (:mod:`wsserver.aio.responses_socket`),
+whose lane's driver runs the lane's responses one after another.
 
-* ``queued`` → :meth:`ResponseRun.waiting`;
+* ``queued`` → :meth:`ResponseEvents.waiting`;
 * ``started`` → ``response.created``, ``response.in_progress``;
 * ``delta`` → ``response.output_text.delta`` (the item and part open first);
 * ``done`` → the item closed and ``response.completed`` / ``incomplete`` /
   ``failed`` — the conversation is kept for ``previous_response_id`` *before*
   that last event goes out, so a client may chain on it at once;
-* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseRun.refused`,
+* ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseEvents.refused`,
   with the status the HTTP exchange's table gives it (:func:`wsserver.exchange.failure_of`).
 
 A cancel — the client gone, ``response.cancel``, the server's shutdown — is
@@ -29,60 +29,33 @@ engine stops within one step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from ..exchange import failure_of
-from ..logs import ConnectionLog
-from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
+from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
 from ..responses_api import Message, refusal_wording
 from ..responses_render import Keep, ResponseRender
-from ..session import Session
-from .driver import RequestDriver
-from .pipeline import Generation
-from .services import Services
 
-__all__ = ["Keep", "ResponseRun"]
+__all__ = ["Keep", "ResponseEvents"]
 
 
-class ResponseRun:
-    """One response: the driver's dialect; a transport subclasses the three outputs."""
+class ResponseEvents:
+    """One response's frames rendered as Responses events; a transport
+    subclasses the three outputs. It drives nothing: a driver writes to it
+    (the WebSocket mode's lane driver)."""
 
     def __init__(
         self,
-        generate: Generate,
         render: ResponseRender,
         *,
-        services: Services,
-        log: ConnectionLog,
-        generations: dict[str, Generation],
-        on_gone: Callable[[Generation], None] | None = None,
         history: tuple[Message, ...] = (),
         keep: Keep | None = None,
     ) -> None:
-        self.generate = generate
         self.render = render
         self.id = render.id
-        self.log = log.request(self.id)
         self._history = history
         self._keep = keep
         self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.driver = RequestDriver(
-            services,
-            dialect=self,
-            log=log,
-            session=Session(restart_bytes=0),
-            generations=generations,
-            on_gone=on_gone,
-        )
-
-    async def start(self) -> None:
-        """Hand the request to the driver (it then runs on its own)."""
-        await self.driver.receive(self.generate)
-
-    def cancel(self) -> None:
-        """End the response as cancelled (its last events are still written)."""
-        self.driver.cancel_soon()
 
     # ------------------------------------------------------------ the dialect
 

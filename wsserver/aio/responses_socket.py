@@ -1,23 +1,37 @@
 """The Responses API's WebSocket mode: a WebSocket upgrade on ``/v1/responses``.
 
-The server hands a websockets connection whose handshake asked for
-``/v1/responses`` (same port, same Host/Origin/token checks as every upgrade;
-the token as ``Authorization: Bearer``, what the SDKs send) to a
-:class:`ResponsesSocket` instead of the WebSocket protocol's connection. It
-speaks the Responses event protocol, as ``client.responses.connect()`` does:
+A WebSocket connection whose handshake asked for ``/v1/responses`` (same
+port, same Host/Origin/token checks as every upgrade; the token as
+``Authorization: Bearer``, what the SDKs send) speaks this dialect on the one
+:class:`~wsserver.aio.socket_connection.SocketConnection` — its receive loop,
+frame rate, sender, drain, closing and memory count are the protocol's. What
+the Responses event protocol says differently, as ``client.responses.connect()``
+speaks it, is here:
 
 * ``response.create`` — the body of ``POST /v1/responses`` (``stream`` is
   implicit) plus ``stream_id``: responses of one lane run one after another
   (FIFO), lanes run side by side (up to :data:`MAX_LANES`, each holding at
-  most :data:`MAX_PENDING` waiting creates), sharing the engine through the
-  scheduler like any other requests; every event of a lane's response carries
-  its ``stream_id``;
+  most :data:`MAX_PENDING` waiting creates: :class:`~wsserver.lanes.Lanes`),
+  sharing the engine through the scheduler like any other requests, the
+  connection's requests counted together (connections take turns); every
+  event of a lane's response carries its ``stream_id``;
 * ``response.cancel`` with a ``response_id`` (an extension, under the
   Realtime API's name) — the response ends ``incomplete`` (``cancelled``) at
   once and its engine stops within one step, through the driver's cancel;
 * out: the events of :mod:`wsserver.responses_render`, each a JSON text
-  message; a refused event is an ``error`` event (``status``, ``error``) and
-  the connection stays usable.
+  message; a refused event is an ``error`` event (``status``, ``error``),
+  counted in the errors metric like every refusal, and the connection stays
+  usable;
+* the stall rule counts a connection's lanes together (:meth:`ResponsesDialect.stall`).
+
+**A driver per lane.** A lane is this mode's equivalent of one connection of
+our protocol: one request at a time, the next starting once the one before
+has ended. So each lane runs on a :class:`~wsserver.aio.driver.RequestDriver`
+of its own, with its own :class:`~wsserver.session.Session`, for all its
+responses; a lane that has run its last response gives its driver back for
+the next lane to open (at most :data:`MAX_LANES` drivers a connection). The
+session's rule carries over: a lane's next response starts once the engine of
+the one before is gone.
 
 ``previous_response_id`` continues a response of this connection: each
 finished response's conversation is kept in a
@@ -30,31 +44,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections import deque
 from http import HTTPStatus
 from typing import Any, Final
 
 import orjson
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from ..api_errors import ApiError, error_object
 from ..errors import ProtocolError, WireLost
-from ..logs import ConnectionLog
+from ..lanes import LaneLimit, Lanes
+from ..protocol import ServerFrame
 from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
 from ..responses_render import ResponseRender
 from ..responses_store import ResponseStore, StoredResponse
-from ..security import FrameLimiter
-from .drain import DrainWatch, write_buffered
-from .pipeline import Generation
+from ..session import Session
+from .driver import RequestDriver
+from .exchange import resolve
 from .responses_http import new_response_id, not_found
-from .responses_run import ResponseRun
-from .services import Services
+from .responses_run import ResponseEvents
+from .socket_connection import SocketContext
 
-__all__ = ["MAX_LANES", "MAX_PENDING", "PATH", "ResponsesSocket"]
-
-log = logging.getLogger("wsserver.responses")
+__all__ = ["MAX_LANES", "MAX_PENDING", "PATH", "ResponsesDialect"]
 
 PATH: Final = "/v1/responses"
 #: Lanes (``stream_id`` values) one connection may have at once.
@@ -63,83 +72,76 @@ MAX_LANES: Final = 8
 MAX_PENDING: Final = 16
 
 
-class SocketResponse(ResponseRun):
+class SocketResponse(ResponseEvents):
     """One response, its events sent as WebSocket messages."""
 
-    def __init__(self, *args: Any, socket: ResponsesSocket, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, dialect: ResponsesDialect, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._socket = socket
+        self._dialect = dialect
+        self._send = dialect.sender.send
 
     async def waiting(self) -> None:
         # The client learns the response's id now, and can cancel it while it waits.
         await self.emit(self.render.begin(), last=False)
 
     async def emit(self, events: list[dict[str, Any]], *, last: bool) -> None:
+        send = self._send
         for event in events:
-            await self._socket.send(event)
+            await send(orjson.dumps(event))
 
     async def refused(self, status: int, code: str, message: str) -> None:
-        await self._socket.send_error(status, code, message, None, self.render.request.stream_id)
+        await self._dialect.send_error(status, code, message, None, self.render.request.stream_id)
 
 
-class ResponsesSocket:
-    """Serves one WebSocket-mode client. Create per handshake and ``await run()``."""
+class _Lane:
+    """A lane's driver and the response it runs now (the driver's dialect)."""
 
-    def __init__(self, services: Services, websocket: ServerConnection, conn_id: str) -> None:
-        self.ws = websocket
-        self.conn_id = conn_id
-        self.log = ConnectionLog(log, conn_id)
-        self._services = services
-        config = services.config
+    __slots__ = ("driver", "response")
+
+    def __init__(self, socket: SocketContext) -> None:
+        self.response: SocketResponse | None = None
+        # Nothing to restart here: the session keeps no input beyond the newest.
+        self.driver = socket.new_driver(self, Session(restart_bytes=0))
+
+    async def write(self, frame: ServerFrame) -> None:
+        response = self.response
+        if response is not None:
+            await response.write(frame)
+
+
+class ResponsesDialect:
+    """The Responses WebSocket mode on one connection (a
+    :class:`~wsserver.aio.socket_connection.SocketDialect`)."""
+
+    label = " (Responses WebSocket mode)"
+
+    def __init__(self, socket: SocketContext) -> None:
+        self._socket = socket
+        self._services = socket.services
+        self._log = socket.log
+        #: The connection's sender: each event one JSON text message.
+        self.sender = socket.sender
         self._loop = asyncio.get_running_loop()
         #: This connection's responses, for previous_response_id.
-        self.store = ResponseStore(max_bytes=config.limits.responses_memory_bytes)
-        #: Generations started here whose engine is not gone yet.
-        self.generations: dict[str, Generation] = {}
+        self.store = ResponseStore(max_bytes=self._services.config.limits.responses_memory_bytes)
         #: Responses running (or waiting for the model), by id.
         self.runs: dict[str, SocketResponse] = {}
-        self._lanes: dict[str | None, deque[ResponsesRequest]] = {}
-        self._workers: dict[str | None, asyncio.Task[None]] = {}
+        self._lanes: Lanes[ResponsesRequest] = Lanes(max_lanes=MAX_LANES, max_pending=MAX_PENDING)
+        self._tasks: dict[str | None, asyncio.Task[None]] = {}
+        #: Every lane driver made here; ``_idle`` those no lane runs on now.
+        self._made: list[_Lane] = []
+        self._idle: list[_Lane] = []
         self._closed = False
-        self._watch = DrainWatch(
-            websocket.transport,
-            send_timeout=config.server.send_timeout_s,
-            stall_timeout=config.stream.stall_timeout_s or None,
-            on_stall=self._stall,
-            log=self.log,
-            request_id=lambda: next(iter(self.runs), None),
-        )
-        limits = config.limits
-        self._frame_limiter = FrameLimiter(
-            rate=limits.frames_per_s,
-            burst=limits.frames_burst,
-            close_after=limits.flood_close_after,
-            now=self._loop.time(),
-        )
+
+    def drivers(self) -> tuple[RequestDriver, ...]:
+        return tuple(lane.driver for lane in self._made)
+
+    async def greet(self) -> None:
+        return None  # the client speaks first
 
     # ------------------------------------------------------------ receiving
 
-    async def run(self) -> None:
-        try:
-            async for message in self.ws:
-                await self._receive(message)
-        except (ConnectionClosed, WireLost):
-            pass
-        finally:
-            await self.close()
-
-    async def _receive(self, message: str | bytes) -> None:
-        verdict = self._frame_limiter.check(self._loop.time())
-        if verdict == "flood":
-            self.log.warning("kept sending over the frame rate limit; closing")
-            self.ws.transport.abort()
-            return
-        if verdict != "ok":
-            limited = ApiError(
-                HTTPStatus.TOO_MANY_REQUESTS, "too many events; slow down", "rate_limited"
-            )
-            await self.refuse(limited, None)
-            return
+    async def receive(self, message: str | bytes) -> None:
         # Whatever a frame holds, it is refused with an error event and the
         # connection stays: its other lanes' responses go on.
         event: dict[str, Any] | None = None
@@ -160,32 +162,34 @@ class ResponsesSocket:
                 )
         except ApiError as exc:
             stream_id = event.get("stream_id") if event is not None else None
-            await self.refuse(exc, stream_id if isinstance(stream_id, str) else None)
+            await self._refuse(exc, stream_id if isinstance(stream_id, str) else None)
+
+    async def refuse(self, exc: ProtocolError) -> None:
+        await self._refuse(ApiError.from_protocol(exc), None)
 
     def _enqueue(self, request: ResponsesRequest) -> None:
-        lane = request.stream_id
-        queue = self._lanes.get(lane)
-        if queue is None:
-            if len(self._lanes) >= MAX_LANES:
-                raise ApiError(
-                    HTTPStatus.TOO_MANY_REQUESTS,
-                    f"at most {MAX_LANES} lanes (stream_id) at once per connection",
-                    "rate_limited",
-                    "stream_id",
-                )
-            queue = self._lanes[lane] = deque()
-        if len(queue) >= MAX_PENDING:
+        key = request.stream_id
+        try:
+            start = self._lanes.add(key, request)
+        except LaneLimit as limit:
+            message = (
+                f"at most {MAX_LANES} lanes (stream_id) at once per connection"
+                if limit.which == "lanes"
+                else f"at most {MAX_PENDING} response.create may wait in one lane"
+            )
             raise ApiError(
-                HTTPStatus.TOO_MANY_REQUESTS,
-                f"at most {MAX_PENDING} response.create may wait in one lane",
-                "rate_limited",
-                "stream_id",
+                HTTPStatus.TOO_MANY_REQUESTS, message, "rate_limited", "stream_id"
+            ) from None
+        if start is not None:
+            lane = self._idle.pop() if self._idle else self._new_lane()
+            self._tasks[key] = asyncio.create_task(
+                self._run_lane(key, lane, start), name=f"responses-{self._log.conn_id}-lane"
             )
-        queue.append(request)
-        if lane not in self._workers:
-            self._workers[lane] = asyncio.create_task(
-                self._lane(lane), name=f"responses-{self.conn_id}-lane"
-            )
+
+    def _new_lane(self) -> _Lane:
+        lane = _Lane(self._socket)
+        self._made.append(lane)
+        return lane
 
     def _cancel(self, event: dict[str, Any]) -> None:
         response_id = event.get("response_id")
@@ -197,28 +201,34 @@ class ResponsesSocket:
                 "response_not_found",
                 "response_id",
             )
-        run.log.info("response.cancel")
-        run.cancel()
+        self._log.request(run.id).info("response.cancel")
+        for lane in self._made:
+            if lane.response is run:
+                lane.driver.cancel_soon()
 
     # ------------------------------------------------------------ the lanes
 
-    async def _lane(self, lane: str | None) -> None:
-        queue = self._lanes[lane]
+    async def _run_lane(
+        self, key: str | None, lane: _Lane, request: ResponsesRequest | None
+    ) -> None:
+        """Run a lane's responses one after another, on the lane's driver."""
         try:
-            while queue and not self._closed:
-                request = queue.popleft()
+            while request is not None and not self._closed:
                 try:
-                    await self._respond(request)
+                    await self._respond(lane, request)
                 except ApiError as exc:
-                    await self.refuse(exc, request.stream_id)
+                    await self._refuse(exc, key)
+                request = self._lanes.done(key)
         except WireLost:
             pass
         finally:
-            if self._lanes.get(lane) is queue and not queue:
-                del self._lanes[lane]
-            self._workers.pop(lane, None)
+            if request is not None:
+                self._lanes.drop(key)  # ended early: the wire is lost, or closed
+            del self._tasks[key]
+            if not self._closed:
+                self._idle.append(lane)
 
-    async def _respond(self, request: ResponsesRequest) -> None:
+    async def _respond(self, lane: _Lane, request: ResponsesRequest) -> None:
         # Looked up now, not when the create arrived: FIFO within a lane lets a
         # client chain on the response just before it without waiting for it.
         history: tuple[Any, ...] = ()
@@ -230,55 +240,28 @@ class ResponsesSocket:
         response_id = new_response_id()
         services = self._services
         generate = to_generate(request, history, response_id, services.wire_limits)
+        generate, model = resolve(services, generate, request.model)  # once, as over HTTP
+        assert generate.model is not None  # the name it is served under
+        render = ResponseRender(request, response_id=response_id, model=generate.model)
+        response = SocketResponse(render, history=history, keep=self._keep, dialect=self)
+        lane.response = self.runs[response_id] = response
         try:
-            generate, model = services.models.for_api(generate, request.model)
-        except ProtocolError as exc:
-            raise ApiError.from_protocol(exc) from None
-        render = ResponseRender(request, response_id=response_id, model=model.name)
-        run = SocketResponse(
-            generate,
-            render,
-            services=services,
-            log=self.log,
-            generations=self.generations,
-            history=history,
-            keep=self._keep,
-            socket=self,
-        )
-        self.runs[response_id] = run
-        try:
-            await run.start()
-            await run.finished
+            await lane.driver.receive(generate, model=model)
+            await response.finished
         finally:
-            self.runs.pop(response_id, None)
+            lane.response = None
+            del self.runs[response_id]
 
     def _keep(self, response: dict[str, Any], conversation: tuple[Any, ...]) -> None:
         self.store.put(StoredResponse.of(response, conversation, expires=None), 0.0)
 
-    # ------------------------------------------------------------ sending
+    # ------------------------------------------------------------ refusing
 
-    async def send(self, event: dict[str, Any]) -> None:
-        """One event; waits while the client reads slowly (judged by the drain
-        watch). Raises :class:`~wsserver.errors.WireLost` if the client is gone
-        (websockets' ``ConnectionClosed`` stops here, as in ``sender.py``)."""
-        data = orjson.dumps(event)
-        interval = self._watch.interval
-        try:
-            async with asyncio.timeout(interval):
-                await self.ws.send(data, text=True)
-            return
-        except TimeoutError:
-            pass  # written; only the wait for the drain was cut short
-        except ConnectionClosed:
-            raise WireLost("the connection is closed") from None
-        if not await self._watch.wait(self.ws.drain, waited=interval):
-            raise WireLost("the connection is gone")
-
-    async def refuse(self, exc: ApiError, stream_id: str | None) -> None:
+    async def _refuse(self, exc: ApiError, stream_id: str | None) -> None:
         """An event refused here, before any driver saw it: counted in the
         errors metric and logged as every wire's refusals are, then sent."""
         self._services.metrics.errors.labels(exc.code).inc()
-        self.log.info("refused: %s %s", exc.code, exc.message, extra={"code": exc.code})
+        self._log.info("refused: %s %s", exc.code, exc.message, extra={"code": exc.code})
         await self.send_error(int(exc.status), exc.code, exc.message, exc.param, stream_id)
 
     async def send_error(
@@ -293,9 +276,14 @@ class ResponsesSocket:
         if stream_id is not None:
             event["stream_id"] = stream_id
         with contextlib.suppress(WireLost):
-            await self.send(event)
+            await self.sender.send(orjson.dumps(event))
 
-    def _stall(self) -> None:
+    # ------------------------------------------------------------ the connection's hooks
+
+    def busy(self) -> bool:
+        return len(self._lanes) > 0
+
+    def stall(self) -> None:
         """The client read nothing for the stall timeout. Its lanes count
         together: if a request of another connection waits for the model,
         every response of this one ends as stalled — running or still waiting
@@ -305,38 +293,21 @@ class ResponsesSocket:
         once the client takes the events before them."""
         mine = sum(
             1
-            for generation in list(self.generations.values())
+            for generation in list(self._socket.generations.values())
             if generation.slot is None and not generation.stopped
         )
         if self._services.models.waiting <= mine:
             return  # only this connection's own responses wait: nobody is harmed
-        for run in list(self.runs.values()):
-            run.driver.stall(every=True)
-
-    # ------------------------------------------------------------ closing
+        for lane in self._made:
+            if lane.response is not None:
+                lane.driver.stall(every=True)
 
     async def close(self) -> None:
-        """The socket is gone: cancel the running responses, wait for their engines."""
+        """The socket is gone: the lanes stop (the connection then closes
+        their drivers, which stop the engines) and the kept responses go."""
         self._closed = True
-        for worker in list(self._workers.values()):
-            worker.cancel()
-        runs = list(self.runs.values())
-        await asyncio.gather(*(run.driver.close() for run in runs), return_exceptions=True)
-        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.store.clear()
-        self._watch.detach()
-
-    async def shutdown(self, timeout: float | None = None) -> None:
-        """Server shutdown: end the running responses as cancelled, then close 1001."""
-        try:
-            async with asyncio.timeout(timeout):
-                for run in list(self.runs.values()):
-                    await run.driver.cancel_active()
-                await self.ws.close(1001, "server shutting down")
-        except (TimeoutError, ConnectionClosed):
-            self.ws.transport.abort()
-
-    def buffered_bytes(self) -> int:
-        """Bytes held for the client: channels + write buffer (/metrics)."""
-        held = sum(g.channel.buffered_bytes() for g in list(self.generations.values()))
-        return held + write_buffered(self.ws.transport)

@@ -1,11 +1,14 @@
-"""Writing frames to one WebSocket client.
+"""Writing messages to one WebSocket client, whatever its dialect.
 
-``send()`` writes a frame at once and then waits while the transport holds
+``send()`` writes a message at once and then waits while the transport holds
 more than ``write_limit`` bytes (the listening socket also has a small
 ``SO_SNDBUF``), so a slow reader parks the request's pump; its channel fills;
 its engine pauses. A wait longer than one watch interval is handed to the
 connection's :class:`~wsserver.aio.drain.DrainWatch`, which judges the client
 by its progress — the same watchdog as over HTTP.
+
+The dialect renders (a protocol frame serialized, a Responses event as JSON);
+the sender only moves the bytes, as one text message each.
 """
 
 from __future__ import annotations
@@ -16,32 +19,31 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from ..errors import WireLost
-from ..protocol import ServerFrame, serialize
 from .drain import DrainWatch
 
 __all__ = ["Sender"]
 
 
 class Sender:
-    """Sends frames to one client, watching its progress while it reads slowly."""
+    """Sends text messages to one client, watching its progress while it reads slowly."""
 
     def __init__(self, websocket: ServerConnection, watch: DrainWatch) -> None:
         self._ws = websocket
         self.watch = watch
 
-    async def send(self, frame: ServerFrame) -> None:
-        """Send one frame; raises :class:`~wsserver.errors.WireLost` if the
-        client is gone, or was aborted for reading nothing for
-        ``server.send_timeout_s``. This is the seam: websockets'
-        ``ConnectionClosed`` stops here, and the driver above knows no transport."""
-        data = serialize(frame)
+    async def send(self, data: bytes) -> None:
+        """Send one message (UTF-8 JSON, sent as text); raises
+        :class:`~wsserver.errors.WireLost` if the client is gone, or was aborted
+        for reading nothing for ``server.send_timeout_s``. This is the seam:
+        websockets' ``ConnectionClosed`` stops here, and the driver above knows
+        no transport."""
         interval = self.watch.interval
         try:
             async with asyncio.timeout(interval):
                 await self._ws.send(data, text=True)
             return
         except TimeoutError:
-            # The frame is written; only the wait for the drain was cut short.
+            # The message is written; only the wait for the drain was cut short.
             pass
         except ConnectionClosed:
             raise WireLost("the connection is closed") from None

@@ -18,15 +18,12 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, cast
 
 from websockets.asyncio.server import Server as WsServer
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.typing import Subprotocol
 
 from .. import __version__
 from ..backends import Backend, ModelEntry, create_models, default_aliases
@@ -35,11 +32,12 @@ from ..logs import ConnectionLog
 from ..protocol import Limits
 from ..pull.hub import Hub, HubSettings
 from ..responses_store import ResponseStore
-from ..security import ConnectionLimiter, Gatekeeper, exposure_warning, select_subprotocol
-from .connection import Connection
+from ..security import ConnectionLimiter, Gatekeeper, exposure_warning
+from .connection import ProtocolDialect
 from .front import front_factory
 from .http import HttpContext, plain_answer, process_request
 from .http_router import Router, api_routes
+from .listener import make_listening_socket, select_ws_subprotocol
 from .metrics import Metrics, ModelCollector, Snapshot
 from .models import ModelPool
 from .openai_gate import Gate, RateLimiter
@@ -49,9 +47,10 @@ from .pipeline import Generation
 from .pulls import Pulls
 from .responses_http import ResponsesRoute
 from .responses_socket import PATH as RESPONSES_SOCKET
-from .responses_socket import ResponsesSocket
+from .responses_socket import ResponsesDialect
 from .resume import Resumes
 from .services import Services
+from .socket_connection import SocketConnection, SocketDialectFactory
 from .upstream_metrics import UpstreamCollector
 from .web import web_routes
 
@@ -66,40 +65,6 @@ ORPHAN_GRACE_S = 1.0
 #: At shutdown, how long connections get for their last frames and closing
 #: handshake once the grace period is over (then they are aborted).
 _FAREWELL_S = 0.4
-
-
-def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
-    """A listening TCP socket whose accepted sockets inherit a small send buffer.
-
-    Linux autotunes send buffers to megabytes, which would swallow a slow
-    client's backlog before ``send()`` ever waits: the backpressure signal
-    would arrive seconds and megabytes late.
-    """
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, address = infos[0]
-    # IPPROTO_TCP, not 0: accepted sockets inherit the protocol number, and
-    # asyncio enables TCP_NODELAY only on sockets that say they are TCP.
-    # Without it Nagle's algorithm holds a first delta behind the unacknowledged
-    # ``started`` frame until the client's delayed ACK, up to ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if sndbuf > 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-        sock.bind(address)
-        sock.listen(512)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _select_subprotocol(
-    connection: ServerConnection, offered: Sequence[Subprotocol]
-) -> Subprotocol | None:
-    selected = select_subprotocol(offered)
-    return None if selected is None else Subprotocol(selected)
 
 
 class Server:
@@ -134,9 +99,8 @@ class Server:
             default_max_tokens=limits.default_max_tokens,
         )
         self.scheduler = self.models.default.scheduler
-        self.connections: dict[str, Connection] = {}
-        #: WebSocket-mode connections of the Responses API (aio/responses_socket.py).
-        self.responses_sockets: dict[str, ResponsesSocket] = {}
+        #: Every WebSocket connection, whatever its dialect.
+        self.connections: dict[str, SocketConnection] = {}
         self.background: set[asyncio.Task[Any]] = set()
         self.ready = asyncio.Event()
         self._ids = itertools.count(1)
@@ -191,6 +155,12 @@ class Server:
             engine_unready=self.models.unready_reason,
             routes=web_routes(),
         )
+        #: The WebSocket dialects by the path of the upgrade: the Responses
+        #: API's WebSocket mode, and on any other path the WebSocket protocol.
+        self._socket_dialects: dict[str, SocketDialectFactory] = {
+            RESPONSES_SOCKET: ResponsesDialect
+        }
+        self._protocol_dialect = functools.partial(ProtocolDialect, resumes=self.resumes)
         #: The Responses API over HTTP, and the responses it keeps (docs/responses-api.md).
         self.responses = ResponsesRoute(
             self._services,
@@ -245,7 +215,7 @@ class Server:
             ping_timeout=server.ping_interval_s or None,
             close_timeout=server.send_timeout_s,
             server_header=self.server_name,
-            select_subprotocol=_select_subprotocol,
+            select_subprotocol=select_ws_subprotocol,
             # Each client first meets the Front, which gives /v1 requests to the
             # OpenAI HTTP API and everything else to websockets' own connection.
             create_connection=cast(
@@ -301,39 +271,19 @@ class Server:
         await asyncio.shield(self._load_task)
 
     async def _handle(self, websocket: ServerConnection) -> None:
-        if websocket.request is not None and (
-            websocket.request.path.split("?", 1)[0] == RESPONSES_SOCKET
-        ):
-            await self._handle_responses(websocket)
-            return
+        path = websocket.request.path.split("?", 1)[0] if websocket.request is not None else "/"
+        dialect = self._socket_dialects.get(path, self._protocol_dialect)
         conn_id = f"c{next(self._ids)}"
-        connection = Connection(self._services, websocket, conn_id, resumes=self.resumes)
+        connection = SocketConnection(self._services, websocket, conn_id, dialect=dialect)
         self.connections[conn_id] = connection
         self.metrics.connections_total.inc()
         peer = websocket.remote_address
         conn_log = ConnectionLog(log, conn_id)
-        conn_log.info("open from %s", peer[0] if peer else "?")
+        conn_log.info("open from %s%s", peer[0] if peer else "?", connection.dialect.label)
         try:
             await connection.run()
         finally:
             del self.connections[conn_id]
-            self.connection_limiter.release(websocket)
-            self.metrics.connection_closed(websocket.protocol)
-            conn_log.info("closed (code %s)", websocket.close_code)
-
-    async def _handle_responses(self, websocket: ServerConnection) -> None:
-        """The Responses API's WebSocket mode (the upgrade asked for /v1/responses)."""
-        conn_id = f"c{next(self._ids)}"
-        socket = ResponsesSocket(self._services, websocket, conn_id)
-        self.responses_sockets[conn_id] = socket
-        self.metrics.connections_total.inc()
-        peer = websocket.remote_address
-        conn_log = ConnectionLog(log, conn_id)
-        conn_log.info("open from %s (Responses WebSocket mode)", peer[0] if peer else "?")
-        try:
-            await socket.run()
-        finally:
-            del self.responses_sockets[conn_id]
             self.connection_limiter.release(websocket)
             self.metrics.connection_closed(websocket.protocol)
             conn_log.info("closed (code %s)", websocket.close_code)
@@ -368,7 +318,6 @@ class Server:
         the detached ones (resumable requests whose connection was lost)."""
         tables = [c.generations for c in list(self.connections.values())]
         tables += [h.generations for h in list(self.api.live.values())]
-        tables += [r.generations for r in list(self.responses_sockets.values())]
         return [g for table in tables for g in list(table.values())] + self.resumes.detached()
 
     def producer_threads(self) -> int:
@@ -389,12 +338,9 @@ class Server:
             if since is not None:
                 blocked_seconds += max(0.0, now - since)
         http = list(self.api.live.values())
-        sockets = list(self.responses_sockets.values())
         return Snapshot(
-            connections=len(connections) + len(sockets),
-            buffered=[c.buffered_bytes() for c in connections]
-            + [h.buffered_bytes() for h in http]
-            + [r.buffered_bytes() for r in sockets],
+            connections=len(connections),
+            buffered=[c.buffered_bytes() for c in connections] + [h.buffered_bytes() for h in http],
             producers_alive=sum(1 for g in generations if g.alive()),
             producers_blocked=sum(1 for g in generations if g.channel.blocked_since is not None),
             blocked_seconds=blocked_seconds,
@@ -426,7 +372,6 @@ class Server:
             http.shutdown()
         await asyncio.gather(
             *(c.shutdown(timeout=_FAREWELL_S) for c in list(self.connections.values())),
-            *(r.shutdown(timeout=_FAREWELL_S) for r in list(self.responses_sockets.values())),
             self._http_gone(https),
             return_exceptions=True,
         )
