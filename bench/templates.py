@@ -35,7 +35,7 @@ from typing import Any
 
 from wsserver.backends.llama_template import ChatTemplate
 from wsserver.backends.llama_template_pool import BoundedTemplate, TemplatePool
-from wsserver.protocol import Message, ToolCall
+from wsserver.core.protocol import Message, ToolCall
 
 from .options import Options
 

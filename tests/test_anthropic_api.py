@@ -8,10 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from wsserver.anthropic_api import error_body, parse_body, to_generate
-from wsserver.anthropic_render import MessageRender, sse
-from wsserver.api_errors import ApiError, parse_json
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     MAX_STOP_STRINGS,
     CallPart,
     Done,
@@ -21,6 +18,9 @@ from wsserver.protocol import (
     ToolCall,
     Usage,
 )
+from wsserver.dialects.anthropic.api import error_body, parse_body, to_generate
+from wsserver.dialects.anthropic.render import MessageRender, sse
+from wsserver.dialects.api_errors import ApiError, parse_json
 
 LIMITS = Limits(max_tokens=100, max_prompt_chars=50)
 

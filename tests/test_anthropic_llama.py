@@ -18,7 +18,7 @@ from test_anthropic_http import sdk
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.llama import LlamaBackend
 from wsserver.config import Config
-from wsserver.protocol import Message, ToolCall
+from wsserver.core.protocol import Message, ToolCall
 
 pytestmark = pytest.mark.llama
 

@@ -13,7 +13,7 @@ from conftest import running_server, timeout, validate_server_frame, wire
 from fake_upstream import FakeUpstream
 from test_openai_backend import gen, relay
 
-from wsserver.protocol import Done, Timings, Usage, parse_server_frame, serialize
+from wsserver.core.protocol import Done, Timings, Usage, parse_server_frame, serialize
 
 
 def test_done_usage_carries_cached_tokens_and_reads_older_frames() -> None:

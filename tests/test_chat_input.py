@@ -12,9 +12,9 @@ import pytest
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.fake import FakeBackend
 from wsserver.backends.openai_wire import request_body
+from wsserver.core.protocol import Generate, Limits, Message, ToolCall, parse_client_frame
+from wsserver.dialects.openai.api import ApiError, parse_request
 from wsserver.errors import ProtocolError
-from wsserver.openai_api import ApiError, parse_request
-from wsserver.protocol import Generate, Limits, Message, ToolCall, parse_client_frame
 
 TOOL = {
     "type": "function",

@@ -16,7 +16,7 @@ from wsserver_client.core import (
     ToolCallDelta,
 )
 
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     Delta,
     Done,
     DoneReason,
@@ -30,7 +30,7 @@ from wsserver.protocol import (
     Usage,
     serialize,
 )
-from wsserver.tool_calls import CallPart
+from wsserver.shaping.tool_calls import CallPart
 
 
 def wire(frame: ServerFrame) -> bytes:
@@ -201,7 +201,7 @@ def test_the_core_does_no_io() -> None:
         if isinstance(node, ast.ImportFrom)
     }
     assert not imported & {"asyncio", "websockets", "socket", "threading", "selectors"}, imported
-    assert "wsserver" in imported  # the frames come from wsserver.protocol
+    assert "wsserver" in imported  # the frames come from wsserver.core.protocol
 
 
 def test_reasoning_text_and_call_parts_become_typed_events_in_order() -> None:

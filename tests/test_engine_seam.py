@@ -25,7 +25,7 @@ from wsserver.backends.base import (
     Sink,
     Submission,
 )
-from wsserver.call_parts import CallPart
+from wsserver.core.call_parts import CallPart
 from wsserver.errors import GenerationCancelled
 
 

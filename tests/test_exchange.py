@@ -26,22 +26,22 @@ from conftest import FAKE_MODEL, make_config, timeout, wire
 from websockets.asyncio.client import connect as ws_connect
 
 from wsserver.aio import Server
-from wsserver.anthropic_api import parse_body as anthropic_body
-from wsserver.anthropic_render import MessageAnswer, MessageRender
 from wsserver.backends.base import GenerationRequest, Outcome, TokenSink
 from wsserver.backends.fake import FakeBackend
+from wsserver.core.protocol import CallPart, Delta, Done, Error, Generate, Limits, Timings, Usage
+from wsserver.dialects.anthropic.api import parse_body as anthropic_body
+from wsserver.dialects.anthropic.render import MessageAnswer, MessageRender
+from wsserver.dialects.exchange import ENDINGS, Renderer, ending
+from wsserver.dialects.openai.api import parse_request
+from wsserver.dialects.openai.render import CompletionAnswer
+from wsserver.dialects.responses.api import parse_body as responses_body
+from wsserver.dialects.responses.render import ResponseAnswer, ResponseRender
 from wsserver.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     BackendError,
     GenerationCancelled,
     ProtocolError,
 )
-from wsserver.exchange import ENDINGS, Renderer, ending
-from wsserver.openai_api import parse_request
-from wsserver.openai_render import CompletionAnswer
-from wsserver.protocol import CallPart, Delta, Done, Error, Generate, Limits, Timings, Usage
-from wsserver.responses_api import parse_body as responses_body
-from wsserver.responses_render import ResponseAnswer, ResponseRender
 
 # ---------------------------------------------------------------- the engine
 

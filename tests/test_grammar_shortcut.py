@@ -27,7 +27,7 @@ from test_llama_backend import loaded, request, run  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_grammar import Candidates, GrammarCache  # noqa: E402
-from wsserver.sampling import Sampling  # noqa: E402
+from wsserver.core.sampling import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

@@ -10,7 +10,13 @@ import json
 
 import pytest
 
-from wsserver.json_text import JsonEvent, JsonExtent, JsonScanner, StringDecoder, json_extent
+from wsserver.shaping.json_text import (
+    JsonEvent,
+    JsonExtent,
+    JsonScanner,
+    StringDecoder,
+    json_extent,
+)
 
 #: The inside of JSON strings (as written, up to the closing quote), and what
 #: each decodes to: every escape, a pair for 😀 written as two \\u escapes, a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wsserver.lanes import LaneLimit, Lanes
+from wsserver.core.lanes import LaneLimit, Lanes
 
 
 def test_a_new_lane_starts_its_request_at_once_a_busy_one_queues_it_in_order() -> None:

@@ -1,17 +1,20 @@
 """The architecture, checked: the layers, the seam, and no import cycle.
 
-* The sans-I/O core (protocol, session, pacing, textstream, security), the
-  leaves (errors, config, logs) and the engine seam (backends/base.py) import
+* The sans-I/O core (``wsserver/core``), output shaping (``wsserver/shaping``),
+  the dialects' parsers and renderers (``wsserver/dialects``), the leaves
+  (errors, config, logs, security) and the engine seam (backends/base.py) import
   no I/O framework: no asyncio, websockets, janus, prometheus_client or
   llama_cpp — checked in a fresh interpreter, so indirect imports count too.
 * None of them imports anything from the asyncio layer (``wsserver.aio``).
-* The sans-I/O core (protocol, client frames, session, events, request
-  records, replay tails) loads neither the engines' package
+* The sans-I/O core (every module of ``wsserver/core``: protocol, client
+  frames, session, events, request records, replay tails, …) loads neither the engines' package
   (``wsserver.backends``) nor the configuration: the core depends on no engine.
+* ``wsserver/core`` imports neither ``shaping`` nor ``dialects``, and
+  ``shaping`` imports no dialect: the packages' order is the import direction.
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
   Responses API, Anthropic's Messages API — imports no other dialect's
   modules: what they share is the request driver's, the HTTP dialects'
-  the HTTP exchange's (``exchange.py``, ``aio/exchange.py``, the seam
+  the HTTP exchange's (``dialects/exchange.py``, ``aio/exchange.py``, the seam
   ``aio/http_route.py``), which imports no dialect, and the WebSocket
   dialects' the one WebSocket connection's (``aio/socket_connection.py``,
   ``sender.py``, ``peer.py``).
@@ -43,54 +46,42 @@ PACKAGES = {
     "wsserver_client": ROOT / "clients" / "python" / "wsserver_client",
 }
 
-#: The core a request's state lives in: sans-I/O, and above the engines.
-CORE = [
-    "wsserver.protocol",
-    "wsserver.client_frames",
-    "wsserver.events",
-    "wsserver.replay",
-    "wsserver.request_record",
-    "wsserver.session",
-    "wsserver.transitions",
-]
 
-#: Each dialect's own modules (a wire's parsing, rendering and transport).
+def modules_in(package: str) -> list[str]:
+    """Every module of one of wsserver's packages, by name (the package's own)."""
+    folder = ROOT.joinpath(*package.split("."))
+    return sorted(
+        package if path.stem == "__init__" else f"{package}.{path.stem}"
+        for path in folder.glob("*.py")
+    )
+
+
+#: The core a request's state lives in — every module of ``wsserver/core``,
+#: the list the README's architecture gives: sans-I/O, and above the engines.
+CORE = modules_in("wsserver.core")
+
+#: The dialects' halves without I/O, one package each (``wsserver/dialects``).
+DIALECT_PACKAGES = ("openai", "anthropic", "responses")
+
+#: Each dialect's own modules (a wire's parsing, rendering and transport): its
+#: package under ``wsserver/dialects`` and its asyncio half.
 DIALECTS = {
     "websocket": {"wsserver.aio.connection"},
-    "openai": {
-        "wsserver.aio.openai_routes",
-        "wsserver.openai_api",
-        "wsserver.openai_render",
-    },
-    "anthropic": {
-        "wsserver.aio.anthropic_http",
-        "wsserver.anthropic_api",
-        "wsserver.anthropic_content",
-        "wsserver.anthropic_render",
-    },
-    "responses": {
-        "wsserver.aio.responses_run",
-        "wsserver.aio.responses_http",
-        "wsserver.aio.responses_socket",
-        "wsserver.responses_api",
-        "wsserver.responses_items",
-        "wsserver.responses_render",
-        "wsserver.responses_store",
-    },
+    **{name: set(modules_in(f"wsserver.dialects.{name}")) for name in DIALECT_PACKAGES},
+}
+DIALECTS["openai"] |= {"wsserver.aio.openai_routes"}
+DIALECTS["anthropic"] |= {"wsserver.aio.anthropic_http"}
+DIALECTS["responses"] |= {
+    "wsserver.aio.responses_run",
+    "wsserver.aio.responses_http",
+    "wsserver.aio.responses_socket",
 }
 
 SANS_IO = [
     *CORE,
-    "wsserver.pacing",
-    "wsserver.textstream",
-    "wsserver.shaping",
-    "wsserver.reasoning",
-    "wsserver.tool_calls",
-    "wsserver.text_calls",
-    "wsserver.tool_relay",
-    "wsserver.call_parts",
-    "wsserver.call_stream",
-    "wsserver.json_text",
+    *modules_in("wsserver.shaping"),
+    *modules_in("wsserver.dialects"),
+    *(m for name in DIALECT_PACKAGES for m in modules_in(f"wsserver.dialects.{name}")),
     "wsserver.sse",
     "wsserver.security",
     "wsserver.errors",
@@ -99,25 +90,12 @@ SANS_IO = [
     "wsserver.backends.base",
     "wsserver.backends.request",
     "wsserver.backends.openai_wire",
-    "wsserver.openai_api",
-    "wsserver.openai_render",
-    "wsserver.api_errors",
-    "wsserver.exchange",
-    "wsserver.responses_api",
-    "wsserver.responses_items",
-    "wsserver.responses_render",
-    "wsserver.responses_store",
-    "wsserver.anthropic_api",
-    "wsserver.anthropic_content",
-    "wsserver.anthropic_render",
-    "wsserver.models",
     "wsserver.backends.gguf_meta",
+    "wsserver.backends.token_text",
     "wsserver.pull",
     "wsserver.pull.reference",
     "wsserver.pull.progress",
     "wsserver.pull.requests",
-    "wsserver.backends.token_text",
-    "wsserver.lanes",
 ]
 
 IO_FRAMEWORKS = ("asyncio", "websockets", "janus", "prometheus_client", "llama_cpp", "aiohttp")
@@ -162,11 +140,28 @@ def test_no_dialect_imports_another(dialect: str) -> None:
         assert not crossing, f"{module} imports {sorted(crossing)}"
 
 
+#: The sans-I/O packages in the order they may import each other: each one
+#: only those before it (the README's tree: shaping stands on the core, the
+#: dialects on both).
+SANS_IO_PACKAGES = ("wsserver.core", "wsserver.shaping", "wsserver.dialects")
+
+
+@pytest.mark.parametrize("package", SANS_IO_PACKAGES)
+def test_the_sans_io_packages_import_in_one_direction(package: str) -> None:
+    graph = _import_graph()
+    later = SANS_IO_PACKAGES[SANS_IO_PACKAGES.index(package) + 1 :]
+    mine = [m for m in graph if m == package or m.startswith(package + ".")]
+    assert mine, f"{package} has no modules any more: update SANS_IO_PACKAGES"
+    for module in mine:
+        crossing = sorted(t for t in graph[module] if t.startswith(tuple(p + "." for p in later)))
+        assert not crossing, f"{module} imports {crossing}"
+
+
 #: What every HTTP dialect stands on: the HTTP exchange (both halves), the
 #: seam to the routes, the answer's writing, the transport's write side.
 HTTP_SHARED = [
-    "wsserver.api_errors",
-    "wsserver.exchange",
+    "wsserver.dialects.api_errors",
+    "wsserver.dialects.exchange",
     "wsserver.aio.exchange",
     "wsserver.aio.http_route",
     "wsserver.aio.http_answer",
@@ -302,7 +297,7 @@ KNOWN_EDGES = [
     ("wsserver.aio.server", "wsserver.aio.connection"),
     ("wsserver.aio.pipeline", "wsserver.backends.base"),
     ("wsserver.backends", "wsserver.backends.llama"),  # a lazy import
-    ("wsserver.session", "wsserver.protocol"),
+    ("wsserver.core.session", "wsserver.core.protocol"),
     ("wsserver.aio.server", "wsserver"),  # from .. import __version__
     ("bench.upstream", "bench.common"),
     ("bench.analysis", "bench.upstream"),

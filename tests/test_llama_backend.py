@@ -33,7 +33,7 @@ from wsserver.aio.peer import PeerAwareConnection  # noqa: E402
 from wsserver.backends.base import CancelEvent, GenerationRequest  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_chat import CHAT_FALLBACK_STOPS, plain_chat_prompt  # noqa: E402
-from wsserver.protocol import Message  # noqa: E402
+from wsserver.core.protocol import Message  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

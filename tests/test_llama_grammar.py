@@ -25,8 +25,8 @@ from test_llama_backend import RecordingSink, Running, loaded, request, run  # n
 from wsserver.backends.base import CancelEvent  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_grammar import GrammarCache, utf8_needed  # noqa: E402
+from wsserver.core.protocol import Generate  # noqa: E402
 from wsserver.errors import BackendError, ProtocolError  # noqa: E402
-from wsserver.protocol import Generate  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

@@ -27,8 +27,8 @@ from test_llama_backend import Running, loaded, request, run  # noqa: E402
 from test_llama_sampling import llama_config  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
-from wsserver.logprobs import TokenLogprob  # noqa: E402
-from wsserver.sampling import Sampling  # noqa: E402
+from wsserver.core.logprobs import TokenLogprob  # noqa: E402
+from wsserver.core.sampling import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

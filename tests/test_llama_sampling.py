@@ -21,9 +21,9 @@ from conftest import make_config, running_server, timeout, wire  # noqa: E402
 from test_llama_backend import loaded, request, run  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
+from wsserver.core.protocol import Generate  # noqa: E402
+from wsserver.core.sampling import Sampling  # noqa: E402
 from wsserver.errors import ProtocolError  # noqa: E402
-from wsserver.protocol import Generate  # noqa: E402
-from wsserver.sampling import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

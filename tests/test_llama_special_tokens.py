@@ -28,7 +28,7 @@ from wsserver.aio import Server  # noqa: E402
 from wsserver.backends.base import CancelEvent, GenerationRequest, Sink, Submission  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.config import Config  # noqa: E402
-from wsserver.sampling import Sampling  # noqa: E402
+from wsserver.core.sampling import Sampling  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

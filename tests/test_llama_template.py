@@ -27,8 +27,8 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_template import ChatTemplate, template_messages  # noqa: E402
+from wsserver.core.protocol import Generate, Limits, Message, ToolCall, parse_client_frame  # noqa: E402
 from wsserver.errors import BackendError, ModelLoadError, ProtocolError  # noqa: E402
-from wsserver.protocol import Generate, Limits, Message, ToolCall, parse_client_frame  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

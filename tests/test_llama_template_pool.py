@@ -27,8 +27,8 @@ from wsserver.backends.llama_template_pool import (
     TemplatePool,
 )
 from wsserver.backends.llama_template_worker import encode_frame, read_frame
+from wsserver.core.protocol import Message, ToolCall
 from wsserver.errors import BackendError
-from wsserver.protocol import Message, ToolCall
 
 TOOLS_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"

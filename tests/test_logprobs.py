@@ -18,13 +18,10 @@ from test_openai_http import sdk
 
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.fake import fake_logprob
-from wsserver.errors import ProtocolError
-from wsserver.events import TextProduced
-from wsserver.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, legacy_logprobs
-from wsserver.openai_api import ApiError, parse_request
-from wsserver.openai_render import Reply
-from wsserver.pacing import Coalescer
-from wsserver.protocol import (
+from wsserver.core.events import TextProduced
+from wsserver.core.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, legacy_logprobs
+from wsserver.core.pacing import Coalescer
+from wsserver.core.protocol import (
     Delta,
     Done,
     Generate,
@@ -35,7 +32,10 @@ from wsserver.protocol import (
     parse_server_frame,
     serialize,
 )
-from wsserver.session import Send, Session
+from wsserver.core.session import Send, Session
+from wsserver.dialects.openai.api import ApiError, parse_request
+from wsserver.dialects.openai.render import Reply
+from wsserver.errors import ProtocolError
 
 LIMITS = Limits()
 
@@ -153,7 +153,7 @@ def test_the_session_sends_entries_even_without_text() -> None:
     session = Session()
     generate = Generate(id="a", prompt="p", logprobs=True)
     session.handle(generate, 0.0)
-    from wsserver.events import ModelGranted
+    from wsserver.core.events import ModelGranted
 
     session.handle(ModelGranted("a"), 0.0)
     (send,) = session.handle(TextProduced("a", "", 1, logprobs=(entry("x"),)), 0.1)

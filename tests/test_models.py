@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from wsserver.models import Resident, plan_room
+from wsserver.core.models import Resident, plan_room
 
 # ---------------------------------------------------------------- the planner (sans-I/O)
 

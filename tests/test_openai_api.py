@@ -10,9 +10,9 @@ import pytest
 
 from wsserver.aio.front import is_openai_target
 from wsserver.backends.openai_wire import parse_chunk
-from wsserver.openai_api import ApiError, error_body, parse_request, status_of
-from wsserver.openai_render import Reply
-from wsserver.protocol import Done, Limits, Message, Timings, Usage
+from wsserver.core.protocol import Done, Limits, Message, Timings, Usage
+from wsserver.dialects.openai.api import ApiError, error_body, parse_request, status_of
+from wsserver.dialects.openai.render import Reply
 from wsserver.sse import SSEParser
 
 LIMITS = Limits(max_prompt_chars=100, max_tokens=50)

@@ -19,7 +19,7 @@ from fake_upstream import PIECES, FakeUpstream
 from test_openai_backend import gen, relay
 
 from wsserver.backends.openai_wire import UPSTREAM_TIMINGS, parse_chunk
-from wsserver.protocol import Done, parse_server_frame
+from wsserver.core.protocol import Done, parse_server_frame
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wsserver.pacing import Coalescer
+from wsserver.core.pacing import Coalescer
 
 
 def drive(pacing: Coalescer, arrivals: list[tuple[float, str]]) -> list[tuple[float, str]]:

@@ -1,8 +1,8 @@
 """Property-based tests of the frame parser and the session state machine (no I/O).
 
-A simulated connection feeds :class:`wsserver.session.Session` with random
+A simulated connection feeds :class:`wsserver.core.session.Session` with random
 client frames (valid and not, duplicate IDs, all types) through
-:func:`wsserver.protocol.parse_client_frame`, interleaved at random with what
+:func:`wsserver.core.protocol.parse_client_frame`, interleaved at random with what
 producers report (queued, started, prompt processed, delta, finish, rejected,
 producer stopped) — the way ``wsserver.aio`` drives it, minus sockets
 and threads. Invariants, checked on every run:
@@ -23,8 +23,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsserver.errors import ProtocolError
-from wsserver.events import (
+from wsserver.core.events import (
     Finished,
     ModelGranted,
     Outcome,
@@ -34,7 +33,7 @@ from wsserver.events import (
     Rejected,
     TextProduced,
 )
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     Delta,
     Done,
     Error,
@@ -45,8 +44,9 @@ from wsserver.protocol import (
     parse_client_frame,
     serialize,
 )
-from wsserver.session import Send, Session, StartGeneration, StopGeneration
-from wsserver.transitions import TRANSITIONS
+from wsserver.core.session import Send, Session, StartGeneration, StopGeneration
+from wsserver.core.transitions import TRANSITIONS
+from wsserver.errors import ProtocolError
 
 LIMITS = Limits(max_frame_bytes=4096, max_prompt_chars=200, max_messages=4, max_tokens=64)
 IDS = st.sampled_from(["a", "b", "c", "d", "e"])

@@ -8,9 +8,8 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME, SERVER_FRAME
 
-from wsserver import protocol
-from wsserver.errors import WIRE_CODES, ProtocolError
-from wsserver.protocol import (
+from wsserver.core import protocol
+from wsserver.core.protocol import (
     Cancel,
     Delta,
     Done,
@@ -29,6 +28,7 @@ from wsserver.protocol import (
     parse_server_frame,
     serialize,
 )
+from wsserver.errors import WIRE_CODES, ProtocolError
 
 LIMITS = Limits(max_frame_bytes=4096, max_prompt_chars=100, max_messages=3, max_tokens=50)
 

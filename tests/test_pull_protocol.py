@@ -16,9 +16,9 @@ import pytest
 from conftest import handlers_finished, make_config, running_server, timeout, wire
 from fake_hub import FakeHub, sha256
 
+from wsserver.core.models import ModelInfo
+from wsserver.core.protocol import Pull, PullDone, Pulling, parse_server_frame, serialize
 from wsserver.errors import ProtocolError
-from wsserver.models import ModelInfo
-from wsserver.protocol import Pull, PullDone, Pulling, parse_server_frame, serialize
 from wsserver.pull.progress import Progress
 from wsserver.pull.reference import parse_reference
 from wsserver.pull.requests import PullRequests

@@ -14,11 +14,19 @@ import openai
 import pytest
 from conftest import FAKE_MODEL, make_config, running_server, timeout, validate_server_frame, wire
 
-from wsserver.openai_api import parse_request
-from wsserver.pacing import Coalescer
-from wsserver.protocol import Delta, Done, Limits, Timings, Usage, parse_server_frame, serialize
-from wsserver.reasoning import ReasoningSplitter, opens_reasoning
-from wsserver.textstream import TextAssembler
+from wsserver.core.pacing import Coalescer
+from wsserver.core.protocol import (
+    Delta,
+    Done,
+    Limits,
+    Timings,
+    Usage,
+    parse_server_frame,
+    serialize,
+)
+from wsserver.core.textstream import TextAssembler
+from wsserver.dialects.openai.api import parse_request
+from wsserver.shaping.reasoning import ReasoningSplitter, opens_reasoning
 
 THOUGHT = "<think>\nLet me see: 日本 é 😀 </th</think>\n\n The answer is 42 </think> ok"
 REASONING = "\nLet me see: 日本 é 😀 </th"

@@ -21,14 +21,14 @@ import orjson
 import pytest
 from conftest import FAKE_MODEL, running_server, wire
 
-from wsserver.anthropic_api import parse_body, to_generate
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.fake import FakeBackend
 from wsserver.backends.openai_wire import request_body
+from wsserver.core.protocol import Generate, Limits, Message, parse_client_frame
+from wsserver.dialects.anthropic.api import parse_body, to_generate
+from wsserver.dialects.openai.api import parse_request
 from wsserver.errors import ProtocolError
-from wsserver.openai_api import parse_request
-from wsserver.protocol import Generate, Limits, Message, parse_client_frame
-from wsserver.reasoning import FORCED_CLOSE, ReasoningBudget
+from wsserver.shaping.reasoning import FORCED_CLOSE, ReasoningBudget
 
 CHAT = [{"role": "user", "content": "Think first."}]
 

@@ -2,7 +2,7 @@
 WebSocket ``messages[].reasoning``, OpenAI's ``reasoning_content``,
 Anthropic's ``thinking`` blocks of the tool-use loop in progress (earlier
 turns' dropped) and the Responses API's ``reasoning`` items all land on the
-core's :class:`~wsserver.chat_input.Message`; templates and upstreams get it as
+core's :class:`~wsserver.core.chat_input.Message`; templates and upstreams get it as
 ``reasoning_content`` (llama.cpp's name), the plain-text fallback leaves it out.
 
 The llama engine's rendering and count of it are in
@@ -18,14 +18,9 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME
 
-from wsserver.anthropic_api import parse_body as anthropic_body
-from wsserver.anthropic_api import to_generate as anthropic_generate
-from wsserver.api_errors import ApiError
 from wsserver.backends.base import GenerationRequest
 from wsserver.backends.openai_wire import request_body
-from wsserver.errors import ProtocolError
-from wsserver.openai_api import parse_request
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     CallPart,
     Done,
     Generate,
@@ -36,10 +31,15 @@ from wsserver.protocol import (
     Usage,
     parse_client_frame,
 )
-from wsserver.responses_api import ResponsesRequest
-from wsserver.responses_api import parse_body as responses_body
-from wsserver.responses_api import to_generate as responses_generate
-from wsserver.responses_render import ResponseRender
+from wsserver.dialects.anthropic.api import parse_body as anthropic_body
+from wsserver.dialects.anthropic.api import to_generate as anthropic_generate
+from wsserver.dialects.api_errors import ApiError
+from wsserver.dialects.openai.api import parse_request
+from wsserver.dialects.responses.api import ResponsesRequest
+from wsserver.dialects.responses.api import parse_body as responses_body
+from wsserver.dialects.responses.api import to_generate as responses_generate
+from wsserver.dialects.responses.render import ResponseRender
+from wsserver.errors import ProtocolError
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path":"."}'}}
 LS = ToolCall("c1", "ls", '{"path":"."}')

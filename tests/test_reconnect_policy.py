@@ -26,7 +26,7 @@ from wsserver_client.core import Request, RequestTable
 from wsserver_client.reconnect import ReconnectPolicy
 from wsserver_client.sync import Client as SyncClient
 
-from wsserver.protocol import Delta, Error, Resumed, Started, serialize
+from wsserver.core.protocol import Delta, Error, Resumed, Started, serialize
 
 TABLE: dict[str, Any] = json.loads((ROOT / "clients" / "reconnect-policy.json").read_text())
 

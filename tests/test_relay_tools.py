@@ -18,7 +18,7 @@ from test_openai_backend import relay
 from test_openai_http import base_url
 
 from wsserver.backends.openai_wire import ToolDelta, UpstreamError, parse_chunk
-from wsserver.tool_calls import CallPart, ToolSplit, parser_for
+from wsserver.shaping.tool_calls import CallPart, ToolSplit, parser_for
 
 WEATHER: Any = {
     "type": "function",

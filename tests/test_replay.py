@@ -8,8 +8,7 @@ import orjson
 import pytest
 from conftest import CLIENT_FRAME, SERVER_FRAME
 
-from wsserver.errors import ProtocolError
-from wsserver.events import (
+from wsserver.core.events import (
     DoneDelivered,
     Finished,
     ModelGranted,
@@ -17,7 +16,7 @@ from wsserver.events import (
     ProducerExited,
     TextProduced,
 )
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     Cancel,
     Delta,
     Done,
@@ -31,8 +30,9 @@ from wsserver.protocol import (
     parse_server_frame,
     serialize,
 )
-from wsserver.replay import ReplayTail
-from wsserver.session import Send, Session, StartGeneration
+from wsserver.core.replay import ReplayTail
+from wsserver.core.session import Send, Session, StartGeneration
+from wsserver.errors import ProtocolError
 
 LIMITS = Limits()
 

@@ -8,12 +8,12 @@ from typing import Any
 import orjson
 import pytest
 
-from wsserver.api_errors import ApiError
-from wsserver.protocol import Done, Limits, Timings, Usage
-from wsserver.responses_api import ResponsesRequest, parse_body, parse_json, to_generate
-from wsserver.responses_render import ResponseRender, sse
-from wsserver.responses_store import ResponseStore, StoredResponse
-from wsserver.tool_calls import CallPart
+from wsserver.core.protocol import Done, Limits, Timings, Usage
+from wsserver.dialects.api_errors import ApiError
+from wsserver.dialects.responses.api import ResponsesRequest, parse_body, parse_json, to_generate
+from wsserver.dialects.responses.render import ResponseRender, sse
+from wsserver.dialects.responses.store import ResponseStore, StoredResponse
+from wsserver.shaping.tool_calls import CallPart
 
 LIMITS = Limits(
     max_frame_bytes=1 << 20,

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from conftest import Wire, expected_fake_text, running_server, slow_wire, timeout, wire
 
-from wsserver import pacing
 from wsserver.aio import Server
 from wsserver.aio.peer import PeerAwareConnection, detached_bound, resume_tail_bytes
 from wsserver.aio.pipeline import Generation
+from wsserver.core import pacing
 
 PROMPT = "resume me"
 

@@ -11,10 +11,10 @@ import pytest
 from conftest import CLIENT_FRAME, FAKE_MODEL, running_server, timeout, wire
 
 from wsserver.backends.base import GenerationRequest
+from wsserver.core.protocol import Generate, Limits, Restart, parse_client_frame
+from wsserver.core.sampling import DEFAULT_DRY_BREAKERS, Sampling, options_asked
+from wsserver.dialects.openai.api import ApiError, parse_request
 from wsserver.errors import ProtocolError
-from wsserver.openai_api import ApiError, parse_request
-from wsserver.protocol import Generate, Limits, Restart, parse_client_frame
-from wsserver.sampling import DEFAULT_DRY_BREAKERS, Sampling, options_asked
 
 LIMITS = Limits()
 

@@ -21,9 +21,9 @@ from conftest import (
 )
 from websockets.exceptions import ConnectionClosed
 
-from wsserver import pacing
 from wsserver.aio import Server
 from wsserver.backends.fake import FakeBackend
+from wsserver.core import pacing
 from wsserver.errors import BackendError
 
 

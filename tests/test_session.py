@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from wsserver.errors import ProtocolError
-from wsserver.events import (
+from wsserver.core.events import (
     Finished,
     ModelGranted,
     Outcome,
@@ -13,14 +12,15 @@ from wsserver.events import (
     Rejected,
     TextProduced,
 )
-from wsserver.protocol import Cancel, Delta, Done, Error, Generate, Queued, Restart, Started
-from wsserver.session import (
+from wsserver.core.protocol import Cancel, Delta, Done, Error, Generate, Queued, Restart, Started
+from wsserver.core.session import (
     RequestState,
     Send,
     Session,
     StartGeneration,
     StopGeneration,
 )
+from wsserver.errors import ProtocolError
 
 
 def gen(request_id: str, prompt: str = "p", **kw: object) -> Generate:
@@ -319,7 +319,7 @@ def test_reject_forgets_a_request_without_done() -> None:
 
 
 def test_restart_memory_is_bounded_by_bytes_and_keeps_the_newest() -> None:
-    from wsserver.session import input_size
+    from wsserver.core.session import input_size
 
     big = "🙂" * 10_000  # 4 bytes a character in memory
     session = Session(restart_memory=16, restart_bytes=100_000)
@@ -351,7 +351,7 @@ def _restart_error(session: Session, old: str, new: str) -> str | None:
 def test_the_documented_transition_table_is_the_one_the_session_reads() -> None:
     import textwrap
 
-    from wsserver import transitions
+    from wsserver.core import transitions
 
     rendered = textwrap.indent(transitions.render_transitions(), "    ")
     assert transitions.__doc__ is not None
@@ -359,7 +359,7 @@ def test_the_documented_transition_table_is_the_one_the_session_reads() -> None:
 
 
 def test_every_row_names_a_handler_of_the_session() -> None:
-    from wsserver.transitions import TRANSITIONS
+    from wsserver.core.transitions import TRANSITIONS
 
     for (state, event), row in TRANSITIONS.items():
         assert callable(getattr(Session, row.handler, None)), (state, event, row)

@@ -1,7 +1,7 @@
 """The output shaper (wsserver/shaping.py), sans-I/O: golden outputs per syntax.
 
 One scripted output per tool call syntax (hermes, llama3, mistral, generic,
-any, relay) goes through a :class:`~wsserver.shaping.Shaper` whole, cut in
+any, relay) goes through a :class:`~wsserver.shaping.shaper.Shaper` whole, cut in
 two at every position, and a character at a time — through the text
 assembler, byte by byte, too — and gives exactly the same parts every time:
 the reasoning, the answer's text, the calls (id, name, the arguments their
@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
-from wsserver.call_parts import CallPart
-from wsserver.events import Outcome
-from wsserver.logprobs import TokenLogprob
-from wsserver.protocol import Generate, Message
-from wsserver.shaping import OutputFormat, Shaper
-from wsserver.textstream import TextAssembler
-from wsserver.tool_calls import Syntax
+from wsserver.core.call_parts import CallPart
+from wsserver.core.events import Outcome
+from wsserver.core.logprobs import TokenLogprob
+from wsserver.core.protocol import Generate, Message
+from wsserver.core.textstream import TextAssembler
+from wsserver.shaping.shaper import OutputFormat, Shaper
+from wsserver.shaping.tool_calls import Syntax
 
 TOOLS = json.dumps(
     [
@@ -40,7 +40,7 @@ ASK = (Message("user", "Weather in Paris?"),)
 
 @dataclass
 class Recorded:
-    """A :class:`~wsserver.shaping.Parts` that keeps everything it is given."""
+    """A :class:`~wsserver.shaping.shaper.Parts` that keeps everything it is given."""
 
     reasoning: list[str] = field(default_factory=list)
     text: list[str] = field(default_factory=list)

@@ -34,8 +34,8 @@ from wsserver.aio import Server  # noqa: E402
 from wsserver.backends import llama_template  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
 from wsserver.backends.llama_template_pool import TemplateBounds, TemplatePool  # noqa: E402
+from wsserver.core.protocol import Generate, Limits, parse_client_frame  # noqa: E402
 from wsserver.errors import ModelLoadError, ProtocolError  # noqa: E402
-from wsserver.protocol import Generate, Limits, parse_client_frame  # noqa: E402
 
 #: A plain chat template; the bombs below are added to it.
 SIMPLE = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wsserver.textstream import TextAssembler
+from wsserver.core.textstream import TextAssembler
 
 
 def feed_all(assembler: TextAssembler, chunks: list[bytes]) -> list[str]:

@@ -13,9 +13,8 @@ import openai
 import pytest
 from conftest import FAKE_MODEL, make_config, running_server, timeout, validate_server_frame, wire
 
-from wsserver.errors import ProtocolError
-from wsserver.pacing import Coalescer
-from wsserver.protocol import (
+from wsserver.core.pacing import Coalescer
+from wsserver.core.protocol import (
     CallPart,
     Delta,
     Generate,
@@ -24,7 +23,8 @@ from wsserver.protocol import (
     parse_server_frame,
     serialize,
 )
-from wsserver.replay import ReplayTail
+from wsserver.core.replay import ReplayTail
+from wsserver.errors import ProtocolError
 
 TOOLS = [
     {

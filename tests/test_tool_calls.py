@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsserver.backends.llama_template import ChatTemplate
-from wsserver.chat_input import Message, ToolCall
+from wsserver.core.chat_input import Message, ToolCall
+from wsserver.core.textstream import TextAssembler
 from wsserver.errors import BackendError
-from wsserver.textstream import TextAssembler
-from wsserver.tool_calls import (
+from wsserver.shaping.tool_calls import (
     FRAGMENT_CHARS,
     CallPart,
     Syntax,

@@ -1,4 +1,4 @@
-"""What clients/js and the JSON Schema copy from :mod:`wsserver.protocol` still matches it.
+"""What clients/js and the JSON Schema copy from :mod:`wsserver.core.protocol` still matches it.
 
 The JS client (``wsserver.js``, its types ``wsserver.d.ts``) and
 ``docs/protocol.schema.json`` restate the request-id rule, the stop-string
@@ -16,14 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from wsserver.errors import WIRE_CODES
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     ID_PATTERN,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     PROTOCOL_VERSION,
     Limits,
 )
+from wsserver.errors import WIRE_CODES
 from wsserver.security import SUBPROTOCOL
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,13 @@ Lines may end in LF, CRLF or a lone CR.
 
 from __future__ import annotations
 
-__all__ = ["SSEError", "SSEParser"]
+from typing import Final
+
+__all__ = ["DONE", "SSEError", "SSEParser"]
+
+#: The data of the event that ends an OpenAI stream (OpenAI-compatible
+#: upstreams send it; the OpenAI dialect ends its streams with it).
+DONE: Final = "[DONE]"
 
 
 class SSEError(ValueError):

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from wsserver.backends.fake import FakeBackend
-from wsserver.sampling import NEUTRAL
+from wsserver.core.sampling import NEUTRAL
 
 from .chat import expect, last_answer, open_chat, open_sampling, send
 from .conftest import LiveServer, save_artifact

@@ -1,8 +1,8 @@
 """The asyncio layer: everything that runs on the event loop or talks to sockets.
 
 As websockets keeps its I/O in ``asyncio/`` around a sans-I/O core, this
-package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
-:mod:`wsserver.pacing`, :mod:`wsserver.security`) and the engine seam
+package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.session`,
+:mod:`wsserver.core.pacing`, :mod:`wsserver.security`) and the engine seam
 (:mod:`wsserver.backends.base`). Dependencies point one way, top to bottom::
 
     server        lifecycle, shutdown, the connection table; builds the rest

@@ -6,10 +6,10 @@
 accepted as ``x-api-key`` too):
 
 * ``POST /v1/messages`` — run on the HTTP exchange (:mod:`wsserver.aio.exchange`)
-  with the Messages API's renderer (:class:`~wsserver.anthropic_render.MessageAnswer`),
+  with the Messages API's renderer (:class:`~wsserver.dialects.anthropic.render.MessageAnswer`),
   as every request runs (the shared queue, paced deltas, bounded memory behind a slow
   reader, disconnect = cancel even mid-prompt). With ``stream``, Anthropic's
-  events as SSE (:mod:`wsserver.anthropic_render`), the head written when the
+  events as SSE (:mod:`wsserver.dialects.anthropic.render`), the head written when the
   request starts or waits, ``message_start`` once the engine counted the
   prompt (with the first block), a ``ping`` event while it waits (and every
   :data:`~wsserver.aio.http_answer.KEEPALIVE_S` while nothing else is sent);
@@ -19,7 +19,7 @@ accepted as ``x-api-key`` too):
   on a worker thread; an engine that cannot count refuses.
 
 Every refusal and failure is Anthropic's error object with its status
-(:func:`wsserver.anthropic_api.error_body`; the transport uses it for this
+(:func:`wsserver.dialects.anthropic.api.error_body`; the transport uses it for this
 path's refusals too, the gate's 401 included): before the head, as the
 response; after it, as an ``error`` event.
 """
@@ -33,10 +33,10 @@ from typing import Final
 
 import orjson
 
-from ..anthropic_api import parse_body, to_generate
-from ..anthropic_render import MessageAnswer, MessageRender
-from ..api_errors import ApiError, parse_json
 from ..backends.base import GenerationRequest
+from ..dialects.anthropic.api import parse_body, to_generate
+from ..dialects.anthropic.render import MessageAnswer, MessageRender
+from ..dialects.api_errors import ApiError, parse_json
 from ..errors import ProtocolError
 from .exchange import Exchange, resolve
 from .http_answer import HttpAnswer

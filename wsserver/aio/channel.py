@@ -6,7 +6,7 @@ are the sink's calls, in order: :class:`Piece` (text), :class:`Call` (a part
 of a call the engine parsed itself), :class:`PromptDone`, :class:`End`. Its
 bound is counted here, in pieces — at most ``capacity`` of them, each one
 token's text (and, if the request asked for them, that token's
-log-probabilities: at most :data:`~wsserver.logprobs.MAX_ENTRY_BYTES`) or one
+log-probabilities: at most :data:`~wsserver.core.logprobs.MAX_ENTRY_BYTES`) or one
 call part — *and* in characters (a call part's: its arguments'): at most
 :data:`CHARS_PER_TOKEN` per piece on average (≤ 256 UTF-8 bytes a piece),
 whatever the engine puts in a piece, plus the one piece that found room; so a
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import janus
 
 from ..backends.base import CancelEvent, Outcome
-from ..call_parts import CallPart
+from ..core.call_parts import CallPart
+from ..core.logprobs import TokenLogprob, entries_size
 from ..errors import GenerationCancelled
-from ..logprobs import TokenLogprob, entries_size
 
 __all__ = ["CHARS_PER_TOKEN", "Call", "Channel", "End", "Item", "Piece", "PromptDone"]
 

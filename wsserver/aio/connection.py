@@ -5,7 +5,7 @@ This is what the WebSocket protocol (docs/protocol.md) says its own way on a
 socket (receive loop, frame rate, sender, drain, closing):
 
 * ``hello`` first;
-* each message is parsed (:func:`~wsserver.protocol.parse_client_frame`) and
+* each message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
   handed to the connection's one :class:`~wsserver.aio.driver.RequestDriver`
   (one request at a time, ``cancel``, ``restart``, ``resume``), or to its
   ``pull`` requests (:mod:`wsserver.aio.pull_requests`), which run beside;
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from ..errors import ProtocolError
-from ..protocol import (
+from ..core.protocol import (
     Cancel,
     Generate,
     Hello,
@@ -31,7 +30,8 @@ from ..protocol import (
     parse_client_frame,
     serialize,
 )
-from ..session import Session
+from ..core.session import Session
+from ..errors import ProtocolError
 from .driver import RequestDriver
 from .peer import resume_tail_bytes
 from .pull_requests import ConnectionPulls

@@ -11,8 +11,8 @@ wire:
 
 * the model a request asks for, resolved once — here, or on its way in by
   the HTTP exchange — and handed to its generation;
-* the :class:`~wsserver.session.Session`, fed through its one entry with the
-  client's frames and with the reports (:mod:`wsserver.events`) of each
+* the :class:`~wsserver.core.session.Session`, fed through its one entry with the
+  client's frames and with the reports (:mod:`wsserver.core.events`) of each
   request's :class:`~wsserver.aio.pipeline.Generation` (admission, the
   scheduler, the engine, the pump);
 * :meth:`RequestDriver.apply`, the one way out of the session: frames to the
@@ -36,8 +36,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
 
-from ..errors import ProtocolError, WireLost
-from ..events import (
+from ..core.events import (
     DoneDelivered,
     Finished,
     ModelGranted,
@@ -48,8 +47,7 @@ from ..events import (
     Report,
     TextProduced,
 )
-from ..logs import ConnectionLog
-from ..protocol import (
+from ..core.protocol import (
     Cancel,
     ClientFrame,
     Delta,
@@ -61,7 +59,7 @@ from ..protocol import (
     Resume,
     ServerFrame,
 )
-from ..session import (
+from ..core.session import (
     Effect,
     RequestState,
     Send,
@@ -70,6 +68,8 @@ from ..session import (
     StopGeneration,
     input_size,
 )
+from ..errors import ProtocolError, WireLost
+from ..logs import ConnectionLog
 from .models import Model
 from .pipeline import Generation
 from .request_log import log_done

@@ -6,8 +6,8 @@ Every HTTP dialect — OpenAI's chat completions and completions
 (:mod:`wsserver.aio.openai_routes`), the Responses API
 (:mod:`wsserver.aio.responses_http`), Anthropic's Messages API
 (:mod:`wsserver.aio.anthropic_http`) — parses its body into the core's
-:class:`~wsserver.protocol.Generate` and hands it here with its
-:class:`~wsserver.exchange.Renderer`: the dialect's sans-I/O half, which
+:class:`~wsserver.core.protocol.Generate` and hands it here with its
+:class:`~wsserver.dialects.exchange.Renderer`: the dialect's sans-I/O half, which
 turns the core's frames into its bytes. Everything else is the exchange's,
 written once for every dialect:
 
@@ -16,7 +16,7 @@ written once for every dialect:
   the dialect's shape) and carried to the engine: the driver and the
   pipeline do not look it up again;
 * **the request driver** (:class:`~wsserver.aio.driver.RequestDriver`) with a
-  :class:`~wsserver.session.Session` of its own: the scheduler's queue, the
+  :class:`~wsserver.core.session.Session` of its own: the scheduler's queue, the
   engine, the bounded channel, the pacing, cancel — as a WebSocket
   ``generate`` runs; the exchange is the driver's dialect (:meth:`Exchange.write`);
 * **the answer** (:class:`~wsserver.aio.http_answer.HttpAnswer`): streamed,
@@ -25,10 +25,10 @@ written once for every dialect:
   high-water mark, so a slow reader pauses its own engine —; whole, the text
   gathered by the renderer. How it ends — the stream's last events, the whole
   body, an error in the stream or as the whole answer, and with which status —
-  is one table for every dialect, :data:`wsserver.exchange.ENDINGS`;
+  is one table for every dialect, :data:`wsserver.dialects.exchange.ENDINGS`;
 * **client gone, cancel, stall**: a disconnect is a cancel (its engine stops
   within a step, mid-prompt too); the server's shutdown cancels and the
-  client is told (503, :data:`~wsserver.exchange.SHUTTING_DOWN`) — even when
+  client is told (503, :data:`~wsserver.dialects.exchange.SHUTTING_DOWN`) — even when
   it comes while the engine still checks the request; a client that reads
   nothing while others wait for the model ends as ``stalled``.
 
@@ -41,12 +41,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from ..api_errors import ApiError
+from ..core.events import PromptCounted
+from ..core.protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
+from ..core.session import Session
+from ..dialects.api_errors import ApiError
+from ..dialects.exchange import Renderer, ending
 from ..errors import ProtocolError
-from ..events import PromptCounted
-from ..exchange import Renderer, ending
-from ..protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
-from ..session import Session
 from .driver import RequestDriver
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest

@@ -22,14 +22,14 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
+from ..dialects.exchange import KEEPALIVE
 from ..errors import refusal_headers
-from ..exchange import KEEPALIVE
 from .http_route import Headers, Responder
 
 __all__ = ["KEEPALIVE_S", "HttpAnswer"]
 
 #: While a streamed request waits (for the model, or its prompt), its
-#: keep-alive (:data:`~wsserver.exchange.KEEPALIVE`, or the dialect's own)
+#: keep-alive (:data:`~wsserver.dialects.exchange.KEEPALIVE`, or the dialect's own)
 #: this often keeps proxies and clients from timing it out.
 KEEPALIVE_S: Final = 10.0
 

@@ -28,7 +28,7 @@ from typing import Final
 
 import h11
 
-from ..api_errors import ApiError
+from ..dialects.api_errors import ApiError
 from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .drain import DrainWatch

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Final, Protocol
 
-from ..api_errors import ApiError
+from ..dialects.api_errors import ApiError
 from ..logs import ConnectionLog
 from .pipeline import Generation
 

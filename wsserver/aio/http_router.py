@@ -11,14 +11,14 @@ object unless the dialect says otherwise):
 * ``/v1/messages`` — Anthropic's Messages API (:mod:`wsserver.aio.anthropic_http`),
   its refusals in Anthropic's shape.
 
-A new dialect is its renderer (:class:`wsserver.exchange.Renderer`), a route
+A new dialect is its renderer (:class:`wsserver.dialects.exchange.Renderer`), a route
 that parses its body and runs it on the HTTP exchange, and a line here.
 
 :class:`Router` takes each request the transport (:mod:`wsserver.aio.openai_http`)
 read: the gate's checks (Host, Origin and CORS, the token, the request rate;
 the probes need none), a CORS preflight, the plain routes outside ``/v1`` on
 a connection kept alive here, then the route of its path. An
-:class:`~wsserver.api_errors.ApiError` a route raises is its refusal, written
+:class:`~wsserver.dialects.api_errors.ApiError` a route raises is its refusal, written
 in the route's shape, logged and — for the faults a client makes — counted.
 """
 
@@ -32,8 +32,8 @@ from typing import Final, Protocol
 
 import h11
 
-from ..anthropic_api import error_body as anthropic_error_body
-from ..api_errors import ApiError
+from ..dialects.anthropic.api import error_body as anthropic_error_body
+from ..dialects.api_errors import ApiError
 from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .anthropic_http import PREFIX as MESSAGES

@@ -37,7 +37,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from .. import __version__
-from ..protocol import Done
+from ..core.protocol import Done
 from .models import ModelStats
 
 if TYPE_CHECKING:

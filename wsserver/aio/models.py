@@ -19,7 +19,7 @@ A request for an unloaded model starts its load (:meth:`ModelPool.acquire`):
    client's ``pull`` of it, share it);
 1. the memory it needs is estimated on a worker thread (the GGUF's size and
    its KV cache, from its header; a corrupt file fails here);
-2. room is made under the budget (:func:`wsserver.models.plan_room`): idle
+2. room is made under the budget (:func:`wsserver.core.models.plan_room`): idle
    models — loaded, nothing running or queued — are unloaded, least recently
    used first; if busy models hold the memory, the load waits until one of
    them is idle (and gives up if every request waiting for it went away);
@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from ..backends import ModelEntry, pulled_model
 from ..backends.base import Liveness
 from ..config import Config
+from ..core.models import ModelInfo, ModelState, Resident, plan_room
+from ..core.protocol import Generate, Progress
 from ..errors import ModelLoadError, ProtocolError, PullError
-from ..models import ModelInfo, ModelState, Resident, plan_room
-from ..protocol import Generate, Progress
 from ..pull.hub import PullCancelled, Pulled
 from ..pull.progress import PlainLines
 from .pulls import Pulls

@@ -6,7 +6,7 @@ handshake: the connection limits once, when the connection is handed over
 Origin, when a browser sends one (then the CORS headers for that origin); a
 request rate per client (:class:`RateLimiter`) and only then the token, so
 that a client guessing tokens is slowed down like any other.
-A refusal is an :class:`~wsserver.openai_api.ApiError` with OpenAI's error
+A refusal is an :class:`~wsserver.dialects.openai.api.ApiError` with OpenAI's error
 object, counted in ``wsserver_handshakes_refused_total`` like a refused
 handshake.
 """
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Final
 
-from ..openai_api import ApiError
-from ..protocol import ID_PATTERN
+from ..core.protocol import ID_PATTERN
+from ..dialects.openai.api import ApiError
 from ..security import ConnectionLimiter, Gatekeeper, Refusal, TokenBucket, client_group
 from .metrics import Metrics
 

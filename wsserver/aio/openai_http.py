@@ -48,7 +48,7 @@ from typing import Final
 
 import h11
 
-from ..api_errors import ApiError, error_body
+from ..dialects.api_errors import ApiError, error_body
 from ..logs import ConnectionLog
 from .drain import DrainWatch, write_buffered
 from .front import is_openai_target

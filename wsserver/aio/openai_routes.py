@@ -1,9 +1,9 @@
 """The OpenAI API's routes: chat completions, completions, the models.
 
 * ``POST /v1/chat/completions`` and ``POST /v1/completions`` — the body
-  parsed (:func:`wsserver.openai_api.parse_request`) and run on the HTTP
+  parsed (:func:`wsserver.dialects.openai.api.parse_request`) and run on the HTTP
   exchange (:mod:`wsserver.aio.exchange`) with OpenAI's renderer
-  (:class:`wsserver.openai_render.CompletionAnswer`): SSE chunks with
+  (:class:`wsserver.dialects.openai.render.CompletionAnswer`): SSE chunks with
   ``stream``, else the whole JSON body;
 * ``GET /v1/models`` and ``GET /v1/models/{model}`` — every served model
   (the default first), or one by its name or an alias.
@@ -16,9 +16,9 @@ from __future__ import annotations
 from functools import partial
 from http import HTTPStatus
 
-from ..api_errors import ApiError
-from ..openai_api import Kind, models_body, parse_request
-from ..openai_render import CompletionAnswer
+from ..dialects.api_errors import ApiError
+from ..dialects.openai.api import Kind, models_body, parse_request
+from ..dialects.openai.render import CompletionAnswer
 from .exchange import Exchange
 from .http_route import RouteRequest, clip, no_route, not_allowed
 from .services import Services

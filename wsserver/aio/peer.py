@@ -17,8 +17,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Response
 
 from ..config import Config
-from ..logprobs import MAX_ENTRY_BYTES
-from ..pacing import FRAME_LOGPROB_TOKENS, FRAME_TEXT_CHARS
+from ..core.logprobs import MAX_ENTRY_BYTES
+from ..core.pacing import FRAME_LOGPROB_TOKENS, FRAME_TEXT_CHARS
 
 __all__ = [
     "CHANNEL_TOKEN_BYTES",
@@ -185,7 +185,7 @@ READ_CHUNK_BYTES: Final = 256 * 1024
 #: (llama.cpp vocabularies stay far below it).
 MAX_TOKEN_BYTES: Final = 256
 #: What one token in a channel may hold: its text, and its log-probabilities
-#: with 20 alternatives (:data:`wsserver.logprobs.MAX_ENTRY_BYTES`) for a
+#: with 20 alternatives (:data:`wsserver.core.logprobs.MAX_ENTRY_BYTES`) for a
 #: request that asked for them.
 CHANNEL_TOKEN_BYTES: Final = MAX_TOKEN_BYTES + MAX_ENTRY_BYTES
 

@@ -13,15 +13,15 @@ the session lets start:
    bounded :class:`~wsserver.aio.channel.Channel` and cancel event; the slot
    is released the moment the engine completes the submission, even if the
    client is still slow to take the last frames;
-4. **pump** (:mod:`.pump`): channel → :class:`~wsserver.shaping.Shaper`
+4. **pump** (:mod:`.pump`): channel → :class:`~wsserver.shaping.shaper.Shaper`
    (text, reasoning and call parts, shaped as the engine's
    :meth:`~wsserver.backends.base.Backend.output_format` says) →
-   :class:`~wsserver.pacing.Coalescer` → reports of text, then the end;
+   :class:`~wsserver.core.pacing.Coalescer` → reports of text, then the end;
 5. **finalize**: wait until the engine is gone (a thread joined), record the
    cancel latency, and tell the driver.
 
 A generation never touches the session nor the wire: it *reports* what
-happened (:mod:`wsserver.events`) to its :class:`Owner` — the request
+happened (:mod:`wsserver.core.events`) to its :class:`Owner` — the request
 driver — which asks the session and writes what it answers.
 
 **Attachment.** ``Generation.owner`` is the request's binding to a connection
@@ -42,11 +42,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..backends.base import GenerationRequest, Submission
+from ..core.events import ModelGranted, Rejected, Report
+from ..core.protocol import Generate, Progress
+from ..core.request_record import RequestRecord
 from ..errors import ProtocolError, WireLost
-from ..events import ModelGranted, Rejected, Report
 from ..logs import ConnectionLog
-from ..protocol import Generate, Progress
-from ..request_record import RequestRecord
 from .channel import Channel
 from .models import Model
 from .pump import Pump

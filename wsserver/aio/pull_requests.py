@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable
 from websockets.exceptions import ConnectionClosed
 
 from ..config import MODEL_NAME_RE, Config
+from ..core.protocol import Error, Pull, ServerFrame
 from ..errors import ProtocolError, PullError
 from ..logs import ConnectionLog
-from ..protocol import Error, Pull, ServerFrame
 from ..pull.hub import PullCancelled
 from ..pull.progress import Progress
 from ..pull.requests import PullRequests

@@ -3,12 +3,12 @@
 The pump is the fourth step of a generation (:mod:`.pipeline`). It takes
 what the engine put into the request's bounded
 :class:`~wsserver.aio.channel.Channel`, has the request's
-:class:`~wsserver.shaping.Shaper` turn it into parts — the answer's text, the
-reasoning, the tool calls — lets the :class:`~wsserver.pacing.Coalescer`
+:class:`~wsserver.shaping.shaper.Shaper` turn it into parts — the answer's text, the
+reasoning, the tool calls — lets the :class:`~wsserver.core.pacing.Coalescer`
 pace them into frames (the first text at once, then at most one frame per
 window, each bounded), and reports each frame
-(:class:`~wsserver.events.TextProduced`) and, after the last, the request's
-end (:class:`~wsserver.events.Finished`, with the outcome the shaper made of
+(:class:`~wsserver.core.events.TextProduced`) and, after the last, the request's
+end (:class:`~wsserver.core.events.Finished`, with the outcome the shaper made of
 the engine's). It moves parts and shapes nothing itself.
 
 While the request is detached (its connection lost, a resume awaited) the
@@ -22,11 +22,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from .. import pacing
-from ..events import Finished, Outcome, PromptCounted, Report, TextProduced
-from ..pacing import Coalescer
-from ..protocol import Generate
-from ..shaping import OutputFormat, Shaper
+from ..core import pacing
+from ..core.events import Finished, Outcome, PromptCounted, Report, TextProduced
+from ..core.pacing import Coalescer
+from ..core.protocol import Generate
+from ..shaping.shaper import OutputFormat, Shaper
 from .channel import Call, Channel, Item, Piece, PromptDone
 from .services import Services
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..protocol import Done
+from ..core.protocol import Done
 
 __all__ = ["log_done"]
 

@@ -4,10 +4,10 @@
 ``/v1/responses`` and everything under it (the seam of
 :mod:`wsserver.aio.http_route`; the gate's checks have run):
 
-* ``POST /v1/responses`` — the body parsed (:mod:`wsserver.responses_api`),
+* ``POST /v1/responses`` — the body parsed (:mod:`wsserver.dialects.responses.api`),
   the conversation a ``previous_response_id`` names looked up, and the
   request run on the HTTP exchange (:mod:`wsserver.aio.exchange`) with the
-  Responses renderer (:class:`~wsserver.responses_render.ResponseAnswer`):
+  Responses renderer (:class:`~wsserver.dialects.responses.render.ResponseAnswer`):
   with ``stream``, the events as SSE (``event:`` names, ``sequence_number``),
   the head written when the request starts or queues, then keep-alives while
   it waits; without, the ``response`` object as the body. A refusal before
@@ -15,7 +15,7 @@
   event; a response that failed or was cancelled mid-stream ends with its own
   terminal event.
 * ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}`` — responses kept
-  in the server's :class:`~wsserver.responses_store.ResponseStore` (when
+  in the server's :class:`~wsserver.dialects.responses.store.ResponseStore` (when
   ``store`` was not false), bounded by bytes and by age.
 
 A disconnect is a cancel, as for every HTTP request (the exchange's).
@@ -30,10 +30,10 @@ from typing import Any
 
 import orjson
 
-from ..api_errors import ApiError, parse_json
-from ..responses_api import ResponsesRequest, parse_body, to_generate
-from ..responses_render import Keep, ResponseAnswer, ResponseRender
-from ..responses_store import ResponseStore, StoredResponse
+from ..dialects.api_errors import ApiError, parse_json
+from ..dialects.responses.api import ResponsesRequest, parse_body, to_generate
+from ..dialects.responses.render import Keep, ResponseAnswer, ResponseRender
+from ..dialects.responses.store import ResponseStore, StoredResponse
 from .exchange import Exchange
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest, no_route, not_allowed

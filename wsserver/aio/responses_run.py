@@ -1,14 +1,14 @@
 """One response of the Responses API's WebSocket mode, rendered as Responses events.
 
 (Over HTTP a response is an HTTP exchange's, :mod:`wsserver.aio.exchange`,
-rendered by :class:`~wsserver.responses_render.ResponseAnswer`.)
+rendered by :class:`~wsserver.dialects.responses.render.ResponseAnswer`.)
 
 A :class:`ResponseEvents` renders one response's frames — what a
 :class:`~wsserver.aio.driver.RequestDriver` gives back, the driver having
 taken the request through the scheduler's queue, the engine, the bounded
 channel, the pacing and the cancel bookkeeping exactly as a WebSocket
 ``generate`` or a chat completion — as Responses events
-(:class:`~wsserver.responses_render.ResponseRender`), and hands them to its
+(:class:`~wsserver.dialects.responses.render.ResponseRender`), and hands them to its
 transport, JSON messages in WebSocket mode (:mod:`wsserver.aio.responses_socket`),
 whose lane's driver runs the lane's responses one after another.
 
@@ -19,7 +19,7 @@ whose lane's driver runs the lane's responses one after another.
   ``failed`` — the conversation is kept for ``previous_response_id`` *before*
   that last event goes out, so a client may chain on it at once;
 * ``error`` (refused before it ran: the queue is full, …) → :meth:`ResponseEvents.refused`,
-  with the status the HTTP exchange's table gives it (:func:`wsserver.exchange.failure_of`).
+  with the status the HTTP exchange's table gives it (:func:`wsserver.dialects.exchange.failure_of`).
 
 A cancel — the client gone, ``response.cancel``, the server's shutdown — is
 the driver's: the response ends ``incomplete`` (``cancelled``) at once and the
@@ -31,10 +31,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..exchange import failure_of
-from ..protocol import Delta, Done, Error, Queued, ServerFrame, Started
-from ..responses_api import Message, refusal_wording
-from ..responses_render import Keep, ResponseRender
+from ..core.protocol import Delta, Done, Error, Queued, ServerFrame, Started
+from ..dialects.exchange import failure_of
+from ..dialects.responses.api import Message, refusal_wording
+from ..dialects.responses.render import Keep, ResponseRender
 
 __all__ = ["Keep", "ResponseEvents"]
 

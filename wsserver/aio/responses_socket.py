@@ -11,14 +11,14 @@ speaks it, is here:
 * ``response.create`` — the body of ``POST /v1/responses`` (``stream`` is
   implicit) plus ``stream_id``: responses of one lane run one after another
   (FIFO), lanes run side by side (up to :data:`MAX_LANES`, each holding at
-  most :data:`MAX_PENDING` waiting creates: :class:`~wsserver.lanes.Lanes`),
+  most :data:`MAX_PENDING` waiting creates: :class:`~wsserver.core.lanes.Lanes`),
   sharing the engine through the scheduler like any other requests, the
   connection's requests counted together (connections take turns); every
   event of a lane's response carries its ``stream_id``;
 * ``response.cancel`` with a ``response_id`` (an extension, under the
   Realtime API's name) — the response ends ``incomplete`` (``cancelled``) at
   once and its engine stops within one step, through the driver's cancel;
-* out: the events of :mod:`wsserver.responses_render`, each a JSON text
+* out: the events of :mod:`wsserver.dialects.responses.render`, each a JSON text
   message; a refused event is an ``error`` event (``status``, ``error``),
   counted in the errors metric like every refusal, and the connection stays
   usable;
@@ -27,7 +27,7 @@ speaks it, is here:
 **A driver per lane.** A lane is this mode's equivalent of one connection of
 our protocol: one request at a time, the next starting once the one before
 has ended. So each lane runs on a :class:`~wsserver.aio.driver.RequestDriver`
-of its own, with its own :class:`~wsserver.session.Session`, for all its
+of its own, with its own :class:`~wsserver.core.session.Session`, for all its
 responses; a lane that has run its last response gives its driver back for
 the next lane to open (at most :data:`MAX_LANES` drivers a connection). The
 session's rule carries over: a lane's next response starts once the engine of
@@ -35,7 +35,7 @@ the one before is gone.
 
 ``previous_response_id`` continues a response of this connection: each
 finished response's conversation is kept in a
-:class:`~wsserver.responses_store.ResponseStore` of its own, bounded by
+:class:`~wsserver.dialects.responses.store.ResponseStore` of its own, bounded by
 ``limits.responses_memory_bytes`` and gone with the connection. A closed
 socket cancels its running responses.
 """
@@ -49,14 +49,14 @@ from typing import Any, Final
 
 import orjson
 
-from ..api_errors import ApiError, error_object
+from ..core.lanes import LaneLimit, Lanes
+from ..core.protocol import ServerFrame
+from ..core.session import Session
+from ..dialects.api_errors import ApiError, error_object
+from ..dialects.responses.api import ResponsesRequest, parse_body, parse_json, to_generate
+from ..dialects.responses.render import ResponseRender
+from ..dialects.responses.store import ResponseStore, StoredResponse
 from ..errors import ProtocolError, WireLost
-from ..lanes import LaneLimit, Lanes
-from ..protocol import ServerFrame
-from ..responses_api import ResponsesRequest, parse_body, parse_json, to_generate
-from ..responses_render import ResponseRender
-from ..responses_store import ResponseStore, StoredResponse
-from ..session import Session
 from .driver import RequestDriver
 from .exchange import resolve
 from .responses_http import new_response_id, not_found

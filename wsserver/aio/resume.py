@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.session import Parked
 from ..errors import ProtocolError
 from ..security import client_group
-from ..session import Parked
 from .pipeline import Generation
 
 __all__ = ["Resumes"]

@@ -28,10 +28,10 @@ from websockets.asyncio.server import ServerConnection, serve
 from .. import __version__
 from ..backends import Backend, ModelEntry, create_models, default_aliases
 from ..config import Config
+from ..core.protocol import Limits
+from ..dialects.responses.store import ResponseStore
 from ..logs import ConnectionLog
-from ..protocol import Limits
 from ..pull.hub import Hub, HubSettings
-from ..responses_store import ResponseStore
 from ..security import ConnectionLimiter, Gatekeeper, exposure_warning
 from .connection import ProtocolDialect
 from .front import front_factory

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..backends.base import Backend
 from ..config import Config
-from ..protocol import Limits
+from ..core.protocol import Limits
 from .metrics import Metrics
 from .models import ModelPool
 from .pulls import Pulls

@@ -37,10 +37,10 @@ from typing import Protocol
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
+from ..core.session import Session
 from ..errors import ProtocolError, WireLost
 from ..logs import ConnectionLog
 from ..security import FrameLimiter
-from ..session import Session
 from .drain import DrainWatch, write_buffered
 from .driver import Dialect, RequestDriver
 from .peer import PeerAwareConnection

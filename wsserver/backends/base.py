@@ -31,7 +31,7 @@ whatever thread or task the engine runs on. Three kinds of engine fit:
    own upstream and no other. A cancel callback cancels the task.
 
 What an engine produces is final text — decoded, stop strings applied —
-and the core shapes it into the client's parts (:mod:`wsserver.shaping`:
+and the core shapes it into the client's parts (:mod:`wsserver.shaping.shaper`:
 the answer, the reasoning, the tool calls), the same way for every engine.
 To do that for a request it asks the engine one question,
 :meth:`Backend.output_format`: whether the prompt opened a think block, and
@@ -77,14 +77,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..call_parts import CallPart
+from ..core.call_parts import CallPart
+from ..core.events import Outcome
+from ..core.logprobs import TokenLogprob
+from ..core.protocol import Generate
+from ..core.sampling import options_asked
 from ..errors import BackendError, GenerationCancelled, ProtocolError
-from ..events import Outcome
-from ..logprobs import TokenLogprob
 from ..logs import context
-from ..protocol import Generate
-from ..sampling import options_asked
-from ..shaping import OutputFormat
+from ..shaping.shaper import OutputFormat
 from .request import GenerationRequest
 
 __all__ = [
@@ -201,7 +201,7 @@ class Sink(TokenSink, Protocol):
         upstream's ``tool_calls``), as :meth:`offer` hands over text: after
         the text before it, never blocking, ``False`` when full. ``part``
         carries the engine's own call index, the arguments' text it adds
-        (a few KiB at most: :data:`~wsserver.call_parts.FRAGMENT_CHARS`), and
+        (a few KiB at most: :data:`~wsserver.core.call_parts.FRAGMENT_CHARS`), and
         on a call's first part its ``name`` and ``id`` (if it has one). Only
         an engine whose :meth:`Backend.output_format` says ``relay`` calls it."""
 
@@ -269,7 +269,7 @@ class Backend(abc.ABC):
     slots: int = 0
     #: How many requests may wait for a slot before ``overloaded``.
     max_waiting: int = 64
-    #: The stage options (:data:`wsserver.sampling.NEUTRAL`'s names) this
+    #: The stage options (:data:`wsserver.core.sampling.NEUTRAL`'s names) this
     #: engine honours; any other given a value that matters is refused.
     honours: frozenset[str] = frozenset()
 
@@ -305,7 +305,7 @@ class Backend(abc.ABC):
         the request is accepted — on the event loop, or on a worker thread for
         a long input or when :meth:`check_blocks` says so; raises
         :class:`~wsserver.errors.ProtocolError`: ``unsupported_option`` for a
-        stage option (:data:`wsserver.sampling.NEUTRAL`) given a value that
+        stage option (:data:`wsserver.core.sampling.NEUTRAL`) given a value that
         matters and not in :attr:`honours`; an engine's override adds its own
         checks (``bad_request``: a grammar that does not compile, a token
         outside the vocabulary). Must be quick or cached — or
@@ -372,7 +372,7 @@ class Backend(abc.ABC):
 
     def output_format(self, request: GenerationRequest) -> OutputFormat:
         """What ``request``'s output will look like, for the core to shape it
-        (:mod:`wsserver.shaping`): whether its prompt ends inside an open think
+        (:mod:`wsserver.shaping.shaper`): whether its prompt ends inside an open think
         block (a chat template that opens it: the output starts as
         reasoning), and the syntax of the model's tool calls — written in the
         text (read from the chat template; an engine without one: ``any``),

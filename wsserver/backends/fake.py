@@ -5,7 +5,7 @@ gives the same text, and a larger ``max_tokens`` extends it. Words come from a
 small vocabulary that includes multi-byte UTF-8 (accents, CJK, emoji); those
 words are emitted as *byte-level tokens* of one to three bytes each, so
 characters arrive split across tokens exactly as a byte-fallback tokenizer
-delivers them, and the real :class:`~wsserver.textstream.TextAssembler` has to
+delivers them, and the real :class:`~wsserver.core.textstream.TextAssembler` has to
 put them back together.
 
 Instead of the random words, the backend can stream a given text: the prompt
@@ -29,13 +29,13 @@ them.
 **Log-probabilities.** The fake is a deterministic model: the token it
 emits had probability 1 (log-probability 0) and every other none, so asked
 for ``top_logprobs`` it lists the emitted token first, at 0, then other
-words of its vocabulary at :data:`~wsserver.logprobs.LOGPROB_FLOOR`
+words of its vocabulary at :data:`~wsserver.core.logprobs.LOGPROB_FLOOR`
 (OpenAI's "never"). The shapes, counts and pacing are real; the numbers
 are the honest ones for a model that cannot choose.
 
 **Reasoning budget** (``reasoning_budget_tokens``): counted as the llama
 engine counts it; once spent inside an open think block, the fake writes the
-close tag's tokens (:data:`~wsserver.reasoning.FORCED_CLOSE`) and goes on
+close tag's tokens (:data:`~wsserver.shaping.reasoning.FORCED_CLOSE`) and goes on
 with its text after its own close tag — the answer a model gives once its
 thinking is cut short.
 
@@ -55,12 +55,12 @@ from collections.abc import Iterable, Iterator
 
 import orjson
 
+from ..core.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
+from ..core.protocol import DoneReason, Generate
+from ..core.sampling import LogitBias
+from ..core.textstream import TextAssembler
 from ..errors import BackendError, GenerationCancelled, ProtocolError
-from ..logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
-from ..protocol import DoneReason, Generate
-from ..reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
-from ..sampling import LogitBias
-from ..textstream import TextAssembler
+from ..shaping.reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
 from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
 from .fake_json import Unsupported, fake_document
 

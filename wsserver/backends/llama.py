@@ -19,7 +19,7 @@ chat ``messages`` rendered through the GGUF's chat template or the plain-text
 fallback (:mod:`.llama_chat`, which also says what the output will look like:
 a think block the template opened, the tool call syntax it teaches) — and
 checks a request before it starts. Tokens map to their raw bytes for the
-engine's :class:`~wsserver.textstream.TextAssembler` (a token that is not
+engine's :class:`~wsserver.core.textstream.TextAssembler` (a token that is not
 text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
 
@@ -42,9 +42,9 @@ import llama_cpp
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
+from ..core.protocol import Generate
+from ..core.sampling import NEUTRAL
 from ..errors import BackendError, ModelLoadError, ProtocolError
-from ..protocol import Generate
-from ..sampling import NEUTRAL
 from .base import (
     Backend,
     CancelEvent,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
+from ..core.protocol import Generate
 from ..errors import CONTEXT_LENGTH_EXCEEDED, BackendError, ProtocolError
-from ..protocol import Generate
 from .llama_chat import LlamaChat
 from .llama_engine import BatchEngine
 from .request import GenerationRequest

@@ -11,7 +11,7 @@ show them, by the server in llama.cpp's generic JSON format
 (:meth:`LlamaChat.forced_call`, as for a forced call); and what its output
 will look like (:meth:`LlamaChat.output_format`: whether the template
 opened a think block, and the call syntax the template teaches,
-:func:`~wsserver.tool_calls.detect_syntax`). :meth:`LlamaChat.check`
+:func:`~wsserver.shaping.tool_calls.detect_syntax`). :meth:`LlamaChat.check`
 renders a request before it starts, so that the template's refusal comes
 first.
 """
@@ -26,11 +26,11 @@ from typing import Any
 
 import orjson
 
+from ..core.protocol import Generate, Message
 from ..errors import BackendError, ModelLoadError, WireCode
-from ..protocol import Generate, Message
-from ..reasoning import opens_reasoning
-from ..shaping import OutputFormat
-from ..tool_calls import Syntax, detect_syntax
+from ..shaping.reasoning import opens_reasoning
+from ..shaping.shaper import OutputFormat
+from ..shaping.tool_calls import Syntax, detect_syntax
 from .llama_template import ChatTemplate, TemplateLoadError
 from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
 from .llama_tool_grammar import forced_call_grammar

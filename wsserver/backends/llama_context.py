@@ -12,7 +12,7 @@
   the compute thread and the GIL is never taken. Where libc is not found a
   ctypes callback reads the same byte (it takes the GIL on every call).
 * **Sampler chains**, one per request, in llama-server's default order
-  (:mod:`wsserver.sampling`); at the default options exactly the chain
+  (:mod:`wsserver.core.sampling`); at the default options exactly the chain
   llama-cpp-python's ``create_completion`` builds.
 * **The batch**: one ``llama_batch`` reused every step.
 * **The log bridge**: llama.cpp's log lines into Python logging.
@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import llama_cpp
 
-from ..sampling import Sampling
+from ..core.sampling import Sampling
 
 __all__ = [
     "CACHE_TYPES",

@@ -39,16 +39,16 @@ One step:
    first: :mod:`.llama_grammar`; a plain greedy request takes the logits'
    argmax, which is what its chain would pick, without the chain's pass
    over a full candidate list), and run the text through its
-   :class:`~wsserver.textstream.TextAssembler` (UTF-8, stop strings); EOG,
+   :class:`~wsserver.core.textstream.TextAssembler` (UTF-8, stop strings); EOG,
    a stop string, ``max_tokens`` or the sequence's full context end it.
 
 Reasoning budget
 ----------------
 A request with ``reasoning_budget`` counts its tokens inside the think block
-(:class:`~wsserver.reasoning.ReasoningBudget`; whether the prompt opened the
+(:class:`~wsserver.shaping.reasoning.ReasoningBudget`; whether the prompt opened the
 block is the backend's ``opens_reasoning``). When the block holds that many
 and is still open, the sequence's next tokens are the close tag's
-(``reasoning_close``: :data:`~wsserver.reasoning.FORCED_CLOSE` tokenized),
+(``reasoning_close``: :data:`~wsserver.shaping.reasoning.FORCED_CLOSE` tokenized),
 taken instead of sampled, one per step like any token — decoded, written to
 the text stream (so the core's reasoning split sees the close) and counted as
 completion tokens — and then the model samples its answer. A request without
@@ -116,12 +116,12 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from ..core.logprobs import TokenLogprob
+from ..core.protocol import DoneReason
+from ..core.textstream import TextAssembler
 from ..errors import BackendError
-from ..logprobs import TokenLogprob
 from ..logs import context
-from ..protocol import DoneReason
-from ..reasoning import ReasoningBudget
-from ..textstream import TextAssembler
+from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .grammar_worker import GrammarWorker
 from .llama_budget import PrefillBudget

@@ -2,7 +2,7 @@
 
 Computed only for the sequences whose request asked for them, from the raw
 logits llama.cpp left for that position — the model's own distribution,
-before the sampler chain (see :mod:`wsserver.logprobs` for why) — exactly as
+before the sampler chain (see :mod:`wsserver.core.logprobs` for why) — exactly as
 llama-cpp-python's ``Llama.logits_to_logprobs`` computes it (a float32
 log-softmax), so the two agree. One pass for the normaliser and a partial
 sort for the alternatives: the work is proportional to the vocabulary, per
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..logprobs import TokenLogprob, TopLogprob, logprob_value, token_text
+from ..core.logprobs import TokenLogprob, TopLogprob, logprob_value, token_text
 
 __all__ = ["LogprobReader"]
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..logprobs import TokenLogprob
-from ..reasoning import ReasoningBudget
-from ..textstream import TextAssembler
+from ..core.logprobs import TokenLogprob
+from ..core.textstream import TextAssembler
+from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 
 __all__ = ["Job", "RequestStats", "SequenceState", "common_prefix"]

@@ -47,8 +47,8 @@ import jinja2.parser
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..core.protocol import Message
 from ..errors import BackendError
-from ..protocol import Message
 
 __all__ = ["MAX_RENDERED_CHARS", "ChatTemplate", "TemplateLoadError", "template_messages"]
 

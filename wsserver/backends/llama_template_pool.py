@@ -49,8 +49,8 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from ..core.protocol import Message
 from ..errors import BackendError
-from ..protocol import Message
 from .llama_template import TemplateLoadError, template_messages
 from .llama_template_worker import (
     EXIT_MEMORY,

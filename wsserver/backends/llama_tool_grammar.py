@@ -4,7 +4,7 @@
 for: the request's output is constrained by a GBNF grammar that admits
 exactly a call — a tool's name (the named one, or any of the request's
 tools) and arguments that match that tool's ``parameters`` schema — written
-in the syntax the core's parser (:func:`~wsserver.tool_calls.parser_for`) reads
+in the syntax the core's parser (:func:`~wsserver.shaping.tool_calls.parser_for`) reads
 for the model's template (llama.cpp does the same in ``common/chat.cpp``):
 
 * ``generic`` (templates that know no tools, and models without a template):
@@ -33,7 +33,7 @@ from typing import Any, Final
 import orjson
 
 from ..errors import BackendError
-from ..tool_calls import Syntax
+from ..shaping.tool_calls import Syntax
 from .llama_grammar import schema_to_gbnf
 
 __all__ = ["forced_call_grammar"]

@@ -5,7 +5,7 @@
 a logit bias's plain text without), maps tokens to their raw bytes
 (``llama_token_to_piece``: a byte token is a single byte, perhaps half a
 character; a token that is not text, :mod:`.token_text`, to none) for the
-engine's :class:`~wsserver.textstream.TextAssembler`, and finds the tokens that close a think block whose budget is spent.
+engine's :class:`~wsserver.core.textstream.TextAssembler`, and finds the tokens that close a think block whose budget is spent.
 Reading the vocabulary is safe beside the engine thread.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import llama_cpp
 
-from ..reasoning import FORCED_CLOSE
+from ..shaping.reasoning import FORCED_CLOSE
 from .token_text import is_text
 
 __all__ = ["Vocabulary"]
@@ -74,7 +74,7 @@ class Vocabulary:
 
     def close_tokens(self) -> tuple[int, ...]:
         """The tokens that end a think block whose budget is spent: exactly
-        :data:`~wsserver.reasoning.FORCED_CLOSE`, special tokens parsed (a
+        :data:`~wsserver.shaping.reasoning.FORCED_CLOSE`, special tokens parsed (a
         template's own ``</think>`` token if the vocabulary has one). A
         tokenizer that puts a space before a text (SentencePiece's prefix) is
         given the text after a newline, and the tokens of the newline dropped."""

@@ -14,7 +14,7 @@ loop — no thread — that
   stops the reading of its own upstream response, TCP pushes back to the
   upstream, and what wsserver holds per request stays bounded (the channel's
   pieces, aiohttp's read buffer of ``READ_BUFSIZE``, the socket buffers);
-* passes the text through :class:`~wsserver.textstream.TextAssembler` with
+* passes the text through :class:`~wsserver.core.textstream.TextAssembler` with
   the request's stop strings, as every engine does — the upstream applies
   them too, so this only matters for one that ignores ``stop``;
 * ends with the upstream's ``finish_reason`` and ``usage``.
@@ -48,9 +48,9 @@ import urllib.request
 import aiohttp
 
 from ..config import OpenAIConfig
+from ..core.sampling import NEUTRAL
+from ..core.textstream import TextAssembler
 from ..logs import context
-from ..sampling import NEUTRAL
-from ..textstream import TextAssembler
 from .base import (
     Backend,
     CancelEvent,

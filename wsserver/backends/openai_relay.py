@@ -20,7 +20,7 @@ characters: an estimate that never ends an honest upstream early) — at the
 limit the request ends with reason ``length`` and the stream is closed.
 
 What an upstream splits off itself takes every engine's path through the
-core's output shaping (:mod:`wsserver.shaping`: paced, numbered, replayed on
+core's output shaping (:mod:`wsserver.shaping.shaper`: paced, numbered, replayed on
 resume): its reasoning (``delta.reasoning_content`` or ``delta.reasoning``)
 goes into the text between ``<think>`` and ``</think>``, the reasoning
 markers every engine's text has — with ``reasoning_format: "none"`` the
@@ -39,14 +39,14 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from ..call_parts import FRAGMENT_CHARS, CallPart
-from ..logprobs import TokenLogprob
-from ..protocol import DoneReason
-from ..reasoning import CLOSE, OPEN
-from ..sse import SSEError, SSEParser
-from ..textstream import TextAssembler
+from ..core.call_parts import FRAGMENT_CHARS, CallPart
+from ..core.logprobs import TokenLogprob
+from ..core.protocol import DoneReason
+from ..core.textstream import TextAssembler
+from ..shaping.reasoning import CLOSE, OPEN
+from ..sse import DONE, SSEError, SSEParser
 from .base import CancelEvent, Outcome, Sink
-from .openai_wire import DONE, ToolDelta, UpstreamError, parse_chunk
+from .openai_wire import ToolDelta, UpstreamError, parse_chunk
 
 __all__ = ["MAX_EVENT_BYTES", "MAX_PIECE_CHARS", "MAX_TOKEN_CHARS", "Relay", "call_soon"]
 

@@ -23,14 +23,13 @@ from typing import Any
 
 import orjson
 
+from ..core.logprobs import LOGPROB_FLOOR, MAX_ENTRY_BYTES, TokenLogprob, parse_entries
+from ..core.protocol import DoneReason
+from ..core.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, Sampling
 from ..errors import BackendError, WireCode
-from ..logprobs import LOGPROB_FLOOR, MAX_ENTRY_BYTES, TokenLogprob, parse_entries
-from ..protocol import DoneReason
-from ..sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS, Sampling
 from .base import GenerationRequest
 
 __all__ = [
-    "DONE",
     "UPSTREAM_TIMINGS",
     "Chunk",
     "ToolDelta",
@@ -40,9 +39,6 @@ __all__ = [
     "request_body",
     "sampler_options",
 ]
-
-#: The data of the event that ends an OpenAI stream.
-DONE = "[DONE]"
 
 #: Longest upstream error message passed on to the client, in characters.
 MAX_MESSAGE = 500

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..protocol import Generate, Message
-from ..sampling import SAMPLING_FIELDS, Sampling
+from ..core.protocol import Generate, Message
+from ..core.sampling import SAMPLING_FIELDS, Sampling
 
 __all__ = ["GenerationRequest"]
 

@@ -10,7 +10,7 @@ grammar sees. Two amendments, decided once per token (:func:`is_text`):
 * **The core's markers are text.** Reasoning (``<think>``, ``</think>``) and
   tool calls (``<tool_call>``, ``</tool_call>``, ``[TOOL_CALLS]``,
   ``<|python_tag|>``) are parsed out of the text by the core
-  (:mod:`wsserver.reasoning`, :mod:`wsserver.tool_calls`). Where a vocabulary
+  (:mod:`wsserver.shaping.reasoning`, :mod:`wsserver.shaping.tool_calls`). Where a vocabulary
   makes one a control token — Mistral's ``[TOOL_CALLS]``, Llama 3's
   ``<|python_tag|>`` — it is rendered all the same, as llama-server renders a
   chat format's ``preserved_tokens`` (``common/chat.cpp``). In Qwen's
@@ -37,8 +37,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from ..reasoning import CLOSE, OPEN
-from ..tool_calls import MARKERS as TOOL_CALL_MARKERS
+from ..shaping.reasoning import CLOSE, OPEN
+from ..shaping.tool_calls import MARKERS as TOOL_CALL_MARKERS
 
 __all__ = ["KEPT_MARKERS", "MODALITY_MARKERS", "is_text"]
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Final
 
+from ..core.models import ModelInfo
+from ..core.protocol import Pull, PullDone, Pulling
 from ..errors import ProtocolError, WireCode
-from ..models import ModelInfo
-from ..protocol import Pull, PullDone, Pulling
 from .progress import Progress
 from .reference import Reference
 

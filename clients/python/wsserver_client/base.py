@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Generic, Literal, Self, TypeVar
 
-from wsserver.protocol import Error, Hello
+from wsserver.core.protocol import Error, Hello
 
 from .core import PullRequest, Request, RequestTable
 from .reconnect import ReconnectPolicy

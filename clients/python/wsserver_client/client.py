@@ -9,7 +9,7 @@ One reader task receives every frame and hands it to the connection's
 The rules about requests — IDs, frames, and that nothing of a cancelled or
 restarted request reaches the caller — live in :mod:`wsserver_client.core`,
 shared with the synchronous client (:mod:`wsserver_client.sync`). The frame
-classes and their parsing are shared with the server (:mod:`wsserver.protocol`).
+classes and their parsing are shared with the server (:mod:`wsserver.core.protocol`).
 
 **Reconnecting.** With ``Client(url, resumable=True)`` (or ``resumable=True``
 on one request) the server keeps a request through a lost connection. When
@@ -31,7 +31,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from wsserver.protocol import Done, Progress, PullDone
+from wsserver.core.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
 from .core import Event, GenerationError, PullRequest, Request, RequestResult

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from wsserver.protocol import (
+from wsserver.core.protocol import (
     Delta,
     Done,
     Error,

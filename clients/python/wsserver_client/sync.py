@@ -47,7 +47,7 @@ import orjson
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from wsserver.protocol import Done, Progress, PullDone
+from wsserver.core.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
 from .core import (

@@ -1,0 +1,491 @@
+"""Wire protocol v1, client to server: the frames a client sends, parsed and validated.
+
+Sans-I/O: text in, frozen dataclasses out. :mod:`wsserver.core.protocol` re-exports
+every public name here (import them from there); the frames the server sends
+are described in that module. docs/protocol.md is the specification and
+docs/protocol.schema.json its machine-checkable form.
+
+Parsing is strict. Every way a frame can be wrong maps to a
+:class:`~wsserver.errors.ProtocolError` with a wire code, so the connection
+layer only has to turn that error into an ``error`` frame and carry on.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Final
+
+import orjson
+
+from ..errors import ProtocolError, PullError
+from ..pull.reference import Reference, parse_reference
+from .chat_input import (
+    Message,
+    ToolCall,
+    parse_messages,
+    parse_template_kwargs,
+    parse_tool_choice,
+    parse_tools,
+)
+from .sampling import (
+    MAX_TOP_LOGPROBS,
+    SAMPLING_FIELDS,
+    STRUCTURE_FIELDS,
+    LogitBias,
+    parse_sampling_fields,
+)
+
+__all__ = [
+    "ID_PATTERN",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_TOKEN_CHARS",
+    "Cancel",
+    "ClientFrame",
+    "Generate",
+    "Limits",
+    "Message",
+    "Pull",
+    "Restart",
+    "Resume",
+    "ToolCall",
+    "parse_client_frame",
+]
+
+#: The longest ``keep_alive`` a request may give, seconds (a year).
+MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
+#: The longest model name a request may give (names are configured; longer ones cannot exist).
+MAX_MODEL_CHARS: Final = 128
+#: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
+#: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
+ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
+_ID_RE: Final = re.compile(ID_PATTERN)
+#: Stop strings a request may give, and their length (copied like the ID rule).
+MAX_STOP_STRINGS: Final = 4
+MAX_STOP_CHARS: Final = 128
+#: The longest ``resume_token`` accepted (the server issues 32 characters).
+MAX_TOKEN_CHARS: Final = 128
+# JSON integers outside this range are refused: llama.cpp takes 32-bit seeds
+# and nothing else in the protocol needs more.
+_INT_MAX: Final = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a connection may ask for. Sent to the client in ``hello``."""
+
+    max_frame_bytes: int = 1 << 20
+    max_prompt_chars: int = 100_000
+    max_messages: int = 256
+    max_tokens: int = 4096
+    default_max_tokens: int = 256
+
+    def to_wire(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Start a request. Exactly one of ``prompt`` and ``messages`` is set."""
+
+    id: str
+    prompt: str | None = None
+    messages: tuple[Message, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    #: Keep the request through a lost connection (``None``: the server's
+    #: ``stream.resumable`` default decides).
+    resumable: bool | None = None
+    # The rest of the sampler chain (wsserver.core.sampling); None = not given.
+    min_p: float | None = None
+    typical_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: LogitBias | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    #: A GBNF grammar the output must match, or a JSON Schema (as JSON text)
+    #: it must validate against; at most one of them.
+    grammar: str | None = None
+    json_schema: str | None = None
+    #: OpenAI's function tools and extra chat-template variables, as JSON
+    #: text (wsserver.core.chat_input); only with ``messages``.
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    #: OpenAI's ``tool_choice``: ``auto`` | ``none`` | ``required``, and for
+    #: a named function ``required`` with its name in ``tool_name``.
+    tool_choice: str | None = None
+    tool_name: str | None = None
+    #: At most one call per turn when False (wsserver.shaping.tool_calls).
+    parallel_tool_calls: bool | None = None
+    #: ``none`` | ``auto`` (wsserver.shaping.reasoning); None: the server's default.
+    reasoning_format: str | None = None
+    #: At most this many tokens inside the think block, then the engine
+    #: closes it and the model answers (llama-server's per-request
+    #: ``reasoning_budget_tokens``; 0: close it at once). None: no budget.
+    reasoning_budget_tokens: int | None = None
+    #: Report each generated token's log-probability (``delta.logprobs``),
+    #: with ``top_logprobs`` alternatives (0 to 20; only with ``logprobs``).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    #: The model to serve it (one of ``hello.models``); None: the default.
+    #: The server fills in the one it chose before the request is accepted.
+    model: str | None = None
+    #: Seconds its model stays loaded once idle after this request (Ollama's
+    #: ``keep_alive``): 0 = unloaded at once, -1 = until its memory is needed;
+    #: None: the model's ``keep_alive_s``.
+    keep_alive: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    id: str
+    #: Cancel a *detached* resumable request from any connection that knows
+    #: its token (the request id alone is not a credential).
+    resume_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Pick up a detached resumable request on this connection: replay the
+    deltas after ``after_seq`` (-1: none arrived), then go on live."""
+
+    id: str
+    resume_token: str
+    after_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Cancel ``id`` if it runs, then run ``new_id`` with its input.
+
+    ``overrides`` holds the generate fields the frame gave, already validated,
+    keyed by :class:`Generate` attribute name.
+    """
+
+    id: str
+    new_id: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def apply(self, old: Generate) -> Generate:
+        """The request ``new_id`` runs: ``old``'s input with the overrides."""
+        changes = dict(self.overrides)
+        # A new constraint replaces the old one, whichever kind it was.
+        if "grammar" in changes:
+            changes.setdefault("json_schema", None)
+        elif "json_schema" in changes:
+            changes.setdefault("grammar", None)
+        if "prompt" in changes:
+            changes["messages"] = None
+        elif "messages" in changes:
+            changes["prompt"] = None
+        return replace(old, id=self.new_id, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Download a model from the Hugging Face Hub and serve it (docs/models.md):
+    ``pull_progress`` frames, then exactly one ``pull_done``; ``cancel`` by id."""
+
+    id: str
+    #: What to pull, parsed strictly (``org/repo:Q4_K_M``, ``org/repo/file.gguf``, ``@rev``).
+    model: Reference
+
+
+ClientFrame = Generate | Cancel | Restart | Resume | Pull
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
+    """Parse one WebSocket message into a client frame.
+
+    Raises :class:`ProtocolError` for anything that is not a valid v1 frame.
+    The error carries the frame's ``id`` when one could be read, so that the
+    client can tell which of its requests was refused.
+    """
+    if isinstance(data, bytes):
+        raise ProtocolError("bad_json", "binary frames are not accepted; send JSON text frames")
+    if len(data) > limits.max_frame_bytes:
+        # The transport enforces the byte limit; this guards direct callers.
+        raise ProtocolError("too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError("bad_json", f"invalid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_json", "a frame must be a JSON object")
+    raw_id = obj.get("id")
+    request_id = raw_id if isinstance(raw_id, str) and _ID_RE.fullmatch(raw_id) else None
+    kind = obj.get("type")
+    try:
+        if kind == "generate":
+            return _parse_generate(obj, limits)
+        if kind == "cancel":
+            _check_keys(obj, {"type", "id", "resume_token"})
+            token = _parse_token(obj) if "resume_token" in obj else None
+            return Cancel(id=_parse_id(obj, "id"), resume_token=token)
+        if kind == "resume":
+            return _parse_resume(obj)
+        if kind == "restart":
+            return _parse_restart(obj, limits)
+        if kind == "pull":
+            return _parse_pull(obj)
+    except ProtocolError as exc:
+        if exc.request_id is None:
+            exc.request_id = request_id
+        raise
+    if not isinstance(kind, str):
+        raise ProtocolError("bad_request", "missing or non-string field 'type'", request_id)
+    raise ProtocolError("unknown_type", f"unknown frame type {kind[:40]!r}", request_id)
+
+
+_GENERATE_FIELDS: Final = frozenset(
+    {
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "resumable",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "reasoning_format",
+        "reasoning_budget_tokens",
+        "logprobs",
+        "top_logprobs",
+        "model",
+        "keep_alive",
+        *SAMPLING_FIELDS,
+        *STRUCTURE_FIELDS,
+    }
+)
+
+
+def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
+    _check_keys(obj, {"type", "id"} | _GENERATE_FIELDS)
+    request_id = _parse_id(obj, "id")
+    options = _parse_generate_fields(obj, limits, request_id)
+    has_prompt = "prompt" in options
+    has_messages = "messages" in options
+    if has_prompt == has_messages:
+        raise ProtocolError(
+            "bad_request", "give exactly one of 'prompt' and 'messages'", request_id
+        )
+    for name in ("tools", "chat_template_kwargs", "reasoning_budget_tokens"):
+        if has_prompt and options.get(name) is not None:
+            raise ProtocolError(
+                "bad_request", f"'{name}' needs 'messages', not 'prompt'", request_id
+            )
+    if "top_logprobs" in options and options.get("logprobs") is not True:
+        raise ProtocolError("bad_request", "'top_logprobs' needs 'logprobs': true", request_id)
+    return Generate(id=request_id, **options)
+
+
+def _parse_restart(obj: dict[str, Any], limits: Limits) -> Restart:
+    _check_keys(obj, {"type", "id", "new_id"} | _GENERATE_FIELDS)
+    old_id = _parse_id(obj, "id")
+    new_id = _parse_id(obj, "new_id")
+    options = _parse_generate_fields(obj, limits, new_id)
+    if "prompt" in options and "messages" in options:
+        raise ProtocolError("bad_request", "give at most one of 'prompt' and 'messages'", new_id)
+    return Restart(id=old_id, new_id=new_id, overrides=options)
+
+
+def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str) -> dict[str, Any]:
+    """Validate the optional generate fields present in ``obj``."""
+    out: dict[str, Any] = {}
+
+    def fail(message: str) -> ProtocolError:
+        return ProtocolError("bad_request", message, request_id)
+
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str):
+            raise fail("'prompt' must be a string")
+        if len(prompt) > limits.max_prompt_chars:
+            raise ProtocolError(
+                "too_large", f"'prompt' exceeds {limits.max_prompt_chars} characters", request_id
+            )
+        out["prompt"] = prompt
+    if "messages" in obj:
+        out["messages"] = parse_messages(
+            obj["messages"], max_messages=limits.max_messages, fail=fail
+        )
+    if "tools" in obj:
+        out["tools"] = parse_tools(obj["tools"], fail)
+    out.update(parse_tool_choice(obj, out.get("tools"), fail))
+    if "reasoning_format" in obj:
+        if obj["reasoning_format"] not in ("none", "auto"):
+            raise fail('\'reasoning_format\' must be "none" or "auto"')
+        out["reasoning_format"] = obj["reasoning_format"]
+    if "reasoning_budget_tokens" in obj:
+        value = obj["reasoning_budget_tokens"]
+        if not _is_int(value) or value < -1:
+            raise fail("'reasoning_budget_tokens' must be an integer >= 0 (-1: no budget)")
+        # -1 is llama-server's "unrestricted": the same as leaving it out.
+        out["reasoning_budget_tokens"] = None if value == -1 else value
+    if "chat_template_kwargs" in obj:
+        out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
+    chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))
+    if chat_chars > limits.max_prompt_chars:
+        raise ProtocolError(
+            "too_large",
+            f"'messages' and 'tools' exceed {limits.max_prompt_chars} characters",
+            request_id,
+        )
+    if "max_tokens" in obj:
+        value = obj["max_tokens"]
+        if not _is_int(value) or value < 1:
+            raise fail("'max_tokens' must be an integer >= 1")
+        if value > limits.max_tokens:
+            raise fail(f"'max_tokens' exceeds the limit of {limits.max_tokens}")
+        out["max_tokens"] = value
+    if "temperature" in obj:
+        out["temperature"] = _parse_float(obj["temperature"], "temperature", 0.0, 100.0, fail)
+    if "top_p" in obj:
+        out["top_p"] = _parse_float(obj["top_p"], "top_p", 0.0, 1.0, fail)
+    if "top_k" in obj:
+        value = obj["top_k"]
+        if not _is_int(value) or value < 0:
+            raise fail("'top_k' must be an integer >= 0 (0 = no limit)")
+        out["top_k"] = value
+    if "seed" in obj:
+        value = obj["seed"]
+        if not _is_int(value) or not 0 <= value < 2**32:
+            raise fail("'seed' must be an integer in [0, 2**32)")
+        out["seed"] = value
+    if "stop" in obj:
+        out["stop"] = _parse_stop(obj["stop"], fail)
+    if "resumable" in obj:
+        if not isinstance(obj["resumable"], bool):
+            raise fail("'resumable' must be true or false")
+        out["resumable"] = obj["resumable"]
+    if "logprobs" in obj:
+        if not isinstance(obj["logprobs"], bool):
+            raise fail("'logprobs' must be true or false")
+        out["logprobs"] = obj["logprobs"]
+    if "top_logprobs" in obj:
+        value = obj["top_logprobs"]
+        if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        out["top_logprobs"] = value
+    if "model" in obj:
+        value = obj["model"]
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:
+            raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
+        out["model"] = value
+    if "keep_alive" in obj:
+        value = obj["keep_alive"]
+        if value == -1 and not isinstance(value, bool):
+            out["keep_alive"] = -1.0
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 <= value <= MAX_KEEP_ALIVE_S  # (NaN fails this too)
+        ):
+            raise fail(
+                f"'keep_alive' must be seconds from 0 to {MAX_KEEP_ALIVE_S:.0f}, "
+                "or -1 (until its memory is needed)"
+            )
+        else:
+            out["keep_alive"] = float(value)
+    out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
+    return out
+
+
+def _parse_resume(obj: dict[str, Any]) -> Resume:
+    _check_keys(obj, {"type", "id", "resume_token", "after_seq"})
+    request_id = _parse_id(obj, "id")
+    token = _parse_token(obj)
+    after_seq: Any = obj.get("after_seq")
+    if not _is_int(after_seq) or after_seq < -1:
+        raise ProtocolError(
+            "bad_request", "'after_seq' must be an integer >= -1 (-1: no delta arrived)"
+        )
+    return Resume(id=request_id, resume_token=token, after_seq=after_seq)
+
+
+def _parse_pull(obj: dict[str, Any]) -> Pull:
+    _check_keys(obj, {"type", "id", "model"})
+    request_id = _parse_id(obj, "id")
+    value = obj.get("model")
+    if not isinstance(value, str):
+        raise ProtocolError(
+            "bad_request", "'model' must be a string: org/repo[:QUANT] or org/repo/file.gguf"
+        )
+    try:
+        return Pull(id=request_id, model=parse_reference(value))
+    except PullError as exc:
+        raise ProtocolError(exc.code, exc.message, request_id) from None
+
+
+def _parse_token(obj: dict[str, Any]) -> str:
+    value = obj.get("resume_token")
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_TOKEN_CHARS:
+        raise ProtocolError(
+            "bad_request", f"'resume_token' must be a string of 1 to {MAX_TOKEN_CHARS} characters"
+        )
+    return value
+
+
+def _parse_stop(value: Any, fail: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
+        raise fail(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    for item in items:
+        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
+            raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
+    return tuple(items)
+
+
+def _parse_float(value: Any, name: str, low: float, high: float, fail: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(f"'{name}' must be a number")
+    number = float(value)
+    if not math.isfinite(number) or not low <= number <= high:
+        raise fail(f"'{name}' must be between {low:g} and {high:g}")
+    return number
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT_MAX
+
+
+def _parse_id(obj: dict[str, Any], key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise ProtocolError(
+            "bad_request", f"'{key}' must be 1-64 characters of A-Z a-z 0-9 _ . : -"
+        )
+    return value
+
+
+def _check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    unknown = set(obj) - allowed
+    if unknown:
+        names = ", ".join(sorted(repr(k[:40]) for k in unknown)[:5])
+        raise ProtocolError("bad_request", f"unknown field(s): {names}")
