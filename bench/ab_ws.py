@@ -15,7 +15,12 @@ server, over a fresh WebSocket connection:
 * the same **TTFT** and **throughput** over the OpenAI HTTP API
   (``POST /v1/completions`` streamed as SSE, on a fresh HTTP connection):
   request sent → first text chunk, and completion tokens (from the usage
-  chunk) over the time from the first chunk to ``[DONE]``.
+  chunk) over the time from the first chunk to ``[DONE]``;
+* and over the Responses API both ways: ``POST /v1/responses`` streamed as
+  SSE, and its WebSocket mode (``response.create`` on a fresh
+  ``/v1/responses`` socket): request sent → first
+  ``response.output_text.delta``, and output tokens (``response.completed``'s
+  usage) over the time from that delta to its last event.
 
 Medians and p90 are printed as a Markdown table.
 """
@@ -36,6 +41,10 @@ from .timing import percentile, side_by_side
 
 now = time.perf_counter
 _HTTP = ("http_ttft_ms", "http_tokens_per_s")
+_RESPONSES = ("rh_ttft_ms", "rh_tokens_per_s", "rw_ttft_ms", "rw_tokens_per_s")
+_TOKENS = {"ttft": 8, "tokens_per_s": 2000}
+#: A response's last event: completed, or incomplete at max_output_tokens.
+_ENDS = ("response.completed", "response.incomplete")
 
 
 async def _round(url: str) -> dict[str, float]:
@@ -94,6 +103,65 @@ async def _http_round(url: str) -> dict[str, float]:
     return out
 
 
+async def _responses_http_round(url: str) -> dict[str, float]:
+    """``POST /v1/responses`` streamed: TTFT and throughput (SSE events)."""
+    import aiohttp
+    import orjson
+
+    base = url.replace("ws://", "http://").rstrip("/")
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as http:
+        for key, tokens in _TOKENS.items():
+            body = {"model": "fake", "input": "ab", "max_output_tokens": tokens, "stream": True}
+            t0 = now()
+            first: float | None = None
+            output = 0
+            async with http.post(f"{base}/v1/responses", json=body) as response:
+                async for line in response.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = orjson.loads(line[6:])
+                    if event["type"] == "response.output_text.delta" and first is None:
+                        first = now()
+                    elif event["type"] in _ENDS:
+                        output = event["response"]["usage"]["output_tokens"]
+            assert first is not None and output
+            _record(out, "rh", key, t0, first, output)
+    return out
+
+
+async def _responses_ws_round(url: str) -> dict[str, float]:
+    """The Responses API's WebSocket mode: TTFT and throughput (one message an event)."""
+    import orjson
+    from websockets.asyncio.client import connect
+
+    out: dict[str, float] = {}
+    async with connect(url.rstrip("/") + "/v1/responses", compression=None) as ws:
+        for key, tokens in _TOKENS.items():
+            create = {"type": "response.create", "input": "ab", "max_output_tokens": tokens}
+            t0 = now()
+            await ws.send(orjson.dumps(create).decode())
+            first: float | None = None
+            while True:
+                event = orjson.loads(await ws.recv())
+                if event["type"] == "response.output_text.delta" and first is None:
+                    first = now()
+                elif event["type"] in _ENDS:
+                    output = event["response"]["usage"]["output_tokens"]
+                    break
+                assert event["type"] != "error", event
+            assert first is not None and output
+            _record(out, "rw", key, t0, first, output)
+    return out
+
+
+def _record(out: dict[str, float], wire: str, key: str, t0: float, first: float, n: int) -> None:
+    if key == "ttft":
+        out[f"{wire}_ttft_ms"] = 1000 * (first - t0)
+    else:
+        out[f"{wire}_tokens_per_s"] = n / max(now() - first, 1e-9)
+
+
 async def _cancel_round(url: str) -> float:
     from wsserver_client import Client
 
@@ -108,10 +176,13 @@ async def _cancel_round(url: str) -> float:
 
 
 async def _measure(server: ServerProcess, paced: ServerProcess, _: int) -> dict[str, float]:
-    """One round on one checkout: WebSocket TTFT and throughput, cancel, then HTTP."""
+    """One round on one checkout: WebSocket TTFT and throughput, cancel, then
+    HTTP (SSE), then the Responses API over HTTP and in WebSocket mode."""
     figures = await _round(server.url)
     figures["cancel_ms"] = await _cancel_round(paced.url)
-    return {**figures, **await _http_round(server.url)}
+    figures.update(await _http_round(server.url))
+    figures.update(await _responses_http_round(server.url))
+    return {**figures, **await _responses_ws_round(server.url)}
 
 
 async def main(baseline: Path, rounds: int) -> None:
@@ -129,7 +200,10 @@ async def main(baseline: Path, rounds: int) -> None:
         contenders = {n: functools.partial(_measure, up[n, 0.0], up[n, 200.0]) for n in trees}
         runs = await side_by_side(rounds, contenders, order="flip")
     samples = {
-        n: {k: [r[k] for r in got] for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP)}
+        n: {
+            k: [r[k] for r in got]
+            for k in ("ttft_ms", "tokens_per_s", "cancel_ms", *_HTTP, *_RESPONSES)
+        }
         for n, got in runs.items()
     }
     print(f"{rounds} rounds, alternating; baseline = {baseline}, this checkout = {ROOT}\n")
@@ -143,15 +217,20 @@ async def main(baseline: Path, rounds: int) -> None:
             f"{statistics.median(s['tokens_per_s']):,.0f} / {_p(s['tokens_per_s'], 10):,.0f} | "
             f"{statistics.median(s['cancel_ms']):.2f} / {_p(s['cancel_ms'], 90):.2f} |"
         )
-    print("\nThe OpenAI HTTP API (SSE):\n")
-    print("| server | TTFT median / p90 (ms) | tokens/s median / p10 |")
-    print("|---|---:|---:|")
-    for name, s in samples.items():
-        ttft, tps = s["http_ttft_ms"], s["http_tokens_per_s"]
-        print(
-            f"| {name} | {statistics.median(ttft):.2f} / {_p(ttft, 90):.2f} | "
-            f"{statistics.median(tps):,.0f} / {_p(tps, 10):,.0f} |"
-        )
+    for title, wire in (
+        ("The OpenAI HTTP API (completions, SSE)", "http"),
+        ("The Responses API over HTTP (SSE)", "rh"),
+        ("The Responses API's WebSocket mode", "rw"),
+    ):
+        print(f"\n{title}:\n")
+        print("| server | TTFT median / p90 (ms) | tokens/s median / p10 |")
+        print("|---|---:|---:|")
+        for name, s in samples.items():
+            ttft, tps = s[f"{wire}_ttft_ms"], s[f"{wire}_tokens_per_s"]
+            print(
+                f"| {name} | {statistics.median(ttft):.2f} / {_p(ttft, 90):.2f} | "
+                f"{statistics.median(tps):,.0f} / {_p(tps, 10):,.0f} |"
+            )
 
 
 def _p(values: list[float], q: float) -> Any:
