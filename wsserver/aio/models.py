@@ -155,15 +155,8 @@ class Model:
             parallel=self.backend.slots,
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
-            chat_template=self._chat_template() if state == "loaded" else None,
+            chat_template=self.backend.has_chat_template() if state == "loaded" else None,
         )
-
-    def _chat_template(self) -> bool | None:
-        """Whether the loaded engine has a chat template (a llama engine's
-        ``chat_template``; an engine without the notion: not said)."""
-        if not hasattr(self.backend, "chat_template"):
-            return None
-        return getattr(self.backend, "chat_template", None) is not None
 
     def _set(self, state: str) -> None:
         self.state = state
