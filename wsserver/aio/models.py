@@ -47,18 +47,16 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 from ..backends import ModelEntry, pulled_model
-from ..backends.base import Liveness
 from ..config import Config
 from ..errors import ModelLoadError, ProtocolError, PullError
 from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate, Progress
 from ..pull.hub import PullCancelled, Pulled
 from ..pull.progress import PlainLines
+from .model import Model, ModelStats
 from .pulls import Pulls
-from .scheduler import Scheduler
 
 # asyncio.to_thread's executor imports concurrent.futures.thread on first use;
 # imported here, a load that starts while a connection flood holds every file
@@ -73,25 +71,6 @@ log = logging.getLogger("wsserver.models")
 QueuedCallback = Callable[[int, bool, Progress | None], None]
 
 
-@dataclass(frozen=True, slots=True)
-class ModelStats:
-    """One model's figures for ``/metrics``."""
-
-    name: str
-    loaded: bool
-    active: int
-    queued: int
-    memory_bytes: int
-    loads: int
-    unloads: int
-    load_failures: int
-    #: The engine's running step so far, whether it is stalled, and grammar
-    #: calls it gave up on that still run (:class:`~wsserver.backends.base.Liveness`).
-    step_seconds: float = 0.0
-    stalled: bool = False
-    grammar_calls_running: int = 0
-
-
 def machine_budget() -> int:
     """The default memory budget: three quarters of the machine's memory."""
     try:
@@ -99,69 +78,6 @@ def machine_budget() -> int:
     except (ValueError, OSError):  # not on this platform: no bound
         return 1 << 62
     return int(total) * 3 // 4
-
-
-class Model:
-    """One served model: its engine, its queue and where it stands."""
-
-    def __init__(self, spec: ModelEntry) -> None:
-        self.backend = spec.backend
-        #: More names requests may give for it (its configured ``aliases``).
-        self.aliases = spec.aliases
-        self.keep_alive_s = spec.keep_alive_s
-        self.preload = spec.preload
-        self.scheduler = Scheduler(spec.backend.slots, spec.backend.max_waiting, ready=False)
-        #: Its Hub reference, if its file is one; what the last pull gave.
-        self.reference = spec.reference
-        #: Tells its engine the file a pull gave.
-        self.use_file = spec.use_file
-        self.pulled: Pulled | None = None
-        #: While its file downloads: how far.
-        self.download: Progress | None = None
-        #: ``unloading`` is shown to clients as ``unloaded``.
-        self.state: ModelState | str = "unloaded"
-        #: The memory it holds (estimated when its load starts; 0 when unloaded).
-        self.bytes = 0
-        self.last_used = 0.0
-        #: Loads and unloads so far (tests, logs).
-        self.loads = 0
-        self.unloads = 0
-        self.load_failures = 0
-        self.task: asyncio.Task[None] | None = None
-        #: Why its last load failed (None after a good one).
-        self.load_error: Exception | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
-        #: The keep-alive the last finished request asked for, until it is applied.
-        self.request_keep_alive: float | None = None
-        #: Set whenever the state changes (tests and ``wait_state`` wait on it).
-        self.changed = asyncio.Event()
-
-    @property
-    def name(self) -> str:
-        """Its name (an engine may learn it on loading: the openai backend's upstream model)."""
-        return self.backend.model_name
-
-    @property
-    def idle(self) -> bool:
-        """No running and no queued request."""
-        return self.scheduler.busy == 0 and self.scheduler.waiting == 0
-
-    def info(self) -> ModelInfo:
-        state: ModelState = self.state if self.state in ("loaded", "loading") else "unloaded"
-        return ModelInfo(
-            name=self.name,
-            state=state,
-            n_ctx=getattr(self.backend, "n_ctx", None),
-            parallel=self.backend.slots,
-            max_waiting=self.backend.max_waiting,
-            aliases=self.aliases,
-            chat_template=self.backend.has_chat_template() if state == "loaded" else None,
-        )
-
-    def _set(self, state: str) -> None:
-        self.state = state
-        self.changed.set()
-        self.changed = asyncio.Event()
 
 
 class ModelPool:
@@ -265,25 +181,7 @@ class ModelPool:
     def stats(self) -> list[ModelStats]:
         """Each configured model's figures, for ``/metrics`` (label values
         bounded by the configuration)."""
-        stats = []
-        for m in self.models.values():
-            live = m.backend.liveness() if m.state == "loaded" else Liveness()
-            stats.append(
-                ModelStats(
-                    name=m.name,
-                    loaded=m.state == "loaded",
-                    active=m.scheduler.busy,
-                    queued=m.scheduler.waiting,
-                    memory_bytes=m.bytes,
-                    loads=m.loads,
-                    unloads=m.unloads,
-                    load_failures=m.load_failures,
-                    step_seconds=live.step_seconds,
-                    stalled=live.stalled,
-                    grammar_calls_running=live.grammar_calls_running,
-                )
-            )
-        return stats
+        return [m.stats() for m in self.models.values()]
 
     def unready_reason(self) -> str | None:
         """Why an engine cannot serve now (``/readyz``): the default model's
@@ -392,7 +290,7 @@ class ModelPool:
     # ------------------------------------------------------------ loading
 
     def _start_load(self, model: Model) -> None:
-        model._set("loading")
+        model.set_state("loading")
         model.task = asyncio.create_task(self._load(model), name=f"load-{model.name}")
 
     async def _load(self, model: Model) -> None:
@@ -412,7 +310,7 @@ class ModelPool:
                 ):
                     log.info("model %s: nobody waits for it any more; not loading it", model.name)
                     model.bytes = 0
-                    model._set("unloaded")
+                    model.set_state("unloaded")
                     return
                 log.info(
                     "model %s: waiting for a busy model to become idle to fit the budget",
@@ -432,13 +330,13 @@ class ModelPool:
             log.info("loading model %s (about %d MB)", model.name, need >> 20)
             await asyncio.to_thread(model.backend.load)
         except asyncio.CancelledError:
-            model._set("unloaded")
+            model.set_state("unloaded")
             raise
         except Exception as exc:
             model.load_error = exc
             model.load_failures += 1
             model.bytes = 0
-            model._set("unloaded")
+            model.set_state("unloaded")
             log.error("model %s failed to load: %s", model.name, exc)
             model.scheduler.fail(
                 ProtocolError(
@@ -450,7 +348,7 @@ class ModelPool:
         model.load_error = None
         model.loads += 1
         model.last_used = loop.time()
-        model._set("loaded")
+        model.set_state("loaded")
         log.info("model %s loaded in %.1fs", model.name, loop.time() - started)
         model.scheduler.open()
         self._check_idle(model)
@@ -556,7 +454,7 @@ class ModelPool:
         assert model.state == "loaded" and model.idle
         self._cancel_idle_timer(model)
         model.scheduler.close()
-        model._set("unloading")
+        model.set_state("unloading")
         log.info("unloading model %s (%s)", model.name, why)
         task = asyncio.create_task(self._free(model), name=f"unload-{model.name}")
         model.task = task
@@ -566,7 +464,7 @@ class ModelPool:
         await asyncio.to_thread(model.backend.close)
         model.bytes = 0
         model.unloads += 1
-        model._set("unloaded")
+        model.set_state("unloaded")
         self._wake_room()
         if model.scheduler.waiting and not self._closing:
             # Requests came while it was being unloaded: load it again.
