@@ -34,6 +34,7 @@ package drives the core (:mod:`wsserver.protocol`, :mod:`wsserver.session`,
         │   └── services       what every request uses (built once by the server)
         │       ├── models         the model registry: load on demand, budget, idle unload
         │       │   ├── model          one served model: its engine, queue and state; what it shows
+        │       │   ├── keep_alive     an idle model's timer: a request's keep_alive or keep_alive_s
         │       │   └── pulls          downloads from the Hub, one per reference, shared
         │       ├── scheduler      the queue for a model's slots: first come, connections in turn
         │       └── metrics        Prometheus metrics, loop-lag probe

@@ -73,9 +73,6 @@ class Model:
         self.task: asyncio.Task[None] | None = None
         #: Why its last load failed (None after a good one).
         self.load_error: Exception | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
-        #: The keep-alive the last finished request asked for, until it is applied.
-        self.request_keep_alive: float | None = None
         #: Set whenever the state changes (tests and ``wait_state`` wait on it).
         self.changed = asyncio.Event()
 

@@ -55,6 +55,7 @@ from ..models import ModelInfo, ModelState, Resident, plan_room
 from ..protocol import Generate, Progress
 from ..pull.hub import PullCancelled, Pulled
 from ..pull.progress import PlainLines
+from .keep_alive import KeepAlive
 from .model import Model, ModelStats
 from .pulls import Pulls
 
@@ -99,6 +100,7 @@ class ModelPool:
         self.budget = budget if budget > 0 else machine_budget()
         self._room_waiters: list[asyncio.Future[None]] = []
         self._closing = False
+        self._keep_alive = KeepAlive(expire=lambda model: self._unload(model, "idle"))
 
     # ------------------------------------------------------------ lookup
 
@@ -234,7 +236,7 @@ class ModelPool:
         Raises ``ProtocolError``: ``overloaded`` (its queue is full) or
         ``model_load_failed``. Cancelling the wait leaves the queue at once.
         """
-        self._cancel_idle_timer(model)
+        self._keep_alive.cancel(model)
         if model.state == "unloaded":
             self._start_load(model)
         try:
@@ -272,8 +274,8 @@ class ModelPool:
         """Release every engine (at shutdown, after every request completed)."""
         self._closing = True
         self._wake_room()
+        self._keep_alive.close()
         for model in self.models.values():
-            self._cancel_idle_timer(model)
             if model.task is not None and not model.task.done():
                 # A load on its thread cannot be interrupted: let it finish,
                 # then free it with the others.
@@ -422,37 +424,19 @@ class ModelPool:
         ``keep_alive`` (the last request's, if it gave one) wins over the
         model's ``keep_alive_s``: seconds, 0 = at once, -1 = only for room."""
         if keep_alive is not None:
-            model.request_keep_alive = keep_alive
+            self._keep_alive.ask(model, keep_alive)
         if not model.idle or self._closing:
             return
         model.last_used = asyncio.get_running_loop().time()
         self._wake_room()
-        wait = model.request_keep_alive
-        if wait is None:
-            wait = model.keep_alive_s if model.keep_alive_s > 0 else -1.0
-        model.request_keep_alive = None
-        if model.state == "loaded" and wait >= 0:
-            self._cancel_idle_timer(model)
-            model._idle_timer = asyncio.get_running_loop().call_later(
-                wait, self._idle_expired, model
-            )
-
-    def _cancel_idle_timer(self, model: Model) -> None:
-        if model._idle_timer is not None:
-            model._idle_timer.cancel()
-            model._idle_timer = None
-
-    def _idle_expired(self, model: Model) -> None:
-        model._idle_timer = None
-        if model.state == "loaded" and model.idle and not self._closing:
-            self._unload(model, "idle")
+        self._keep_alive.start(model)
 
     def _unload(self, model: Model, why: str) -> asyncio.Task[None]:
         """Unload an idle model: its queue is closed *now*, in the loop turn
         that decided it (no slot can be handed out after), and its engine
         freed on a worker thread by the task returned."""
         assert model.state == "loaded" and model.idle
-        self._cancel_idle_timer(model)
+        self._keep_alive.cancel(model)
         model.scheduler.close()
         model.set_state("unloading")
         log.info("unloading model %s (%s)", model.name, why)
