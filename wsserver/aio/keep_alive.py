@@ -9,9 +9,9 @@ A request that comes for the model stops its timer; the next idle moment
 starts a new one.
 
 :class:`KeepAlive` keeps each model's timer and the keep-alive its last
-request asked for; the registry (:class:`~wsserver.aio.models.ModelPool`) tells it
-when a model goes idle or is wanted again, and is called back to unload one
-whose time is up.
+request asked for; the registry's loader (:mod:`wsserver.aio.model_loader`)
+tells it when a model goes idle or is wanted again, and is called back to
+unload one whose time is up.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A :class:`Model` is the registry's record of one model
 (:class:`~wsserver.aio.models.ModelPool`): its backend, its
 :class:`~wsserver.aio.scheduler.Scheduler`, its state (``unloaded``,
 ``loading``, ``loaded``, ``unloading``) and what its loads cost so far. The
-registry moves it from state to state; this module only keeps the record
-and says what it shows: its
+registry's loader (:mod:`wsserver.aio.model_loader`) moves it from state to
+state; this module only keeps the record and says what it shows: its
 :class:`~wsserver.models.ModelInfo` for clients and its :class:`ModelStats`
 for ``/metrics``.
 """
