@@ -141,7 +141,7 @@ def prompt_tokens(backend: LlamaBackend, req: GenerationRequest) -> int | None:
 
 def has_chat_template(backend: LlamaBackend) -> bool:
     """Whether messages go through the model's own chat template (else the plain-text fallback)."""
-    return backend.chat.template is not None
+    return backend.has_chat_template()
 
 
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:

@@ -60,8 +60,7 @@ from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
-from .llama_template import ChatTemplate
-from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
+from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
 
 __all__ = ["LlamaBackend"]
@@ -365,10 +364,9 @@ class LlamaBackend(Backend):
         """What one recent request cost: prompt tokens reused from the cache and decoded."""
         return self.engine.request_stats.get(request_id) if self.engine is not None else None
 
-    @property
-    def chat_template(self) -> BoundedTemplate | ChatTemplate | None:
-        """The chat template once loaded (None: the fallback), for the model registry."""
-        return self.chat.template
+    def has_chat_template(self) -> bool:
+        """Whether the loaded model has its own chat template (else the plain-text fallback)."""
+        return self.chat.template is not None
 
     # ------------------------------------------------------------ requests
 
