@@ -85,12 +85,9 @@ under it (``close``).
 
 Liveness
 --------
-The engine records when its running step began. A step that has lasted
-``stall_s`` makes it *stalled* (:meth:`BatchEngine.stalled`): the backend's
-``unready_reason`` (``/readyz`` 503), a metric, and one ERROR line saying what
-the step is doing (``_doing``: admitting, decoding a batch, sampling under a
-grammar) and which requests it holds. Idle, or with every sequence paused on
-a slow client, no step runs, and nothing is stalled.
+A step that runs ``stall_s`` or more makes the engine *stalled*
+(:meth:`BatchEngine.stalled`: ``/readyz`` 503, a metric, one ERROR line
+saying what the step is doing): :class:`~.llama_liveness.StepWatch`.
 
 Prompt cache
 ------------
@@ -135,6 +132,7 @@ from .llama_context import (
     quiet_errors,
 )
 from .llama_grammar import Candidates, GrammarCache, utf8_needed
+from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
@@ -217,12 +215,9 @@ class BatchEngine:
         self._worker = GrammarWorker(self._cond)
         #: Workers given up on whose native call may still run (they end by themselves).
         self._abandoned: list[GrammarWorker] = []
-        #: Liveness: when the running step began (None: between steps), what
-        #: it is doing now, and after how long a step counts as stalled.
-        self.stall_s = stall_s
-        self._step_began: float | None = None
-        self._doing: tuple[str, str] = ("idle", "")
-        self._stall_reported = False
+        #: Liveness: when the running step began, what it is doing now, and
+        #: after how long a step counts as stalled.
+        self.watch = StepWatch(stall_s)
         self._incoming: list[Job] = []
         self._jobs: list[Job] = []  # admitted, in admission order
         self._stopping = False
@@ -294,7 +289,7 @@ class BatchEngine:
             log.error(
                 "the batched engine did not stop within %.1fs (it is %s); leaving its memory",
                 timeout or 0.0,
-                self._describe_doing(),
+                self.watch.describe(),
             )
             return False
         self._worker.close()
@@ -322,46 +317,13 @@ class BatchEngine:
     def step_seconds(self) -> float:
         """How long the running step has lasted so far (0: between steps).
         Idle, or with every sequence paused on a slow client, no step runs."""
-        began = self._step_began
-        return 0.0 if began is None else max(0.0, time.monotonic() - began)
+        return self.watch.seconds()
 
     def stalled(self) -> str | None:
         """Why the engine counts as stalled — a step has run for ``stall_s``
         or more — or None. The first time in a stall it is logged at ERROR
         with what the engine is doing (any thread may ask: the probe does)."""
-        seconds = self.step_seconds()
-        if self.stall_s <= 0 or seconds < self.stall_s:
-            return None
-        running = len(self._jobs)
-        reason = (
-            f"the llama engine has not finished a step for {seconds:.1f} s "
-            f"({running} request(s) running)"
-        )
-        if not self._stall_reported:
-            self._stall_reported = True
-            log.error(
-                "%s: it is %s; requests: %s",
-                reason,
-                self._describe_doing(),
-                self._describe_jobs(),
-                extra={"stalled_s": round(seconds, 1)},
-            )
-        return reason
-
-    def _describe_doing(self) -> str:
-        phase, request_id = self._doing
-        return f"{phase} (request {request_id})" if request_id else phase
-
-    def _describe_jobs(self) -> str:
-        parts = []
-        for job in list(self._jobs)[:16]:
-            state = "prompt" if job.fed < len(job.prompt) else "decoding"
-            if job.grammar is not None:
-                state += ", grammar"
-            if job.waiting_room:
-                state += ", paused on its client"
-            parts.append(f"{job.request.id} ({state}, {job.produced} tokens)")
-        return ", ".join(parts) or "none"
+        return self.watch.stalled(self._jobs)
 
     # ------------------------------------------------------------ the loop
 
@@ -388,7 +350,7 @@ class BatchEngine:
                 if self._stopping:
                     return
                 incoming, self._incoming = self._incoming, []
-            self._step_began = time.monotonic()
+            self.watch.begin()
             try:
                 self._step(incoming)
             except Exception:  # a bug here must not kill the engine silently
@@ -397,14 +359,7 @@ class BatchEngine:
                     if not job.submission.done:
                         self._fail(job, "the backend failed", code="internal")
                 self._jobs = []
-            if self._stall_reported:
-                log.warning(
-                    "the llama engine finished a step again, after %.1f s",
-                    time.monotonic() - self._step_began,
-                )
-                self._stall_reported = False
-            self._step_began = None
-            self._doing = ("idle", "")
+            self.watch.end()
 
     def _step(self, incoming: list[Job]) -> None:
         for job in list(self._jobs):
@@ -414,7 +369,7 @@ class BatchEngine:
             if job.cancelled:
                 self._leave(job)
             else:
-                self._doing = (
+                self.watch.doing = (
                     "admitting (tokenizing its prompt, compiling its grammar)",
                     job.request.id,
                 )
@@ -616,7 +571,10 @@ class BatchEngine:
                 plan.append((job, take, index))
         if not plan:
             return
-        self._doing = (f"decoding a batch of {batch.n} token(s) for {len(plan)} sequence(s)", "")
+        self.watch.doing = (
+            f"decoding a batch of {batch.n} token(s) for {len(plan)} sequence(s)",
+            "",
+        )
         if self.on_prefill is not None:
             for job in first_chunks:
                 self.on_prefill(job.request.id, len(job.prompt))
@@ -688,7 +646,7 @@ class BatchEngine:
         elif job.grammar is None:
             token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
         else:
-            self._doing = ("sampling under its grammar", job.request.id)
+            self.watch.doing = ("sampling under its grammar", job.request.id)
             try:
                 constrained = self._constrained_token(job, index)
             except _GivenUp as exc:
