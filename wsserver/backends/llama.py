@@ -146,7 +146,7 @@ class LlamaBackend(Backend):
         self.cache_type_v = cache_type_v
         self.use_mmap = use_mmap
         self.use_mlock = use_mlock
-        #: A sequence's grammar work per step, at most (see :mod:`.llama_engine`).
+        #: A sequence's grammar work per step, at most (see :mod:`.llama_samplers`).
         self.grammar_deadline_ms = grammar_deadline_ms
         #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
         self.engine_stall_s = engine_stall_s

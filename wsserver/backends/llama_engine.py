@@ -35,12 +35,10 @@ One step:
    text, until ``when_room`` fires — its memory stays bounded by its channel,
    the others keep their pace.
 4. **Decode**, then sample every sequence that asked for logits with its own
-   native sampler chain (and its grammar, checked against the sampled token
-   first: :mod:`.llama_grammar`; a plain greedy request takes the logits'
-   argmax, which is what its chain would pick, without the chain's pass
-   over a full candidate list), and run the text through its
-   :class:`~wsserver.core.textstream.TextAssembler` (UTF-8, stop strings); EOG,
-   a stop string, ``max_tokens`` or the sequence's full context end it.
+   native sampler chain (and its grammar: :mod:`.llama_samplers`), and run
+   the text through its :class:`~wsserver.core.textstream.TextAssembler` (UTF-8,
+   stop strings); EOG, a stop string, ``max_tokens`` or the sequence's full
+   context end it.
 
 Reasoning budget
 ----------------
@@ -67,21 +65,9 @@ milliseconds, and aborting would make the others redo it.)
 
 Grammar work and its deadline
 -----------------------------
-A constrained sequence's sampling — the grammar's check of the sampled token,
-its filtering of candidates, its acceptance of the token — is llama.cpp
-native code that nothing interrupts, and an ambiguous grammar can make one
-call of it last for ever. :mod:`.grammar_bounds` refuses every grammar shape
-known to do that before the request starts; for the rest, the engine takes
-the sequence's logits (a copy) and hands that work to a
-:class:`~.grammar_worker.GrammarWorker` thread, waiting at most
-``grammar_deadline_s`` and no longer once the request is cancelled. Past
-that the request ends (``unsupported_option``), its samplers and the
-candidate buffers go with the worker (which frees them when its call
-returns), and a fresh worker and buffers serve the next sequences: every
-other stream goes on at the next step. So the others wait at most the
-deadline, once; the worker's call runs on until it returns
-(:meth:`BatchEngine.grammar_calls_running`), and the model is not freed
-under it (``close``).
+A constrained sequence's grammar work runs on a worker thread, waited for at
+most ``grammar_deadline_s``; past that the request ends and the others go on
+(:mod:`.llama_samplers`).
 
 Liveness
 --------
@@ -103,7 +89,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -111,7 +96,6 @@ from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
-import numpy as np
 
 from ..core.logprobs import TokenLogprob
 from ..core.protocol import DoneReason
@@ -120,20 +104,12 @@ from ..errors import BackendError
 from ..logs import context
 from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .grammar_worker import GrammarWorker
 from .llama_budget import PrefillBudget
-from .llama_context import (
-    AbortFlag,
-    Batch,
-    chain_keeps,
-    has_history,
-    new_sampler,
-    penalty_window,
-    quiet_errors,
-)
-from .llama_grammar import Candidates, GrammarCache, utf8_needed
+from .llama_context import AbortFlag, Batch, quiet_errors
+from .llama_grammar import GrammarCache
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
+from .llama_samplers import GivenUp, Samplers
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
@@ -188,7 +164,6 @@ class BatchEngine:
         )
         self._prepare = prepare
         self._piece = piece
-        self._tokenize_text = tokenize_text
         #: The tokens that close a think block whose budget is spent, and
         #: whether a request's prompt opened the block (see the module docstring).
         self.reasoning_close = reasoning_close
@@ -196,33 +171,7 @@ class BatchEngine:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.grammars = GrammarCache(vocab)
         self.logprobs = LogprobReader(self.n_vocab, piece)
-        #: The candidate lists of constrained sequences. Built here, with the
-        #: model (a pass over the vocabulary: ~1 s for 262,144 tokens), not at
-        #: the first constrained request, where it would stall every stream.
-        #: ``read_piece``: ``piece`` uncached, so that pass fills no cache.
-        self._candidates = Candidates(vocab, self.n_vocab, read_piece or piece)
-        #: Filter by the grammar over the whole vocabulary, as llama.cpp's
-        #: common sampler does, instead of :meth:`.Candidates.constrain`'s
-        #: shortcut — the reference the tests compare the shortcut with.
-        self.exact_filter = False
-        self.sequences = [SequenceState(i) for i in range(parallel)]
-        self._batch = Batch(n_batch + parallel)
-        self.flag = AbortFlag(ctx, native=native_abort)
         self._cond = threading.Condition(threading.RLock())
-        #: A sequence's grammar work, this long at most per step (see the
-        #: module docstring, "Grammar work and its deadline").
-        self.grammar_deadline_s = grammar_deadline_s
-        self._worker = GrammarWorker(self._cond)
-        #: Workers given up on whose native call may still run (they end by themselves).
-        self._abandoned: list[GrammarWorker] = []
-        #: Liveness: when the running step began, what it is doing now, and
-        #: after how long a step counts as stalled.
-        self.watch = StepWatch(stall_s)
-        self._incoming: list[Job] = []
-        self._jobs: list[Job] = []  # admitted, in admission order
-        self._stopping = False
-        #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
-        self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
         self.stats: dict[str, int] = {
             "requests": 0,
             "aborts": 0,
@@ -238,6 +187,30 @@ class BatchEngine:
             # Grammar work given up on past its deadline (or its cancel).
             "grammar_abandoned": 0,
         }
+        #: Every sequence's sampler chain, and the grammar work around it.
+        self.samplers = Samplers(
+            ctx=ctx,
+            vocab=vocab,
+            n_vocab=self.n_vocab,
+            n_ctx=self.n_ctx,
+            piece=piece,
+            read_piece=read_piece,
+            tokenize_text=tokenize_text,
+            changed=self._cond,
+            grammar_deadline_s=grammar_deadline_s,
+            stats=self.stats,
+        )
+        self.sequences = [SequenceState(i) for i in range(parallel)]
+        self._batch = Batch(n_batch + parallel)
+        self.flag = AbortFlag(ctx, native=native_abort)
+        #: Liveness: when the running step began, what it is doing now, and
+        #: after how long a step counts as stalled.
+        self.watch = StepWatch(stall_s)
+        self._incoming: list[Job] = []
+        self._jobs: list[Job] = []  # admitted, in admission order
+        self._stopping = False
+        #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
+        self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
         self.request_stats: dict[str, RequestStats] = {}
         #: The latest steps, oldest first: (decoding sequences, prompt tokens,
         #: the prompt's share, seconds in ``llama_decode``) — for tests and the bench.
@@ -292,9 +265,9 @@ class BatchEngine:
                 self.watch.describe(),
             )
             return False
-        self._worker.close()
+        self.samplers.close()
         for job in self._jobs:
-            self._free_sampler(job)
+            self.samplers.free(job)
         self._batch.free()
         if self.grammar_calls_running():
             log.error(
@@ -311,8 +284,7 @@ class BatchEngine:
     def grammar_calls_running(self) -> int:
         """Grammar computations given up on (their request ended) whose native
         call still runs, each keeping a core busy."""
-        self._abandoned = [w for w in self._abandoned if w.alive()]
-        return len(self._abandoned)
+        return self.samplers.calls_running()
 
     def step_seconds(self) -> float:
         """How long the running step has lasted so far (0: between steps).
@@ -400,7 +372,7 @@ class BatchEngine:
             self._fail(job, "the prompt is empty", code="bad_request")
             return
         try:
-            bias = self.logit_bias(request)
+            bias = self.samplers.logit_bias(request)
             job.grammar = self.grammars.instance(
                 grammar=request.grammar, json_schema=request.json_schema
             )
@@ -430,44 +402,7 @@ class BatchEngine:
         job.fed = keep
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
-        seed = request.seed if request.seed is not None else random.getrandbits(32)
-        sampling = request.sampling
-        chain = functools.partial(
-            new_sampler,
-            temperature=request.temperature,
-            top_k=request.top_k,
-            top_p=request.top_p,
-            seed=seed,
-            sampling=sampling,
-            vocab=self._vocab,
-            n_vocab=self.n_vocab,
-            n_ctx=self.n_ctx,
-            bias=bias,
-        )
-        if job.grammar is None:
-            job.sampler = chain()
-            job.argmax = (
-                request.temperature == 0.0
-                and not bias
-                and not has_history(sampling)
-                and not sampling.xtc
-            )
-        else:  # the grammar goes between the two parts (see _sample_constrained)
-            job.pre = chain(part="pre")
-            job.sampler = chain(part="post")
-            job.keeps = chain_keeps(
-                temperature=request.temperature, top_k=request.top_k, sampling=sampling
-            )
-        if has_history(sampling):
-            # As llama-server: the penalties and DRY see the prompt too, so a
-            # model that repeats its question is held back from the start.
-            window = max(
-                penalty_window(sampling.repeat_last_n, self.n_ctx) if sampling.penalties else 0,
-                penalty_window(sampling.dry_penalty_last_n, self.n_ctx) if sampling.dry else 0,
-            )
-            history = job.sampler if job.grammar is None else job.pre
-            for token in prompt[max(0, len(prompt) - window) :]:
-                llama_cpp.llama_sampler_accept(history, token)
+        self.samplers.attach(job, prompt, bias)
         job.assembler = TextAssembler(stops)
         if request.reasoning_budget is not None and self.reasoning_close:
             opened = self._opens_reasoning is not None and self._opens_reasoning(request)
@@ -486,24 +421,6 @@ class BatchEngine:
             keep,
             extra=context(request.conn_id, request.id),
         )
-
-    def logit_bias(self, request: GenerationRequest) -> list[tuple[int, float]]:
-        """The request's ``logit_bias`` as token ids: a text's tokens each get
-        its bias (llama-server's extension). Raises ``BackendError``
-        (``bad_request``) for an id outside the vocabulary."""
-        out: list[tuple[int, float]] = []
-        for key, value in request.sampling.logit_bias:
-            if isinstance(key, int):
-                if not 0 <= key < self.n_vocab:
-                    raise BackendError(
-                        f"logit_bias: token {key} is not in the model's vocabulary "
-                        f"(ids 0 to {self.n_vocab - 1})",
-                        code="bad_request",
-                    )
-                out.append((key, value))
-            elif self._tokenize_text is not None:
-                out.extend((token, value) for token in self._tokenize_text(key))
-        return out
 
     def _choose(self, prompt: list[int]) -> SequenceState | None:
         free = [s for s in self.sequences if s.job is None]
@@ -637,19 +554,14 @@ class BatchEngine:
         if budget is not None and not job.forced and budget.exhausted():
             job.forced.extend(self.reasoning_close)
         if job.forced:
-            token = self._force(job)
-        elif job.argmax:
-            # What the greedy sampler picks (the first of the highest logits),
-            # without writing a 262,144-entry candidate list first.
-            logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
-            token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.n_vocab,))))
+            token = self.samplers.force(job)
         elif job.grammar is None:
-            token = llama_cpp.llama_sampler_sample(job.sampler, self.ctx, index)
+            token = self.samplers.sample(job, index)
         else:
             self.watch.doing = ("sampling under its grammar", job.request.id)
             try:
-                constrained = self._constrained_token(job, index)
-            except _GivenUp as exc:
+                constrained = self.samplers.constrained(job, index)
+            except GivenUp as exc:
                 if not job.cancelled:
                     self._fail(job, str(exc), code="unsupported_option")
                 return
@@ -686,98 +598,6 @@ class BatchEngine:
             else:
                 job.next_token = token
         self._deliver(job)
-
-    def _force(self, job: Job) -> int:
-        """The next of the close tag's tokens, in place of a sampled one. The
-        sampler chains see it as if sampled (their penalty and DRY history);
-        a grammar does not, as it constrains the answer, not the think block."""
-        token = job.forced.popleft()
-        if job.pre is not None:
-            llama_cpp.llama_sampler_accept(job.pre, token)
-        if job.sampler is not None:
-            llama_cpp.llama_sampler_accept(job.sampler, token)
-        job.stats.forced += 1
-        return token
-
-    def _constrained_token(self, job: Job, index: int) -> int | None:
-        """:meth:`_sample_constrained` on the grammar worker, waited for at most
-        :attr:`grammar_deadline_s` and not after a cancel: then the worker is
-        given up on (it keeps what it uses) and ``_GivenUp`` raised."""
-        candidates = self._candidates
-        candidates.snapshot(llama_cpp.llama_get_logits_ith(self.ctx, index))
-        worker = self._worker
-        worker.start(functools.partial(self._sample_constrained, job, candidates))
-        deadline = time.monotonic() + self.grammar_deadline_s
-        with self._cond:
-            while not worker.done and not job.cancelled:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-        if worker.done:
-            result: int | None = worker.result()
-            return result
-        # The samplers go with the worker: it frees them when its call returns.
-        samplers = (job.grammar, job.pre, job.sampler)
-        job.grammar = job.pre = job.sampler = None
-        worker.abandon(functools.partial(_free_all, samplers), overdue=not job.cancelled)
-        self._abandoned.append(worker)
-        self._worker = GrammarWorker(self._cond)
-        self._candidates = candidates.fresh()
-        self.stats["grammar_abandoned"] += 1
-        if job.cancelled:
-            raise _GivenUp("cancelled")
-        log.error(
-            "id=%s its grammar's work for one token exceeded %.0f ms: the request ends, "
-            "and the native call goes on on its own thread (a core stays busy until it "
-            "returns; %d such call(s) now)",
-            job.request.id,
-            self.grammar_deadline_s * 1000,
-            self.grammar_calls_running(),
-            extra=context(job.request.conn_id, job.request.id),
-        )
-        raise _GivenUp(
-            f"the grammar took more than {self.grammar_deadline_s * 1000:.0f} ms of work for one "
-            "token (backend.llama.grammar_deadline_ms): it is too ambiguous for llama.cpp's "
-            "grammar engine (simplify it: fewer nested optional or repeated parts)"
-        )
-
-    def _sample_constrained(self, job: Job, candidates: Candidates) -> int | None:
-        """Sample, then let the grammar check the token; when it rejects it,
-        sample again from what the grammar allows (see :mod:`.llama_grammar`).
-        Runs on the grammar worker, on ``candidates`` (the logits snapshotted)."""
-        inside = job.utf8_needed > 0
-        candidates.load(inside=inside)
-        if job.pre is not None:
-            llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
-        llama_cpp.llama_sampler_apply(job.sampler, candidates.full.pointer)
-        token = candidates.full.selected()
-        if not candidates.accepts(job.grammar, token, inside=inside):
-            if job.cancelled:
-                return None  # the engine drops the request: no more work for it
-            candidates.load(inside=inside)
-            if job.pre is not None:
-                llama_cpp.llama_sampler_apply(job.pre, candidates.full.pointer)
-            self.stats["grammar_rejections"] += 1
-            if self.exact_filter:
-                llama_cpp.llama_sampler_apply(job.grammar, candidates.full.pointer)
-                chosen = candidates.full
-                self.stats["grammar_tokens_asked"] += self.n_vocab
-            else:
-                candidates.constrain(job.grammar, inside=inside, top=job.keeps)
-                chosen = candidates.short
-                self.stats["grammar_tokens_asked"] += candidates.asked
-            llama_cpp.llama_sampler_apply(job.sampler, chosen.pointer)
-            token = chosen.selected()
-            if not candidates.accepts(job.grammar, token, inside=inside):
-                return None  # a grammar no token of this vocabulary can continue
-        if not llama_cpp.llama_vocab_is_eog(self._vocab, token):
-            llama_cpp.llama_sampler_accept(job.grammar, token)
-            job.utf8_needed = utf8_needed(job.utf8_needed, self._piece(token))
-        if job.pre is not None:
-            llama_cpp.llama_sampler_accept(job.pre, token)
-        llama_cpp.llama_sampler_accept(job.sampler, token)
-        return token
 
     def _ending(self, job: Job, reason: DoneReason) -> None:
         assert job.assembler is not None
@@ -819,24 +639,9 @@ class BatchEngine:
         """The request is over: free its sequence (its cells stay cached) and its slot."""
         if job.on_cancel is not None:
             job.cancel.remove_callback(job.on_cancel)
-        self._free_sampler(job)
+        self.samplers.free(job)
         if job.seq is not None:
             job.seq.job = None
         if job in self._jobs:
             self._jobs.remove(job)
         job.submission.complete()
-
-    @staticmethod
-    def _free_sampler(job: Job) -> None:
-        _free_all((job.sampler, job.pre, job.grammar))
-        job.sampler = job.pre = job.grammar = None
-
-
-class _GivenUp(Exception):
-    """A sequence's grammar work was given up on (its deadline, or its cancel)."""
-
-
-def _free_all(samplers: tuple[Any, ...]) -> None:
-    for sampler in samplers:
-        if sampler is not None:
-            llama_cpp.llama_sampler_free(sampler)
