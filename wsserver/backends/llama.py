@@ -24,7 +24,7 @@ text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
 
 Cancel, the prompt cache and what batching does to numerics: see
-:mod:`.llama_engine` and docs/llama.md.
+:mod:`.llama_engine`, :mod:`.llama_sequences` and docs/llama.md.
 """
 
 from __future__ import annotations

@@ -15,16 +15,11 @@ One step:
 1. **Cancels first.** A cancelled request leaves at once: no ``end`` (the
    client had its ``done`` from the core), its sampler is freed and its
    submission completed. Its sequence keeps exactly the cells that were
-   committed (see the prompt cache below).
+   committed (the prompt cache: :mod:`.llama_sequences`).
 2. **Admission.** New requests are tokenized here (off the loop) and given a
-   free sequence: the one whose cached tokens share the longest prefix with
-   the prompt, relative to the prompt's length, if that is above
-   :data:`PREFIX_SIMILARITY` (llama-server's rule), else the lowest free one
-   (which keeps the decoding sequences' ids contiguous: with one KV stream per
-   sequence llama.cpp computes consecutive sequence ids in one micro-batch).
-   The tail after the common prefix is removed (``llama_memory_seq_rm``) and
-   only the rest is prefilled — always at least the last prompt token, whose
-   logits start the completion.
+   free sequence, preferably one whose cells hold the start of the prompt
+   (:meth:`.PromptCache.claim`); only the rest is prefilled — always at least
+   the last prompt token, whose logits start the completion.
 3. **One batch.** The next token of every decoding sequence whose text was
    delivered, plus prompt tokens of prefilling sequences, oldest first, up to
    a share: while anyone else is decoding, what fits in a time budget (a step
@@ -74,15 +69,6 @@ Liveness
 A step that runs ``stall_s`` or more makes the engine *stalled*
 (:meth:`BatchEngine.stalled`: ``/readyz`` 503, a metric, one ERROR line
 saying what the step is doing): :class:`~.llama_liveness.StepWatch`.
-
-Prompt cache
-------------
-A sequence's :attr:`SequenceState.tokens` are the tokens whose KV cells it
-holds, by position — updated only when a decode succeeded and rolled back
-when one was aborted, so it is exact. Finished and cancelled requests leave
-their cells for the next request with the same prefix (the next turn of a
-chat, a regenerate); any other request removes them first. KV state thus
-never reaches another request except as a prefix of its own prompt.
 """
 
 from __future__ import annotations
@@ -98,7 +84,6 @@ from typing import Any
 import llama_cpp
 
 from ..core.logprobs import TokenLogprob
-from ..core.protocol import DoneReason
 from ..core.textstream import TextAssembler
 from ..errors import BackendError
 from ..logs import context
@@ -110,15 +95,12 @@ from .llama_grammar import GrammarCache
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
-from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
+from .llama_sequences import PREFIX_SIMILARITY, Job, PromptCache, RequestStats, SequenceState
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
 
 log = logging.getLogger("wsserver.llama")
 
-#: llama-server's ``--slot-prompt-similarity`` default: below this share of
-#: the prompt in common, a cached sequence is not worth routing to.
-PREFIX_SIMILARITY = 0.1
 #: Per-request counters kept for tests and the bench, newest last.
 _STATS_KEPT = 256
 
@@ -151,7 +133,6 @@ class BatchEngine:
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
-        self._memory = llama_cpp.llama_get_memory(ctx)
         #: Prompt + completion per sequence: what was asked, within what llama.cpp made.
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
         self.n_batch = n_batch
@@ -200,7 +181,8 @@ class BatchEngine:
             grammar_deadline_s=grammar_deadline_s,
             stats=self.stats,
         )
-        self.sequences = [SequenceState(i) for i in range(parallel)]
+        #: The sequences and the KV cells each holds (the prompt cache).
+        self.cache = PromptCache(ctx, parallel)
         self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
         #: Liveness: when the running step began, what it is doing now, and
@@ -300,18 +282,7 @@ class BatchEngine:
     # ------------------------------------------------------------ the loop
 
     def _runnable(self) -> bool:
-        if self._incoming or self._stopping:
-            return True
-        for job in self._jobs:
-            if job.cancelled:
-                return True
-            if job.waiting_room:
-                continue
-            if job.outbox or job.ending or job.next_token is not None:
-                return True
-            if job.fed < len(job.prompt):
-                return True
-        return False
+        return bool(self._incoming or self._stopping) or any(j.needs_step() for j in self._jobs)
 
     def _run(self) -> None:
         quiet_errors(self.flag)
@@ -387,15 +358,11 @@ class BatchEngine:
                 code="too_large",
             )
             return
-        seq = self._choose(prompt)
-        if seq is None:  # the scheduler grants at most `parallel` slots
+        claimed = self.cache.claim(prompt)
+        if claimed is None:  # the scheduler grants at most `parallel` slots
             self._fail(job, "no free sequence", code="internal")
             return
-        keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
-        if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
-            keep = 0  # a memory that cannot cut a sequence short
-            llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
-        del seq.tokens[keep:]
+        seq, keep = claimed
         seq.job = job
         job.seq = seq
         job.prompt = prompt
@@ -421,15 +388,6 @@ class BatchEngine:
             keep,
             extra=context(request.conn_id, request.id),
         )
-
-    def _choose(self, prompt: list[int]) -> SequenceState | None:
-        free = [s for s in self.sequences if s.job is None]
-        if not free:
-            return None
-        best = max(free, key=lambda s: common_prefix(s.tokens, prompt))
-        if common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
-            return best
-        return free[0]
 
     # ------------------------------------------------------------ one step
 
@@ -512,7 +470,7 @@ class BatchEngine:
             # the micro-batches it finished, and they go too.
             for job, _, _ in plan:
                 assert job.seq is not None
-                llama_cpp.llama_memory_seq_rm(self._memory, job.seq.index, len(job.seq.tokens), -1)
+                self.cache.rollback(job.seq)
             if status == 2 or aborted:
                 self.stats["aborts"] += 1
                 for job, _, _ in plan:
@@ -524,18 +482,10 @@ class BatchEngine:
                 self._fail(job, "the model failed while generating")
             return
         for job, fed, index in plan:
-            assert job.seq is not None
-            if job.fed < len(job.prompt):
-                job.seq.tokens.extend(job.prompt[job.fed : job.fed + fed])
-                job.fed += fed
-                job.stats.decoded += fed
+            if job.commit(fed):
                 self.stats["prompt_tokens_decoded"] += fed
                 if job.fed == len(job.prompt) and not job.cancelled:
                     job.sink.prompt_processed(len(job.prompt), job.stats.reused)
-            else:
-                assert job.next_token is not None
-                job.seq.tokens.append(job.next_token)
-                job.next_token = None
             if index >= 0 and not job.cancelled:
                 self._sample(job, index)
         ended = time.perf_counter()
@@ -548,8 +498,6 @@ class BatchEngine:
         return any(j.fed < len(j.prompt) and not j.cancelled for j in self._jobs)
 
     def _sample(self, job: Job, index: int) -> None:
-        assembler = job.assembler
-        assert assembler is not None
         budget = job.budget
         if budget is not None and not job.forced and budget.exhausted():
             job.forced.extend(self.reasoning_close)
@@ -572,40 +520,16 @@ class BatchEngine:
                 return
             token = constrained
         if llama_cpp.llama_vocab_is_eog(self._vocab, token):
-            self._ending(job, "stop")
+            job.finish("stop")
         else:
-            job.produced += 1
             entries: tuple[TokenLogprob, ...] = ()
             if job.request.logprobs is not None:
                 # Only for the sequences that asked, from the raw logits
                 # (which sampling read but did not change).
                 logits = llama_cpp.llama_get_logits_ith(self.ctx, index)
                 entries = (self.logprobs.entry(logits, token, job.request.logprobs),)
-            text = assembler.feed(self._piece(token))
-            job.outbox.append((text, 1, entries))
-            if budget is not None:
-                budget.feed(text)
-            if assembler.stopped:
-                job.ending = Outcome(
-                    "stop",
-                    len(job.prompt),
-                    job.produced,
-                    cached_tokens=job.stats.reused,
-                    stop_sequence=assembler.stop_string,
-                )
-            elif job.produced >= job.max_tokens:
-                self._ending(job, "length")
-            else:
-                job.next_token = token
+            job.produce(token, self._piece(token), entries)
         self._deliver(job)
-
-    def _ending(self, job: Job, reason: DoneReason) -> None:
-        assert job.assembler is not None
-        # A character cut off by max_tokens is dropped, as create_completion drops it.
-        tail = job.assembler.flush()
-        if tail:
-            job.outbox.append((tail, 0, ()))
-        job.ending = Outcome(reason, len(job.prompt), job.produced, cached_tokens=job.stats.reused)
 
     # ------------------------------------------------------------ delivery and ends
 
@@ -631,8 +555,7 @@ class BatchEngine:
     def _fail(self, job: Job, message: str, *, code: Any = "internal") -> None:
         job.sink.end(Outcome(reason="error", error_code=code, error_message=message))
         if job.seq is not None:  # its cells may be half-written: never reused
-            llama_cpp.llama_memory_seq_rm(self._memory, job.seq.index, -1, -1)
-            job.seq.tokens.clear()
+            self.cache.forget(job.seq)
         self._leave(job)
 
     def _leave(self, job: Job) -> None:
