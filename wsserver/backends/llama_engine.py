@@ -21,11 +21,9 @@ One step:
    (:meth:`.PromptCache.claim`); only the rest is prefilled — always at least
    the last prompt token, whose logits start the completion.
 3. **One batch.** The next token of every decoding sequence whose text was
-   delivered, plus prompt tokens of prefilling sequences, oldest first, up to
-   a share: while anyone else is decoding, what fits in a time budget (a step
-   lasts at most ``prefill_budget`` times their decode-only step, from the
-   engine's own measurements: :mod:`.llama_budget`), so a long prompt does
-   not freeze the others; ``n_batch`` when no one is. A sequence whose last text its channel refused
+   delivered, plus prompt tokens of prefilling sequences, within a time
+   budget while others decode, so a long prompt does not freeze them
+   (:mod:`.llama_batching`). A sequence whose last text its channel refused
    (``Sink.offer`` → False: a slow client) sits out, holding that one token's
    text, until ``when_room`` fires — its memory stays bounded by its channel,
    the others keep their pace.
@@ -77,7 +75,6 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -89,8 +86,8 @@ from ..errors import BackendError
 from ..logs import context
 from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_budget import PrefillBudget
-from .llama_context import AbortFlag, Batch, quiet_errors
+from .llama_batching import Batcher
+from .llama_context import AbortFlag, quiet_errors
 from .llama_grammar import GrammarCache
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
@@ -136,12 +133,14 @@ class BatchEngine:
         #: Prompt + completion per sequence: what was asked, within what llama.cpp made.
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(ctx))
         self.n_batch = n_batch
-        #: Prompt tokens per step while others decode (see :mod:`.llama_budget`).
-        self.budget = PrefillBudget(
-            prefill_budget,
-            n_batch,
-            fixed=max(1, min(prefill_chunk, n_batch)),
-            floor_s=prefill_floor_ms / 1000,
+        #: The batch, the prompt's budget in it, the latest steps.
+        self.batcher = Batcher(
+            n_batch=n_batch,
+            parallel=parallel,
+            prefill_chunk=prefill_chunk,
+            prefill_budget=prefill_budget,
+            prefill_floor_ms=prefill_floor_ms,
+            log_size=4 * _STATS_KEPT,
         )
         self._prepare = prepare
         self._piece = piece
@@ -183,7 +182,6 @@ class BatchEngine:
         )
         #: The sequences and the KV cells each holds (the prompt cache).
         self.cache = PromptCache(ctx, parallel)
-        self._batch = Batch(n_batch + parallel)
         self.flag = AbortFlag(ctx, native=native_abort)
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
@@ -194,9 +192,6 @@ class BatchEngine:
         #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
         self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
         self.request_stats: dict[str, RequestStats] = {}
-        #: The latest steps, oldest first: (decoding sequences, prompt tokens,
-        #: the prompt's share, seconds in ``llama_decode``) — for tests and the bench.
-        self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=4 * _STATS_KEPT)
         #: Called on the engine thread just before a request's first prompt
         #: tokens are decoded, with its ID and prompt length (the abort flag is
         #: armed for it by then). For tests and metrics; quick, must not raise.
@@ -250,7 +245,7 @@ class BatchEngine:
         self.samplers.close()
         for job in self._jobs:
             self.samplers.free(job)
-        self._batch.free()
+        self.batcher.free()
         if self.grammar_calls_running():
             log.error(
                 "%d grammar computation(s) given up on still run natively; leaving the "
@@ -392,58 +387,11 @@ class BatchEngine:
     # ------------------------------------------------------------ one step
 
     def _decode_step(self, begun: float) -> None:
-        batch = self._batch
-        batch.clear()
-        plan: list[tuple[Job, int, int]] = []  # job, tokens fed, logits index or -1
+        batch = self.batcher.batch
         with self._cond:
             self.flag.lower()
-            decoding = [
-                j
-                for j in self._jobs
-                if j.next_token is not None and not j.outbox and not j.waiting_room
-            ]
-            # Each sequence's part of the step: its next token, or a chunk of its prompt.
-            parts: list[tuple[Job, int]] = [(job, 1) for job in decoding]
-            share = budget = self.budget.share(len(decoding)) if self._prefilling() else 0
-            first_chunks: list[Job] = []
-            for job in self._jobs:
-                remaining = len(job.prompt) - job.fed
-                if remaining <= 0 or budget <= 0 or job.cancelled:
-                    continue
-                take = min(remaining, budget)
-                if take == remaining > 1 and decoding and job.fed:
-                    # The last chunk of a prompt ingested over several steps: its
-                    # last token computes logits and samples, as a decoding
-                    # sequence does, and the step leaves room for that. (A prompt
-                    # that fits one step goes whole: its first token comes first.)
-                    room = budget - self.budget.output_tokens(len(decoding))
-                    if room < remaining:
-                        take = min(remaining - 1, max(1, room))
-                budget -= take
-                parts.append((job, take))
-                job.in_flight = True
-                if not job.started:
-                    job.started = True
-                    first_chunks.append(job)
-            # In sequence order: with one KV stream per sequence llama.cpp keeps
-            # tokens in one micro-batch only while each next sequence id is the
-            # last + 1, in batch order; admission order would split a step into
-            # several passes over the weights once sequences are reused.
-            parts.sort(key=lambda part: part[0].seq.index if part[0].seq is not None else -1)
-            for job, take in parts:
-                assert job.seq is not None
-                start = len(job.seq.tokens)
-                if job.fed >= len(job.prompt):
-                    assert job.next_token is not None
-                    plan.append((job, 1, batch.add(job.next_token, start, job.seq.index, True)))
-                    continue
-                index = -1
-                for k in range(take):
-                    last = job.fed + k == len(job.prompt) - 1
-                    i = batch.add(job.prompt[job.fed + k], start + k, job.seq.index, last)
-                    if last:
-                        index = i
-                plan.append((job, take, index))
+            step = self.batcher.plan(self._jobs)
+        plan = step.parts
         if not plan:
             return
         self.watch.doing = (
@@ -451,7 +399,7 @@ class BatchEngine:
             "",
         )
         if self.on_prefill is not None:
-            for job in first_chunks:
+            for job in step.first_chunks:
                 self.on_prefill(job.request.id, len(job.prompt))
         self.stats["steps"] += 1
         self.stats["max_batch_sequences"] = max(self.stats["max_batch_sequences"], len(plan))
@@ -459,7 +407,6 @@ class BatchEngine:
         status = llama_cpp.llama_decode(self.ctx, batch.ready())
         decoded = time.perf_counter()
         self.seconds["decode"] += decoded - started
-        prompt_tokens = batch.n - len(decoding)
         with self._cond:
             for job, _, _ in plan:
                 job.in_flight = False
@@ -491,11 +438,7 @@ class BatchEngine:
         ended = time.perf_counter()
         self.seconds["sample"] += ended - decoded
         # The budget sizes what the decoding sequences wait for: the whole step.
-        self.budget.observe(len(decoding), prompt_tokens, ended - begun)
-        self.step_log.append((len(decoding), prompt_tokens, share, ended - begun))
-
-    def _prefilling(self) -> bool:
-        return any(j.fed < len(j.prompt) and not j.cancelled for j in self._jobs)
+        self.batcher.observe(step, ended - begun)
 
     def _sample(self, job: Job, index: int) -> None:
         budget = job.budget
