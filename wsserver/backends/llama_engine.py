@@ -10,6 +10,14 @@ with room again wake it through ``Sink.when_room``. It sleeps on a condition
 variable when nothing can run — idle, or every sequence paused on a full
 channel — and never polls.
 
+The engine keeps the loop — cancels, admission, the decode, the text and
+its delivery — and a part for each other concern: the sequences and their
+cells (:class:`~.llama_sequences.PromptCache`), a request's setup
+(:class:`~.llama_intake.Intake`), what a step decodes
+(:class:`~.llama_batching.Batcher`), each sequence's next token
+(:class:`~.llama_samplers.Samplers`), whether it is alive
+(:class:`~.llama_liveness.StepWatch`: ``stalled``, for ``/readyz``).
+
 One step:
 
 1. **Cancels first.** A cancelled request leaves at once: no ``end`` (the
@@ -17,9 +25,8 @@ One step:
    submission completed. Its sequence keeps exactly the cells that were
    committed (the prompt cache: :mod:`.llama_sequences`).
 2. **Admission.** New requests are tokenized here (off the loop) and given a
-   free sequence, preferably one whose cells hold the start of the prompt
-   (:meth:`.PromptCache.claim`); only the rest is prefilled — always at least
-   the last prompt token, whose logits start the completion.
+   free sequence, preferably one whose cells hold the start of the prompt;
+   only the rest is prefilled (:mod:`.llama_intake`).
 3. **One batch.** The next token of every decoding sequence whose text was
    delivered, plus prompt tokens of prefilling sequences, within a time
    budget while others decode, so a long prompt does not freeze them
@@ -55,18 +62,6 @@ on, so each is exactly where it was before the step, and the survivors simply
 run their part again next step. (A cancelled sequence with only its one
 decode token in flight is not worth aborting for: the step ends in
 milliseconds, and aborting would make the others redo it.)
-
-Grammar work and its deadline
------------------------------
-A constrained sequence's grammar work runs on a worker thread, waited for at
-most ``grammar_deadline_s``; past that the request ends and the others go on
-(:mod:`.llama_samplers`).
-
-Liveness
---------
-A step that runs ``stall_s`` or more makes the engine *stalled*
-(:meth:`BatchEngine.stalled`: ``/readyz`` 503, a metric, one ERROR line
-saying what the step is doing): :class:`~.llama_liveness.StepWatch`.
 """
 
 from __future__ import annotations
@@ -81,14 +76,12 @@ from typing import Any
 import llama_cpp
 
 from ..core.logprobs import TokenLogprob
-from ..core.textstream import TextAssembler
 from ..errors import BackendError
-from ..logs import context
-from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_batching import Batcher
 from .llama_context import AbortFlag, quiet_errors
 from .llama_grammar import GrammarCache
+from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
@@ -100,8 +93,6 @@ log = logging.getLogger("wsserver.llama")
 
 #: Per-request counters kept for tests and the bench, newest last.
 _STATS_KEPT = 256
-
-Prepare = Callable[[GenerationRequest], tuple[list[int], tuple[str, ...]]]
 
 
 class BatchEngine:
@@ -142,12 +133,10 @@ class BatchEngine:
             prefill_floor_ms=prefill_floor_ms,
             log_size=4 * _STATS_KEPT,
         )
-        self._prepare = prepare
         self._piece = piece
         #: The tokens that close a think block whose budget is spent, and
         #: whether a request's prompt opened the block (see the module docstring).
         self.reasoning_close = reasoning_close
-        self._opens_reasoning = opens_reasoning
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab)
         self.grammars = GrammarCache(vocab)
         self.logprobs = LogprobReader(self.n_vocab, piece)
@@ -182,6 +171,16 @@ class BatchEngine:
         )
         #: The sequences and the KV cells each holds (the prompt cache).
         self.cache = PromptCache(ctx, parallel)
+        self.intake = Intake(
+            prepare=prepare,
+            n_ctx=self.n_ctx,
+            cache=self.cache,
+            grammars=self.grammars,
+            samplers=self.samplers,
+            reasoning_close=reasoning_close,
+            opens_reasoning=opens_reasoning,
+            stats=self.stats,
+        )
         self.flag = AbortFlag(ctx, native=native_abort)
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
@@ -311,7 +310,12 @@ class BatchEngine:
                     "admitting (tokenizing its prompt, compiling its grammar)",
                     job.request.id,
                 )
-                self._admit(job)
+                try:
+                    self.intake.start(job)
+                except BackendError as exc:
+                    self._fail(job, str(exc), code=exc.code)
+                    continue
+                self._jobs.append(job)
         # A step as the decoding sequences see it: the last step's tokens go
         # out, the next batch is built, decoded and sampled. Admission (a new
         # prompt's tokenization) happens once, not every step: left out.
@@ -320,69 +324,6 @@ class BatchEngine:
             if (job.outbox or job.ending) and not job.waiting_room:
                 self._deliver(job)
         self._decode_step(begun)
-
-    # ------------------------------------------------------------ admission
-
-    def _admit(self, job: Job) -> None:
-        request = job.request
-        try:
-            prompt, stops = self._prepare(request)
-        except BackendError as exc:
-            self._fail(job, str(exc), code=exc.code)
-            return
-        except Exception as exc:
-            log.warning("id=%s tokenizing failed: %r", request.id, exc)
-            self._fail(job, "the prompt could not be tokenized")
-            return
-        if not prompt:  # the input's fault (the backend refuses it before: bad_request too)
-            self._fail(job, "the prompt is empty", code="bad_request")
-            return
-        try:
-            bias = self.samplers.logit_bias(request)
-            job.grammar = self.grammars.instance(
-                grammar=request.grammar, json_schema=request.json_schema
-            )
-        except BackendError as exc:
-            self._fail(job, str(exc), code=exc.code)
-            return
-        if len(prompt) >= self.n_ctx:
-            self._fail(
-                job,
-                f"the prompt is {len(prompt)} tokens; the context holds {self.n_ctx} "
-                "tokens for prompt and completion together",
-                code="too_large",
-            )
-            return
-        claimed = self.cache.claim(prompt)
-        if claimed is None:  # the scheduler grants at most `parallel` slots
-            self._fail(job, "no free sequence", code="internal")
-            return
-        seq, keep = claimed
-        seq.job = job
-        job.seq = seq
-        job.prompt = prompt
-        job.fed = keep
-        # As llama-cpp-python does: the completion gets what room is left.
-        job.max_tokens = min(request.max_tokens, self.n_ctx - len(prompt))
-        self.samplers.attach(job, prompt, bias)
-        job.assembler = TextAssembler(stops)
-        if request.reasoning_budget is not None and self.reasoning_close:
-            opened = self._opens_reasoning is not None and self._opens_reasoning(request)
-            job.budget = ReasoningBudget(request.reasoning_budget, opened=opened)
-        job.stats.prompt_tokens = len(prompt)
-        job.stats.reused = keep
-        job.stats.sequence = seq.index
-        self.stats["requests"] += 1
-        self.stats["prompt_tokens_reused"] += keep
-        self._jobs.append(job)
-        log.debug(
-            "id=%s sequence %d: %d prompt tokens, %d from the cache",
-            request.id,
-            seq.index,
-            len(prompt),
-            keep,
-            extra=context(request.conn_id, request.id),
-        )
 
     # ------------------------------------------------------------ one step
 
