@@ -24,7 +24,7 @@ text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
 
 Cancel, the prompt cache and what batching does to numerics: see
-:mod:`.llama_engine` and docs/llama.md.
+:mod:`.llama_engine`, :mod:`.llama_sequences` and docs/llama.md.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class LlamaBackend(Backend):
         self.cache_type_v = cache_type_v
         self.use_mmap = use_mmap
         self.use_mlock = use_mlock
-        #: A sequence's grammar work per step, at most (see :mod:`.llama_engine`).
+        #: A sequence's grammar work per step, at most (see :mod:`.llama_samplers`).
         self.grammar_deadline_ms = grammar_deadline_ms
         #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
         self.engine_stall_s = engine_stall_s
