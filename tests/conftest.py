@@ -247,6 +247,15 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
 
 
+async def producers_joined(units: float = 10.0) -> None:
+    """Join (a real join, not a sleep) every producer thread still running —
+    a request whose answer is complete may still be letting its engine go."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("wsserver-producer-"):
+            await asyncio.to_thread(thread.join, timeout(units))
+            assert not thread.is_alive(), f"{thread.name} did not exit"
+
+
 async def handlers_finished(server: Server, units: float = 20.0) -> None:
     """Wait until every connection handler of ``server`` has returned."""
     assert server._ws_server is not None

@@ -305,6 +305,9 @@ class FakeHub:
             return
         data = repo.files[file]
         digest = self._digest(repo, file)
+        # Counted before the answer goes out: a client that has its answer
+        # must find it counted (counted after, a pull could finish first).
+        self._count_head(head)
         if file in repo.lfs:
             handler.send_response(302)
             handler.send_header("Location", f"http://localhost:{self.port}/cdn/{digest}")
@@ -314,7 +317,6 @@ class FakeHub:
             handler.send_header("X-Repo-Commit", repo.commit)
             handler.send_header("Content-Length", "0")
             handler.end_headers()
-            self._count_head(head)
             return
         handler.send_response(200)
         handler.send_header("ETag", f'"{digest}"')
@@ -322,7 +324,6 @@ class FakeHub:
         handler.send_header("Content-Length", str(len(data)))
         handler.send_header("Accept-Ranges", "bytes")
         handler.end_headers()
-        self._count_head(head)
         if not head:
             self._send(handler, digest, data, 0)
 

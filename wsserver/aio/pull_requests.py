@@ -53,13 +53,16 @@ def pull_refusal(config: Config) -> str | None:
 
 
 class _Running:
-    __slots__ = ("pending", "sending", "subscription", "task")
+    __slots__ = ("idle", "pending", "sending", "subscription", "task")
 
     def __init__(self, subscription: Subscription) -> None:
         self.subscription = subscription
         self.task: asyncio.Task[None] | None = None
         self.sending = False
         self.pending: Progress | None = None
+        #: Set while no progress frame is being sent (nor waits to be).
+        self.idle = asyncio.Event()
+        self.idle.set()
 
 
 class ConnectionPulls:
@@ -163,6 +166,7 @@ class ConnectionPulls:
             running.pending = progress  # the latest replaces the one waiting
             return
         running.sending = True
+        running.idle.clear()
         self._services.in_background(self._send_progress(request_id, running, progress))
 
     async def _send_progress(self, request_id: str, running: _Running, progress: Progress) -> None:
@@ -180,11 +184,15 @@ class ConnectionPulls:
                 next_progress = running.pending
         finally:
             running.sending = False
+            running.idle.set()
 
     async def _finish(self, frame: Pull, running: _Running) -> None:
         request_id = frame.id
         try:
             pulled = await running.subscription.wait()
+            # Its last progress (``done``) goes out before its pull_done: the
+            # latest report waiting behind a slow send is not dropped.
+            await running.idle.wait()
         except PullError as exc:
             done = self.book.fail(request_id, exc.code, exc.message)
             if done is not None:
