@@ -84,12 +84,20 @@ class Exchange:
         self._cancelled = False
 
     async def run(
-        self, generate: Generate, asked: str | None, renderer_for: Callable[[str], Renderer]
+        self,
+        generate: Generate,
+        asked: str | None,
+        renderer_for: Callable[[str], Renderer],
+        *,
+        model: Model | None = None,
     ) -> None:
         """Serve the request on the model ``asked`` for (:func:`resolve`), its
         answer rendered by the renderer made for the name it is served under; returns
-        once the answer is complete, or its client is gone (which is a cancel)."""
-        generate, model = resolve(self._services, generate, asked)
+        once the answer is complete, or its client is gone (which is a cancel).
+        ``model``: resolved already by a dialect that names models its own way
+        (Ollama's ``:latest``), ``generate.model`` the name it is served under."""
+        if model is None:
+            generate, model = resolve(self._services, generate, asked)
         # The name it is served under: an alias's model's, or (an engine that
         # picks among its upstreams' models) the name asked for.
         assert generate.model is not None
