@@ -238,6 +238,17 @@ class ModelPool:
         slot = await self.acquire(model, request_id, lambda *_: None, owner=request_id)
         self.release(model, slot, keep_alive)
 
+    def expires_in(self, model: Model) -> float | None:
+        """Seconds until a loaded ``model`` unloads if nothing more asks for it
+        (Ollama's ``/api/ps``): its idle timer's; busy, its keep-alive once
+        idle; None: only when its memory is needed."""
+        left = self._loader.keep_alive_left(model)
+        if left is not None:
+            return left
+        if model.idle or model.keep_alive_s <= 0:
+            return None
+        return model.keep_alive_s
+
     def expire(self, model: Model) -> None:
         """Unload ``model`` as soon as it is idle (Ollama's ``keep_alive`` 0
         with nothing to answer): at once if it is, else after its last

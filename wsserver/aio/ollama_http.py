@@ -15,6 +15,18 @@ clients send from ``OLLAMA_API_KEY``):
   to answer loads the model (or with ``keep_alive`` 0 unloads it) and says so
   in one object (``done_reason`` ``load``, ``unload``).
 
+* ``GET /api/tags``, ``POST /api/show``, ``GET /api/ps``, ``GET /api/version``
+  — the models served, one model, the loaded ones, the API's version
+  (:mod:`wsserver.dialects.ollama.catalog`); a GGUF's details and template
+  from its file's header, read on a worker thread and kept per file (its
+  path, size and time);
+* the endpoints this server does not have (``/api/create``, ``/api/copy``,
+  ``/api/delete``, ``/api/push``, ``/api/blobs/…``, ``/api/embed``,
+  ``/api/embeddings``, ``/api/pull``) — a 501 naming what is not supported.
+
+``HEAD /`` and ``GET /``, which Ollama's tools use to see a server is up,
+are the chat page's (200), answered by the plain routes.
+
 Every refusal and failure is Ollama's ``{"error": "…"}``
 (:func:`wsserver.dialects.ollama.api.error_body`; the transport uses it for
 this path's refusals too, the gate's 401 included): before the head, as the
@@ -23,12 +35,30 @@ response with its status; after it, as the stream's last line.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
-from typing import Final
+from typing import Any, Final
 
+from ..backends.gguf_meta import read_metadata
 from ..dialects.api_errors import ApiError, parse_json
 from ..dialects.ollama.api import Kind, OllamaRequest, parse_chat, parse_generate
+from ..dialects.ollama.catalog import (
+    HEADER_KEYS,
+    ModelFacts,
+    Running,
+    capabilities,
+    digest_of,
+    facts_from_header,
+    listed_name,
+    ps_body,
+    show_body,
+    tags_body,
+    unsupported,
+    version_body,
+)
 from ..dialects.ollama.options import check_num_ctx
 from ..dialects.ollama.render import OllamaAnswer, loaded_object
 from ..errors import ProtocolError
@@ -43,6 +73,10 @@ __all__ = ["PREFIX", "OllamaRoute", "served_name"]
 PREFIX: Final = "/api"
 #: The tag Ollama gives a name that has none.
 LATEST: Final = ":latest"
+#: ``expires_at`` of a model kept until its memory is needed.
+FOREVER: Final = "9999-12-31T23:59:59Z"
+#: The GET endpoints, and what each answers.
+_LISTINGS: Final = ("/api/tags", "/api/ps", "/api/version")
 
 
 def served_name(models: ModelPool, name: str, request_id: str | None = None) -> tuple[str, Model]:
@@ -73,15 +107,120 @@ class OllamaRoute:
 
     def __init__(self, services: Services) -> None:
         self._services = services
+        #: A GGUF's facts, by (path, size, time): its header is read once.
+        self._files: dict[tuple[str, int, int], dict[str, Any]] = {}
 
     async def __call__(self, request: RouteRequest) -> None:
         path, method = request.path, request.method
-        if path in ("/api/chat", "/api/generate"):
+        refusal = unsupported(path)
+        if refusal is not None:
+            raise refusal
+        if path in ("/api/chat", "/api/generate", "/api/show"):
             if method != "POST":
                 raise not_allowed(method, "POST")
-            await self._generate(request, "chat" if path == "/api/chat" else "generate")
+            if path == "/api/show":
+                await self._show(request)
+            else:
+                await self._generate(request, "chat" if path == "/api/chat" else "generate")
+            return
+        if path in _LISTINGS:
+            if method not in ("GET", "HEAD"):
+                raise not_allowed(method, "GET")
+            if path == "/api/tags":
+                body = tags_body([await self._facts(m, m.name) for m in self._served()])
+            elif path == "/api/ps":
+                body = ps_body(await self._running())
+            else:
+                body = version_body()
+            request.out.simple(HTTPStatus.OK, body, request.headers)
             return
         raise no_route(method, path)
+
+    # ------------------------------------------------------------ the models
+
+    def _served(self) -> list[Model]:
+        return list(self._services.models.models.values())
+
+    async def _show(self, route: RouteRequest) -> None:
+        obj = parse_json(route.body)
+        name = obj.get("model", obj.get("name"))  # "name": older clients'
+        if not isinstance(name, str) or not name:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "model is required", "bad_request")
+        _, model = served_name(self._services.models, name, route.request_id)
+        facts = await self._facts(model, name)
+        route.out.simple(HTTPStatus.OK, show_body(facts), route.headers)
+
+    async def _running(self) -> list[Running]:
+        models = self._services.models
+        now = datetime.now(UTC)
+        running = []
+        for model in self._served():
+            if model.state != "loaded":
+                continue
+            wait = models.expires_in(model)
+            expires = (
+                FOREVER
+                if wait is None
+                else (now + timedelta(seconds=wait)).isoformat().replace("+00:00", "Z")
+            )
+            facts = await self._facts(model, model.name)
+            running.append(Running(facts, model.bytes, expires))
+        return running
+
+    async def _facts(self, model: Model, name: str) -> ModelFacts:
+        """What Ollama's endpoints say about ``model`` (listed as ``name``)."""
+        backend = model.backend
+        listed = listed_name(name)
+        tools = "tools" in backend.honours
+        n_ctx = model.info().n_ctx
+        file_of = getattr(backend, "model_file", None)
+        if file_of is None:
+            return ModelFacts(
+                listed, capabilities=capabilities(tools=tools, template=""), context_length=n_ctx
+            )
+        try:
+            key, found = await asyncio.to_thread(self._file_facts, file_of)
+        except Exception as exc:  # a missing or corrupt file: said, not fatal
+            raise ApiError(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                f"cannot read the model file of {model.name!r}: {exc}",
+                "internal",
+            ) from None
+        if key not in self._files:
+            # One entry per file: a replaced file's old entry goes.
+            for old in [k for k in self._files if k[0] == key[0]]:
+                del self._files[old]
+            self._files[key] = found
+        header = found["header"]
+        template = header["template"]
+        return ModelFacts(
+            listed,
+            size=found["size"],
+            modified_at=found["modified_at"],
+            digest=found["digest"],
+            capabilities=capabilities(tools=tools, template=template),
+            context_length=n_ctx,
+            **header,
+        )
+
+    def _file_facts(self, file_of: Any) -> tuple[tuple[str, int, int], dict[str, Any]]:
+        """A GGUF's file facts and header, and the key they are kept under
+        (a worker thread's: the loop keeps them)."""
+        path = str(file_of())
+        stat = os.stat(path)
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        known = self._files.get(key)
+        if known is None:
+            wanted = set(HEADER_KEYS)
+            header = facts_from_header(read_metadata(path, wanted))
+            modified = datetime.fromtimestamp(stat.st_mtime, UTC)
+            known = {
+                "size": stat.st_size,
+                "modified_at": modified.isoformat().replace("+00:00", "Z"),
+                "digest": digest_of(path, stat.st_size, stat.st_mtime_ns),
+                "header": header,
+            }
+        return key, known
 
     async def _generate(self, route: RouteRequest, kind: Kind) -> None:
         services = self._services

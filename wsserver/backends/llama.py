@@ -209,6 +209,11 @@ class LlamaBackend(Backend):
             raise ModelLoadError(f"model file not found: {path}")
         return path
 
+    def model_file(self) -> Path:
+        """The GGUF it serves (the default model's assembled from its package,
+        once): what Ollama's ``/api/show`` reads the header of. Blocking."""
+        return self._path()
+
     def memory_estimate(self) -> int:
         """The weights (the file's size) and the KV cache of every sequence,
         from the GGUF header alone (docs/operations.md, "Several models")."""
