@@ -393,3 +393,27 @@ async def test_a_client_that_never_reads_holds_bounded_memory_and_its_close_is_a
         assert generation.task is not None
         await asyncio.wait_for(generation.task, timeout(10))
         assert requests_ended(server, "cancelled") == 1
+
+
+async def test_logprobs_come_with_their_tokens_streamed_and_whole() -> None:
+    async with running_server(backend__fake__tokens_per_s=0.0) as server:
+        async with async_client(server) as c:
+            asked: dict[str, Any] = {
+                "model": FAKE_MODEL,
+                "messages": USER,
+                "options": {"num_predict": 6},
+                "logprobs": True,
+                "top_logprobs": 2,
+            }
+            whole = await c.chat(**asked)
+            parts = [p async for p in await c.chat(**asked, stream=True)]
+            plain = await c.chat(model=FAKE_MODEL, messages=USER, options={"num_predict": 6})
+        tokens = whole.logprobs or []
+        assert len(tokens) == 6 and all(len(t.top_logprobs or []) == 2 for t in tokens)
+        # Each token's text (a token that ends inside a character shows U+FFFD).
+        text = "".join(t.token for t in tokens).rstrip("\ufffd")
+        assert text and (whole.message.content or "").startswith(text)
+        streamed = [t for p in parts for t in p.logprobs or []]
+        assert [t.token for t in streamed] == [t.token for t in tokens]
+        assert all(t.logprob == 0.0 for t in streamed)  # the fake had no choice
+        assert plain.logprobs is None
