@@ -22,7 +22,7 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       ├── openai_routes  the OpenAI API: chat completions, completions, models
     │       ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
     │       ├── anthropic_http Anthropic's Messages API: /v1/messages, count_tokens
-    │       ├── ollama_http    Ollama's API: /api/chat, /api/generate, the model endpoints
+    │       ├── ollama_http    Ollama's API: /api/chat, /api/generate, the model endpoints, pull
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: streamed (head, keep-alive, drain) or whole

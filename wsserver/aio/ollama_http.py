@@ -20,9 +20,16 @@ clients send from ``OLLAMA_API_KEY``):
   (:mod:`wsserver.dialects.ollama.catalog`); a GGUF's details and template
   from its file's header, read on a worker thread and kept per file (its
   path, size and time);
+* ``POST /api/pull`` — the server's pull of a Hugging Face model
+  (:class:`~wsserver.aio.pulls.Pulls`: one download per reference, shared
+  with a WebSocket ``pull`` of it or a model loading from it), where the
+  operator lets clients pull (as for the WebSocket ``pull``); its progress
+  as Ollama's status objects, then ``{"status": "success"}`` with the model
+  served. A client that goes leaves the download, which stops if nobody
+  else waits for it;
 * the endpoints this server does not have (``/api/create``, ``/api/copy``,
   ``/api/delete``, ``/api/push``, ``/api/blobs/…``, ``/api/embed``,
-  ``/api/embeddings``, ``/api/pull``) — a 501 naming what is not supported.
+  ``/api/embeddings``) — a 501 naming what is not supported.
 
 ``HEAD /`` and ``GET /``, which Ollama's tools use to see a server is up,
 are the chat page's (200), answered by the plain routes.
@@ -37,35 +44,49 @@ from __future__ import annotations
 
 import asyncio
 import os
+from asyncio import FIRST_COMPLETED
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
 from typing import Any, Final
 
+import orjson
+
 from ..backends.gguf_meta import read_metadata
+from ..config import MODEL_NAME_RE
 from ..dialects.api_errors import ApiError, parse_json
-from ..dialects.ollama.api import Kind, OllamaRequest, parse_chat, parse_generate
+from ..dialects.exchange import SHUTTING_DOWN
+from ..dialects.ollama.api import Kind, OllamaRequest, error_object, parse_chat, parse_generate
 from ..dialects.ollama.catalog import (
     HEADER_KEYS,
+    PULL_STATUS,
     ModelFacts,
     Running,
     capabilities,
     digest_of,
     facts_from_header,
+    hub_reference,
     listed_name,
     ps_body,
+    pull_status,
     show_body,
     tags_body,
     unsupported,
     version_body,
 )
 from ..dialects.ollama.options import check_num_ctx
+from ..dialects.ollama.render import MEDIA_TYPE as NDJSON
 from ..dialects.ollama.render import OllamaAnswer, loaded_object
-from ..errors import ProtocolError
+from ..errors import ProtocolError, PullError
+from ..pull.hub import PullCancelled
+from ..pull.progress import Progress
+from ..pull.reference import parse_reference
 from .exchange import Exchange
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest, clip, no_route, not_allowed
 from .models import Model, ModelPool
+from .pull_requests import pull_refusal
+from .pulls import Subscription
 from .services import Services
 
 __all__ = ["PREFIX", "OllamaRoute", "served_name"]
@@ -115,11 +136,13 @@ class OllamaRoute:
         refusal = unsupported(path)
         if refusal is not None:
             raise refusal
-        if path in ("/api/chat", "/api/generate", "/api/show"):
+        if path in ("/api/chat", "/api/generate", "/api/show", "/api/pull"):
             if method != "POST":
                 raise not_allowed(method, "POST")
             if path == "/api/show":
                 await self._show(request)
+            elif path == "/api/pull":
+                await self._pull(request)
             else:
                 await self._generate(request, "chat" if path == "/api/chat" else "generate")
             return
@@ -135,6 +158,49 @@ class OllamaRoute:
             request.out.simple(HTTPStatus.OK, body, request.headers)
             return
         raise no_route(method, path)
+
+    # ------------------------------------------------------------ pulls
+
+    async def _pull(self, route: RouteRequest) -> None:
+        services = self._services
+        obj = parse_json(route.body)
+        for key in obj:
+            if key not in ("model", "name", "stream", "insecure"):
+                raise ApiError(
+                    HTTPStatus.BAD_REQUEST, f"{clip(str(key))}: unknown field", "bad_request"
+                )
+        name = obj.get("model", obj.get("name"))
+        stream = obj.get("stream", True)
+        if not isinstance(name, str) or not name:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "model is required", "bad_request")
+        if not isinstance(stream, bool):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "stream: must be true or false", "bad_request")
+        refusal = pull_refusal(services.config) if services.pulls is not None else "no pulls here"
+        if refusal is not None:
+            raise ApiError(HTTPStatus.FORBIDDEN, refusal, "pull_not_allowed")
+        assert services.pulls is not None
+        try:
+            reference = parse_reference(hub_reference(name))
+        except PullError as exc:
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"{exc.message} (a model here is pulled from Hugging Face: org/repo:QUANT,"
+                " or hf.co/org/repo:QUANT as Ollama takes it)",
+                exc.code,
+            ) from None
+        if not MODEL_NAME_RE.fullmatch(reference.name):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"{clip(reference.name)!r} cannot be a model's name here",
+                "bad_reference",
+            )
+        route.log.request(route.request_id).info("pull %s", reference.text)
+        subscription = services.pulls.start(reference)
+        try:
+            await _PullAnswer(route, stream).run(subscription, services)
+        finally:
+            subscription.on_progress = None
+            subscription.leave()  # gone, failed or done: nothing keeps the download for us
 
     # ------------------------------------------------------------ the models
 
@@ -262,3 +328,94 @@ class OllamaRoute:
         HttpAnswer(route.out, route.headers).respond(
             HTTPStatus.OK, body + b"\n" if ollama.stream else body, content_type
         )
+
+
+class _PullAnswer:
+    """One ``/api/pull``'s answer, and the :class:`~wsserver.aio.http_route.Running`
+    its connection tells of a disconnect or the server's shutdown."""
+
+    def __init__(self, route: RouteRequest, stream: bool) -> None:
+        self._route = route
+        self._stream = stream
+        self._answer = HttpAnswer(route.out, route.headers, keepalive=b"", media_type=NDJSON)
+        loop = asyncio.get_running_loop()
+        #: How it ended early: "gone" (the client) or "shutdown".
+        self._ended: asyncio.Future[str] = loop.create_future()
+        self._latest: Progress | None = None
+        self._news = asyncio.Event()
+
+    # The connection's calls.
+
+    def client_gone(self) -> None:
+        if not self._ended.done():
+            self._ended.set_result("gone")
+
+    def cancel(self) -> None:
+        if not self._ended.done():
+            self._ended.set_result("shutdown")
+
+    def stall(self) -> None:
+        """A pull holds no model: a client that reads slowly only hears less often."""
+
+    async def run(self, subscription: Subscription, services: Services) -> None:
+        route, answer = self._route, self._answer
+        route.begin(self)
+        subscription.on_progress = self._progressed
+        result = asyncio.ensure_future(subscription.wait())
+        try:
+            if self._stream:
+                answer.head()
+            while not result.done():
+                news = asyncio.ensure_future(self._news.wait())
+                waiting: set[asyncio.Future[Any]] = {result, news, self._ended}
+                await asyncio.wait(waiting, return_when=FIRST_COMPLETED)
+                news.cancel()
+                if self._ended.done():
+                    self._end_early()
+                    return
+                latest, self._latest = self._latest, None
+                self._news.clear()
+                if self._stream and latest is not None and not result.done():
+                    await answer.write(_line(pull_status(latest)))
+            try:
+                pulled = result.result()
+            except PullError as exc:
+                route.log.request(route.request_id).info(
+                    "pull failed: %s %s", exc.code, exc.message
+                )
+                self._fail(PULL_STATUS.get(exc.code, HTTPStatus.BAD_GATEWAY), exc.message)
+                return
+            except PullCancelled:
+                self._fail(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
+                return
+            model = services.models.add_pulled(services.config, pulled)
+            route.log.request(route.request_id).info(
+                "pulled %s as model %s", pulled.plan.reference.text, model.name
+            )
+            if self._stream:
+                answer.write_last(_line({"status": "success"}))
+            else:
+                answer.respond(HTTPStatus.OK, orjson.dumps({"status": "success"}))
+        finally:
+            if not result.done():
+                result.cancel()
+
+    def _progressed(self, progress: Progress) -> None:
+        self._latest = progress  # the latest replaces one not written yet
+        self._news.set()
+
+    def _end_early(self) -> None:
+        if self._ended.result() == "shutdown":
+            self._fail(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
+        else:
+            self._answer.finish()  # nobody to tell
+
+    def _fail(self, status: int, message: str) -> None:
+        if self._stream:
+            self._answer.write_last(_line(error_object(message)))
+        else:
+            self._answer.respond(status, orjson.dumps(error_object(message)))
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return orjson.dumps(obj) + b"\n"

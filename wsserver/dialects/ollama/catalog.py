@@ -1,5 +1,6 @@
 """Ollama's model endpoints' bodies (sans-I/O): ``/api/tags``, ``/api/show``,
-``/api/ps``, ``/api/version``, and the endpoints this server does not have.
+``/api/ps``, ``/api/version``, ``/api/pull``'s progress, and the endpoints
+this server does not have.
 
 The asyncio half (:mod:`wsserver.aio.ollama_http`) gathers a model's
 :class:`ModelFacts` — from the registry, and for a GGUF from its file and
@@ -34,11 +35,14 @@ from typing import Any, Final
 
 import orjson
 
+from ...pull.progress import Progress
 from ..api_errors import ApiError
 
 __all__ = [
     "API_VERSION",
     "HEADER_KEYS",
+    "HUB_PREFIXES",
+    "PULL_STATUS",
     "QUANTIZATION",
     "UNSUPPORTED",
     "ModelFacts",
@@ -46,9 +50,11 @@ __all__ = [
     "capabilities",
     "digest_of",
     "facts_from_header",
+    "hub_reference",
     "listed_name",
     "parameter_size",
     "ps_body",
+    "pull_status",
     "show_body",
     "tags_body",
     "unsupported",
@@ -129,10 +135,19 @@ UNSUPPORTED: Final[dict[str, str]] = {
     "/api/blobs": "blobs (model files uploaded for /api/create) are not supported",
     "/api/embed": "embeddings are not supported yet",
     "/api/embeddings": "embeddings are not supported yet",
-    "/api/pull": (
-        "pulling over Ollama's API is not supported yet: use `wsserver pull org/repo:QUANT`"
-        " or the WebSocket pull request (docs/models.md)"
-    ),
+}
+
+#: What Ollama takes as a Hugging Face model (``hf.co/org/repo:QUANT``): the
+#: prefixes a pull's name may carry before the Hub's ``org/repo``.
+HUB_PREFIXES: Final = ("hf.co/", "huggingface.co/", "https://huggingface.co/")
+
+#: A failed pull's status, by its wire code (docs/models.md, "Errors").
+PULL_STATUS: Final[dict[str, int]] = {
+    "bad_reference": 400,
+    "pull_not_allowed": 403,
+    "hub_not_found": 404,
+    "download_too_large": 413,
+    "disk_full": 507,
 }
 
 
@@ -297,6 +312,34 @@ def ps_body(running: list[Running]) -> bytes:
             ]
         }
     )
+
+
+def hub_reference(name: str) -> str:
+    """A pull's name as the Hub's reference: ``hf.co/org/repo:Q4_K_M`` (how
+    Ollama pulls from Hugging Face) is ``org/repo:Q4_K_M``."""
+    for prefix in HUB_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def pull_status(progress: Progress) -> dict[str, Any]:
+    """One progress object of a streamed pull: Ollama's ``status`` words, and
+    ``total``/``completed`` — the whole pull's bytes, every file counted
+    (Ollama's count one layer each; ``digest`` names the file here)."""
+    if progress.status == "resolving":
+        return {"status": "pulling manifest"}
+    if progress.status == "done":
+        return {"status": "writing manifest"}
+    status = "verifying sha256 digest" if progress.status == "verifying" else "pulling"
+    obj: dict[str, Any] = {"status": status}
+    if progress.file is not None:
+        if status == "pulling":
+            obj["status"] = f"pulling {progress.file}"
+        obj["digest"] = progress.file
+    if progress.total:
+        obj.update(total=progress.total, completed=progress.completed)
+    return obj
 
 
 def version_body() -> bytes:
