@@ -417,3 +417,18 @@ async def test_logprobs_come_with_their_tokens_streamed_and_whole() -> None:
         assert [t.token for t in streamed] == [t.token for t in tokens]
         assert all(t.logprob == 0.0 for t in streamed)  # the fake had no choice
         assert plain.logprobs is None
+
+
+async def test_through_the_relay_the_upstreams_models_are_listed_and_answer() -> None:
+    from fake_upstream import PIECES, FakeUpstream
+    from test_openai_backend import relay
+
+    async with FakeUpstream() as up, relay(up.url) as server, async_client(server) as c:
+        listed = [m.model for m in (await c.list()).models]
+        assert listed == [up.model + ":latest"]
+        reply = await c.chat(model=up.model + ":latest", messages=USER, options={"num_predict": 50})
+        assert reply.message.content == "".join(PIECES) and reply.model == up.model + ":latest"
+        sent = up.streams[0].body
+        assert sent["model"] == up.model and sent["max_tokens"] == 50
+        shown = await c.show(up.model)
+        assert shown.details is not None and shown.details.format == ""

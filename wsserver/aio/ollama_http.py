@@ -150,7 +150,7 @@ class OllamaRoute:
             if method not in ("GET", "HEAD"):
                 raise not_allowed(method, "GET")
             if path == "/api/tags":
-                body = tags_body([await self._facts(m, m.name) for m in self._served()])
+                body = tags_body([await self._facts(m, name) for m, name in self._names()])
             elif path == "/api/ps":
                 body = ps_body(await self._running())
             else:
@@ -206,6 +206,16 @@ class OllamaRoute:
 
     def _served(self) -> list[Model]:
         return list(self._services.models.models.values())
+
+    def _names(self) -> list[tuple[Model, str]]:
+        """Every name a request may give, with its model: a model's name, or
+        each of the models an engine serves (an upstream's, as
+        ``GET /v1/models`` lists them)."""
+        names: list[tuple[Model, str]] = []
+        for model in self._served():
+            served = model.backend.served_models()
+            names.extend((model, name) for name in (served or [model.name]))
+        return names
 
     async def _show(self, route: RouteRequest) -> None:
         obj = parse_json(route.body)
