@@ -92,6 +92,7 @@ SANS_IO = [
     "wsserver.backends.request",
     "wsserver.backends.openai_wire",
     "wsserver.backends.gguf_meta",
+    "wsserver.backends.int_range",
     "wsserver.backends.token_text",
     "wsserver.pull",
     "wsserver.pull.reference",

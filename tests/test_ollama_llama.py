@@ -6,6 +6,7 @@ mid-prefill frees the model at once; a prompt beyond the context is a 400."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,32 @@ async def test_a_prompt_beyond_the_context_is_a_400_in_ollamas_shape(tiny_gguf: 
                 assert "the context holds 64 tokens" in raised.value.error
             reply = await c.generate(model=TINY_MODEL, prompt="Hi", raw=True, options=GREEDY)
         assert reply.done is True
+
+
+async def test_a_pydantic_format_with_bounds_holds_on_the_tiny_model(tiny_gguf: Path) -> None:
+    """pydantic writes ``minimum``/``maximum`` for ``Field(ge=…, le=…)``: the
+    llama engine enforces an integer's (they were refused before)."""
+    import jsonschema
+    import pydantic
+
+    class Dice(pydantic.BaseModel):
+        first: int = pydantic.Field(ge=1, le=6)
+        second: int = pydantic.Field(gt=-3, lt=40)
+
+    schema = Dice.model_json_schema()
+    assert schema["properties"]["first"]["minimum"] == 1
+    async with running_server(tiny(tiny_gguf)) as server:
+        async with ollama.AsyncClient(
+            host=f"http://127.0.0.1:{server.port}", timeout=timeout(60)
+        ) as c:
+            for seed in range(3):
+                reply = await c.chat(
+                    model=TINY_MODEL,
+                    messages=[{"role": "user", "content": "Roll two dice."}],
+                    format=schema,
+                    options={"seed": seed, "temperature": 1.0, "num_predict": 200},
+                )
+                assert reply.done_reason == "stop", reply
+                answer = json.loads(reply.message.content or "")
+                jsonschema.validate(answer, schema)
+                Dice.model_validate(answer)

@@ -2,7 +2,10 @@
 
 * **Compiling.** A ``json_schema`` becomes GBNF through llama.cpp's own
   JSON-schema-to-grammar conversion, as shipped with llama-cpp-python
-  (``llama_cpp.llama_grammar.json_schema_to_gbnf``); GBNF becomes a native
+  (``llama_cpp.llama_grammar.SchemaConverter``), with integer bounds
+  (``minimum``, ``maximum``, the exclusive ones) enforced as llama.cpp's C++
+  converter enforces them (:mod:`.int_range`; the Python port reads past
+  them); GBNF becomes a native
   grammar sampler (``llama_sampler_init_grammar``), which returns NULL for a
   grammar it cannot parse. Either failure is a ``bad_request`` — checked
   before the request starts (:meth:`GrammarCache.compile`), never answered
@@ -35,10 +38,11 @@ from typing import Any, Final
 
 import llama_cpp
 import numpy as np
-from llama_cpp.llama_grammar import STRING_FORMAT_RULES, json_schema_to_gbnf
+from llama_cpp.llama_grammar import RESERVED_NAMES, STRING_FORMAT_RULES, SchemaConverter
 
 from ..errors import BackendError
 from .grammar_bounds import check_gbnf, check_schema
+from .int_range import BOUND_KEYWORDS, bounds, integer_rule
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -68,10 +72,6 @@ _SECOND_BYTE_MAX = 32
 #: schema that uses one is refused, never answered with output that breaks it.
 _UNENFORCED: Final = frozenset(
     {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
         "multipleOf",
         "minProperties",
         "maxProperties",
@@ -108,6 +108,12 @@ def unenforced(schema: Any, path: str = "") -> list[str]:
         return []
     where = path or "the top level"
     found = [f"'{key}' at {where}" for key in sorted(_UNENFORCED & schema.keys())]
+    if BOUND_KEYWORDS & schema.keys() and schema.get("type") != "integer":
+        # Bounds are enforced on an integer (int_range.py), not on a number.
+        found += [
+            f'\'{key}\' at {where} (bounds only on "type": "integer")'
+            for key in sorted(BOUND_KEYWORDS & schema.keys())
+        ]
     fmt = schema.get("format")
     if fmt is not None and fmt not in _FORMATS:
         found.append(f"'format' {str(fmt)[:40]!r} at {where}")
@@ -157,7 +163,7 @@ def schema_to_gbnf(schema: str) -> str:
             code="unsupported_option",
         )
     try:
-        gbnf = str(json_schema_to_gbnf(text))
+        gbnf = _convert(text)
     except Exception as exc:  # the converter raises whatever it meets
         detail = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise BackendError(
@@ -169,6 +175,38 @@ def schema_to_gbnf(schema: str) -> str:
     # (orjson, and so our tool-call checks) refuse when it is unpaired: a
     # character beyond the BMP is written as itself instead.
     return gbnf.replace(_LOOSE_CHAR, _STRICT_CHAR).replace(_ANY_ESCAPE, _NO_SURROGATE)
+
+
+class _BoundedConverter(SchemaConverter):
+    """llama-cpp-python's converter, with integer bounds enforced as llama.cpp's
+    own converter enforces them (:mod:`.int_range`)."""
+
+    def visit(self, schema: Any, name: str) -> Any:
+        if (
+            isinstance(schema, dict)
+            and schema.get("type") == "integer"
+            and BOUND_KEYWORDS & schema.keys()
+            and not _SHADOWING & schema.keys()
+        ):
+            low, high = bounds(schema)
+            rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+            rule = f"({integer_rule(low, high)}) space"
+            return self._add_rule(rule_name, rule)  # type: ignore[no-untyped-call]
+        return super().visit(schema, name)  # type: ignore[no-untyped-call]
+
+
+#: Keywords the converter reads before an integer's type (its bounds then
+#: change nothing: the value is one of those given, or another schema's).
+_SHADOWING: Final = frozenset({"$ref", "oneOf", "anyOf", "const", "enum"})
+
+
+def _convert(text: str) -> str:
+    """``json_schema_to_gbnf``, on the converter that enforces integer bounds."""
+    options = {"prop_order": {}, "allow_fetch": False, "dotall": False, "raw_pattern": False}
+    converter = _BoundedConverter(**options)  # type: ignore[no-untyped-call]
+    schema = converter.resolve_refs(json.loads(text), "stdin")
+    converter.visit(schema, "")
+    return str(converter.format_grammar())  # type: ignore[no-untyped-call]
 
 
 class GrammarCache:
