@@ -379,3 +379,21 @@ def test_quick_templates_bench_measures_a_render_both_ways(tmp_path: Path) -> No
             assert case[key] > 0, case  # timing-ok: measured, not bounded
     assert result["idle_worker_rss_bytes"] > 0
     assert "## 16. Bounded chat templates" in text
+
+
+@pytest.mark.timeout(int(120 * UNIT))
+def test_the_ollama_wire_bench_runs_both_wires() -> None:
+    """``python -m bench.ollama_wire``: Ollama's chat beside OpenAI's on one
+    fake server; a few rounds, its table and its comparison line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSSERVER_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ollama_wire", "--rounds", "3"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100 * UNIT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| OpenAI chat (SSE) |" in proc.stdout and "| Ollama chat (NDJSON) |" in proc.stdout
+    assert "Ollama: TTFT" in proc.stdout and "of OpenAI's (medians)" in proc.stdout

@@ -3,7 +3,8 @@
 The wire test runs each terminal outcome — stop, length, cancelled (the
 server's shutdown), error, context_length_exceeded — streamed and whole,
 with the stream's head sent or not, over every HTTP dialect (OpenAI chat
-completions and completions, the Responses API, Anthropic's Messages API) on
+completions and completions, the Responses API, Anthropic's Messages API,
+Ollama's chat) on
 a real server and raw HTTP, and checks the status, the body's shape and that
 the answer ends exactly once. The fake engine below makes each outcome happen
 deterministically, by the request's text. A cell that cannot happen says why
@@ -32,6 +33,7 @@ from wsserver.core.protocol import CallPart, Delta, Done, Error, Generate, Limit
 from wsserver.dialects.anthropic.api import parse_body as anthropic_body
 from wsserver.dialects.anthropic.render import MessageAnswer, MessageRender
 from wsserver.dialects.exchange import ENDINGS, Renderer, ending
+from wsserver.dialects.ollama.render import OllamaAnswer
 from wsserver.dialects.openai.api import parse_request
 from wsserver.dialects.openai.render import CompletionAnswer
 from wsserver.dialects.responses.api import parse_body as responses_body
@@ -182,7 +184,23 @@ DIALECTS = [
         },
         lambda name, data: name in ("message_stop", "error"),
     ),
+    Dialect(
+        "ollama",
+        "/api/chat",
+        lambda text, stream: {
+            "model": FAKE_MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "options": {"num_predict": 5},
+            "stream": stream,
+        },
+        lambda name, data: data.get("done") is True or "error" in data,
+    ),
 ]
+
+
+def ndjson_objects(raw: bytes) -> list[tuple[str | None, Any]]:
+    """Each object of an NDJSON body (Ollama's stream), as an unnamed event."""
+    return [(None, json.loads(line)) for line in raw.decode().splitlines()]
 
 
 def sse_events(raw: bytes) -> list[tuple[str | None, Any]]:
@@ -210,6 +228,7 @@ FINISH = {
     "openai completions": {"stop": "stop", "length": "length"},
     "responses": {"stop": "completed", "length": "incomplete"},
     "anthropic": {"stop": "end_turn", "length": "max_tokens"},
+    "ollama": {"stop": "stop", "length": "length"},
 }
 #: A failure as the whole answer: (status, code — Anthropic's error type).
 WHOLE_ERROR = {
@@ -224,6 +243,13 @@ WHOLE_ERROR = {
         "error": (500, "api_error"),
         "refused": (400, "invalid_request_error"),
         "context_length_exceeded": (400, "invalid_request_error"),
+    },
+    # Ollama's error object has a message only: the status says the rest.
+    "ollama": {
+        "cancelled": (503, None),
+        "error": (500, None),
+        "refused": (400, None),
+        "context_length_exceeded": (400, None),
     },
 }
 
@@ -240,6 +266,12 @@ def check_finished(dialect: str, outcome: str, stream: bool, answer: Any) -> Non
         else:
             kind = "chat.completion" if dialect == "openai chat" else "text_completion"
             assert answer["object"] == kind and answer["choices"][0]["finish_reason"] == want
+    elif dialect == "ollama":
+        last = answer[-1][1] if stream else answer
+        assert last["done"] is True and last["done_reason"] == want, last
+        assert last["eval_count"] == (3 if outcome == "stop" else 5)
+        if stream:
+            assert [data["done"] for _, data in answer] == [False] * (len(answer) - 1) + [True]
     elif dialect == "responses":
         response = answer[-1][1]["response"] if stream else answer
         assert response["object"] == "response" and response["status"] == want
@@ -260,6 +292,9 @@ def check_error_in_stream(dialect: str, outcome: str, events: list[tuple[str | N
         code = "cancelled" if outcome == "cancelled" else "internal"
         assert data["error"]["code"] == code, data
         assert "[DONE]" not in [d for _, d in events]
+    elif dialect == "ollama":
+        assert set(data) == {"error"} and isinstance(data["error"], str), events
+        assert not [d for _, d in events if d.get("done") is True], events
     elif dialect == "responses":
         # Its stream has a terminal event for these: incomplete (cancelled), failed.
         if outcome == "cancelled":
@@ -275,9 +310,12 @@ def check_error_in_stream(dialect: str, outcome: str, events: list[tuple[str | N
 
 
 def check_whole_error(dialect: str, kind: str, status: int, body: Any) -> None:
-    want_status, want_code = WHOLE_ERROR["anthropic" if dialect == "anthropic" else "openai"][kind]
+    table = dialect if dialect in ("anthropic", "ollama") else "openai"
+    want_status, want_code = WHOLE_ERROR[table][kind]
     assert status == want_status, (status, body)
-    if dialect == "anthropic":
+    if dialect == "ollama":
+        assert set(body) == {"error"} and isinstance(body["error"], str), body
+    elif dialect == "anthropic":
         assert body["type"] == "error" and body["error"]["type"] == want_code, body
     else:
         assert body["error"]["code"] == want_code, body
@@ -366,8 +404,13 @@ async def test_every_outcome_ends_every_dialects_answer_once(
 
     if stream and head_sent:
         # The stream's head was out: 200 whatever the end, which is in the stream.
-        assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
-        events = sse_events(raw)
+        assert status == 200
+        if dialect.name == "ollama":
+            assert headers["Content-Type"] == "application/x-ndjson"
+            events = ndjson_objects(raw)
+        else:
+            assert headers["Content-Type"].startswith("text/event-stream")
+            events = sse_events(raw)
         ends = [e for e in events if dialect.terminal(*e)]
         assert len(ends) == 1 and ends[0] == events[-1], events
         if outcome in ("stop", "length"):
@@ -462,7 +505,13 @@ def _renderers(stream: bool) -> list[Renderer]:
         message_id="msg_1",
         model="m",
     )
-    return [CompletionAnswer(chat, "m"), ResponseAnswer(responses), MessageAnswer(message)]
+    ollama = OllamaAnswer("chat", "m", stream=stream, logprobs=False)
+    return [
+        CompletionAnswer(chat, "m"),
+        ResponseAnswer(responses),
+        MessageAnswer(message),
+        ollama,
+    ]
 
 
 def _done(reason: str) -> Done:

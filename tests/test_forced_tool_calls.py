@@ -232,7 +232,7 @@ async def test_forced_calls_refuse_what_they_cannot_enforce() -> None:
                                 "name": "f",
                                 "parameters": {
                                     "type": "object",
-                                    "properties": {"n": {"type": "integer", "minimum": 3}},
+                                    "properties": {"n": {"type": "number", "minimum": 3}},
                                 },
                             },
                         }

@@ -12,7 +12,7 @@
 * ``wsserver/core`` imports neither ``shaping`` nor ``dialects``, and
   ``shaping`` imports no dialect: the packages' order is the import direction.
 * Each wire dialect — the WebSocket protocol, the OpenAI HTTP API, the
-  Responses API, Anthropic's Messages API — imports no other dialect's
+  Responses API, Anthropic's Messages API, Ollama's API — imports no other dialect's
   modules: what they share is the request driver's, the HTTP dialects'
   the HTTP exchange's (``dialects/exchange.py``, ``aio/exchange.py``, the seam
   ``aio/http_route.py``), which imports no dialect, and the WebSocket
@@ -61,7 +61,7 @@ def modules_in(package: str) -> list[str]:
 CORE = modules_in("wsserver.core")
 
 #: The dialects' halves without I/O, one package each (``wsserver/dialects``).
-DIALECT_PACKAGES = ("openai", "anthropic", "responses")
+DIALECT_PACKAGES = ("openai", "anthropic", "responses", "ollama")
 
 #: Each dialect's own modules (a wire's parsing, rendering and transport): its
 #: package under ``wsserver/dialects`` and its asyncio half.
@@ -71,6 +71,7 @@ DIALECTS = {
 }
 DIALECTS["openai"] |= {"wsserver.aio.openai_routes"}
 DIALECTS["anthropic"] |= {"wsserver.aio.anthropic_http"}
+DIALECTS["ollama"] |= {"wsserver.aio.ollama_http"}
 DIALECTS["responses"] |= {
     "wsserver.aio.responses_run",
     "wsserver.aio.responses_http",
@@ -91,6 +92,7 @@ SANS_IO = [
     "wsserver.backends.request",
     "wsserver.backends.openai_wire",
     "wsserver.backends.gguf_meta",
+    "wsserver.backends.int_range",
     "wsserver.backends.token_text",
     "wsserver.pull",
     "wsserver.pull.reference",

@@ -256,21 +256,22 @@ async def test_openai_response_format_json_schema_and_json_object(tiny_gguf: Pat
 def test_a_schema_the_grammar_would_not_enforce_is_refused_by_name() -> None:
     """llama-cpp-python's converter reads past ``minimum``/``maximum`` and other
     validation keywords: such a schema was answered with JSON that broke it
-    (the benchmark's 4 of 16, an ``age`` below its minimum). Refused instead."""
-    from wsserver.backends.llama_grammar import schema_to_gbnf, unenforced
+    (the benchmark's 4 of 16, an ``age`` below its minimum). Refused instead —
+    but for an integer's bounds, which are enforced now (tests/test_int_range.py)."""
+    from wsserver.backends.llama_schema import schema_to_gbnf, unenforced
 
     assert unenforced(SCHEMA) == []
     person = {
         "type": "object",
         "properties": {
-            "age": {"type": "integer", "minimum": 18},
+            "age": {"type": "number", "minimum": 18},
             "tags": {"type": "array", "items": {"type": "string", "format": "email"}},
             "nick": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8},
         },
         "$defs": {"pair": {"type": "array", "uniqueItems": True}},
     }
     assert unenforced(person) == [
-        "'minimum' at properties.age",
+        '\'minimum\' at properties.age (bounds only on "type": "integer")',
         "'format' 'email' at properties.tags.items",
         "'minLength'/'maxLength' beside 'pattern', 'format' or no string type at properties.nick",
         "'uniqueItems' at $defs.pair",
@@ -327,7 +328,7 @@ def test_a_schema_string_holds_only_what_strict_json_parsers_accept(
 async def test_an_unenforceable_schema_is_refused_before_start_on_both_wires(
     tiny_gguf: Path,
 ) -> None:
-    schema = {"type": "object", "properties": {"age": {"type": "integer", "maximum": 99}}}
+    schema = {"type": "object", "properties": {"age": {"type": "number", "maximum": 99}}}
     async with running_server(llama_config(tiny_gguf)) as server:
         async with wire(server) as ws:
             await ws.send({"type": "generate", "id": "m", "prompt": "x", "json_schema": schema})

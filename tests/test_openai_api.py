@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from wsserver.aio.front import is_openai_target
+from wsserver.aio.front import is_api_target
 from wsserver.backends.openai_wire import parse_chunk
 from wsserver.core.protocol import Done, Limits, Message, Timings, Usage
 from wsserver.dialects.openai.api import ApiError, error_body, parse_request, status_of
@@ -189,10 +189,16 @@ def test_a_whole_body_has_the_text_and_usage() -> None:
         (b"DELETE /v1/responses/resp_1 HTTP/1.1", True),
         (b"GET /v1/responses HTTP/1.1", False),
         (b"GET /v1/responses?x=1 HTTP/1.1", False),
+        # Ollama's API.
+        (b"POST /api/chat HTTP/1.1", True),
+        (b"GET /api/tags HTTP/1.1", True),
+        (b"HEAD /api/blobs/sha256:00 HTTP/1.1", True),
+        (b"GET /api HTTP/1.1", True),
+        (b"GET /apis HTTP/1.1", False),
     ],
 )
 def test_the_front_routes_by_the_request_target(line: bytes, expected: bool) -> None:
-    assert is_openai_target(line) is expected
+    assert is_api_target(line) is expected
 
 
 @pytest.mark.parametrize(

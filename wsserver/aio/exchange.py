@@ -5,7 +5,8 @@ Theory of operation
 Every HTTP dialect — OpenAI's chat completions and completions
 (:mod:`wsserver.aio.openai_routes`), the Responses API
 (:mod:`wsserver.aio.responses_http`), Anthropic's Messages API
-(:mod:`wsserver.aio.anthropic_http`) — parses its body into the core's
+(:mod:`wsserver.aio.anthropic_http`), Ollama's API
+(:mod:`wsserver.aio.ollama_http`) — parses its body into the core's
 :class:`~wsserver.core.protocol.Generate` and hands it here with its
 :class:`~wsserver.dialects.exchange.Renderer`: the dialect's sans-I/O half, which
 turns the core's frames into its bytes. Everything else is the exchange's,
@@ -83,18 +84,28 @@ class Exchange:
         self._cancelled = False
 
     async def run(
-        self, generate: Generate, asked: str | None, renderer_for: Callable[[str], Renderer]
+        self,
+        generate: Generate,
+        asked: str | None,
+        renderer_for: Callable[[str], Renderer],
+        *,
+        model: Model | None = None,
     ) -> None:
         """Serve the request on the model ``asked`` for (:func:`resolve`), its
         answer rendered by the renderer made for the name it is served under; returns
-        once the answer is complete, or its client is gone (which is a cancel)."""
-        generate, model = resolve(self._services, generate, asked)
+        once the answer is complete, or its client is gone (which is a cancel).
+        ``model``: resolved already by a dialect that names models its own way
+        (Ollama's ``:latest``), ``generate.model`` the name it is served under."""
+        if model is None:
+            generate, model = resolve(self._services, generate, asked)
         # The name it is served under: an alias's model's, or (an engine that
         # picks among its upstreams' models) the name asked for.
         assert generate.model is not None
         self._renderer = renderer = renderer_for(generate.model)
         route = self._route
-        answer = self._answer = HttpAnswer(route.out, route.headers, keepalive=renderer.keepalive)
+        answer = self._answer = HttpAnswer(
+            route.out, route.headers, keepalive=renderer.keepalive, media_type=renderer.media_type
+        )
         driver = self._driver = RequestDriver(
             self._services,
             dialect=self,
@@ -143,7 +154,9 @@ class Exchange:
         if isinstance(frame, Delta):
             if renderer.stream:
                 answer.head()
-                await answer.write(renderer.chunk(frame))
+                data = renderer.chunk(frame)
+                if data:  # b"": nothing yet (a call a dialect sends whole)
+                    await answer.write(data)
             else:
                 renderer.gather(frame)
         elif isinstance(frame, Started):
@@ -156,7 +169,8 @@ class Exchange:
         elif isinstance(frame, Queued):
             if renderer.stream:
                 answer.head()
-                await answer.write(renderer.keepalive, progress=False)
+                if renderer.keepalive:
+                    await answer.write(renderer.keepalive, progress=False)
         elif isinstance(frame, Done | Error):
             end = ending(renderer, frame, head_sent=answer.head_sent)
             if end.in_stream:

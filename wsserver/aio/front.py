@@ -7,9 +7,10 @@ asyncio protocol that ``serve()`` builds for each accepted connection is this
 :class:`Front`, which reads up to the end of the request line and hands the
 connection over for good:
 
-* a target under ``/v1`` goes to the OpenAI HTTP handler
-  (:mod:`wsserver.aio.openai_http`) — but ``GET /v1/responses``, the
-  Responses API's WebSocket mode, is an upgrade and goes to websockets;
+* a target under ``/v1`` or ``/api`` (Ollama's API) goes to the HTTP
+  API's handler (:mod:`wsserver.aio.openai_http`) — but ``GET
+  /v1/responses``, the Responses API's WebSocket mode, is an upgrade and
+  goes to websockets;
 * anything else — every WebSocket handshake, ``/``, ``/healthz``,
   ``/metrics`` — goes to websockets' own connection, exactly as if the
   front were not there: it is built as ``serve()`` would have built it,
@@ -22,7 +23,7 @@ by request: it answers the plain routes itself and gives a WebSocket upgrade
 back to websockets through :meth:`Front.to_websockets` (the front is done
 with the connection, but keeps what websockets' connection is built from).
 
-A method other than ``GET`` and ``HEAD`` outside ``/v1`` is answered here,
+A method other than ``GET`` and ``HEAD`` outside the API is answered here,
 405 with ``Allow: GET, HEAD``: websockets would drop a request with a body
 (``Content-Length``, ``Transfer-Encoding``) without a word.
 
@@ -41,10 +42,13 @@ from typing import Any, Final
 from websockets.asyncio.server import Server as WsServer
 from websockets.server import ServerProtocol
 
-__all__ = ["MAX_REQUEST_LINE", "OPEN_TIMEOUT_S", "Front", "front_factory", "is_openai_target"]
+__all__ = ["MAX_REQUEST_LINE", "OPEN_TIMEOUT_S", "Front", "front_factory", "is_api_target"]
 
 #: A request line longer than this goes to websockets, which refuses it properly.
 MAX_REQUEST_LINE: Final = 8192
+#: The targets of the HTTP API: OpenAI's (and the Responses and Messages
+#: APIs under it), Ollama's.
+API_PREFIXES: Final = (b"/v1", b"/api")
 #: ``GET`` on this target is the Responses API's WebSocket mode, an upgrade:
 #: it goes to websockets (``POST`` and ``/v1/responses/{id}`` are HTTP).
 RESPONSES_SOCKET: Final = b"/v1/responses"
@@ -56,16 +60,17 @@ OPEN_TIMEOUT_S: Final = 10.0
 WsFactory = Callable[..., asyncio.Protocol]
 
 
-def is_openai_target(request_line: bytes) -> bool:
-    """Whether ``METHOD TARGET VERSION`` asks for the OpenAI HTTP API (``/v1``,
-    ``/v1/…``, but not ``GET /v1/responses``: a WebSocket upgrade)."""
+def is_api_target(request_line: bytes) -> bool:
+    """Whether ``METHOD TARGET VERSION`` asks for the HTTP API: ``/v1``,
+    ``/v1/…`` (but not ``GET /v1/responses``: a WebSocket upgrade), and
+    Ollama's ``/api``, ``/api/…``."""
     parts = request_line.split(b" ")
     if len(parts) < 2:
         return False
     target = parts[1].split(b"?", 1)[0]
     if parts[0] == b"GET" and target == RESPONSES_SOCKET:
         return False  # the Responses API's WebSocket mode: websockets does the upgrade
-    return target == b"/v1" or target.startswith(b"/v1/")
+    return any(target == prefix or target.startswith(prefix + b"/") for prefix in API_PREFIXES)
 
 
 class Front(asyncio.Protocol):
@@ -105,7 +110,7 @@ class Front(asyncio.Protocol):
         if end < 0 and len(self._buffer) <= MAX_REQUEST_LINE:
             return
         line = bytes(self._buffer[: max(end, 0)]).rstrip(b"\r")
-        if end >= 0 and is_openai_target(line):
+        if end >= 0 and is_api_target(line):
             self._hand_over(self._http_factory(self.to_websockets))
         elif end >= 0 and line.split(b" ", 1)[0] not in (b"GET", b"HEAD") and b" " in line:
             self._not_allowed()

@@ -3,12 +3,13 @@
 Every HTTP dialect answers the same two ways, and this is written once (the
 exchange, :mod:`wsserver.aio.exchange`, decides what; this writes it):
 
-* **streamed** — the head (``text/event-stream``, no buffering by proxies)
+* **streamed** — the head (``text/event-stream``, or the dialect's type:
+  Ollama's ``application/x-ndjson``; no buffering by proxies)
   goes out when the request starts or waits, then body bytes, each write
   waiting while the transport is above its high-water mark (the pump stops,
   the channel fills, the engine pauses), a ``: keep-alive`` comment (or the
   dialect's own keep-alive event) every :data:`KEEPALIVE_S` while nothing
-  else is sent, and a last write that ends
+  else is sent (a dialect without one sends nothing), and a last write that ends
   the body;
 * **whole** — one response with its status, ``Content-Length`` and body
   (an error's status while the head is unsent).
@@ -37,9 +38,18 @@ KEEPALIVE_S: Final = 10.0
 class HttpAnswer:
     """The answer to one HTTP request, written through the connection's :class:`Responder`."""
 
-    def __init__(self, out: Responder, headers: Headers, *, keepalive: bytes = KEEPALIVE) -> None:
+    def __init__(
+        self,
+        out: Responder,
+        headers: Headers,
+        *,
+        keepalive: bytes = KEEPALIVE,
+        media_type: str = "text/event-stream; charset=utf-8",
+    ) -> None:
         self._out = out
         self._headers = headers
+        #: The streamed answer's content type (SSE, or Ollama's NDJSON).
+        self._media_type = media_type
         #: What keeps a waiting stream alive: a comment, or a dialect's own
         #: event that its clients skip (the Messages API's ``ping``).
         self._keepalive_bytes = keepalive
@@ -59,7 +69,7 @@ class HttpAnswer:
             return
         self.head_sent = True
         headers = [
-            ("Content-Type", "text/event-stream; charset=utf-8"),
+            ("Content-Type", self._media_type),
             ("Cache-Control", "no-cache"),
             # nginx buffers a proxied body unless told otherwise.
             ("X-Accel-Buffering", "no"),
@@ -72,7 +82,7 @@ class HttpAnswer:
         self._keepalive = None
         if self.finished.done() or self._out.lost:
             return
-        if not self._wrote and not self._out.paused:
+        if not self._wrote and not self._out.paused and self._keepalive_bytes:
             self._out.send(self._keepalive_bytes)
         self._wrote = False
         self._keepalive = self._loop.call_later(KEEPALIVE_S, self._keep_alive)

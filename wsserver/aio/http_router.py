@@ -9,7 +9,9 @@ object unless the dialect says otherwise):
   API (:mod:`wsserver.aio.openai_routes`);
 * ``/v1/responses`` — the Responses API over HTTP (:mod:`wsserver.aio.responses_http`);
 * ``/v1/messages`` — Anthropic's Messages API (:mod:`wsserver.aio.anthropic_http`),
-  its refusals in Anthropic's shape.
+  its refusals in Anthropic's shape;
+* ``/api`` — Ollama's API (:mod:`wsserver.aio.ollama_http`), its refusals
+  in Ollama's shape.
 
 A new dialect is its renderer (:class:`wsserver.dialects.exchange.Renderer`), a route
 that parses its body and runs it on the HTTP exchange, and a line here.
@@ -34,11 +36,12 @@ import h11
 
 from ..dialects.anthropic.api import error_body as anthropic_error_body
 from ..dialects.api_errors import ApiError
+from ..dialects.ollama.api import error_body as ollama_error_body
 from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .anthropic_http import PREFIX as MESSAGES
 from .anthropic_http import MessagesRoute
-from .front import is_openai_target
+from .front import is_api_target
 from .http_route import (
     ErrorBody,
     Headers,
@@ -49,6 +52,8 @@ from .http_route import (
     no_route,
     not_allowed,
 )
+from .ollama_http import PREFIX as OLLAMA
+from .ollama_http import OllamaRoute
 from .openai_gate import Gate, RequestHeaders, request_id_of
 from .openai_routes import CompletionsRoute, ModelsRoute
 from .pipeline import Generation
@@ -112,6 +117,7 @@ def api_routes(services: Services, responses: ResponsesRoute) -> RouteTable:
             "/v1/models": RouteEntry(ModelsRoute(services)),
             RESPONSES: RouteEntry(responses),
             MESSAGES: RouteEntry(MessagesRoute(services), anthropic_error_body),
+            OLLAMA: RouteEntry(OllamaRoute(services), ollama_error_body),
         }
     )
 
@@ -200,7 +206,7 @@ class Router:
             out.simple(HTTPStatus.NO_CONTENT, b"", extra)
             return
         gate.check_client(headers, peer=peer, now=asyncio.get_running_loop().time())
-        if self._plain is not None and not is_openai_target(request.method + b" " + request.target):
+        if self._plain is not None and not is_api_target(request.method + b" " + request.target):
             # A keep-alive connection that asked /v1 before stays here: what
             # websockets answers on a new connection is answered here too.
             if method not in ("GET", "HEAD"):

@@ -49,6 +49,13 @@ class KeepAlive:
             self.cancel(model)
             self._timers[model] = asyncio.get_running_loop().call_later(wait, self._expired, model)
 
+    def left(self, model: Model) -> float | None:
+        """Seconds until ``model``'s timer unloads it (None: no timer runs)."""
+        timer = self._timers.get(model)
+        if timer is None:
+            return None
+        return max(0.0, timer.when() - asyncio.get_running_loop().time())
+
     def cancel(self, model: Model) -> None:
         """Stop ``model``'s timer: a request wants it, or it is being unloaded."""
         timer = self._timers.pop(model, None)

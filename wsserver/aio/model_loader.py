@@ -97,6 +97,10 @@ class ModelLoader:
         model.set_state("loading")
         model.task = asyncio.create_task(self._load(model), name=f"load-{model.name}")
 
+    def keep_alive_left(self, model: Model) -> float | None:
+        """Seconds until ``model``'s keep-alive unloads it (None: no timer runs)."""
+        return self._keep_alive.left(model)
+
     def check_idle(self, model: Model, keep_alive: float | None = None) -> None:
         """After a release or a waiter's exit: an idle model may be unloaded.
 

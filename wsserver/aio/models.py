@@ -97,6 +97,13 @@ class ModelPool:
                 infos.append(dataclasses.replace(info, name=name, state=state))
         return infos
 
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a model's name, an alias or a name an engine
+        serves (its upstreams'), as it is: no lookup, no default."""
+        if name in self.models or name in self.aliases:
+            return True
+        return any(name in (m.backend.served_models() or {}) for m in self.models.values())
+
     def resolve(self, name: str | None, request_id: str | None = None) -> Model:
         """The model a request names (``None``: the default), or ``model_not_found``."""
         return self.lookup(name, request_id)[0]
@@ -223,6 +230,31 @@ class ModelPool:
         request's own (seconds once idle; 0 = unload at once, -1 = only for room)."""
         model.scheduler.release(slot)
         self._loader.check_idle(model, keep_alive)
+
+    async def warm(self, model: Model, request_id: str, keep_alive: float | None = None) -> None:
+        """Load ``model`` for no request (Ollama's request with nothing to
+        answer): as a request would — its queue, the budget, the load —, then
+        its idle timer from ``keep_alive`` (None: the model's own)."""
+        slot = await self.acquire(model, request_id, lambda *_: None, owner=request_id)
+        self.release(model, slot, keep_alive)
+
+    def expires_in(self, model: Model) -> float | None:
+        """Seconds until a loaded ``model`` unloads if nothing more asks for it
+        (Ollama's ``/api/ps``): its idle timer's; busy, its keep-alive once
+        idle; None: only when its memory is needed."""
+        left = self._loader.keep_alive_left(model)
+        if left is not None:
+            return left
+        if model.idle or model.keep_alive_s <= 0:
+            return None
+        return model.keep_alive_s
+
+    def expire(self, model: Model) -> None:
+        """Unload ``model`` as soon as it is idle (Ollama's ``keep_alive`` 0
+        with nothing to answer): at once if it is, else after its last
+        running or queued request; nothing if it is not loaded."""
+        if model.state == "loaded":
+            self._loader.check_idle(model, 0.0)
 
     # ------------------------------------------------------------ start and stop
 

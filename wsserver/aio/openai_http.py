@@ -1,7 +1,7 @@
 """The HTTP/1.1 transport on the WebSocket port: one connection of the HTTP API.
 
 :class:`HttpConnection` is the asyncio protocol a connection gets when its
-first request line asks for ``/v1`` (:mod:`wsserver.aio.front`). HTTP/1.1
+first request line asks for ``/v1`` or ``/api`` (:mod:`wsserver.aio.front`). HTTP/1.1
 itself is h11's (sans-I/O, python-hyper): bytes in, events out; this class
 only reads requests (bounded, timed), hands each to the router
 (:mod:`wsserver.aio.http_router`: the gate's checks, then the route its path
@@ -11,9 +11,9 @@ the connection's life: its answer goes out through :class:`~wsserver.aio.http_ou
 goes or the server shuts down.
 
 Every request on a kept-alive connection is routed as the first request of a
-connection is (:func:`~wsserver.aio.front.is_openai_target`): the plain
-routes outside ``/v1`` are answered by the router, and a WebSocket upgrade
-that is no OpenAI target (``/``, ``GET /v1/responses``) hands the connection
+connection is (:func:`~wsserver.aio.front.is_api_target`): the plain
+routes outside the API are answered by the router, and a WebSocket upgrade
+that is no API target (``/``, ``GET /v1/responses``) hands the connection
 to websockets, as the front would have: aiohttp, for one, reuses a
 connection a ``GET /v1/models`` kept alive for its next ``ws_connect``.
 
@@ -51,7 +51,7 @@ import h11
 from ..dialects.api_errors import ApiError, error_body
 from ..logs import ConnectionLog
 from .drain import DrainWatch, write_buffered
-from .front import is_openai_target
+from .front import is_api_target
 from .http_out import HttpOut
 from .http_route import Running, clip
 from .http_router import Router, path_of
@@ -396,7 +396,7 @@ def _upgrade_elsewhere(request: h11.Request) -> bool:
         name == b"upgrade" and value.strip().lower() == b"websocket"
         for name, value in request.headers
     )
-    return upgrade and not is_openai_target(request.method + b" " + request.target)
+    return upgrade and not is_api_target(request.method + b" " + request.target)
 
 
 def _head_bytes(request: h11.Request) -> bytes:

@@ -75,6 +75,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from ..core.call_parts import CallPart
@@ -297,6 +298,12 @@ class Backend(abc.ABC):
         Raises :class:`~wsserver.errors.ModelLoadError` for a file that cannot be
         a model. 0: nothing worth counting (an engine whose model lives elsewhere)."""
         return 0
+
+    def model_file(self) -> Path | None:
+        """The GGUF the engine serves, for what its header says (Ollama's
+        ``/api/show``); ``None``: no local file (an upstream's model). May
+        block (the default model is assembled once): call it off the loop."""
+        return None
 
     def has_chat_template(self) -> bool | None:
         """Whether the loaded model has a chat template (``False``: a base model,

@@ -199,7 +199,9 @@ class LlamaBackend(Backend):
 
     # ------------------------------------------------------------ lifecycle
 
-    def _path(self) -> Path:
+    def model_file(self) -> Path:
+        """The GGUF it serves (the default model's assembled from its package,
+        once). Blocking."""
         if self.model_path:
             path = Path(self.model_path)
         else:
@@ -212,7 +214,7 @@ class LlamaBackend(Backend):
     def memory_estimate(self) -> int:
         """The weights (the file's size) and the KV cache of every sequence,
         from the GGUF header alone (docs/operations.md, "Several models")."""
-        path = self._path()
+        path = self.model_file()
         try:
             kv = kv_cache_bytes(
                 path,
@@ -226,7 +228,7 @@ class LlamaBackend(Backend):
 
     def load(self) -> None:
         install_log_bridge()
-        path = self._path()
+        path = self.model_file()
         size_mb = path.stat().st_size / 1e6
         log.info(
             "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "

@@ -1,8 +1,11 @@
 """Grammar-constrained sampling for the batched engine (see :mod:`.llama_samplers`).
 
-* **Compiling.** A ``json_schema`` becomes GBNF through llama.cpp's own
+* **Compiling.** A ``json_schema`` becomes GBNF (:mod:`.llama_schema`) through llama.cpp's own
   JSON-schema-to-grammar conversion, as shipped with llama-cpp-python
-  (``llama_cpp.llama_grammar.json_schema_to_gbnf``); GBNF becomes a native
+  (``llama_cpp.llama_grammar.SchemaConverter``), with integer bounds
+  (``minimum``, ``maximum``, the exclusive ones) enforced as llama.cpp's C++
+  converter enforces them (:mod:`.int_range`; the Python port reads past
+  them); GBNF becomes a native
   grammar sampler (``llama_sampler_init_grammar``), which returns NULL for a
   grammar it cannot parse. Either failure is a ``bad_request`` — checked
   before the request starts (:meth:`GrammarCache.compile`), never answered
@@ -27,148 +30,33 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import llama_cpp
 import numpy as np
-from llama_cpp.llama_grammar import STRING_FORMAT_RULES, json_schema_to_gbnf
 
 from ..errors import BackendError
-from .grammar_bounds import check_gbnf, check_schema
+from .grammar_bounds import check_gbnf
+from .llama_schema import schema_to_gbnf
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "Candidates",
     "GrammarCache",
-    "schema_to_gbnf",
-    "unenforced",
     "utf8_needed",
 ]
 
 #: What the compiled-grammar cache may hold, in bytes of grammar text.
 DEFAULT_CACHE_BYTES = 4 << 20
 
-_LOOSE_CHAR = 'char ::= [^"\\\\] |'
-_STRICT_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
-_HEX = "[0-9a-fA-F]"
-_ANY_ESCAPE = f'"u" {_HEX} {_HEX} {_HEX} {_HEX}'
-_NO_SURROGATE = f'"u" ([0-9a-cA-Ce-fE-F] {_HEX} {_HEX} {_HEX} | [dD] [0-7] {_HEX} {_HEX})'
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 #: The prefix table's row and column for "no byte there" (an empty text, a one-byte text).
 _NO_BYTE = 256
 #: Ask about second bytes only when at most this many ASCII first bytes pass.
 _SECOND_BYTE_MAX = 32
-
-
-#: Validation keywords the converter reads past without enforcing them: a
-#: schema that uses one is refused, never answered with output that breaks it.
-_UNENFORCED: Final = frozenset(
-    {
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "multipleOf",
-        "minProperties",
-        "maxProperties",
-        "uniqueItems",
-        "contains",
-        "minContains",
-        "maxContains",
-        "not",
-        "if",
-        "then",
-        "else",
-        "dependentRequired",
-        "dependentSchemas",
-        "dependencies",
-        "patternProperties",
-        "propertyNames",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "additionalItems",
-    }
-)
-_FORMATS: Final = frozenset(
-    {name.removesuffix("-string") for name in STRING_FORMAT_RULES}
-    | {"uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
-)
-_SUBSCHEMA_MAPS: Final = ("properties", "$defs", "definitions")
-_SUBSCHEMA_LISTS: Final = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def unenforced(schema: Any, path: str = "") -> list[str]:
-    """Where ``schema`` asks for what the grammar conversion would not enforce:
-    ``"keyword at path"`` entries (empty: everything it asks for is enforced)."""
-    if not isinstance(schema, dict):
-        return []
-    where = path or "the top level"
-    found = [f"'{key}' at {where}" for key in sorted(_UNENFORCED & schema.keys())]
-    fmt = schema.get("format")
-    if fmt is not None and fmt not in _FORMATS:
-        found.append(f"'format' {str(fmt)[:40]!r} at {where}")
-    if ("minLength" in schema or "maxLength" in schema) and (
-        schema.get("type") != "string" or "pattern" in schema or "format" in schema
-    ):
-        # The converter reads string lengths only on a plain string schema.
-        found.append(
-            f"'minLength'/'maxLength' beside 'pattern', 'format' or no string type at {where}"
-        )
-    for key in _SUBSCHEMA_MAPS:
-        children = schema.get(key)
-        if isinstance(children, dict):
-            for name, child in children.items():
-                found += unenforced(child, f"{path}.{key}.{name}".lstrip("."))
-    for key in _SUBSCHEMA_LISTS:
-        children = schema.get(key)
-        if isinstance(children, list):
-            for index, child in enumerate(children):
-                found += unenforced(child, f"{path}.{key}[{index}]".lstrip("."))
-    for key in ("items", "additionalProperties"):
-        child = schema.get(key)
-        if isinstance(child, dict):
-            found += unenforced(child, f"{path}.{key}".lstrip("."))
-        elif isinstance(child, list):
-            for index, item in enumerate(child):
-                found += unenforced(item, f"{path}.{key}[{index}]".lstrip("."))
-    return found
-
-
-def schema_to_gbnf(schema: str) -> str:
-    """A JSON Schema (JSON text) as GBNF; ``bad_request`` if it cannot be
-    converted, ``unsupported_option`` if it asks for what the grammar would
-    not enforce (:func:`unenforced`)."""
-    text = "{}" if schema == "true" else schema
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        parsed = None  # the converter says what is wrong with it
-    # What the converter would build, bounded before it builds it.
-    check_schema(parsed)
-    missing = unenforced(parsed)
-    if missing:
-        raise BackendError(
-            f"'json_schema' asks for what this engine cannot enforce: {', '.join(missing[:3])}"
-            " (leave it out, or serve the model through an upstream that enforces it)",
-            code="unsupported_option",
-        )
-    try:
-        gbnf = str(json_schema_to_gbnf(text))
-    except Exception as exc:  # the converter raises whatever it meets
-        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise BackendError(
-            f"'json_schema' could not be compiled to a grammar: {detail}", code="bad_request"
-        ) from None
-    # The converter llama-cpp-python ships lets a JSON string hold raw control
-    # characters, which no JSON parser accepts (llama.cpp's own excludes
-    # them), and a \u escape of a UTF-16 surrogate, which strict parsers
-    # (orjson, and so our tool-call checks) refuse when it is unpaired: a
-    # character beyond the BMP is written as itself instead.
-    return gbnf.replace(_LOOSE_CHAR, _STRICT_CHAR).replace(_ANY_ESCAPE, _NO_SURROGATE)
 
 
 class GrammarCache:

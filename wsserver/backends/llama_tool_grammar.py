@@ -19,7 +19,7 @@ for the model's template (llama.cpp does the same in ``common/chat.cpp``):
 
 The JSON part is one JSON Schema (the calls as an ``anyOf`` of objects whose
 ``name`` is a ``const``) converted by llama.cpp's own converter
-(:func:`.llama_grammar.schema_to_gbnf`, which refuses what it would not
+(:func:`.llama_schema.schema_to_gbnf`, which refuses what it would not
 enforce); a tool schema with local ``$ref`` (``#/$defs/…``, ``#``) is kept
 whole under the combined schema's ``$defs``, its references rewritten to it.
 """
@@ -34,7 +34,7 @@ import orjson
 
 from ..errors import BackendError
 from ..shaping.tool_calls import Syntax
-from .llama_grammar import schema_to_gbnf
+from .llama_schema import schema_to_gbnf
 
 __all__ = ["forced_call_grammar"]
 

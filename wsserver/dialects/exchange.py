@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 An HTTP dialect (OpenAI's chat completions and completions, the Responses
-API, Anthropic's Messages API — and the next one) is a body parser and a
+API, Anthropic's Messages API, Ollama's API — and the next one) is a body parser and a
 :class:`Renderer`, nothing else. The parser turns a request body into the
 core's :class:`~wsserver.core.protocol.Generate`; the request driver runs it, and
 the frames it gives back go to the renderer, which turns them into the
@@ -183,8 +183,10 @@ class Renderer:
     #: Streamed (SSE) or whole (one body).
     stream: bool = False
     #: What a waiting stream sends while nothing else is sent (the Messages
-    #: API's ``ping`` event; else a comment).
+    #: API's ``ping`` event; else a comment; nothing: ``b""``).
     keepalive: bytes = KEEPALIVE
+    #: A streamed answer's content type (Ollama's is newline-delimited JSON).
+    media_type: str = "text/event-stream; charset=utf-8"
 
     def prompt_counted(self, prompt_tokens: int, cached_tokens: int) -> None:
         """The engine counted the prompt (the Messages API's ``message_start`` has it)."""
@@ -201,7 +203,8 @@ class Renderer:
         return b""
 
     def chunk(self, delta: Delta) -> bytes:
-        """One ``delta`` as the stream's bytes (reasoning, text, tool call parts)."""
+        """One ``delta`` as the stream's bytes (reasoning, text, tool call parts);
+        ``b""``: nothing to write for it yet (a dialect that sends a call whole)."""
         raise NotImplementedError
 
     def last(self, done: Done) -> bytes:
