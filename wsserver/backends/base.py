@@ -78,11 +78,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..core.call_parts import CallPart
+from ..core.embedding import Embed, Embedded
 from ..core.events import Outcome
 from ..core.logprobs import TokenLogprob
 from ..core.protocol import Generate
 from ..core.sampling import options_asked
-from ..errors import BackendError, GenerationCancelled, ProtocolError
+from ..errors import BackendError, GenerationCancelled, ProtocolError, WireCode
 from ..logs import context
 from ..shaping.shaper import OutputFormat
 from .request import GenerationRequest
@@ -90,6 +91,7 @@ from .request import GenerationRequest
 __all__ = [
     "Backend",
     "CancelEvent",
+    "EmbedSubmission",
     "GenerationRequest",
     "Liveness",
     "Outcome",
@@ -256,6 +258,27 @@ class Submission:
         return None
 
 
+class EmbedSubmission(Submission):
+    """The handle of one embedding request (:meth:`Backend.embed`): the engine
+    completes it once, with the result (:meth:`finish`) or a wire code and
+    message (:meth:`fail`) — or, cancelled, with neither, within one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.result: Embedded | None = None
+        self.error: tuple[WireCode, str] | None = None
+
+    def finish(self, result: Embedded) -> None:
+        if not self.done:
+            self.result = result
+        self.complete()
+
+    def fail(self, code: WireCode, message: str) -> None:
+        if not self.done:
+            self.error = (code, message)
+        self.complete()
+
+
 class Backend(abc.ABC):
     """An engine that streams completions (see the module docstring)."""
 
@@ -407,6 +430,31 @@ class Backend(abc.ABC):
         self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
     ) -> Submission:
         """Start ``request`` on ``slot``; called on the event loop, returns at once."""
+
+    def embedding(self) -> str | None:
+        """What :meth:`embed` serves for this model, once loaded: ``"embed"``
+        (vectors), ``"rerank"`` (a reranker's scores), or None (neither). Quick."""
+        return None
+
+    def prepare_embed(self, request: Embed) -> Embed:
+        """``request``'s inputs as the engine will read them, checked (the
+        llama engine tokenizes them and bounds their tokens here); called on
+        a worker thread once the request has its slot, before :meth:`embed`.
+        Raises :class:`~wsserver.errors.ProtocolError` to refuse it."""
+        return request
+
+    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        """Start an embedding (or rerank) request on ``slot``, as :meth:`submit`
+        starts a generation: on the event loop, returning at once; the engine
+        completes the submission (:mod:`.embed_work`). An engine that embeds
+        nothing refuses by name (this default)."""
+        what = "rerank" if request.kind == "rerank" else "embeddings"
+        submission = EmbedSubmission()
+        submission.fail(
+            "unsupported_option",
+            f"{what} are not served by this model's engine ({self.model_name})",
+        )
+        return submission
 
 
 class _ThreadSubmission(Submission):

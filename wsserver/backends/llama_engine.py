@@ -134,6 +134,7 @@ from .llama_context import (
     penalty_window,
     quiet_errors,
 )
+from .llama_embed import Embedder
 from .llama_grammar import Candidates, GrammarCache, utf8_needed
 from .llama_logprobs import LogprobReader
 from .llama_sequences import Job, RequestStats, SequenceState, common_prefix
@@ -251,6 +252,9 @@ class BatchEngine:
         #: tokens are decoded, with its ID and prompt length (the abort flag is
         #: armed for it by then). For tests and metrics; quick, must not raise.
         self.on_prefill: Callable[[str, int], None] | None = None
+        #: The model's embedding work, stepped after the streams' decode
+        #: (:meth:`attach_embedder`; None: the model embeds nothing yet).
+        self.embedder: Embedder | None = None
         self._thread = threading.Thread(target=self._run, name="wsserver-llama-engine", daemon=True)
         self._thread.start()
 
@@ -268,6 +272,14 @@ class BatchEngine:
         job.on_cancel = functools.partial(self._on_cancel, job)
         cancel.add_callback(job.on_cancel)
         return job.submission
+
+    def attach_embedder(self, embedder: Embedder) -> None:
+        """Run ``embedder``'s work on this thread, in each step after the
+        streams' decode, within the prefill budget's room (:mod:`.llama_embed`)."""
+        embedder.bind(self._cond)
+        with self._cond:
+            self.embedder = embedder
+            self._cond.notify()
 
     def _on_cancel(self, job: Job) -> None:
         with self._cond:
@@ -368,6 +380,8 @@ class BatchEngine:
     def _runnable(self) -> bool:
         if self._incoming or self._stopping:
             return True
+        if self.embedder is not None and self.embedder.runnable():
+            return True
         for job in self._jobs:
             if job.cancelled:
                 return True
@@ -397,6 +411,8 @@ class BatchEngine:
                     if not job.submission.done:
                         self._fail(job, "the backend failed", code="internal")
                 self._jobs = []
+                if self.embedder is not None:
+                    self.embedder.fail_all("the backend failed")
             if self._stall_reported:
                 log.warning(
                     "the llama engine finished a step again, after %.1f s",
@@ -427,6 +443,20 @@ class BatchEngine:
             if (job.outbox or job.ending) and not job.waiting_room:
                 self._deliver(job)
         self._decode_step(begun)
+        if self.embedder is not None:
+            self._embed_step()
+
+    def _embed_step(self) -> None:
+        """The embedding work's part of the step (:mod:`.llama_embed`): none
+        while a prompt is prefilled (the step was its), else whole inputs
+        within the room the budget leaves beside the decoding sequences (no
+        bound when none decode)."""
+        assert self.embedder is not None
+        if self._prefilling():
+            return
+        decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
+        self._doing = ("embedding inputs", "")
+        self.embedder.step(self.budget.room(decoding) if decoding else None)
 
     # ------------------------------------------------------------ admission
 
