@@ -61,7 +61,7 @@ def modules_in(package: str) -> list[str]:
 CORE = modules_in("wsserver.core")
 
 #: The dialects' halves without I/O, one package each (``wsserver/dialects``).
-DIALECT_PACKAGES = ("openai", "anthropic", "responses")
+DIALECT_PACKAGES = ("openai", "anthropic", "responses", "embeddings")
 
 #: Each dialect's own modules (a wire's parsing, rendering and transport): its
 #: package under ``wsserver/dialects`` and its asyncio half.
@@ -71,6 +71,7 @@ DIALECTS = {
 }
 DIALECTS["openai"] |= {"wsserver.aio.openai_routes"}
 DIALECTS["anthropic"] |= {"wsserver.aio.anthropic_http"}
+DIALECTS["embeddings"] |= {"wsserver.aio.embedding_routes"}
 DIALECTS["responses"] |= {
     "wsserver.aio.responses_run",
     "wsserver.aio.responses_http",
@@ -92,6 +93,7 @@ SANS_IO = [
     "wsserver.backends.openai_wire",
     "wsserver.backends.gguf_meta",
     "wsserver.backends.token_text",
+    "wsserver.backends.fake_embed",
     "wsserver.pull",
     "wsserver.pull.reference",
     "wsserver.pull.progress",
@@ -190,6 +192,7 @@ WIRE_NEUTRAL = [
     "wsserver.aio.resume",
     "wsserver.aio.responses_run",
     "wsserver.aio.exchange",
+    "wsserver.aio.embed_run",
 ]
 
 

@@ -7,7 +7,7 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
 
     server        lifecycle, shutdown, the connection table; builds the rest
     ├── listener       the listening socket (a small SO_SNDBUF), the subprotocol
-    ├── front          the first request line: /v1 → the HTTP dialects, the rest → websockets
+    ├── front          the first request line: /v1 (and /rerank) → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
     │   └── pull_requests  its pull requests: progress frames, cancel, the model added
@@ -22,7 +22,9 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       ├── openai_routes  the OpenAI API: chat completions, completions, models
     │       ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
     │       ├── anthropic_http Anthropic's Messages API: /v1/messages, count_tokens
+    │       ├── embedding_routes  /v1/embeddings, /v1/rerank and /rerank
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
+    │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: SSE (head, keep-alive, drain) or a whole body
     ├── responses_socket the Responses API's WebSocket mode: lanes, a driver per lane, response.cancel

@@ -56,16 +56,21 @@ OPEN_TIMEOUT_S: Final = 10.0
 WsFactory = Callable[..., asyncio.Protocol]
 
 
+#: The one HTTP API path outside ``/v1``.
+RERANK: Final = b"/rerank"
+
+
 def is_openai_target(request_line: bytes) -> bool:
     """Whether ``METHOD TARGET VERSION`` asks for the OpenAI HTTP API (``/v1``,
-    ``/v1/…``, but not ``GET /v1/responses``: a WebSocket upgrade)."""
+    ``/v1/…``, but not ``GET /v1/responses``: a WebSocket upgrade) — or for
+    ``/rerank``, where llama-server's and Jina's rerank clients look."""
     parts = request_line.split(b" ")
     if len(parts) < 2:
         return False
     target = parts[1].split(b"?", 1)[0]
     if parts[0] == b"GET" and target == RESPONSES_SOCKET:
         return False  # the Responses API's WebSocket mode: websockets does the upgrade
-    return target == b"/v1" or target.startswith(b"/v1/")
+    return target in (b"/v1", RERANK) or target.startswith(b"/v1/")
 
 
 class Front(asyncio.Protocol):

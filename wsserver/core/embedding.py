@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "MAX_EMBED_INPUTS",
     "MAX_EMBED_TOKENS",
     "MAX_VECTOR_BYTES",
@@ -63,6 +64,10 @@ class EmbedLimits:
     max_vector_bytes: int = MAX_VECTOR_BYTES
 
 
+#: The limits every dialect applies unless configured otherwise.
+DEFAULT_LIMITS: Final = EmbedLimits()
+
+
 @dataclass(frozen=True, slots=True)
 class Embed:
     """One embedding (or rerank) request, validated by its dialect."""
@@ -76,7 +81,7 @@ class Embed:
     model: str | None = None
     #: The connection it came on (log lines, the scheduler's owner).
     conn_id: str = ""
-    limits: EmbedLimits = EmbedLimits()
+    limits: EmbedLimits = DEFAULT_LIMITS
     #: Every input is the engine's tokens already (its backend's
     #: ``prepare_embed`` made them, checked): nothing more to tokenize.
     tokenized: bool = False
