@@ -60,6 +60,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -164,8 +165,12 @@ class Embedder:
         self.token_s: float | None = None
         #: Decodes, inputs and tokens embedded, aborted decodes (tests, the bench).
         self.stats: dict[str, int] = {"decodes": 0, "inputs": 0, "tokens": 0, "aborts": 0}
-        #: The latest decodes: (inputs, tokens, the room it was given or -1, seconds).
-        self.step_log: deque[tuple[int, int, float, float]] = deque(maxlen=1024)
+        #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
+        #: decoding beside it), a token's cost it was priced by or -1, seconds).
+        self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
+        #: Called on the engine thread just before each decode, with the ids of
+        #: the requests in it (tests); quick, must not raise.
+        self.on_decode: Callable[[list[str]], None] | None = None
 
     @property
     def kind(self) -> str:
@@ -222,8 +227,9 @@ class Embedder:
                 for job in list(self._jobs):
                     self._fail(job, "internal", "the model's embedding context could not be made")
                 return
+        priced_by = self.token_s
         picked = self._pick(room_s)
-        self._decode(picked, room_s)
+        self._decode(picked, room_s, priced_by)
 
     def _pick(self, room_s: float | None) -> list[tuple[EmbedJob, int]]:
         """The inputs of this decode, oldest request first: (job, input index)."""
@@ -244,7 +250,9 @@ class Embedder:
                 tokens += n
         return picked
 
-    def _decode(self, picked: list[tuple[EmbedJob, int]], room_s: float | None) -> None:
+    def _decode(
+        self, picked: list[tuple[EmbedJob, int]], room_s: float | None, priced_by: float | None
+    ) -> None:
         ctx = self._ctx
         flag = self._flag
         assert ctx is not None and flag is not None
@@ -264,6 +272,8 @@ class Embedder:
             flag.lower()
             for job, _ in picked:
                 job.in_flight = True
+        if self.on_decode is not None:
+            self.on_decode([job.request.id for job, _ in picked])
         started = time.perf_counter()
         status = llama_cpp.llama_decode(ctx, batch)
         seconds = time.perf_counter() - started
@@ -288,7 +298,15 @@ class Embedder:
         )
         self.stats["inputs"] += len(picked)
         self.stats["tokens"] += n
-        self.step_log.append((len(picked), n, -1.0 if room_s is None else room_s, seconds))
+        self.step_log.append(
+            (
+                len(picked),
+                n,
+                -1.0 if room_s is None else room_s,
+                -1.0 if priced_by is None else priced_by,
+                seconds,
+            )
+        )
         rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
         width = 1 if rank else self.n_embd
         for seq, (job, index) in enumerate(picked):
