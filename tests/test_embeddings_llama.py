@@ -258,3 +258,67 @@ async def test_two_requests_share_the_models_slots(pooled_ggufs: dict[str, Path]
         finally:
             await client.close()
     assert [len(r.data) for r in replies] == [300, 1]
+
+
+@pytest.fixture(scope="module")
+def tiny_reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with ``rank`` pooling and an encoder's attention. It has no
+    classification head, so llama.cpp scores a pair by its first token's
+    hidden state's first component (as for jina-reranker-v1-tiny, which has
+    no ``cls_out`` either): a reranker as far as the engine's path goes."""
+    folder = tmp_path_factory.mktemp("reranker-gguf")
+    return write_tiny_gguf(folder / "rank.gguf", pooling=gguf.PoolingType.RANK, causal=False)
+
+
+def reference_scores(path: Path, query: str, documents: list[str]) -> list[float]:
+    """Each pair's score from llama-cpp-python's own context and batch, the
+    pair's tokens made by llama-server's rule, written out here: BOS, the
+    query, EOS and SEP where the vocabulary adds them, the document, EOS."""
+    model = llama_cpp.Llama(
+        str(path), embedding=True, n_ctx=512, n_batch=512, n_threads=1, verbose=False
+    )
+    try:
+        vocab = model._model.vocab
+        assert not llama_cpp.llama_vocab_get_add_eos(vocab)
+        assert not llama_cpp.llama_vocab_get_add_sep(vocab)
+        scores = []
+        for document in documents:
+            tokens = [
+                model.token_bos(),
+                *model.tokenize(query.encode(), add_bos=False),
+                *model.tokenize(document.encode(), add_bos=False),
+            ]
+            model._ctx.kv_cache_clear()
+            model._batch.reset()
+            model._batch.add_sequence(tokens, 0, True)
+            model._ctx.decode(model._batch)
+            scores.append(float(llama_cpp.llama_get_embeddings_seq(model._ctx.ctx, 0)[0]))
+        return scores
+    finally:
+        model.close()
+
+
+async def test_rerank_scores_equal_the_rank_models_own(tiny_reranker: Path) -> None:
+    documents = ["pandas eat bamboo", "the sky is blue", "hello world", "Paris is in France"]
+    expected = reference_scores(tiny_reranker, "capital of France", documents)
+    async with llama_server(tiny_reranker) as server:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+        try:
+            answer: Any = await client.post(
+                "/rerank",
+                body={"query": "capital of France", "documents": documents, "top_n": 3},
+                cast_to=object,
+            )
+            with pytest.raises(openai.BadRequestError) as embeddings:
+                await client.embeddings.create(model="rank", input="a")
+        finally:
+            await client.close()
+    best = sorted(range(4), key=lambda i: -expected[i])[:3]
+    assert [r["index"] for r in answer["results"]] == best
+    for result in answer["results"]:
+        assert abs(result["relevance_score"] - expected[result["index"]]) <= TOLERANCE
+    assert answer["model"] == "rank"
+    assert embeddings.value.code == "unsupported_option"
+    assert "'rank' is a reranker" in embeddings.value.message

@@ -24,7 +24,10 @@ so the longest input is the context's size, ``embed_batch`` tokens
 (``backend.llama.embed_batch``; n_ctx = n_batch = n_ubatch of this context).
 A longer one is refused (``context_length_exceeded``, with its index) before
 it is queued. Several inputs go in one decode, as separate sequences (at most
-:data:`MAX_SEQUENCES`), the KV cache cleared before each.
+:data:`MAX_SEQUENCES`), the KV cache cleared before each — a reranker's
+pairs one at a time: batched, llama.cpp's rank pooling scored a pair
+differently from the same pair alone (by up to 1.3 on the tiny test
+reranker; llama-cpp-python's own ``embed`` shows the same).
 
 **Scheduled as a prompt is.** An embedding request holds one of the model's
 slots (the same scheduler as generations); its work runs on the engine's one
@@ -236,11 +239,14 @@ class Embedder:
         picked: list[tuple[EmbedJob, int]] = []
         tokens = 0
         per_token = self.token_s
+        # A reranker's pairs one a decode: llama.cpp's rank pooling gave other
+        # scores for a pair batched with others (docs/embeddings.md).
+        most = 1 if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else MAX_SEQUENCES
         for job in self._jobs:
             for index in range(job.done, len(job.tokens)):
                 n = len(job.tokens[index])
                 if picked:
-                    if len(picked) >= MAX_SEQUENCES or tokens + n > self.batch_tokens:
+                    if len(picked) >= most or tokens + n > self.batch_tokens:
                         return picked
                     if room_s is not None and (
                         per_token is None or (tokens + n) * per_token > room_s
