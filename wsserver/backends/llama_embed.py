@@ -210,17 +210,19 @@ class Embedder:
         """Work to do (called under the engine's condition)."""
         return bool(self._incoming or self._jobs)
 
-    def step(self, room_s: float | None) -> None:
-        """One decode of whole inputs: worth at most ``room_s`` seconds (at
-        least one input), or (None: nothing decodes beside it) what one decode
-        holds. Called on the engine thread."""
+    def step(self, room_s: float | None, *, decode: bool = True) -> None:
+        """Take new requests, let cancelled ones go, then (``decode``) one
+        decode of whole inputs: worth at most ``room_s`` seconds (at least one
+        input), or (None: nothing decodes beside it) what one decode holds.
+        Called on the engine thread every step — also those it may not decode
+        in (a prompt's), so that a cancel ends its request within a step."""
         with self._cond:
             incoming, self._incoming = self._incoming, []
         self._jobs.extend(incoming)
         for job in list(self._jobs):
             if job.cancelled:
                 self._leave(job)
-        if not self._jobs:
+        if not self._jobs or not decode:
             return
         if self._ctx is None:
             try:

@@ -453,6 +453,7 @@ class BatchEngine:
         bound when none decode)."""
         assert self.embedder is not None
         if self._prefilling():
+            self.embedder.step(None, decode=False)  # its cancels still go at once
             return
         decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
         self._doing = ("embedding inputs", "")
