@@ -237,3 +237,13 @@ async def test_bad_rerank_bodies_are_400s(body: dict[str, Any], says: str) -> No
         status, answer = await post(server, "/v1/rerank", body)
     assert status == 400
     assert says in answer["error"]["message"]
+
+
+async def test_the_models_list_says_which_models_embed() -> None:
+    async with running_server() as server:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(base_url(server) + "/models") as response,
+        ):
+            listed = await response.json()
+    assert listed["data"][0]["embeddings"] == "embed"

@@ -313,6 +313,7 @@ async def test_rerank_scores_equal_the_rank_models_own(tiny_reranker: Path) -> N
             )
             with pytest.raises(openai.BadRequestError) as embeddings:
                 await client.embeddings.create(model="rank", input="a")
+            listed: Any = await client.get("/models", cast_to=object)
         finally:
             await client.close()
     best = sorted(range(4), key=lambda i: -expected[i])[:3]
@@ -322,3 +323,4 @@ async def test_rerank_scores_equal_the_rank_models_own(tiny_reranker: Path) -> N
     assert answer["model"] == "rank"
     assert embeddings.value.code == "unsupported_option"
     assert "'rank' is a reranker" in embeddings.value.message
+    assert listed["data"][0]["embeddings"] == "rerank"

@@ -156,6 +156,7 @@ class Model:
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
             chat_template=self._chat_template() if state == "loaded" else None,
+            embeddings=(self.backend.embedding() or "none") if state == "loaded" else None,
         )
 
     def _chat_template(self) -> bool | None:

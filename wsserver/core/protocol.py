@@ -349,6 +349,8 @@ def _model_object(model: ModelInfo) -> dict[str, Any]:
     out["aliases"] = list(model.aliases)
     if model.chat_template is None:
         del out["chat_template"]  # not known: not said
+    if model.embeddings is None:
+        del out["embeddings"]
     return out
 
 
