@@ -35,10 +35,12 @@ __all__ = [
     "MAX_VECTOR_BYTES",
     "Embed",
     "EmbedInput",
+    "EmbedInputError",
     "EmbedKind",
     "EmbedLimits",
     "Embedded",
     "floats_of",
+    "parse_inputs",
 ]
 
 #: One input: a text, or token ids the client tokenized itself.
@@ -100,6 +102,56 @@ class Embedded:
     prompt_tokens: int = 0
     #: The vectors' dimensions (0 for a rerank).
     dimensions: int = 0
+
+
+class EmbedInputError(ValueError):
+    """An embedding request's ``input`` that is not one (each wire refuses it its way)."""
+
+
+def _token_ids(value: list[object], where: str) -> tuple[int, ...]:
+    if not value:
+        raise EmbedInputError(f"{where} is an empty token array")
+    out: list[int] = []
+    for token in value:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise EmbedInputError(f"{where}: token ids must be integers >= 0")
+        out.append(token)
+    return tuple(out)
+
+
+def parse_inputs(value: object, limits: EmbedLimits = DEFAULT_LIMITS) -> tuple[EmbedInput, ...]:
+    """OpenAI's ``input`` in any of its four shapes — a string, strings, token
+    ids, token-id arrays —, each item checked, in order: no empty item, token
+    ids integers >= 0 (the engine checks its vocabulary), at most
+    ``limits.max_inputs`` items. Raises :class:`EmbedInputError`."""
+    if isinstance(value, str):
+        items: list[object] = [value]
+    elif isinstance(value, list):
+        if not value:
+            raise EmbedInputError("'input' is an empty array: give at least one input")
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return (_token_ids(value, "'input'"),)
+        items = value
+    else:
+        raise EmbedInputError(
+            "'input' must be a string, an array of strings, an array of token ids "
+            "or an array of token-id arrays"
+        )
+    if len(items) > limits.max_inputs:
+        raise EmbedInputError(
+            f"'input' has {len(items)} items; at most {limits.max_inputs} per request"
+        )
+    out: list[EmbedInput] = []
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise EmbedInputError(f"input {index} is an empty string")
+            out.append(item)
+        elif isinstance(item, list):
+            out.append(_token_ids(item, f"input {index}"))
+        else:
+            raise EmbedInputError(f"input {index} is neither a string nor an array of token ids")
+    return tuple(out)
 
 
 def floats_of(vector: bytes) -> list[float]:

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final, Literal
 
-from ...core.embedding import DEFAULT_LIMITS, Embed, EmbedInput, EmbedLimits
+from ...core.embedding import (
+    DEFAULT_LIMITS,
+    Embed,
+    EmbedInput,
+    EmbedInputError,
+    EmbedLimits,
+    parse_inputs,
+)
 from ..api_errors import ApiError, Fields, parse_json
 
 __all__ = [
@@ -119,47 +126,11 @@ def _model(given: Mapping[str, Any]) -> str | None:
     return model
 
 
-def _token_ids(value: list[Any], where: str) -> tuple[int, ...]:
-    if not value:
-        raise _bad(f"{where} is an empty token array", "input")
-    for token in value:
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise _bad(f"{where}: token ids must be integers >= 0", "input")
-    return tuple(value)
-
-
 def _inputs(value: Any, limits: EmbedLimits) -> tuple[EmbedInput, ...]:
-    """``input`` in any of its four shapes, each item checked, in order."""
-    if isinstance(value, str):
-        items: list[Any] = [value]
-    elif isinstance(value, list):
-        if not value:
-            raise _bad("'input' is an empty array: give at least one input", "input")
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return (_token_ids(value, "'input'"),)
-        items = value
-    else:
-        raise _bad(
-            "'input' must be a string, an array of strings, an array of token ids "
-            "or an array of token-id arrays",
-            "input",
-        )
-    if len(items) > limits.max_inputs:
-        raise _bad(
-            f"'input' has {len(items)} items; at most {limits.max_inputs} per request",
-            "input",
-        )
-    out: list[EmbedInput] = []
-    for index, item in enumerate(items):
-        if isinstance(item, str):
-            if not item:
-                raise _bad(f"input {index} is an empty string", "input")
-            out.append(item)
-        elif isinstance(item, list):
-            out.append(_token_ids(item, f"input {index}"))
-        else:
-            raise _bad(f"input {index} is neither a string nor an array of token ids", "input")
-    return tuple(out)
+    try:
+        return parse_inputs(value, limits)
+    except EmbedInputError as exc:
+        raise _bad(str(exc), "input") from None
 
 
 def parse_embeddings(
