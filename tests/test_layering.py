@@ -66,7 +66,7 @@ DIALECT_PACKAGES = ("openai", "anthropic", "responses", "embeddings")
 #: Each dialect's own modules (a wire's parsing, rendering and transport): its
 #: package under ``wsserver/dialects`` and its asyncio half.
 DIALECTS = {
-    "websocket": {"wsserver.aio.connection"},
+    "websocket": {"wsserver.aio.connection", "wsserver.aio.embed_requests"},
     **{name: set(modules_in(f"wsserver.dialects.{name}")) for name in DIALECT_PACKAGES},
 }
 DIALECTS["openai"] |= {"wsserver.aio.openai_routes"}
