@@ -102,3 +102,32 @@ async def test_refusals_are_error_frames_and_ids_are_shared() -> None:
         await ws.send({"type": "embed", "id": "d", "input": "x", "dimensions": 3})
         (unknown_field,) = await ws.until(ended("d"))
         assert unknown_field["type"] == "error"
+
+
+async def test_the_async_clients_embed() -> None:
+    from wsserver_client import Client, GenerationError
+
+    async with running_server() as server, Client(server.url) as client:
+        result = await client.embed(["hello", [1, 2]])
+        assert result.vectors == [floats_of(fake_vector("hello")), floats_of(fake_vector((1, 2)))]
+        assert result.model == FAKE_MODEL
+        assert result.prompt_tokens == 3
+        try:
+            await client.embed("x", model="nope")
+        except GenerationError as exc:
+            assert exc.code == "model_not_found"
+        else:
+            raise AssertionError("an unknown model must be refused")
+        assert not client.requests.embeds
+
+
+async def test_the_sync_clients_embed() -> None:
+    from wsserver_client.sync import Client
+
+    async with running_server() as server:
+
+        def embed() -> list[list[float]]:
+            with Client(server.url) as client:
+                return client.embed("café", timeout=10).vectors
+
+        assert await asyncio.to_thread(embed) == [floats_of(fake_vector("café"))]
