@@ -15,6 +15,7 @@ import queue
 import re
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,6 +26,10 @@ import pytest
 
 from wsserver.aio import Server
 from wsserver.config import Config, load_config
+
+# The tree's own Python client: an installed one may be another checkout's
+# (an editable install of the main tree, tested from a worktree).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "python"))
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))

@@ -324,3 +324,79 @@ async def test_rerank_scores_equal_the_rank_models_own(tiny_reranker: Path) -> N
     assert embeddings.value.code == "unsupported_option"
     assert "'rank' is a reranker" in embeddings.value.message
     assert listed["data"][0]["embeddings"] == "rerank"
+
+
+def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
+    pooled_ggufs: dict[str, Path],
+) -> None:
+    """The steps of a long prompt take no embedding decode, but they take its
+    cancels: a cancelled embed ends while the prompt is still being read."""
+    from wsserver.backends.base import GenerationRequest
+
+    backend = LlamaBackend(
+        model=str(pooled_ggufs["mean"]), n_ctx=8192, parallel=2, n_threads=1, n_batch=512
+    )
+    backend.load()
+    try:
+        engine = backend.engine
+        assert engine is not None
+        prefilling_when_ended: list[bool] = []
+        ended = threading.Event()
+        embed_cancel = CancelEvent()
+
+        def on_prefill(request_id: str, n: int) -> None:
+            # On the engine thread, before the prompt's first chunk (of ~14):
+            # an embed arrives and is cancelled at once.
+            request = backend.prepare_embed(Embed(id="e", inputs=("hello world",) * 64))
+            submission = backend.embed(request, slot=1, cancel=embed_cancel)
+
+            def done() -> None:
+                prefilling_when_ended.append(engine._prefilling())
+                ended.set()
+
+            submission.add_done_callback(done)
+            embed_cancel.set()
+
+        backend.on_prefill = on_prefill
+        prompt = GenerationRequest(
+            id="long",
+            prompt="hello world " * 3500,
+            messages=None,
+            max_tokens=1,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=1,
+            seed=0,
+            stop=(),
+        )
+        generation_cancel = CancelEvent()
+        sink = _NullSink()
+        backend.submit(prompt, slot=0, sink=sink, cancel=generation_cancel)
+        assert ended.wait(timeout(30))
+        assert prefilling_when_ended == [True]
+        generation_cancel.set()
+    finally:
+        backend.on_prefill = None
+        backend.close()
+
+
+class _NullSink:
+    """A sink that takes everything (the prompt's text is not the point)."""
+
+    def prompt_processed(self, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        pass
+
+    def emit(self, text: str, tokens: int = 1, logprobs: Any = ()) -> None:
+        pass
+
+    def offer(self, text: str, tokens: int = 1, logprobs: Any = ()) -> bool:
+        return True
+
+    def offer_call(self, part: Any, tokens: int = 0) -> bool:
+        return True
+
+    def when_room(self, callback: Any) -> None:
+        callback()
+
+    def end(self, outcome: Any) -> None:
+        pass

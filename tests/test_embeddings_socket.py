@@ -131,3 +131,26 @@ async def test_the_sync_clients_embed() -> None:
                 return client.embed("café", timeout=10).vectors
 
         assert await asyncio.to_thread(embed) == [floats_of(fake_vector("café"))]
+
+
+async def test_a_fifth_embed_at_once_is_refused_busy() -> None:
+    async with (
+        running_server(
+            backend__fake__parallel=1, backend__fake__prefill_ms_per_token=1000.0
+        ) as server,
+        wire(server) as ws,
+    ):
+        for n in range(4):  # one runs (for minutes), three wait for the one slot
+            await ws.send({"type": "embed", "id": f"e{n}", "input": ["x" * 400] * 8})
+        await ws.send({"type": "embed", "id": "e4", "input": "y"})
+        (busy,) = await ws.until(ended("e4"))
+        assert busy["type"] == "error" and busy["code"] == "busy"
+        for n in range(4):
+            await ws.send({"type": "cancel", "id": f"e{n}"})
+        for n in range(4):
+            done = [f for f in await ws.until(ended(f"e{n}")) if f.get("id") == f"e{n}"]
+            assert done[-1]["reason"] == "cancelled"
+        # All four let go of the queue and the slot: the next one runs (one token, 1 s).
+        await ws.send({"type": "embed", "id": "next", "input": "abcd"})
+        frames = await ws.until(ended("next"))
+        assert frames[-1]["reason"] == "complete"

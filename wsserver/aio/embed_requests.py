@@ -14,8 +14,9 @@ generations and shares their ids; its engine side is an
 * ``cancelled`` at once on the client's ``cancel`` — the engine lets the
   request go within a step. A lost connection cancels every embed.
 
-A frame refused before it is accepted (a used id, an unknown model) is an
-``error`` frame, as a ``generate``'s.
+A frame refused before it is accepted (a used id, an unknown model, more
+than :data:`MAX_EMBEDS` running on the connection) is an ``error`` frame, as
+a ``generate``'s.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 from websockets.exceptions import ConnectionClosed
 
@@ -33,7 +35,11 @@ from ..logs import ConnectionLog
 from .embed_run import EmbedRun
 from .services import Services
 
-__all__ = ["ConnectionEmbeds"]
+__all__ = ["MAX_EMBEDS", "ConnectionEmbeds"]
+
+#: Embeds running at once on one connection (each may hold up to 64 MiB of
+#: vectors until written); more are refused with ``busy``.
+MAX_EMBEDS: Final = 4
 
 
 class ConnectionEmbeds:
@@ -70,6 +76,12 @@ class ConnectionEmbeds:
         try:
             if frame.id in self._used or self._id_taken(frame.id):
                 raise ProtocolError("duplicate_id", f"id {frame.id!r} was already used", frame.id)
+            if len(self._running) >= MAX_EMBEDS:
+                raise ProtocolError(
+                    "busy",
+                    f"{MAX_EMBEDS} embeds already run on this connection: wait for one to end",
+                    frame.id,
+                )
             model, name = self._services.models.lookup(frame.model, frame.id)
         except ProtocolError as exc:
             self._log.request(frame.id).info(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Callable
 
 from ..backends.base import CancelEvent, EmbedSubmission
@@ -60,6 +59,8 @@ class EmbedRun:
         :class:`~wsserver.errors.ProtocolError`: refused (the queue, the
         model's load, the inputs) or failed in the engine."""
         services, model, request = self._services, self._model, self.request
+        if self.cancelled:
+            return None  # gone before it could queue
         self._acquire = asyncio.ensure_future(
             services.models.acquire(model, request.id, _not_told, owner=request.conn_id)
         )
@@ -78,7 +79,6 @@ class EmbedRun:
             prepared = await asyncio.to_thread(backend.prepare_embed, request)
             if self.cancelled:
                 return None
-            prepared = dataclasses.replace(prepared, model=request.model)
             submission = self.submission = backend.embed(prepared, slot=slot, cancel=self._event)
             finished: asyncio.Future[None] = loop.create_future()
             # The slot goes back when the engine is done with the request, not before.
