@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import FAKE_MODEL, running_server, timeout
+from conftest import FAKE_MODEL, make_config, running_server, timeout
 
 from wsserver.aio import Server
 from wsserver.backends.base import CancelEvent, EmbedSubmission
@@ -247,3 +247,32 @@ async def test_the_models_list_says_which_models_embed() -> None:
         ):
             listed = await response.json()
     assert listed["data"][0]["embeddings"] == "embed"
+
+
+async def test_the_relay_refuses_embeddings_by_name() -> None:
+    """The openai relay does not pass /v1/embeddings through (yet): refused by
+    name, never a silent empty answer."""
+    from fake_upstream import FakeUpstream
+
+    from wsserver.backends.openai import OpenAIBackend
+
+    async with FakeUpstream() as up:
+        backend = OpenAIBackend(urls=[up.url], backoff_s=0.05, max_backoff_s=0.5)
+        server = Server(
+            make_config(backend__kind="openai", backend__openai__urls=[up.url]), backend
+        )
+        await server.start()
+        try:
+            async with asyncio.timeout(timeout(20)):
+                await server.wait_ready()
+            status, answer = await post(server, "/v1/embeddings", {"input": "a"})
+            rerank_status, rerank = await post(
+                server, "/v1/rerank", {"query": "q", "documents": ["a"]}
+            )
+        finally:
+            await server.stop(grace=0)
+    assert status == 400
+    assert answer["error"]["code"] == "unsupported_option"
+    assert "embeddings are not served by this model's engine" in answer["error"]["message"]
+    assert rerank_status == 400
+    assert "rerank is not served by this model's engine" in rerank["error"]["message"]

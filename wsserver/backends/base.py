@@ -41,6 +41,14 @@ upstream that streams ``tool_calls``) says ``relay`` and hands each part
 over with :meth:`Sink.offer_call`, in order with its text — never written
 into the text, where a model could forge one.
 
+**Embeddings** (docs/embeddings.md) enter by a second door of the same
+kind: :meth:`Backend.prepare_embed` (on a worker thread, once the request
+has its slot: the inputs tokenized and bounded) and :meth:`Backend.embed`
+(on the loop, returning an :class:`EmbedSubmission` at once, completed once
+with the vectors or an error — or, cancelled, with neither, within a step);
+:meth:`Backend.embedding` says what the loaded model serves. An engine that
+embeds nothing refuses by name.
+
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
 an async one. The server's scheduler queues requests for them (first come,
@@ -446,13 +454,13 @@ class Backend(abc.ABC):
     def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
         """Start an embedding (or rerank) request on ``slot``, as :meth:`submit`
         starts a generation: on the event loop, returning at once; the engine
-        completes the submission (:mod:`.embed_work`). An engine that embeds
+        completes the :class:`EmbedSubmission` once. An engine that embeds
         nothing refuses by name (this default)."""
-        what = "rerank" if request.kind == "rerank" else "embeddings"
+        what = "rerank is" if request.kind == "rerank" else "embeddings are"
         submission = EmbedSubmission()
         submission.fail(
             "unsupported_option",
-            f"{what} are not served by this model's engine ({self.model_name})",
+            f"{what} not served by this model's engine ({self.model_name})",
         )
         return submission
 
