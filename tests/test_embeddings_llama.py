@@ -400,3 +400,27 @@ class _NullSink:
 
     def end(self, outcome: Any) -> None:
         pass
+
+
+def test_the_token_and_vector_bounds_hold_before_any_work(pooled_ggufs: dict[str, Path]) -> None:
+    from wsserver.core.embedding import EmbedLimits
+    from wsserver.errors import ProtocolError
+
+    backend = LlamaBackend(model=str(pooled_ggufs["mean"]), n_ctx=512, parallel=1, n_threads=1)
+    backend.load()
+    try:
+        with pytest.raises(ProtocolError, match="more than 10 tokens together"):
+            backend.prepare_embed(
+                Embed(id="t", inputs=("hello world",) * 8, limits=EmbedLimits(max_tokens=10))
+            )
+        # Two vectors of 64 float32 dimensions are 512 bytes.
+        with pytest.raises(ProtocolError, match="more than 511 bytes of vectors"):
+            backend.prepare_embed(
+                Embed(id="v", inputs=("a", "b"), limits=EmbedLimits(max_vector_bytes=511))
+            )
+        assert backend.prepare_embed(
+            Embed(id="ok", inputs=("a", "b"), limits=EmbedLimits(max_vector_bytes=512))
+        ).tokenized
+        assert backend.embedder is not None and backend.embedder.stats["decodes"] == 0
+    finally:
+        backend.close()
