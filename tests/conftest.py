@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,14 @@ from wsserver.config import Config, load_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "python"))
 
 ROOT = Path(__file__).resolve().parents[1]
+# Ctrl-C tests send SIGINT to the processes they start. A suite started in
+# the background by a non-interactive shell (``script &``, as CI runners and
+# nohup do) inherits SIGINT *ignored*, and so would every child, which then
+# never hears the signal: restore the default here, so that children start
+# as they would from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 UNIT = float(os.environ.get("WSSERVER_TEST_UNIT", "1.0"))
 
 #: The names the tests' servers serve their model under (a request that names

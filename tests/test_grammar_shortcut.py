@@ -47,7 +47,7 @@ SCHEMA = json.dumps(
 
 def outputs(backend: LlamaBackend, *, exact: bool, **fields: Any) -> list[str]:
     assert backend.engine is not None
-    backend.engine.exact_filter = exact
+    backend.engine.samplers.exact_filter = exact
     try:
         texts = []
         for seed in range(10):
@@ -58,7 +58,7 @@ def outputs(backend: LlamaBackend, *, exact: bool, **fields: Any) -> list[str]:
             texts.append(sink.text)
         return texts
     finally:
-        backend.engine.exact_filter = False
+        backend.engine.samplers.exact_filter = False
 
 
 @pytest.fixture(scope="module")

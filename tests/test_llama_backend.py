@@ -141,7 +141,7 @@ def prompt_tokens(backend: LlamaBackend, req: GenerationRequest) -> int | None:
 
 def has_chat_template(backend: LlamaBackend) -> bool:
     """Whether messages go through the model's own chat template (else the plain-text fallback)."""
-    return backend.chat.template is not None
+    return backend.has_chat_template()
 
 
 def open_reference(path: Path, n_ctx: int = 4096) -> Any:
@@ -458,7 +458,7 @@ def test_cancel_mid_prefill_aborts_the_decode_and_leaves_no_state(
         stats = b.request_stats("long")
         assert stats is not None and stats.aborted and stats.decoded == 0
         # Nothing the aborted decode wrote survives: its sequence holds no cells.
-        assert all(s.tokens == [] for s in b.engine.sequences)
+        assert all(s.tokens == [] for s in b.engine.cache.sequences)
         memory = llama_cpp.llama_get_memory(b.engine.ctx)
         assert llama_cpp.llama_memory_seq_pos_max(memory, stats.sequence) == -1
         # The next request's text equals a fresh context's.

@@ -114,7 +114,7 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     assert started.wait(timeout(10))
     engine = batched.engine
     assert engine is not None
-    engine.step_log.clear()
+    engine.batcher.step_log.clear()
     at_submit = sink.tokens
     seen: list[int] = []
 
@@ -126,7 +126,7 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     second = Running(batched, long, sink=Watching())
     assert second.wait()[1].text == expected[1]
     assert first.wait()[1].text == expected[0]
-    steps = list(engine.step_log)  # both done: the engine thread appends no more
+    steps = list(engine.batcher.step_log)  # both done: the engine thread appends no more
     stats = batched.request_stats("long")
     n_prompt = prompt_tokens(batched, long)
     assert stats is not None and n_prompt is not None
@@ -149,13 +149,13 @@ def test_a_fixed_prefill_chunk_when_the_budget_is_off(tiny_gguf: Path) -> None:
         sink = RecordingSink(lambda s: started.set() if s.tokens == 2 else None)
         first = Running(b, request("Once upon a time", id="short", max_tokens=200), sink=sink)
         assert started.wait(timeout(10))
-        engine.step_log.clear()
+        engine.batcher.step_log.clear()
         long = request("world hello " * 100, id="long", max_tokens=4)
         Running(b, long).wait()
         first.wait()
         stats = b.request_stats("long")
         assert stats is not None
-        chunks = [p for d, p, _, _ in engine.step_log if p and d]
+        chunks = [p for d, p, _, _ in engine.batcher.step_log if p and d]
         assert sum(chunks) == stats.decoded > 24
         assert chunks[:-1] == [24] * (len(chunks) - 1) and 0 < chunks[-1] <= 24
 
@@ -172,8 +172,8 @@ def test_a_steps_tokens_go_to_llama_cpp_in_sequence_order(tiny_gguf: Path) -> No
         orders: list[list[int]] = []
 
         def record(_: RecordingSink) -> None:  # on the engine thread, right after the decode
-            native = engine._batch.native
-            orders.append([native.seq_id[i][0] for i in range(engine._batch.n)])
+            native = engine.batcher.batch.native
+            orders.append([native.seq_id[i][0] for i in range(engine.batcher.batch.n)])
 
         # A fresh engine: each request goes to the lowest free sequence.
         words = ["Zebra", "Quartz", "Velvet", "Nimbus", "Reused"]

@@ -305,7 +305,7 @@ def test_a_schema_string_holds_only_what_strict_json_parsers_accept(
     engine = backend.engine
     assert engine is not None
     grammar = engine.grammars.instance(grammar=None, json_schema='{"type": "string"}')
-    candidates = engine._candidates
+    candidates = engine.samplers._candidates
     try:
         accepted = True
         inside = 0

@@ -132,6 +132,9 @@ async def test_each_model_answers_as_it_does_alone_and_hello_lists_both(
             ("beta", "unloaded"),
         ]
         assert hello["models"][1]["n_ctx"] == 256 and hello["models"][1]["parallel"] == 2
+        # Loaded, a model without a chat template says so; unloaded, nothing is said.
+        assert hello["models"][0]["chat_template"] is False
+        assert "chat_template" not in hello["models"][1]
         await client.send({"type": "generate", "id": "b1", "model": "beta", **GREEDY})
         text, frames = await client.done("b1", units=60)
         assert frames[0] == {"type": "queued", "id": "b1", "position": 1, "loading": True}

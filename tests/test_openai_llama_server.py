@@ -146,6 +146,9 @@ async def test_cancel_and_queue_against_the_real_upstream(upstream: str) -> None
         "backend__kind": "openai",
         "backend__openai__urls": [upstream],
         "backend__openai__parallel": 1,
+        # What is tested is the cancel and the queue: an upstream slowed by a
+        # loaded machine (its threads starved for 30 s) is not a silent one.
+        "backend__openai__silence_timeout_s": timeout(120),
     }
     async with running_server(**config) as server:
         async with wire(server) as first, wire(server) as second:

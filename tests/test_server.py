@@ -404,25 +404,28 @@ async def test_disconnect_mid_generation_stops_producer_and_leaks_nothing() -> N
 
 
 async def test_first_delta_is_immediate_then_frames_respect_the_window() -> None:
-    # 400 tokens at 1000 tokens/s with a 100 ms window: ~0.4 s, so at most ~5
+    # 200 tokens at 200 tokens/s with a 500 ms window: ~1 s, so at most ~2
     # window flushes plus the immediate first one (count flushing disabled).
     async with (
         running_server(
-            backend__fake__tokens_per_s=1000.0, stream__flush_ms=100.0, stream__flush_tokens=100000
+            backend__fake__tokens_per_s=200.0, stream__flush_ms=500.0, stream__flush_tokens=100000
         ) as server,
         wire(server) as client,
     ):
-        await client.send({"type": "generate", "id": "w", "prompt": "pace", "max_tokens": 400})
+        await client.send({"type": "generate", "id": "w", "prompt": "pace", "max_tokens": 200})
         text, frames = await client.done("w")
         deltas = [f for f in frames if f["type"] == "delta"]
         done = frames[-1]
-        assert text == expected_fake_text("pace", 400)
-        # The first token did not wait for the window: had it waited 100 ms at
-        # 1000 tokens/s, its frame would carry ~100 tokens, not one or two.
-        assert len(deltas[0]["text"].split()) <= 2
+        assert text == expected_fake_text("pace", 200)
+        # The first token did not wait for the window: had it waited 500 ms at
+        # 200 tokens/s, its frame would carry ~100 tokens. Immediate, it carries
+        # the first and whatever came while the loop got to it — a token every
+        # 5 ms, so a handful even on a loaded machine (at 1000 tokens/s and a
+        # 100 ms window, a loop 4 ms late under load made this fail).
+        assert len(deltas[0]["text"].split()) <= 10
         elapsed_s = done["timings"]["total_ms"] / 1000
-        assert len(deltas) <= 1 + elapsed_s / 0.1 + 2, (len(deltas), elapsed_s)
-        assert len(deltas) >= 3
+        assert len(deltas) <= 1 + elapsed_s / 0.5 + 2, (len(deltas), elapsed_s)
+        assert len(deltas) >= 2
 
 
 async def test_token_count_does_not_break_the_ceiling() -> None:

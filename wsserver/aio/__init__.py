@@ -35,8 +35,11 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
         ├── pipeline       one request's engine side: acquire → submit → pump → finalize
         │   ├── channel        engine → loop bounded queue (the seam's Sink)
         │   └── services       what every request uses (built once by the server)
-        │       ├── models         the model registry: load on demand, budget, idle unload
-        │       │   └── pulls          downloads from the Hub, one per reference, shared
+        │       ├── models         the model registry: a model by name or alias, its slots, figures
+        │       │   ├── model          one served model: its engine, queue and state; what it shows
+        │       │   └── model_loader   load on demand under the memory budget, unload when idle
+        │       │       ├── keep_alive     an idle model's timer: keep_alive, else keep_alive_s
+        │       │       └── pulls          downloads from the Hub, one per reference, shared
         │       ├── scheduler      the queue for a model's slots: first come, connections in turn
         │       └── metrics        Prometheus metrics, loop-lag probe
         ├── resume         the resumable requests: detached ones, grace timers, tokens

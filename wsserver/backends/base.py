@@ -329,6 +329,12 @@ class Backend(abc.ABC):
         a model. 0: nothing worth counting (an engine whose model lives elsewhere)."""
         return 0
 
+    def has_chat_template(self) -> bool | None:
+        """Whether the loaded model has a chat template (``False``: a base model,
+        its chats rendered as plain text), for ``hello`` and ``GET /v1/models``;
+        ``None``: an engine without the notion (not said). Quick, on the loop."""
+        return None
+
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.
 

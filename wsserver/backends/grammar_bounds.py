@@ -31,7 +31,7 @@ These bounds keep *each* native call short and the process alive; they
 cannot see every ambiguous grammar (a grammar whose parse stacks multiply
 with the text, through recursion, is not decidable from its shape). What
 bounds those is the engine's: grammar work runs where the engine can stop
-waiting for it (see :mod:`.llama_engine`, "Grammar work and its deadline").
+waiting for it (see :mod:`.llama_samplers`, "Grammar work and its deadline").
 
 No library parses GBNF to the structure these measures need (llguidance and
 xgrammar parse their own dialects into their own engines; the ``gbnf``

@@ -24,7 +24,7 @@ text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
 
 Cancel, the prompt cache and what batching does to numerics: see
-:mod:`.llama_engine` and docs/llama.md.
+:mod:`.llama_engine`, :mod:`.llama_sequences` and docs/llama.md.
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_embed import Embedder, prepare_inputs
 from .llama_engine import BatchEngine, RequestStats
-from .llama_template import ChatTemplate
-from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
+from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
 
 __all__ = ["LlamaBackend"]
@@ -151,7 +150,7 @@ class LlamaBackend(Backend):
         self.cache_type_v = cache_type_v
         self.use_mmap = use_mmap
         self.use_mlock = use_mlock
-        #: A sequence's grammar work per step, at most (see :mod:`.llama_engine`).
+        #: A sequence's grammar work per step, at most (see :mod:`.llama_samplers`).
         self.grammar_deadline_ms = grammar_deadline_ms
         #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
         self.engine_stall_s = engine_stall_s
@@ -385,10 +384,9 @@ class LlamaBackend(Backend):
         """What one recent request cost: prompt tokens reused from the cache and decoded."""
         return self.engine.request_stats.get(request_id) if self.engine is not None else None
 
-    @property
-    def chat_template(self) -> BoundedTemplate | ChatTemplate | None:
-        """The chat template once loaded (None: the fallback), for the model registry."""
-        return self.chat.template
+    def has_chat_template(self) -> bool:
+        """Whether the loaded model has its own chat template (else the plain-text fallback)."""
+        return self.chat.template is not None
 
     # ------------------------------------------------------------ requests
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained sampling for the batched engine (see :mod:`.llama_engine`).
+"""Grammar-constrained sampling for the batched engine (see :mod:`.llama_samplers`).
 
 * **Compiling.** A ``json_schema`` becomes GBNF through llama.cpp's own
   JSON-schema-to-grammar conversion, as shipped with llama-cpp-python

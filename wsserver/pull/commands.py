@@ -41,12 +41,26 @@ def pull_command(reference: str, config: Config, *, out: TextIO, err: TextIO) ->
     hub = Hub(HubSettings.from_config(config.models))
     cancel = threading.Event()
     latest: list[Progress] = [Progress("resolving")]
+    #: Each phase's last report (a file's 100 %), kept when the next phase
+    #: begins before the display woke up to see it: shown before the latest.
+    ended: list[Progress] = []
+    lock = threading.Lock()
     outcome: list[Pulled | BaseException] = []
     changed = threading.Event()
 
     def report(progress: Progress) -> None:
-        latest[0] = progress
+        with lock:
+            last = latest[0]
+            if (progress.status, progress.file) != (last.status, last.file):
+                ended.append(last)
+            latest[0] = progress
         changed.set()
+
+    def shown() -> list[Progress]:
+        with lock:
+            reports = [*ended, latest[0]]
+            ended.clear()
+        return reports
 
     def run() -> None:
         try:
@@ -64,7 +78,8 @@ def pull_command(reference: str, config: Config, *, out: TextIO, err: TextIO) ->
         while worker.is_alive():
             changed.wait(_REDRAW_S)
             changed.clear()
-            show(latest[0], time.monotonic())
+            for progress in shown():
+                show(progress, time.monotonic())
     except KeyboardInterrupt:
         cancel.set()
         show.finish()
@@ -76,7 +91,8 @@ def pull_command(reference: str, config: Config, *, out: TextIO, err: TextIO) ->
         worker.join(5.0)
         return 130
     worker.join()
-    show(latest[0], time.monotonic())
+    for progress in shown():
+        show(progress, time.monotonic())
     show.finish()
     result = outcome[0]
     if isinstance(result, PullError):
