@@ -332,6 +332,7 @@ def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
     """The steps of a long prompt take no embedding decode, but they take its
     cancels: a cancelled embed ends while the prompt is still being read."""
     from wsserver.backends.base import GenerationRequest
+    from wsserver.backends.llama_batching import prefilling
 
     backend = LlamaBackend(
         model=str(pooled_ggufs["mean"]), n_ctx=8192, parallel=2, n_threads=1, n_batch=512
@@ -351,7 +352,7 @@ def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
             submission = backend.embed(request, slot=1, cancel=embed_cancel)
 
             def done() -> None:
-                prefilling_when_ended.append(engine._prefilling())
+                prefilling_when_ended.append(prefilling(engine._jobs))
                 ended.set()
 
             submission.add_done_callback(done)
