@@ -97,6 +97,7 @@ class Model:
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
             chat_template=self.backend.has_chat_template() if state == "loaded" else None,
+            embeddings=(self.backend.embedding() or "none") if state == "loaded" else None,
         )
 
     def stats(self) -> ModelStats:

@@ -41,6 +41,14 @@ upstream that streams ``tool_calls``) says ``relay`` and hands each part
 over with :meth:`Sink.offer_call`, in order with its text — never written
 into the text, where a model could forge one.
 
+**Embeddings** (docs/embeddings.md) enter by a second door of the same
+kind: :meth:`Backend.prepare_embed` (on a worker thread, once the request
+has its slot: the inputs tokenized and bounded) and :meth:`Backend.embed`
+(on the loop, returning an :class:`EmbedSubmission` at once, completed once
+with the vectors or an error — or, cancelled, with neither, within a step);
+:meth:`Backend.embedding` says what the loaded model serves. An engine that
+embeds nothing refuses by name.
+
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
 an async one. The server's scheduler queues requests for them (first come,
@@ -79,11 +87,12 @@ from pathlib import Path
 from typing import Protocol
 
 from ..core.call_parts import CallPart
+from ..core.embedding import Embed, Embedded
 from ..core.events import Outcome
 from ..core.logprobs import TokenLogprob
 from ..core.protocol import Generate
 from ..core.sampling import options_asked
-from ..errors import BackendError, GenerationCancelled, ProtocolError
+from ..errors import BackendError, GenerationCancelled, ProtocolError, WireCode
 from ..logs import context
 from ..shaping.shaper import OutputFormat
 from .request import GenerationRequest
@@ -91,6 +100,7 @@ from .request import GenerationRequest
 __all__ = [
     "Backend",
     "CancelEvent",
+    "EmbedSubmission",
     "GenerationRequest",
     "Liveness",
     "Outcome",
@@ -257,6 +267,27 @@ class Submission:
         return None
 
 
+class EmbedSubmission(Submission):
+    """The handle of one embedding request (:meth:`Backend.embed`): the engine
+    completes it once, with the result (:meth:`finish`) or a wire code and
+    message (:meth:`fail`) — or, cancelled, with neither, within one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.result: Embedded | None = None
+        self.error: tuple[WireCode, str] | None = None
+
+    def finish(self, result: Embedded) -> None:
+        if not self.done:
+            self.result = result
+        self.complete()
+
+    def fail(self, code: WireCode, message: str) -> None:
+        if not self.done:
+            self.error = (code, message)
+        self.complete()
+
+
 class Backend(abc.ABC):
     """An engine that streams completions (see the module docstring)."""
 
@@ -420,6 +451,31 @@ class Backend(abc.ABC):
         self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
     ) -> Submission:
         """Start ``request`` on ``slot``; called on the event loop, returns at once."""
+
+    def embedding(self) -> str | None:
+        """What :meth:`embed` serves for this model, once loaded: ``"embed"``
+        (vectors), ``"rerank"`` (a reranker's scores), or None (neither). Quick."""
+        return None
+
+    def prepare_embed(self, request: Embed) -> Embed:
+        """``request``'s inputs as the engine will read them, checked (the
+        llama engine tokenizes them and bounds their tokens here); called on
+        a worker thread once the request has its slot, before :meth:`embed`.
+        Raises :class:`~wsserver.errors.ProtocolError` to refuse it."""
+        return request
+
+    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        """Start an embedding (or rerank) request on ``slot``, as :meth:`submit`
+        starts a generation: on the event loop, returning at once; the engine
+        completes the :class:`EmbedSubmission` once. An engine that embeds
+        nothing refuses by name (this default)."""
+        what = "rerank is" if request.kind == "rerank" else "embeddings are"
+        submission = EmbedSubmission()
+        submission.fail(
+            "unsupported_option",
+            f"{what} not served by this model's engine ({self.model_name})",
+        )
+        return submission
 
 
 class _ThreadSubmission(Submission):

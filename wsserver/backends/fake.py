@@ -55,13 +55,22 @@ from collections.abc import Iterable, Iterator
 
 import orjson
 
+from ..core.embedding import Embed
 from ..core.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
 from ..core.protocol import DoneReason, Generate
 from ..core.sampling import LogitBias
 from ..core.textstream import TextAssembler
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..shaping.reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
-from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
+from .base import (
+    CancelEvent,
+    EmbedSubmission,
+    GenerationRequest,
+    Outcome,
+    ThreadedBackend,
+    TokenSink,
+)
+from .fake_embed import check_fake_inputs, run_fake_embed
 from .fake_json import Unsupported, fake_document
 
 __all__ = [
@@ -302,6 +311,19 @@ class FakeBackend(ThreadedBackend):
         self.text = text
         self.echo = echo
         self._text_tokens = text_tokens(text) if text is not None else None
+
+    def embedding(self) -> str | None:
+        """The fake embeds and reranks (:mod:`.fake_embed`)."""
+        return "embed"
+
+    def prepare_embed(self, request: Embed) -> Embed:
+        check_fake_inputs(request, len(_WORDS))
+        return request
+
+    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        return run_fake_embed(
+            request, cancel, ms_per_token=self.prefill_ms_per_token, name=self.model_name
+        )
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The simulated count: what the request's ``usage.prompt_tokens`` will say."""

@@ -42,12 +42,14 @@ import llama_cpp
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
+from ..core.embedding import Embed
 from ..core.protocol import Generate
 from ..core.sampling import NEUTRAL
 from ..errors import BackendError, ModelLoadError, ProtocolError
 from .base import (
     Backend,
     CancelEvent,
+    EmbedSubmission,
     GenerationRequest,
     Liveness,
     Outcome,
@@ -59,6 +61,7 @@ from .gguf_meta import kv_cache_bytes
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
+from .llama_embed import Embedder, prepare_inputs
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
@@ -118,6 +121,7 @@ class LlamaBackend(Backend):
         engine_stall_s: float = 30.0,
         template_bounds: TemplateBounds | None = None,
         name: str = "",
+        embed_batch: int = 512,
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -150,6 +154,10 @@ class LlamaBackend(Backend):
         self.grammar_deadline_ms = grammar_deadline_ms
         #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
         self.engine_stall_s = engine_stall_s
+        #: The longest embedding input and one embedding decode's tokens (0: no embeddings).
+        self.embed_batch = embed_batch
+        #: The model's embedding work (while loaded; :mod:`.llama_embed`).
+        self.embedder: Embedder | None = None
         if name:
             self.model_name = name
         elif model:
@@ -190,6 +198,7 @@ class LlamaBackend(Backend):
             use_mlock=config.use_mlock,
             grammar_deadline_ms=config.grammar_deadline_ms,
             engine_stall_s=config.engine_stall_s,
+            embed_batch=config.embed_batch,
             template_bounds=TemplateBounds(
                 timeout_s=config.template.timeout_s,
                 memory_bytes=config.template.memory_bytes,
@@ -294,6 +303,14 @@ class LlamaBackend(Backend):
             stall_s=self.engine_stall_s,
         )
         self.engine.on_prefill = self._on_prefill
+        if self.embed_batch > 0:
+            self.embedder = Embedder(
+                model=self._model.model,
+                batch_tokens=self.embed_batch,
+                n_threads=self.n_threads,
+                native_abort=native,
+            )
+            self.engine.attach_embedder(self.embedder)
         if native and not self.engine.flag.native:
             log.warning("libc strlen not found: using a Python abort callback (slower under load)")
         log.info("context ready in %.2fs", time.monotonic() - started)
@@ -315,11 +332,14 @@ class LlamaBackend(Backend):
         self.vocab = None
         if templates is not None:
             templates.close()
+        embedder, self.embedder = self.embedder, None
         if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
             # Its thread, or a grammar call given up on, still runs natively
             # in this model: freeing it would pull the memory from under them.
             self._ctx = self._model = None
             return
+        if embedder is not None:
+            embedder.close()  # the engine thread that stepped it has stopped
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             llama_cpp.llama_free(ctx)
@@ -489,6 +509,34 @@ class LlamaBackend(Backend):
         except BackendError as exc:  # checked before the start; a config reload may differ
             return _ended(sink, Outcome("error", error_code=exc.code, error_message=str(exc)))
         return self.engine.submit(request, sink, cancel)
+
+    # ------------------------------------------------------------ embeddings
+
+    def embedding(self) -> str | None:
+        return self.embedder.kind if self.embedder is not None else None
+
+    def prepare_embed(self, request: Embed) -> Embed:
+        """Tokenize and check ``request``'s inputs (on a worker thread):
+        :func:`.llama_embed.prepare_inputs`."""
+        embedder, model = self.embedder, self._model
+        if embedder is None or model is None:
+            raise ProtocolError(
+                "unsupported_option",
+                f"the model {self.model_name!r} serves no embeddings (backend.llama.embed_batch = 0)"
+                if self.embed_batch <= 0
+                else f"the model {self.model_name!r} is not loaded",
+                request.id,
+            )
+        return prepare_inputs(request, model=model, embedder=embedder, name=self.model_name)
+
+    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        embedder = self.embedder
+        if embedder is None or not request.tokenized:
+            submission = EmbedSubmission()
+            submission.fail("internal", "the request was not prepared for this model")
+            return submission
+        tokens = tuple(t for t in request.inputs if isinstance(t, tuple))
+        return embedder.submit(request, tokens, cancel)
 
 
 def _ended(sink: Sink, outcome: Outcome) -> Submission:

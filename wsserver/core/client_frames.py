@@ -30,6 +30,7 @@ from .chat_input import (
     parse_tool_choice,
     parse_tools,
 )
+from .embedding import EmbedInput, EmbedInputError, parse_inputs
 from .sampling import (
     MAX_TOP_LOGPROBS,
     SAMPLING_FIELDS,
@@ -45,6 +46,7 @@ __all__ = [
     "MAX_TOKEN_CHARS",
     "Cancel",
     "ClientFrame",
+    "EmbedFrame",
     "Generate",
     "Limits",
     "Message",
@@ -209,7 +211,21 @@ class Pull:
     model: Reference
 
 
-ClientFrame = Generate | Cancel | Restart | Resume | Pull
+@dataclass(frozen=True, slots=True)
+class EmbedFrame:
+    """Vectors for inputs (docs/embeddings.md, "Over the WebSocket"): exactly
+    one ``embed_done``; ``cancel`` by id. Runs beside the connection's
+    generations, in its model's queue and engine."""
+
+    id: str
+    #: OpenAI's ``input`` shapes, checked (:func:`~wsserver.core.embedding.parse_inputs`).
+    inputs: tuple[EmbedInput, ...]
+    model: str | None = None
+    #: How ``embed_done`` carries the vectors: ``float`` lists or ``base64``.
+    encoding: str = "float"
+
+
+ClientFrame = Generate | Cancel | Restart | Resume | Pull | EmbedFrame
 
 
 # ---------------------------------------------------------------- parsing
@@ -249,6 +265,8 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
             return _parse_restart(obj, limits)
         if kind == "pull":
             return _parse_pull(obj)
+        if kind == "embed":
+            return _parse_embed(obj)
     except ProtocolError as exc:
         if exc.request_id is None:
             exc.request_id = request_id
@@ -427,6 +445,26 @@ def _parse_resume(obj: dict[str, Any]) -> Resume:
             "bad_request", "'after_seq' must be an integer >= -1 (-1: no delta arrived)"
         )
     return Resume(id=request_id, resume_token=token, after_seq=after_seq)
+
+
+def _parse_embed(obj: dict[str, Any]) -> EmbedFrame:
+    _check_keys(obj, {"type", "id", "input", "model", "encoding_format"})
+    request_id = _parse_id(obj, "id")
+    if "input" not in obj:
+        raise ProtocolError("bad_request", "missing field 'input'", request_id)
+    try:
+        inputs = parse_inputs(obj["input"])
+    except EmbedInputError as exc:
+        raise ProtocolError("bad_request", str(exc), request_id) from None
+    model = obj.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ProtocolError("bad_request", "'model' must be a non-empty string", request_id)
+    encoding = obj.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise ProtocolError(
+            "bad_request", '\'encoding_format\' must be "float" or "base64"', request_id
+        )
+    return EmbedFrame(id=request_id, inputs=inputs, model=model, encoding=encoding)
 
 
 def _parse_pull(obj: dict[str, Any]) -> Pull:

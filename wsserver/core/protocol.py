@@ -8,11 +8,12 @@ machine-checkable form.
 The two directions:
 
 * **Client to server** (:mod:`wsserver.core.client_frames`): ``generate``,
-  ``cancel``, ``restart``, ``resume`` and ``pull``, the :class:`Limits` they
+  ``cancel``, ``restart``, ``resume``, ``pull`` and ``embed``, the :class:`Limits` they
   are held to, and :func:`parse_client_frame`, which validates them strictly.
 * **Server to client** (the dataclasses in :mod:`wsserver.core.frames`, the
   wire here): ``hello``, ``queued``, ``started``, ``resumed``, ``delta``,
-  ``done``, ``error``, and a pull's ``pull_progress`` and ``pull_done``. Each
+  ``done``, ``error``, a pull's ``pull_progress`` and ``pull_done``, and an
+  embed's ``embed_done``. Each
   is described once, in
   ``_WIRE``: its type name and its members in wire order (the order is
   visible on the wire and in the docs' examples), each member saying how it
@@ -25,6 +26,8 @@ the clients and the tests import them from this module.
 
 from __future__ import annotations
 
+import base64
+import struct
 from dataclasses import fields
 from typing import Any, Final
 
@@ -39,6 +42,7 @@ from .client_frames import (
     MAX_TOKEN_CHARS,
     Cancel,
     ClientFrame,
+    EmbedFrame,
     Generate,
     Limits,
     Message,
@@ -53,6 +57,7 @@ from .frames import (
     Delta,
     Done,
     DoneReason,
+    EmbedDone,
     Error,
     Hello,
     PullDone,
@@ -80,6 +85,8 @@ __all__ = [
     "Delta",
     "Done",
     "DoneReason",
+    "EmbedDone",
+    "EmbedFrame",
     "Error",
     "Generate",
     "Hello",
@@ -212,6 +219,36 @@ class _Group(_Member):
         group = obj.get(self.key) or {}
         for name, attr in self.attrs:
             into[attr] = group.get(name)
+
+
+class _Vectors(_Optional):
+    """``embed_done``'s vectors, left out when ``None``: ``data`` — each a list
+    of floats, or (``encoding`` ``base64``) its little-endian float32 bytes in
+    base64 — and ``encoding_format``; read back as the bytes."""
+
+    __slots__ = ()
+
+    def write(self, frame: ServerFrame, out: dict[str, Any]) -> None:
+        vectors = getattr(frame, self.key)
+        if vectors is None:
+            return
+        encoding = getattr(frame, "encoding")  # noqa: B009 - the frame's other half
+        if encoding == "base64":
+            out["data"] = [base64.b64encode(v).decode("ascii") for v in vectors]
+        else:
+            out["data"] = [list(struct.unpack(f"<{len(v) // 4}f", v)) for v in vectors]
+        out["encoding_format"] = encoding
+
+    def read(self, obj: dict[str, Any], into: dict[str, Any]) -> None:
+        data = obj.get("data")
+        encoding = obj.get("encoding_format", "float")
+        into["encoding"] = encoding
+        if data is None:
+            into[self.key] = None
+        elif encoding == "base64":
+            into[self.key] = tuple(base64.b64decode(v) for v in data)
+        else:
+            into[self.key] = tuple(struct.pack(f"<{len(v)}f", *v) for v in data)
 
 
 class _Names(_Optional):
@@ -349,6 +386,8 @@ def _model_object(model: ModelInfo) -> dict[str, Any]:
     out["aliases"] = list(model.aliases)
     if model.chat_template is None:
         del out["chat_template"]  # not known: not said
+    if model.embeddings is None:
+        del out["embeddings"]
     return out
 
 
@@ -419,6 +458,16 @@ _WIRE: Final = (
         "reason",
         _Model("model"),
         _Optional("downloaded"),
+        _Group("error", code="error_code", message="error_message"),
+    ),
+    _Frame(
+        "embed_done",
+        EmbedDone,
+        "id",
+        "reason",
+        _Optional("model"),
+        _Vectors("vectors"),
+        _Group("usage", prompt_tokens="prompt_tokens"),
         _Group("error", code="error_code", message="error_message"),
     ),
 )

@@ -1,0 +1,534 @@
+"""Embeddings and rerank scores on the llama engine's thread, beside its streams.
+
+Theory of operation
+-------------------
+llama.cpp computes embeddings only in a context made for them
+(``embeddings = true``) and pools them by the context's pooling type, so an
+:class:`Embedder` owns a **second, dedicated context** on the same loaded
+model (the weights are shared; only a small KV cache and the compute buffer
+are its own), made on the first request that needs it. It is not the
+generation context switched with ``llama_set_embeddings``: that one holds the
+streams' KV cells and prompt caches, and its pooling is fixed when it is made.
+
+**Pooling.** The GGUF's own (``{arch}.pooling_type``: mean, cls, last, rank);
+a model that declares none — a generative model — embeds with **mean**
+pooling. A ``rank`` model (a reranker) serves ``/v1/rerank`` and nothing else;
+any other serves embeddings and no rerank (:meth:`Embedder.kind`). Vectors
+are what the model returns, not normalised — exactly what llama-cpp-python's
+``Llama.embed`` returns with the same pooling (the tests compare them).
+
+**Whole inputs.** llama.cpp pools a sequence only when all of its tokens are
+in one micro-batch, and an encoder's attention (a non-causal model) needs
+them together anyway: an input is decoded whole, never split across steps,
+so the longest input is the context's size, ``embed_batch`` tokens
+(``backend.llama.embed_batch``; n_ctx = n_batch = n_ubatch of this context).
+A longer one is refused (``context_length_exceeded``, with its index) before
+it is queued. Several inputs go in one decode, as separate sequences (at most
+:data:`MAX_SEQUENCES`), the KV cache cleared before each — a reranker's
+pairs one at a time: batched, llama.cpp's rank pooling scored a pair
+differently from the same pair alone (by up to 1.3 on the tiny test
+reranker; llama-cpp-python's own ``embed`` shows the same).
+
+**Scheduled as a prompt is.** An embedding request holds one of the model's
+slots (the same scheduler as generations); its work runs on the engine's one
+thread, in the engine's step, *after* the streams' decode
+(:meth:`Embedder.step`): while sequences decode it takes whole inputs worth
+at most the step's **room** — the time the prefill budget leaves beside their
+decode (:meth:`~.llama_budget.PrefillBudget.room`), priced by this
+context's own measured cost per token (a generative model computes its
+vocabulary head for every token here: ~4x a prompt token on the default
+model) — and at least one input, so it always moves; the streams' gap is
+their decode plus that room, as beside a prompt. While a prompt is being
+prefilled the step is the prompt's (its first token is someone's wait;
+embedding is batch work). With nothing decoding it takes what one decode
+holds. The bound on the streams' gap is therefore one input's decode at
+worst: ``embed_batch`` tokens.
+
+**Cancel.** A cancel marks the request; one in the decode in flight raises
+this context's abort flag (ggml stops at its next graph node). Nothing of an
+aborted decode is kept — its other inputs simply run again next step.
+
+**Memory.** Bounded before anything runs (the backend's
+:meth:`~.llama.LlamaBackend.prepare_embed`): the inputs' count, their
+tokens in all, and the vectors' bytes (inputs x dimensions x 4). The vectors
+are kept as float32 bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import llama_cpp
+import numpy as np
+
+from ..core.embedding import Embed, Embedded
+from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
+from ..logs import context
+from .base import CancelEvent, EmbedSubmission
+from .llama_context import AbortFlag
+
+__all__ = [
+    "MAX_SEQUENCES",
+    "POOLING_NAMES",
+    "EmbedJob",
+    "Embedder",
+    "gguf_pooling",
+    "prepare_inputs",
+    "rerank_tokens",
+]
+
+log = logging.getLogger("wsserver.llama")
+
+#: Inputs in one decode at most (llama.cpp allows 256 sequences).
+MAX_SEQUENCES: Final = 64
+#: The names of llama.cpp's pooling types (docs, logs).
+POOLING_NAMES: Final = {
+    llama_cpp.LLAMA_POOLING_TYPE_NONE: "none",
+    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
+    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
+    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
+    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
+}
+#: Weight of the newest decode in the moving average of a token's cost.
+_COST_WEIGHT: Final = 0.5
+
+
+def _meta(model: Any, key: str) -> str | None:
+    buffer = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, len(buffer))
+    return buffer.value.decode("utf-8", "replace") if n >= 0 else None
+
+
+def gguf_pooling(model: Any) -> int:
+    """The pooling this model embeds with: the GGUF's ``{arch}.pooling_type``,
+    or mean for a model that declares none (a generative model)."""
+    arch = _meta(model, "general.architecture") or ""
+    declared = _meta(model, f"{arch}.pooling_type")
+    try:
+        pooling = int(declared) if declared is not None else llama_cpp.LLAMA_POOLING_TYPE_NONE
+    except ValueError:
+        pooling = llama_cpp.LLAMA_POOLING_TYPE_NONE
+    if pooling not in POOLING_NAMES or pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+        return llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    return pooling
+
+
+@dataclass(eq=False)
+class EmbedJob:
+    """One embedding request on the engine: its inputs' tokens, how far it got."""
+
+    request: Embed
+    tokens: tuple[tuple[int, ...], ...]
+    cancel: CancelEvent
+    submission: EmbedSubmission
+    #: Inputs done, in order; their vectors (or scores).
+    done: int = 0
+    vectors: list[bytes] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    #: Has inputs in the decode in flight (a cancel then aborts it).
+    in_flight: bool = False
+    on_cancel: Any = None
+
+
+class Embedder:
+    """A model's embedding context and queue, stepped by its engine thread."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        batch_tokens: int,
+        n_threads: int,
+        native_abort: bool = True,
+    ) -> None:
+        self._model = model
+        #: The longest input, and the most tokens one decode holds.
+        self.batch_tokens = batch_tokens
+        self._n_threads = n_threads
+        self._native_abort = native_abort
+        self.pooling = gguf_pooling(model)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(model)
+        self._cond: threading.Condition = threading.Condition(threading.RLock())
+        self._incoming: list[EmbedJob] = []
+        self._jobs: deque[EmbedJob] = deque()
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._flag: AbortFlag | None = None
+        #: Seconds one token costs in this context (None: not measured yet).
+        self.token_s: float | None = None
+        #: Decodes, inputs and tokens embedded, aborted decodes (tests, the bench).
+        self.stats: dict[str, int] = {"decodes": 0, "inputs": 0, "tokens": 0, "aborts": 0}
+        #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
+        #: decoding beside it), a token's cost it was priced by or -1, seconds).
+        self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
+        #: Called on the engine thread just before each decode, with the ids of
+        #: the requests in it (tests); quick, must not raise.
+        self.on_decode: Callable[[list[str]], None] | None = None
+
+    @property
+    def kind(self) -> str:
+        """``rerank`` for a rank model, else ``embed``."""
+        return "rerank" if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else "embed"
+
+    def bind(self, cond: threading.Condition) -> None:
+        """Share the engine's condition: a new job or a cancel wakes its thread."""
+        self._cond = cond
+
+    # ------------------------------------------------------------ loop side
+
+    def submit(
+        self, request: Embed, tokens: tuple[tuple[int, ...], ...], cancel: CancelEvent
+    ) -> EmbedSubmission:
+        job = EmbedJob(request, tokens, cancel, EmbedSubmission())
+        with self._cond:
+            self._incoming.append(job)
+            self._cond.notify()
+        job.on_cancel = functools.partial(self._on_cancel, job)
+        cancel.add_callback(job.on_cancel)
+        return job.submission
+
+    def _on_cancel(self, job: EmbedJob) -> None:
+        with self._cond:
+            job.cancelled = True
+            if job.in_flight and self._flag is not None:
+                self._flag.raise_()
+            self._cond.notify()
+
+    # ------------------------------------------------------------ engine side
+
+    def runnable(self) -> bool:
+        """Work to do (called under the engine's condition)."""
+        return bool(self._incoming or self._jobs)
+
+    def step(self, room_s: float | None, *, decode: bool = True) -> None:
+        """Take new requests, let cancelled ones go, then (``decode``) one
+        decode of whole inputs: worth at most ``room_s`` seconds (at least one
+        input), or (None: nothing decodes beside it) what one decode holds.
+        Called on the engine thread every step — also those it may not decode
+        in (a prompt's), so that a cancel ends its request within a step."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+        self._jobs.extend(incoming)
+        for job in list(self._jobs):
+            if job.cancelled:
+                self._leave(job)
+        if not self._jobs or not decode:
+            return
+        if self._ctx is None:
+            try:
+                self._open()
+            except Exception as exc:
+                log.error("cannot make the embedding context: %s", exc)
+                for job in list(self._jobs):
+                    self._fail(job, "internal", "the model's embedding context could not be made")
+                return
+        priced_by = self.token_s
+        picked = self._pick(room_s)
+        self._decode(picked, room_s, priced_by)
+
+    def _pick(self, room_s: float | None) -> list[tuple[EmbedJob, int]]:
+        """The inputs of this decode, oldest request first: (job, input index)."""
+        picked: list[tuple[EmbedJob, int]] = []
+        tokens = 0
+        per_token = self.token_s
+        # A reranker's pairs one a decode: llama.cpp's rank pooling gave other
+        # scores for a pair batched with others (docs/embeddings.md).
+        most = 1 if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else MAX_SEQUENCES
+        for job in self._jobs:
+            for index in range(job.done, len(job.tokens)):
+                n = len(job.tokens[index])
+                if picked:
+                    if len(picked) >= most or tokens + n > self.batch_tokens:
+                        return picked
+                    if room_s is not None and (
+                        per_token is None or (tokens + n) * per_token > room_s
+                    ):
+                        return picked
+                picked.append((job, index))
+                tokens += n
+        return picked
+
+    def _decode(
+        self, picked: list[tuple[EmbedJob, int]], room_s: float | None, priced_by: float | None
+    ) -> None:
+        ctx = self._ctx
+        flag = self._flag
+        assert ctx is not None and flag is not None
+        batch = self._batch
+        n = 0
+        for seq, (job, index) in enumerate(picked):
+            for pos, token in enumerate(job.tokens[index]):
+                batch.token[n] = token
+                batch.pos[n] = pos
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq
+                batch.logits[n] = True  # every token is an output when embedding
+                n += 1
+        batch.n_tokens = n
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        with self._cond:
+            flag.lower()
+            for job, _ in picked:
+                job.in_flight = True
+        if self.on_decode is not None:
+            self.on_decode([job.request.id for job, _ in picked])
+        started = time.perf_counter()
+        status = llama_cpp.llama_decode(ctx, batch)
+        seconds = time.perf_counter() - started
+        with self._cond:
+            for job, _ in picked:
+                job.in_flight = False
+            aborted = flag.raised
+            flag.lower()
+        self.stats["decodes"] += 1
+        if status != 0:
+            if status == 2 or aborted:
+                self.stats["aborts"] += 1
+                return  # the cancelled leave next step; the others run again
+            log.error("llama_decode returned %d for %d embedding input(s)", status, len(picked))
+            for job in {job for job, _ in picked}:
+                self._fail(job, "internal", "the model failed while embedding")
+            return
+        self.token_s = (
+            seconds / n
+            if self.token_s is None
+            else self.token_s + _COST_WEIGHT * (seconds / n - self.token_s)
+        )
+        self.stats["inputs"] += len(picked)
+        self.stats["tokens"] += n
+        self.step_log.append(
+            (
+                len(picked),
+                n,
+                -1.0 if room_s is None else room_s,
+                -1.0 if priced_by is None else priced_by,
+                seconds,
+            )
+        )
+        rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
+        width = 1 if rank else self.n_embd
+        for seq, (job, index) in enumerate(picked):
+            if job.cancelled or job.submission.done:
+                continue
+            pointer = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+            if not pointer:
+                self._fail(job, "internal", "the model gave no embedding")
+                continue
+            values = np.ctypeslib.as_array(pointer, shape=(width,))
+            if not np.isfinite(values).all():
+                self._fail(
+                    job,
+                    "bad_request",
+                    f"input {index}: the model produced a value that is not a number "
+                    "(NaN or infinity) for it",
+                )
+                continue
+            if rank:
+                job.scores.append(float(values[0]))
+            else:
+                job.vectors.append(values.astype("<f4").tobytes())
+            job.done = index + 1
+            if job.done == len(job.tokens):
+                self._finish(job)
+
+    def _finish(self, job: EmbedJob) -> None:
+        total = sum(len(t) for t in job.tokens)
+        result = Embedded(
+            vectors=tuple(job.vectors),
+            scores=tuple(job.scores),
+            prompt_tokens=total,
+            dimensions=0 if job.scores else self.n_embd,
+        )
+        job.vectors = []
+        log.debug(
+            "id=%s embedded %d input(s), %d token(s)",
+            job.request.id,
+            len(job.tokens),
+            total,
+            extra=context(job.request.conn_id, job.request.id),
+        )
+        self._leave(job, result=result)
+
+    def _fail(self, job: EmbedJob, code: Any, message: str) -> None:
+        job.submission.fail(code, message)
+        self._leave(job)
+
+    def _leave(self, job: EmbedJob, result: Embedded | None = None) -> None:
+        if job.on_cancel is not None:
+            job.cancel.remove_callback(job.on_cancel)
+        if job in self._jobs:
+            self._jobs.remove(job)
+        if result is not None:
+            job.submission.finish(result)
+        job.submission.complete()
+
+    def fail_all(self, message: str) -> None:
+        """The engine failed: end every request (engine thread, or after it stopped)."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+        for job in [*self._jobs, *incoming]:
+            self._fail(job, "internal", message)
+
+    # ------------------------------------------------------------ the context
+
+    def _open(self) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = self.batch_tokens
+        params.n_batch = self.batch_tokens
+        params.n_ubatch = self.batch_tokens
+        params.n_seq_max = MAX_SEQUENCES
+        # One KV stream for every sequence: split streams gave vectors far from
+        # llama-cpp-python's here (docs/embeddings.md); the cache is cleared
+        # before each decode anyway.
+        params.kv_unified = True
+        params.embeddings = True
+        params.pooling_type = self.pooling
+        # Off, as in llama_cpp.Llama: on, the default model's vectors moved by
+        # up to 0.8 (of components ~5) from the reference's (docs/embeddings.md).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_threads = self._n_threads
+        params.n_threads_batch = self._n_threads
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if ctx is None:
+            raise RuntimeError("llama_init_from_model failed")
+        self._ctx = ctx
+        self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
+        self._flag = AbortFlag(ctx, native=self._native_abort)
+        log.info(
+            "embedding context ready: %s pooling, inputs of up to %d tokens, %d dimensions",
+            POOLING_NAMES.get(self.pooling, str(self.pooling)),
+            self.batch_tokens,
+            self.n_embd,
+        )
+
+    def close(self) -> None:
+        """Free the context (after the engine thread stopped)."""
+        self.fail_all("the model was unloaded")
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
+
+# ---------------------------------------------------------------- requests
+
+
+def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str) -> Embed:
+    """``request`` with every input as the tokens the engine decodes, checked
+    (off the loop and off the engine thread: a worker thread). Texts are
+    tokenized as ``Llama.embed`` does (the model's BOS, special tokens not
+    parsed); token ids are taken as given; a rerank's document becomes the
+    pair llama-server makes (:func:`rerank_tokens`). Raises
+    :class:`~wsserver.errors.ProtocolError`: the model serves the other kind
+    (``unsupported_option``), a token outside the vocabulary (``bad_request``),
+    an input longer than ``embed_batch`` (``too_large``, detail
+    ``context_length_exceeded``), more
+    tokens or vector bytes than the request's limits (``bad_request``)."""
+    kind = embedder.kind
+    if request.kind != kind:
+        pooling = POOLING_NAMES.get(embedder.pooling, str(embedder.pooling))
+        if request.kind == "rerank":
+            message = (
+                f"the model {name!r} cannot rerank: its pooling is {pooling}, a reranker's "
+                "is rank (serve a reranker GGUF for /v1/rerank)"
+            )
+        else:
+            message = (
+                f"the model {name!r} is a reranker (pooling rank): it serves /v1/rerank, "
+                "not embeddings"
+            )
+        raise ProtocolError("unsupported_option", message, request.id)
+    if request.tokenized:
+        return request
+    limits = request.limits
+    if kind == "embed" and len(request.inputs) * embedder.n_embd * 4 > limits.max_vector_bytes:
+        raise ProtocolError(
+            "bad_request",
+            f"{len(request.inputs)} inputs of {embedder.n_embd} dimensions are more than "
+            f"{limits.max_vector_bytes} bytes of vectors: send fewer inputs per request",
+            request.id,
+        )
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model.model))
+    query: list[int] = []
+    if request.kind == "rerank":
+        query = _text_tokens(model, request.query or "")
+    out: list[tuple[int, ...]] = []
+    total = 0
+    for index, given in enumerate(request.inputs):
+        if isinstance(given, str):
+            tokens = (
+                rerank_tokens(model, query, _text_tokens(model, given))
+                if request.kind == "rerank"
+                else list(model.tokenize(given.encode("utf-8"), add_bos=True, special=False))
+            )
+        else:
+            for token in given:
+                if not 0 <= token < n_vocab:
+                    raise ProtocolError(
+                        "bad_request",
+                        f"input {index}: token {token} is not in the model's vocabulary "
+                        f"(ids 0 to {n_vocab - 1})",
+                        request.id,
+                    )
+            tokens = list(given)
+        if not tokens:
+            raise ProtocolError("bad_request", f"input {index} has no tokens", request.id)
+        if len(tokens) > embedder.batch_tokens:
+            raise ProtocolError(
+                "too_large",
+                f"input {index} is {len(tokens)} tokens; this model embeds inputs of at most "
+                f"{embedder.batch_tokens} tokens (backend.llama.embed_batch)",
+                request.id,
+                detail=CONTEXT_LENGTH_EXCEEDED,
+            )
+        total += len(tokens)
+        if total > limits.max_tokens:
+            raise ProtocolError(
+                "bad_request",
+                f"the inputs are more than {limits.max_tokens} tokens together: "
+                "send fewer per request",
+                request.id,
+            )
+        out.append(tuple(tokens))
+    return dataclasses.replace(request, inputs=tuple(out), tokenized=True)
+
+
+def _text_tokens(model: Any, text: str) -> list[int]:
+    return list(model.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+
+def rerank_tokens(model: Any, query: list[int], document: list[int]) -> list[int]:
+    """A (query, document) pair as llama-server's ``/v1/rerank`` feeds a
+    reranker without a rerank template: ``[BOS] query [EOS] [SEP] document
+    [EOS]``, each special token where the vocabulary adds it (EOS: SEP when
+    the vocabulary has no EOS)."""
+    vocab = llama_cpp.llama_model_get_vocab(model.model)
+    eos = llama_cpp.llama_vocab_eos(vocab)
+    sep = llama_cpp.llama_vocab_sep(vocab)
+    if eos == -1:
+        eos = sep
+    tokens: list[int] = []
+    if llama_cpp.llama_vocab_get_add_bos(vocab):
+        tokens.append(llama_cpp.llama_vocab_bos(vocab))
+    tokens.extend(query)
+    if llama_cpp.llama_vocab_get_add_eos(vocab):
+        tokens.append(eos)
+    if llama_cpp.llama_vocab_get_add_sep(vocab):
+        tokens.append(sep)
+    tokens.extend(document)
+    if llama_cpp.llama_vocab_get_add_eos(vocab):
+        tokens.append(eos)
+    return tokens
