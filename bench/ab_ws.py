@@ -37,7 +37,7 @@ from typing import Any
 
 from .common import ROOT
 from .servers import ServerProcess, running
-from .timing import percentile, side_by_side
+from .timing import percentile, side_by_side, streamed_post
 
 now = time.perf_counter
 _HTTP = ("http_ttft_ms", "http_tokens_per_s")
@@ -68,14 +68,38 @@ async def _round(url: str) -> dict[str, float]:
     return out
 
 
-async def _http_round(url: str) -> dict[str, float]:
-    import aiohttp
+def _completion_line(line: bytes) -> tuple[bool, int | None]:
+    """An OpenAI completion stream's line: a text chunk, or the usage chunk."""
     import orjson
+
+    if not line.startswith(b"data: {"):
+        return False, None
+    chunk = orjson.loads(line[6:])
+    if chunk.get("usage"):
+        return False, chunk["usage"]["completion_tokens"]
+    return True, None
+
+
+def _responses_line(line: bytes) -> tuple[bool, int | None]:
+    """A Responses stream's line: a text delta, or the last event's usage."""
+    import orjson
+
+    if not line.startswith(b"data: {"):
+        return False, None
+    event = orjson.loads(line[6:])
+    if event["type"] in _ENDS:
+        return False, event["response"]["usage"]["output_tokens"]
+    return event["type"] == "response.output_text.delta", None
+
+
+async def _http_round(url: str) -> dict[str, float]:
+    """``POST /v1/completions`` streamed: TTFT and throughput (SSE chunks)."""
+    import aiohttp
 
     base = url.replace("ws://", "http://").rstrip("/")
     out: dict[str, float] = {}
     async with aiohttp.ClientSession() as http:
-        for key, tokens in (("http_ttft_ms", 8), ("http_tokens_per_s", 2000)):
+        for key, tokens in _TOKENS.items():
             body = {
                 "model": "fake",  # the fake backend's model
                 "prompt": "ab",
@@ -83,51 +107,31 @@ async def _http_round(url: str) -> dict[str, float]:
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            t0 = now()
-            first: float | None = None
-            completion = 0
-            async with http.post(f"{base}/v1/completions", json=body) as response:
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = orjson.loads(line[6:])
-                    if chunk.get("usage"):
-                        completion = chunk["usage"]["completion_tokens"]
-                    elif first is None:
-                        first = now()
-            assert first is not None
-            if key == "http_ttft_ms":
-                out[key] = 1000 * (first - t0)
-            else:
-                out[key] = completion / max(now() - first, 1e-9)
+            got = await streamed_post(http, f"{base}/v1/completions", body, _completion_line)
+            _store(out, "http", key, got)
     return out
 
 
 async def _responses_http_round(url: str) -> dict[str, float]:
     """``POST /v1/responses`` streamed: TTFT and throughput (SSE events)."""
     import aiohttp
-    import orjson
 
     base = url.replace("ws://", "http://").rstrip("/")
     out: dict[str, float] = {}
     async with aiohttp.ClientSession() as http:
         for key, tokens in _TOKENS.items():
             body = {"model": "fake", "input": "ab", "max_output_tokens": tokens, "stream": True}
-            t0 = now()
-            first: float | None = None
-            output = 0
-            async with http.post(f"{base}/v1/responses", json=body) as response:
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = orjson.loads(line[6:])
-                    if event["type"] == "response.output_text.delta" and first is None:
-                        first = now()
-                    elif event["type"] in _ENDS:
-                        output = event["response"]["usage"]["output_tokens"]
-            assert first is not None and output
-            _record(out, "rh", key, t0, first, output)
+            got = await streamed_post(http, f"{base}/v1/responses", body, _responses_line)
+            _store(out, "rh", key, got)
     return out
+
+
+def _store(out: dict[str, float], wire: str, key: str, got: tuple[float, float]) -> None:
+    """One round's figure: TTFT (ms) from the short answer, tokens/s from the long one."""
+    if key == "ttft":
+        out[f"{wire}_ttft_ms"] = 1000 * got[0]
+    else:
+        out[f"{wire}_tokens_per_s"] = got[1]
 
 
 async def _responses_ws_round(url: str) -> dict[str, float]:
@@ -151,15 +155,8 @@ async def _responses_ws_round(url: str) -> dict[str, float]:
                     break
                 assert event["type"] != "error", event
             assert first is not None and output
-            _record(out, "rw", key, t0, first, output)
+            _store(out, "rw", key, (first - t0, output / max(now() - first, 1e-9)))
     return out
-
-
-def _record(out: dict[str, float], wire: str, key: str, t0: float, first: float, n: int) -> None:
-    if key == "ttft":
-        out[f"{wire}_ttft_ms"] = 1000 * (first - t0)
-    else:
-        out[f"{wire}_tokens_per_s"] = n / max(now() - first, 1e-9)
 
 
 async def _cancel_round(url: str) -> float:

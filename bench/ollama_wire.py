@@ -25,72 +25,65 @@ import time
 from typing import Any
 
 from .servers import ServerProcess
-from .timing import percentile, side_by_side
+from .timing import LineRead, percentile, side_by_side, streamed_post
 
 now = time.perf_counter
 MESSAGES = [{"role": "user", "content": "ab"}]
 _TOKENS = {"ttft": 8, "tokens_per_s": 2000}
 
 
-async def _openai(base: str) -> dict[str, float]:
-    import aiohttp
+def _chat_line(line: bytes) -> tuple[bool, int | None]:
+    """An OpenAI chat stream's line: a content chunk, or the usage chunk."""
     import orjson
 
-    out: dict[str, float] = {}
-    async with aiohttp.ClientSession() as http:
-        for key, tokens in _TOKENS.items():
-            body = {
-                "model": "fake",
-                "messages": MESSAGES,
-                "max_tokens": tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            t0 = now()
-            first: float | None = None
-            completion = 0
-            async with http.post(f"{base}v1/chat/completions", json=body) as response:
-                async for line in response.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    chunk = orjson.loads(line[6:])
-                    if chunk.get("usage"):
-                        completion = chunk["usage"]["completion_tokens"]
-                    elif first is None and chunk["choices"][0]["delta"].get("content"):
-                        first = now()
-            assert first is not None and completion
-            _record(out, key, t0, first, completion)
-    return out
+    if not line.startswith(b"data: {"):
+        return False, None
+    chunk = orjson.loads(line[6:])
+    if chunk.get("usage"):
+        return False, chunk["usage"]["completion_tokens"]
+    return bool(chunk["choices"][0]["delta"].get("content")), None
+
+
+def _ollama_line(line: bytes) -> tuple[bool, int | None]:
+    """An Ollama chat object: content, or the last one's ``eval_count``."""
+    import orjson
+
+    obj = orjson.loads(line)
+    if obj["done"]:
+        return False, obj["eval_count"]
+    return bool(obj["message"]["content"]), None
+
+
+async def _openai(base: str) -> dict[str, float]:
+    bodies = {
+        key: {
+            "model": "fake",
+            "messages": MESSAGES,
+            "max_tokens": tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for key, tokens in _TOKENS.items()
+    }
+    return await _round(f"{base}v1/chat/completions", bodies, _chat_line)
 
 
 async def _ollama(base: str) -> dict[str, float]:
+    bodies = {
+        key: {"model": "fake", "messages": MESSAGES, "options": {"num_predict": tokens}}
+        for key, tokens in _TOKENS.items()
+    }
+    return await _round(f"{base}api/chat", bodies, _ollama_line)
+
+
+async def _round(url: str, bodies: dict[str, Any], read: LineRead) -> dict[str, float]:
+    """TTFT from the short answer, throughput from the long one."""
     import aiohttp
-    import orjson
 
-    out: dict[str, float] = {}
     async with aiohttp.ClientSession() as http:
-        for key, tokens in _TOKENS.items():
-            body = {"model": "fake", "messages": MESSAGES, "options": {"num_predict": tokens}}
-            t0 = now()
-            first: float | None = None
-            completion = 0
-            async with http.post(f"{base}api/chat", json=body) as response:
-                async for line in response.content:
-                    obj = orjson.loads(line)
-                    if obj["done"]:
-                        completion = obj["eval_count"]
-                    elif first is None and obj["message"]["content"]:
-                        first = now()
-            assert first is not None and completion
-            _record(out, key, t0, first, completion)
-    return out
-
-
-def _record(out: dict[str, float], key: str, t0: float, first: float, tokens: int) -> None:
-    if key == "ttft":
-        out["ttft_ms"] = 1000 * (first - t0)
-    else:
-        out["tokens_per_s"] = tokens / max(now() - first, 1e-9)
+        ttft, _ = await streamed_post(http, url, bodies["ttft"], read)
+        _, tokens_per_s = await streamed_post(http, url, bodies["tokens_per_s"], read)
+    return {"ttft_ms": 1000 * ttft, "tokens_per_s": tokens_per_s}
 
 
 async def main(rounds: int) -> None:

@@ -183,3 +183,25 @@ def cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process so far."""
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+#: A streamed answer's line → (text came in it, the token count it reports or None).
+LineRead = Callable[[bytes], tuple[bool, int | None]]
+
+
+async def streamed_post(http: Any, url: str, body: Any, read: LineRead) -> tuple[float, float]:
+    """POST ``body`` (an aiohttp session's) and read the streamed answer line
+    by line: (seconds from sending to the first text, tokens per second from
+    the first text to the end, by the count the answer reports)."""
+    t0 = now()
+    first: float | None = None
+    tokens = 0
+    async with http.post(url, json=body) as response:
+        async for line in response.content:
+            text, counted = read(line)
+            if counted is not None:
+                tokens = counted
+            elif text and first is None:
+                first = now()
+    assert first is not None and tokens, f"{url}: no text, or no token count"
+    return first - t0, tokens / max(now() - first, 1e-9)

@@ -14,24 +14,20 @@ the session lets start:
    is released the moment the engine completes the submission, even if the
    client is still slow to take the last frames;
 4. **pump** (:mod:`.pump`): channel → :class:`~wsserver.shaping.shaper.Shaper`
-   (text, reasoning and call parts, shaped as the engine's
-   :meth:`~wsserver.backends.base.Backend.output_format` says) →
-   :class:`~wsserver.core.pacing.Coalescer` → reports of text, then the end;
+   (parts, as :meth:`~wsserver.backends.base.Backend.output_format` says)
+   → :class:`~wsserver.core.pacing.Coalescer` → reports, then the end;
 5. **finalize**: wait until the engine is gone (a thread joined), record the
    cancel latency, and tell the driver.
 
-A generation never touches the session nor the wire: it *reports* what
-happened (:mod:`wsserver.core.events`) to its :class:`Owner` — the request
-driver — which asks the session and writes what it answers.
+A generation never touches the session nor the wire: it *reports*
+(:mod:`wsserver.core.events`) to its :class:`Owner`, the request driver.
 
-**Attachment.** ``Generation.owner`` is the request's binding to a connection
-and nothing else refers to it. A resumable request whose connection is lost is
-*detached* (:meth:`Generation.detach`): the pump stops at its next step and
-waits — it reads nothing more from the channel, which fills, so the engine
-pauses — and a frame whose write failed is not retried: it is in the replay
-tail. A resume *attaches* it to the new connection's driver
-(:meth:`Generation.attach`) after the replay was written, and the pump goes
-on there.
+**Attachment.** ``Generation.owner`` is the request's one binding to a
+connection. A resumable request whose connection is lost is *detached*
+(:meth:`Generation.detach`): the pump stops and waits (the channel fills, so
+the engine pauses); a frame whose write failed is in the replay tail, not
+retried. A resume *attaches* it to the new connection's driver
+(:meth:`Generation.attach`) after the replay, and the pump goes on there.
 """
 
 from __future__ import annotations
