@@ -18,7 +18,8 @@ import pytest
 from conftest import FAKE_MODEL, make_config, running_server, timeout
 
 from wsserver.aio import Server
-from wsserver.backends.base import CancelEvent, EmbedSubmission
+from wsserver.backends.base import CancelEvent
+from wsserver.backends.embed_door import EmbedSubmission
 from wsserver.backends.fake_embed import FAKE_DIMENSIONS, fake_score, fake_vector
 from wsserver.core.embedding import Embed, floats_of
 
@@ -165,13 +166,14 @@ async def test_a_client_gone_cancels_its_embedding_and_frees_the_slot() -> None:
     ) as server:
         backend = server.backend
         started = asyncio.Event()
-        real_embed = backend.embed
+        door = backend.embed_door
+        real_start = door.start
 
-        def embed(request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        def start(request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
             started.set()
-            return real_embed(request, slot=slot, cancel=cancel)
+            return real_start(request, cancel=cancel)
 
-        backend.embed = embed  # type: ignore[method-assign]
+        door.start = start  # type: ignore[method-assign]
         async with aiohttp.ClientSession() as session:
             task = asyncio.create_task(
                 session.post(base_url(server) + "/embeddings", json={"input": ["x" * 400] * 8})
@@ -181,7 +183,7 @@ async def test_a_client_gone_cancels_its_embedding_and_frees_the_slot() -> None:
             task.cancel()  # the client walks away: its connection closes
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        backend.embed = real_embed  # type: ignore[method-assign]
+        door.start = real_start  # type: ignore[method-assign]
         # The next request gets the one slot at once, and its answer is quick
         # (one token: one simulated second) — not after the abandoned 800 s.
         async with asyncio.timeout(timeout(10)):

@@ -26,6 +26,7 @@ from tiny_gguf import write_tiny_gguf
 from wsserver.aio import Server
 from wsserver.backends.base import CancelEvent
 from wsserver.backends.llama import LlamaBackend
+from wsserver.backends.llama_embed import Embedder
 from wsserver.core.embedding import Embed
 
 pytestmark = pytest.mark.llama
@@ -37,6 +38,13 @@ TEXTS = [
     "café ünïcode 日本語",
 ]
 TOLERANCE = 1e-4
+
+
+def door(backend: LlamaBackend) -> Embedder:
+    """The loaded model's embedding door."""
+    embedder = backend.embeddings()
+    assert embedder is not None, "the model is loaded, with embeddings"
+    return embedder
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +179,7 @@ async def test_a_model_without_embeddings_refuses_by_name(pooled_ggufs: dict[str
         finally:
             await client.close()
     assert caught.value.code == "unsupported_option"
-    assert "serves no embeddings" in caught.value.message
+    assert "embeddings are not served by this model's engine (mean)" in caught.value.message
 
 
 def test_a_cancel_stops_the_request_within_a_decode(pooled_ggufs: dict[str, Path]) -> None:
@@ -188,9 +196,9 @@ def test_a_cancel_stops_the_request_within_a_decode(pooled_ggufs: dict[str, Path
             cancel.set()  # in the middle of the first decode: it is aborted or its last
 
         embedder.on_decode = on_decode
-        request = backend.prepare_embed(Embed(id="big", inputs=("hello world",) * 2048))
+        request = door(backend).prepare(Embed(id="big", inputs=("hello world",) * 2048))
         finished = threading.Event()
-        submission = backend.embed(request, slot=0, cancel=cancel)
+        submission = door(backend).start(request, cancel=cancel)
         submission.add_done_callback(finished.set)
         assert finished.wait(timeout(30))
         assert submission.result is None and submission.error is None
@@ -199,8 +207,8 @@ def test_a_cancel_stops_the_request_within_a_decode(pooled_ggufs: dict[str, Path
         cancel2 = CancelEvent()
         done2 = threading.Event()
         embedder.on_decode = None
-        again = backend.embed(
-            backend.prepare_embed(Embed(id="next", inputs=("hello",))), slot=0, cancel=cancel2
+        again = door(backend).start(
+            door(backend).prepare(Embed(id="next", inputs=("hello",))), cancel=cancel2
         )
         again.add_done_callback(done2.set)
         assert done2.wait(timeout(30))
@@ -348,8 +356,8 @@ def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
         def on_prefill(request_id: str, n: int) -> None:
             # On the engine thread, before the prompt's first chunk (of ~14):
             # an embed arrives and is cancelled at once.
-            request = backend.prepare_embed(Embed(id="e", inputs=("hello world",) * 64))
-            submission = backend.embed(request, slot=1, cancel=embed_cancel)
+            request = door(backend).prepare(Embed(id="e", inputs=("hello world",) * 64))
+            submission = door(backend).start(request, cancel=embed_cancel)
 
             def done() -> None:
                 prefilling_when_ended.append(prefilling(engine._jobs))
@@ -411,17 +419,19 @@ def test_the_token_and_vector_bounds_hold_before_any_work(pooled_ggufs: dict[str
     backend.load()
     try:
         with pytest.raises(ProtocolError, match="more than 10 tokens together"):
-            backend.prepare_embed(
+            door(backend).prepare(
                 Embed(id="t", inputs=("hello world",) * 8, limits=EmbedLimits(max_tokens=10))
             )
         # Two vectors of 64 float32 dimensions are 512 bytes.
         with pytest.raises(ProtocolError, match="more than 511 bytes of vectors"):
-            backend.prepare_embed(
+            door(backend).prepare(
                 Embed(id="v", inputs=("a", "b"), limits=EmbedLimits(max_vector_bytes=511))
             )
-        assert backend.prepare_embed(
-            Embed(id="ok", inputs=("a", "b"), limits=EmbedLimits(max_vector_bytes=512))
-        ).tokenized
+        assert (
+            door(backend)
+            .prepare(Embed(id="ok", inputs=("a", "b"), limits=EmbedLimits(max_vector_bytes=512)))
+            .tokenized
+        )
         assert backend.embedder is not None and backend.embedder.stats["decodes"] == 0
     finally:
         backend.close()

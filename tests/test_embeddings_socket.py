@@ -10,7 +10,8 @@ from typing import Any
 
 from conftest import FAKE_MODEL, running_server, wire
 
-from wsserver.backends.base import CancelEvent, EmbedSubmission
+from wsserver.backends.base import CancelEvent
+from wsserver.backends.embed_door import EmbedSubmission
 from wsserver.backends.fake_embed import fake_vector
 from wsserver.core.embedding import Embed, floats_of
 from wsserver.core.protocol import EmbedDone, parse_server_frame, serialize
@@ -62,13 +63,14 @@ async def test_cancel_answers_at_once_and_the_engine_lets_go() -> None:
     ) as server:
         backend = server.backend
         started = asyncio.Event()
-        real_embed = backend.embed
+        door = backend.embed_door
+        real_start = door.start
 
-        def embed(request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
+        def start(request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
             started.set()
-            return real_embed(request, slot=slot, cancel=cancel)
+            return real_start(request, cancel=cancel)
 
-        backend.embed = embed  # type: ignore[method-assign]
+        door.start = start  # type: ignore[method-assign]
         async with wire(server) as ws:
             await ws.send({"type": "embed", "id": "slow", "input": ["x" * 400] * 8})
             await asyncio.wait_for(started.wait(), 10)
@@ -76,7 +78,7 @@ async def test_cancel_answers_at_once_and_the_engine_lets_go() -> None:
             (done,) = [f for f in await ws.until(ended("slow")) if f.get("id") == "slow"]
             assert done == {"type": "embed_done", "id": "slow", "reason": "cancelled"}
             # The one slot is free again: the next embed runs (one simulated second).
-            backend.embed = real_embed  # type: ignore[method-assign]
+            door.start = real_start  # type: ignore[method-assign]
             await ws.send({"type": "embed", "id": "next", "input": "abcd"})
             frames = await ws.until(ended("next"))
         assert frames[-1]["reason"] == "complete"

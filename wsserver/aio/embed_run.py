@@ -5,10 +5,10 @@ the stream: the request waits in its model's queue for a slot
 (:meth:`~wsserver.aio.models.ModelPool.acquire`: the model is loaded on
 demand, connections take turns, ``overloaded`` past ``max_waiting``); its
 inputs are tokenized and checked on a worker thread
-(:meth:`~wsserver.backends.base.Backend.prepare_embed`: off the loop and off
-the engine's thread, which serves every stream); the engine gets it
-(:meth:`~wsserver.backends.base.Backend.embed`) and completes it within its
-steps. The slot is released when the engine completes the request — never
+(the model's embedding door, :mod:`wsserver.backends.embed_door`: off the
+loop and off the engine's thread, which serves every stream); the engine
+gets it through the same door and completes it within its steps; a model
+whose engine embeds nothing is refused by name. The slot is released when the engine completes the request — never
 before, so a model never runs more than its slots, also after a cancel.
 
 :meth:`EmbedRun.cancel` (the client gone, the server's shutdown) leaves the
@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from ..backends.base import CancelEvent, EmbedSubmission
+from ..backends.base import CancelEvent
+from ..backends.embed_door import EmbedSubmission
 from ..core.embedding import Embed, Embedded
 from ..core.protocol import Progress
 from ..errors import ProtocolError
@@ -75,11 +76,18 @@ class EmbedRun:
         try:
             if self.cancelled:
                 return None
-            backend = model.backend
-            prepared = await asyncio.to_thread(backend.prepare_embed, request)
+            door = model.backend.embeddings()
+            if door is None:
+                what = "rerank is" if request.kind == "rerank" else "embeddings are"
+                raise ProtocolError(
+                    "unsupported_option",
+                    f"{what} not served by this model's engine ({model.name})",
+                    request.id,
+                )
+            prepared = await asyncio.to_thread(door.prepare, request)
             if self.cancelled:
                 return None
-            submission = self.submission = backend.embed(prepared, slot=slot, cancel=self._event)
+            submission = self.submission = door.start(prepared, cancel=self._event)
             finished: asyncio.Future[None] = loop.create_future()
             # The slot goes back when the engine is done with the request, not before.
             released = True

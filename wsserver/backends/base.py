@@ -10,9 +10,9 @@ then on the engine owns the request until it calls
 :meth:`Submission.complete`. What it produces goes into the sink, from
 whatever thread or task the engine runs on. Three kinds of engine fit:
 
-1. **A thread per request** (:class:`ThreadedBackend`; the fake and llama
+1. **A thread per request** (:class:`~.threaded.ThreadedBackend`; the fake and llama
    backends). ``submit`` starts a thread that runs a blocking
-   :meth:`ThreadedBackend.generate`. :meth:`Sink.emit` blocks that thread
+   :meth:`~.threaded.ThreadedBackend.generate`. :meth:`Sink.emit` blocks that thread
    while the channel is full — the backpressure — and raises
    :class:`~wsserver.errors.GenerationCancelled` the instant the request is
    cancelled, even while it waits.
@@ -42,12 +42,8 @@ over with :meth:`Sink.offer_call`, in order with its text — never written
 into the text, where a model could forge one.
 
 **Embeddings** (docs/embeddings.md) enter by a second door of the same
-kind: :meth:`Backend.prepare_embed` (on a worker thread, once the request
-has its slot: the inputs tokenized and bounded) and :meth:`Backend.embed`
-(on the loop, returning an :class:`EmbedSubmission` at once, completed once
-with the vectors or an error — or, cancelled, with neither, within a step);
-:meth:`Backend.embedding` says what the loaded model serves. An engine that
-embeds nothing refuses by name.
+kind, one object per loaded model (:meth:`Backend.embeddings`,
+:mod:`.embed_door`).
 
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
@@ -79,40 +75,36 @@ the loop.
 from __future__ import annotations
 
 import abc
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..core.call_parts import CallPart
-from ..core.embedding import Embed, Embedded
 from ..core.events import Outcome
 from ..core.logprobs import TokenLogprob
 from ..core.protocol import Generate
 from ..core.sampling import options_asked
-from ..errors import BackendError, GenerationCancelled, ProtocolError, WireCode
-from ..logs import context
+from ..errors import ProtocolError
 from ..shaping.shaper import OutputFormat
 from .request import GenerationRequest
+
+if TYPE_CHECKING:
+    from .embed_door import EmbedDoor
 
 __all__ = [
     "Backend",
     "CancelEvent",
-    "EmbedSubmission",
     "GenerationRequest",
     "Liveness",
     "Outcome",
     "OutputFormat",
     "Sink",
     "Submission",
-    "ThreadedBackend",
     "TokenSink",
     "UpstreamStats",
 ]
-
-log = logging.getLogger("wsserver.producer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,27 +257,6 @@ class Submission:
     def join(self, timeout: float) -> None:
         """Block until what :meth:`alive` reports is gone. Called off the loop."""
         return None
-
-
-class EmbedSubmission(Submission):
-    """The handle of one embedding request (:meth:`Backend.embed`): the engine
-    completes it once, with the result (:meth:`finish`) or a wire code and
-    message (:meth:`fail`) — or, cancelled, with neither, within one step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.result: Embedded | None = None
-        self.error: tuple[WireCode, str] | None = None
-
-    def finish(self, result: Embedded) -> None:
-        if not self.done:
-            self.result = result
-        self.complete()
-
-    def fail(self, code: WireCode, message: str) -> None:
-        if not self.done:
-            self.error = (code, message)
-        self.complete()
 
 
 class Backend(abc.ABC):
@@ -452,100 +423,7 @@ class Backend(abc.ABC):
     ) -> Submission:
         """Start ``request`` on ``slot``; called on the event loop, returns at once."""
 
-    def embedding(self) -> str | None:
-        """What :meth:`embed` serves for this model, once loaded: ``"embed"``
-        (vectors), ``"rerank"`` (a reranker's scores), or None (neither). Quick."""
+    def embeddings(self) -> EmbedDoor | None:
+        """The loaded model's embedding door (:mod:`.embed_door`), or None:
+        it embeds nothing (this default; the request is refused by name)."""
         return None
-
-    def prepare_embed(self, request: Embed) -> Embed:
-        """``request``'s inputs as the engine will read them, checked (the
-        llama engine tokenizes them and bounds their tokens here); called on
-        a worker thread once the request has its slot, before :meth:`embed`.
-        Raises :class:`~wsserver.errors.ProtocolError` to refuse it."""
-        return request
-
-    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
-        """Start an embedding (or rerank) request on ``slot``, as :meth:`submit`
-        starts a generation: on the event loop, returning at once; the engine
-        completes the :class:`EmbedSubmission` once. An engine that embeds
-        nothing refuses by name (this default)."""
-        what = "rerank is" if request.kind == "rerank" else "embeddings are"
-        submission = EmbedSubmission()
-        submission.fail(
-            "unsupported_option",
-            f"{what} not served by this model's engine ({self.model_name})",
-        )
-        return submission
-
-
-class _ThreadSubmission(Submission):
-    def __init__(self) -> None:
-        super().__init__()
-        self.thread: threading.Thread | None = None
-
-    def alive(self) -> bool:
-        thread = self.thread
-        return thread is not None and thread.is_alive()
-
-    def join(self, timeout: float) -> None:
-        # ``complete`` runs in the thread's last lines; the thread itself ends
-        # a moment later. Joining makes "stopped" mean gone.
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-
-class ThreadedBackend(Backend):
-    """The thread-per-request adapter: :meth:`generate` on a thread of its own.
-
-    The thread reports how the request ended into the sink — the outcome
-    ``generate`` returned, or the wire code of a :class:`BackendError`
-    (anything else is logged here and reported as ``internal``); a cancel ends
-    it quietly, the client having had its ``done`` already. It completes the
-    submission in its last lines.
-    """
-
-    @abc.abstractmethod
-    def generate(
-        self,
-        request: GenerationRequest,
-        *,
-        slot: int,
-        sink: TokenSink,
-        cancel: threading.Event,
-    ) -> Outcome:
-        """Generate the completion for ``request`` into ``sink``, blocking.
-
-        Returns how it ended (reason ``stop`` or ``length`` with token counts).
-        Raises what ``sink.emit`` raises, or :class:`BackendError`.
-        """
-
-    def submit(
-        self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
-    ) -> Submission:
-        submission = _ThreadSubmission()
-
-        def produce() -> None:
-            try:
-                sink.end(self.generate(request, slot=slot, sink=sink, cancel=cancel))
-            except GenerationCancelled:
-                pass
-            except BackendError as exc:
-                sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
-            except Exception:
-                # Unexpected: log the traceback here; the client only gets "internal".
-                log.exception(
-                    "id=%s backend failed", request.id, extra=context(request.conn_id, request.id)
-                )
-                sink.end(
-                    Outcome(
-                        reason="error", error_code="internal", error_message="the backend failed"
-                    )
-                )
-            finally:
-                submission.complete()
-
-        submission.thread = threading.Thread(
-            target=produce, name=f"wsserver-producer-{request.conn_id}-{request.id}", daemon=True
-        )
-        submission.thread.start()
-        return submission

@@ -55,23 +55,16 @@ from collections.abc import Iterable, Iterator
 
 import orjson
 
-from ..core.embedding import Embed
 from ..core.logprobs import LOGPROB_FLOOR, TokenLogprob, TopLogprob, token_text
 from ..core.protocol import DoneReason, Generate
 from ..core.sampling import LogitBias
 from ..core.textstream import TextAssembler
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..shaping.reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
-from .base import (
-    CancelEvent,
-    EmbedSubmission,
-    GenerationRequest,
-    Outcome,
-    ThreadedBackend,
-    TokenSink,
-)
-from .fake_embed import check_fake_inputs, run_fake_embed
+from .base import GenerationRequest, Outcome, TokenSink
+from .fake_embed import FakeEmbedDoor
 from .fake_json import Unsupported, fake_document
+from .threaded import ThreadedBackend
 
 __all__ = [
     "FakeBackend",
@@ -311,19 +304,12 @@ class FakeBackend(ThreadedBackend):
         self.text = text
         self.echo = echo
         self._text_tokens = text_tokens(text) if text is not None else None
+        #: Its embeddings (one door: tests may wrap its ``start``).
+        self.embed_door = FakeEmbedDoor(self, n_vocab=len(_WORDS))
 
-    def embedding(self) -> str | None:
+    def embeddings(self) -> FakeEmbedDoor:
         """The fake embeds and reranks (:mod:`.fake_embed`)."""
-        return "embed"
-
-    def prepare_embed(self, request: Embed) -> Embed:
-        check_fake_inputs(request, len(_WORDS))
-        return request
-
-    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
-        return run_fake_embed(
-            request, cancel, ms_per_token=self.prefill_ms_per_token, name=self.model_name
-        )
+        return self.embed_door
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The simulated count: what the request's ``usage.prompt_tokens`` will say."""

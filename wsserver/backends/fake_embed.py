@@ -16,15 +16,20 @@ import hashlib
 import math
 import struct
 import threading
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..core.embedding import Embed, Embedded, EmbedInput
 from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError, WireCode
-from .base import CancelEvent, EmbedSubmission
+from .base import CancelEvent
+from .embed_door import EmbedDoor, EmbedSubmission
+
+if TYPE_CHECKING:
+    from .fake import FakeBackend
 
 __all__ = [
     "FAKE_DIMENSIONS",
     "FAKE_EMBED_TOKENS",
+    "FakeEmbedDoor",
     "check_fake_inputs",
     "fake_score",
     "fake_tokens_of",
@@ -93,10 +98,32 @@ def check_fake_inputs(request: Embed, n_vocab: int) -> None:
             )
 
 
+class FakeEmbedDoor(EmbedDoor):
+    """The fake's embedding door: it embeds, and reranks too."""
+
+    def __init__(self, backend: FakeBackend, *, n_vocab: int) -> None:
+        self._backend = backend
+        self._n_vocab = n_vocab
+
+    @property
+    def kind(self) -> str:
+        return "embed"
+
+    def prepare(self, request: Embed) -> Embed:
+        check_fake_inputs(request, self._n_vocab)
+        return request
+
+    def start(self, request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
+        backend = self._backend
+        return run_fake_embed(
+            request, cancel, ms_per_token=backend.prefill_ms_per_token, name=backend.model_name
+        )
+
+
 def run_fake_embed(
     request: Embed, cancel: CancelEvent, *, ms_per_token: float, name: str
 ) -> EmbedSubmission:
-    """The fake's :meth:`~wsserver.backends.base.Backend.embed`: a thread that
+    """The fake's :meth:`FakeEmbedDoor.start`: a thread that
     waits its simulated time on ``cancel`` and completes the submission."""
     submission = EmbedSubmission()
 

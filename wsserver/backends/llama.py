@@ -42,14 +42,12 @@ import llama_cpp
 from llama_cpp._internals import LlamaModel
 
 from ..config import LlamaConfig
-from ..core.embedding import Embed
 from ..core.protocol import Generate
 from ..core.sampling import NEUTRAL
 from ..errors import BackendError, ModelLoadError, ProtocolError
 from .base import (
     Backend,
     CancelEvent,
-    EmbedSubmission,
     GenerationRequest,
     Liveness,
     Outcome,
@@ -61,7 +59,7 @@ from .gguf_meta import kv_cache_bytes
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
-from .llama_embed import Embedder, prepare_inputs
+from .llama_embed import Embedder
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
@@ -305,7 +303,8 @@ class LlamaBackend(Backend):
         self.engine.on_prefill = self._on_prefill
         if self.embed_batch > 0:
             self.embedder = Embedder(
-                model=self._model.model,
+                model=self._model,
+                name=self.model_name,
                 batch_tokens=self.embed_batch,
                 n_threads=self.n_threads,
                 native_abort=native,
@@ -393,35 +392,10 @@ class LlamaBackend(Backend):
     # ------------------------------------------------------------ requests
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
-        """The prompt's tokens and the stop strings, as llama-cpp-python would
-        make them (or as :meth:`prepare` made them). ``bad_request`` for a
-        prompt of no tokens: the input's fault (an empty prompt, or a chat
-        template that rendered nothing), not the engine's."""
-        prepared = request.prepared
-        if isinstance(prepared, PreparedPrompt):
-            if prepared.error is not None:
-                code, message = prepared.error
-                raise BackendError(message, code=code)
-            return list(prepared.tokens), prepared.stops
+        """The prompt's tokens and stop strings (:meth:`.llama_chat.LlamaChat.tokens`)."""
         vocab = self.vocab
         assert vocab is not None, "the model is not loaded"
-        stops = tuple(request.stop)
-        if request.prompt is not None:
-            tokens = vocab.bos + vocab.tokenize(request.prompt, add_bos=False)
-            if not tokens:
-                raise BackendError("the prompt is empty", code="bad_request")
-            return tokens, stops
-        text, more_stops, fallback = self.chat.prompt(request)
-        if fallback:
-            return vocab.bos + vocab.tokenize(text, add_bos=False), stops + more_stops
-        # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
-        tokens = vocab.tokenize(text, add_bos=False)
-        if not tokens:
-            raise BackendError(
-                "the model's chat template rendered an empty prompt for these messages",
-                code="bad_request",
-            )
-        return tokens, stops + more_stops
+        return self.chat.tokens(request, vocab)
 
     def prepare_blocks(self, request: GenerationRequest) -> bool:
         return (
@@ -510,33 +484,10 @@ class LlamaBackend(Backend):
             return _ended(sink, Outcome("error", error_code=exc.code, error_message=str(exc)))
         return self.engine.submit(request, sink, cancel)
 
-    # ------------------------------------------------------------ embeddings
-
-    def embedding(self) -> str | None:
-        return self.embedder.kind if self.embedder is not None else None
-
-    def prepare_embed(self, request: Embed) -> Embed:
-        """Tokenize and check ``request``'s inputs (on a worker thread):
-        :func:`.llama_embed.prepare_inputs`."""
-        embedder, model = self.embedder, self._model
-        if embedder is None or model is None:
-            raise ProtocolError(
-                "unsupported_option",
-                f"the model {self.model_name!r} serves no embeddings (backend.llama.embed_batch = 0)"
-                if self.embed_batch <= 0
-                else f"the model {self.model_name!r} is not loaded",
-                request.id,
-            )
-        return prepare_inputs(request, model=model, embedder=embedder, name=self.model_name)
-
-    def embed(self, request: Embed, *, slot: int, cancel: CancelEvent) -> EmbedSubmission:
-        embedder = self.embedder
-        if embedder is None or not request.tokenized:
-            submission = EmbedSubmission()
-            submission.fail("internal", "the request was not prepared for this model")
-            return submission
-        tokens = tuple(t for t in request.inputs if isinstance(t, tuple))
-        return embedder.submit(request, tokens, cancel)
+    def embeddings(self) -> Embedder | None:
+        """The embedding door (:mod:`.llama_embed`): while loaded, unless
+        ``backend.llama.embed_batch`` is 0."""
+        return self.embedder
 
 
 def _ended(sink: Sink, outcome: Outcome) -> Submission:

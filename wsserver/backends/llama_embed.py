@@ -49,15 +49,13 @@ this context's abort flag (ggml stops at its next graph node). Nothing of an
 aborted decode is kept — its other inputs simply run again next step.
 
 **Memory.** Bounded before anything runs (the backend's
-:meth:`~.llama.LlamaBackend.prepare_embed`): the inputs' count, their
+:meth:`Embedder.prepare`, :mod:`.llama_embed_inputs`): the inputs' count, their
 tokens in all, and the vectors' bytes (inputs x dimensions x 4). The vectors
 are kept as float32 bytes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import functools
 import logging
 import threading
@@ -65,61 +63,29 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import llama_cpp
 import numpy as np
 
 from ..core.embedding import Embed, Embedded
-from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from ..logs import context
-from .base import CancelEvent, EmbedSubmission
+from .base import CancelEvent
+from .embed_door import EmbedDoor, EmbedSubmission
 from .llama_context import AbortFlag
+from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
 
-__all__ = [
-    "MAX_SEQUENCES",
-    "POOLING_NAMES",
-    "EmbedJob",
-    "Embedder",
-    "gguf_pooling",
-    "prepare_inputs",
-    "rerank_tokens",
-]
+if TYPE_CHECKING:
+    from llama_cpp._internals import LlamaModel
+
+__all__ = ["MAX_SEQUENCES", "EmbedJob", "Embedder"]
 
 log = logging.getLogger("wsserver.llama")
 
 #: Inputs in one decode at most (llama.cpp allows 256 sequences).
 MAX_SEQUENCES: Final = 64
-#: The names of llama.cpp's pooling types (docs, logs).
-POOLING_NAMES: Final = {
-    llama_cpp.LLAMA_POOLING_TYPE_NONE: "none",
-    llama_cpp.LLAMA_POOLING_TYPE_MEAN: "mean",
-    llama_cpp.LLAMA_POOLING_TYPE_CLS: "cls",
-    llama_cpp.LLAMA_POOLING_TYPE_LAST: "last",
-    llama_cpp.LLAMA_POOLING_TYPE_RANK: "rank",
-}
 #: Weight of the newest decode in the moving average of a token's cost.
 _COST_WEIGHT: Final = 0.5
-
-
-def _meta(model: Any, key: str) -> str | None:
-    buffer = ctypes.create_string_buffer(256)
-    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, len(buffer))
-    return buffer.value.decode("utf-8", "replace") if n >= 0 else None
-
-
-def gguf_pooling(model: Any) -> int:
-    """The pooling this model embeds with: the GGUF's ``{arch}.pooling_type``,
-    or mean for a model that declares none (a generative model)."""
-    arch = _meta(model, "general.architecture") or ""
-    declared = _meta(model, f"{arch}.pooling_type")
-    try:
-        pooling = int(declared) if declared is not None else llama_cpp.LLAMA_POOLING_TYPE_NONE
-    except ValueError:
-        pooling = llama_cpp.LLAMA_POOLING_TYPE_NONE
-    if pooling not in POOLING_NAMES or pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
-        return llama_cpp.LLAMA_POOLING_TYPE_MEAN
-    return pooling
 
 
 @dataclass(eq=False)
@@ -140,24 +106,29 @@ class EmbedJob:
     on_cancel: Any = None
 
 
-class Embedder:
-    """A model's embedding context and queue, stepped by its engine thread."""
+class Embedder(EmbedDoor):
+    """A model's embedding context and queue, stepped by its engine thread:
+    the loaded model's embedding door (:mod:`.embed_door`)."""
 
     def __init__(
         self,
         *,
-        model: Any,
+        model: LlamaModel,
+        name: str,
         batch_tokens: int,
         n_threads: int,
         native_abort: bool = True,
     ) -> None:
-        self._model = model
+        #: The loaded model (its tokenizer); ``_model`` is its llama.cpp handle.
+        self.llama_model = model
+        self._model = model.model
+        self._name = name
         #: The longest input, and the most tokens one decode holds.
         self.batch_tokens = batch_tokens
         self._n_threads = n_threads
         self._native_abort = native_abort
-        self.pooling = gguf_pooling(model)
-        self.n_embd: int = llama_cpp.llama_model_n_embd(model)
+        self.pooling = gguf_pooling(self._model)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
         self._cond: threading.Condition = threading.Condition(threading.RLock())
         self._incoming: list[EmbedJob] = []
         self._jobs: deque[EmbedJob] = deque()
@@ -177,7 +148,7 @@ class Embedder:
 
     @property
     def kind(self) -> str:
-        """``rerank`` for a rank model, else ``embed``."""
+        """``rerank`` for a rank model (pooling rank), else ``embed``."""
         return "rerank" if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else "embed"
 
     def bind(self, cond: threading.Condition) -> None:
@@ -186,9 +157,17 @@ class Embedder:
 
     # ------------------------------------------------------------ loop side
 
-    def submit(
-        self, request: Embed, tokens: tuple[tuple[int, ...], ...], cancel: CancelEvent
-    ) -> EmbedSubmission:
+    def prepare(self, request: Embed) -> Embed:
+        """Tokenize and check ``request``'s inputs (on a worker thread):
+        :func:`.llama_embed_inputs.prepare_inputs`."""
+        return prepare_inputs(request, model=self.llama_model, embedder=self, name=self._name)
+
+    def start(self, request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
+        if not request.tokenized:
+            submission = EmbedSubmission()
+            submission.fail("internal", "the request was not prepared for this model")
+            return submission
+        tokens = tuple(t for t in request.inputs if isinstance(t, tuple))
         job = EmbedJob(request, tokens, cancel, EmbedSubmission())
         with self._cond:
             self._incoming.append(job)
@@ -421,114 +400,3 @@ class Embedder:
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-
-
-# ---------------------------------------------------------------- requests
-
-
-def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str) -> Embed:
-    """``request`` with every input as the tokens the engine decodes, checked
-    (off the loop and off the engine thread: a worker thread). Texts are
-    tokenized as ``Llama.embed`` does (the model's BOS, special tokens not
-    parsed); token ids are taken as given; a rerank's document becomes the
-    pair llama-server makes (:func:`rerank_tokens`). Raises
-    :class:`~wsserver.errors.ProtocolError`: the model serves the other kind
-    (``unsupported_option``), a token outside the vocabulary (``bad_request``),
-    an input longer than ``embed_batch`` (``too_large``, detail
-    ``context_length_exceeded``), more
-    tokens or vector bytes than the request's limits (``bad_request``)."""
-    kind = embedder.kind
-    if request.kind != kind:
-        pooling = POOLING_NAMES.get(embedder.pooling, str(embedder.pooling))
-        if request.kind == "rerank":
-            message = (
-                f"the model {name!r} cannot rerank: its pooling is {pooling}, a reranker's "
-                "is rank (serve a reranker GGUF for /v1/rerank)"
-            )
-        else:
-            message = (
-                f"the model {name!r} is a reranker (pooling rank): it serves /v1/rerank, "
-                "not embeddings"
-            )
-        raise ProtocolError("unsupported_option", message, request.id)
-    if request.tokenized:
-        return request
-    limits = request.limits
-    if kind == "embed" and len(request.inputs) * embedder.n_embd * 4 > limits.max_vector_bytes:
-        raise ProtocolError(
-            "bad_request",
-            f"{len(request.inputs)} inputs of {embedder.n_embd} dimensions are more than "
-            f"{limits.max_vector_bytes} bytes of vectors: send fewer inputs per request",
-            request.id,
-        )
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model.model))
-    query: list[int] = []
-    if request.kind == "rerank":
-        query = _text_tokens(model, request.query or "")
-    out: list[tuple[int, ...]] = []
-    total = 0
-    for index, given in enumerate(request.inputs):
-        if isinstance(given, str):
-            tokens = (
-                rerank_tokens(model, query, _text_tokens(model, given))
-                if request.kind == "rerank"
-                else list(model.tokenize(given.encode("utf-8"), add_bos=True, special=False))
-            )
-        else:
-            for token in given:
-                if not 0 <= token < n_vocab:
-                    raise ProtocolError(
-                        "bad_request",
-                        f"input {index}: token {token} is not in the model's vocabulary "
-                        f"(ids 0 to {n_vocab - 1})",
-                        request.id,
-                    )
-            tokens = list(given)
-        if not tokens:
-            raise ProtocolError("bad_request", f"input {index} has no tokens", request.id)
-        if len(tokens) > embedder.batch_tokens:
-            raise ProtocolError(
-                "too_large",
-                f"input {index} is {len(tokens)} tokens; this model embeds inputs of at most "
-                f"{embedder.batch_tokens} tokens (backend.llama.embed_batch)",
-                request.id,
-                detail=CONTEXT_LENGTH_EXCEEDED,
-            )
-        total += len(tokens)
-        if total > limits.max_tokens:
-            raise ProtocolError(
-                "bad_request",
-                f"the inputs are more than {limits.max_tokens} tokens together: "
-                "send fewer per request",
-                request.id,
-            )
-        out.append(tuple(tokens))
-    return dataclasses.replace(request, inputs=tuple(out), tokenized=True)
-
-
-def _text_tokens(model: Any, text: str) -> list[int]:
-    return list(model.tokenize(text.encode("utf-8"), add_bos=False, special=False))
-
-
-def rerank_tokens(model: Any, query: list[int], document: list[int]) -> list[int]:
-    """A (query, document) pair as llama-server's ``/v1/rerank`` feeds a
-    reranker without a rerank template: ``[BOS] query [EOS] [SEP] document
-    [EOS]``, each special token where the vocabulary adds it (EOS: SEP when
-    the vocabulary has no EOS)."""
-    vocab = llama_cpp.llama_model_get_vocab(model.model)
-    eos = llama_cpp.llama_vocab_eos(vocab)
-    sep = llama_cpp.llama_vocab_sep(vocab)
-    if eos == -1:
-        eos = sep
-    tokens: list[int] = []
-    if llama_cpp.llama_vocab_get_add_bos(vocab):
-        tokens.append(llama_cpp.llama_vocab_bos(vocab))
-    tokens.extend(query)
-    if llama_cpp.llama_vocab_get_add_eos(vocab):
-        tokens.append(eos)
-    if llama_cpp.llama_vocab_get_add_sep(vocab):
-        tokens.append(sep)
-    tokens.extend(document)
-    if llama_cpp.llama_vocab_get_add_eos(vocab):
-        tokens.append(eos)
-    return tokens

@@ -85,7 +85,7 @@ class Embed:
     conn_id: str = ""
     limits: EmbedLimits = DEFAULT_LIMITS
     #: Every input is the engine's tokens already (its backend's
-    #: ``prepare_embed`` made them, checked): nothing more to tokenize.
+    #: the embedding door's ``prepare`` made them, checked): nothing more to tokenize.
     tokenized: bool = False
 
 
