@@ -84,8 +84,8 @@ class Embed:
     #: The connection it came on (log lines, the scheduler's owner).
     conn_id: str = ""
     limits: EmbedLimits = DEFAULT_LIMITS
-    #: Every input is the engine's tokens already (its backend's
-    #: the embedding door's ``prepare`` made them, checked): nothing more to tokenize.
+    #: Every input is the engine's tokens already (the model's embedding
+    #: door's ``prepare`` made them, checked): nothing more to tokenize.
     tokenized: bool = False
 
 
