@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from collections.abc import Callable
 
 from ..backends.base import CancelEvent
@@ -42,6 +44,8 @@ class EmbedRun:
         self.request = request
         self._event = CancelEvent()
         self._acquire: asyncio.Future[int] | None = None
+        #: When the request started (its durations are from here).
+        self._started = time.monotonic()
         #: The engine's handle, once submitted.
         self.submission: EmbedSubmission | None = None
 
@@ -71,6 +75,7 @@ class EmbedRun:
             if self.cancelled:
                 return None
             raise
+        queued_ms = (time.monotonic() - self._started) * 1000.0
         loop = asyncio.get_running_loop()
         released = False
         try:
@@ -95,14 +100,18 @@ class EmbedRun:
             await asyncio.shield(finished)
         finally:
             if not released:
-                services.models.release(model, slot)
+                services.models.release(model, slot, request.keep_alive)
         if submission.error is not None:
             code, message = submission.error
             raise ProtocolError(code, message, request.id)
-        return None if self.cancelled else submission.result
+        result = submission.result
+        if self.cancelled or result is None:
+            return None
+        total_ms = (time.monotonic() - self._started) * 1000.0
+        return dataclasses.replace(result, queued_ms=queued_ms, total_ms=total_ms)
 
     def _release(self, slot: int, finished: asyncio.Future[None]) -> None:
-        self._services.models.release(self._model, slot)
+        self._services.models.release(self._model, slot, self.request.keep_alive)
         if not finished.done():
             finished.set_result(None)
 

@@ -140,16 +140,26 @@ class Exchange:
             answer.stop_keepalive()
 
     async def run_embed(
-        self, request: Embed, asked: str | None, render: Callable[[Embedded, str], bytes]
+        self,
+        request: Embed,
+        asked: str | None,
+        render: Callable[[Embedded, str], bytes],
+        *,
+        model: Model | None = None,
     ) -> None:
         """Serve an embedding or rerank request on the model ``asked`` for; its
         answer is ``render(result, served name)``, whole. Returns once it is
-        answered, or its client is gone (which cancels it in the engine)."""
+        answered, or its client is gone (which cancels it in the engine).
+        ``model``: resolved already by a dialect that names models its own
+        way (Ollama's), ``asked`` the name it is served under."""
         route = self._route
-        try:
-            model, name = self._services.models.lookup(asked, request.id)
-        except ProtocolError as exc:
-            raise ApiError.from_protocol(exc) from None
+        if model is not None and asked is not None:
+            name = asked
+        else:
+            try:
+                model, name = self._services.models.lookup(asked, request.id)
+            except ProtocolError as exc:
+                raise ApiError.from_protocol(exc) from None
         request = dataclasses.replace(request, model=name, conn_id=route.log.conn_id)
         run = self._embedding = EmbedRun(self._services, model, request)
         route.begin(self)

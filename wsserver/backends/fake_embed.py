@@ -12,6 +12,7 @@ tokens), waited on the request's cancel event: a cancel ends it at once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
@@ -65,11 +66,14 @@ def fake_score(query: str, document: EmbedInput) -> float:
     return math.fsum(a * b for a, b in zip(q, d, strict=True))
 
 
-def check_fake_inputs(request: Embed, n_vocab: int) -> None:
-    """Refuse what the llama engine refuses too: a token outside the
-    vocabulary, an input over the longest, more tokens than the limits allow."""
+def check_fake_inputs(request: Embed, n_vocab: int) -> Embed:
+    """``request`` as the fake embeds it: refused as the llama engine refuses
+    (a token outside the vocabulary, an input over the longest, more tokens
+    than the limits allow), an input over the longest cut to it if the
+    request asks (``truncate``: a text to its first bytes, four a token)."""
     total = 0
-    for index, item in enumerate(request.inputs):
+    inputs = list(request.inputs)
+    for index, item in enumerate(inputs):
         if not isinstance(item, str):
             for token in item:
                 if not 0 <= token < n_vocab:
@@ -80,7 +84,14 @@ def check_fake_inputs(request: Embed, n_vocab: int) -> None:
                         request.id,
                     )
         n = fake_tokens_of(item)
-        if n > FAKE_EMBED_TOKENS:
+        if n > FAKE_EMBED_TOKENS and request.truncate:
+            item = inputs[index] = (
+                item.encode()[: FAKE_EMBED_TOKENS * 4].decode("utf-8", "ignore")
+                if isinstance(item, str)
+                else item[:FAKE_EMBED_TOKENS]
+            )
+            n = fake_tokens_of(item)
+        elif n > FAKE_EMBED_TOKENS:
             raise ProtocolError(
                 "too_large",
                 f"input {index} is {n} tokens; this model embeds inputs of at most "
@@ -96,6 +107,7 @@ def check_fake_inputs(request: Embed, n_vocab: int) -> None:
                 "send fewer per request",
                 request.id,
             )
+    return dataclasses.replace(request, inputs=tuple(inputs))
 
 
 class FakeEmbedDoor(EmbedDoor):
@@ -110,8 +122,7 @@ class FakeEmbedDoor(EmbedDoor):
         return "embed"
 
     def prepare(self, request: Embed) -> Embed:
-        check_fake_inputs(request, self._n_vocab)
-        return request
+        return check_fake_inputs(request, self._n_vocab)
 
     def start(self, request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
         backend = self._backend

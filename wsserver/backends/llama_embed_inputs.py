@@ -112,7 +112,9 @@ def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str)
             tokens = list(given)
         if not tokens:
             raise ProtocolError("bad_request", f"input {index} has no tokens", request.id)
-        if len(tokens) > embedder.batch_tokens:
+        if len(tokens) > embedder.batch_tokens and request.truncate:
+            tokens = tokens[: embedder.batch_tokens]  # its first tokens, as Ollama cuts
+        elif len(tokens) > embedder.batch_tokens:
             raise ProtocolError(
                 "too_large",
                 f"input {index} is {len(tokens)} tokens; this model embeds inputs of at most "

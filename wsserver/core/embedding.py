@@ -84,6 +84,12 @@ class Embed:
     #: The connection it came on (log lines, the scheduler's owner).
     conn_id: str = ""
     limits: EmbedLimits = DEFAULT_LIMITS
+    #: An input longer than the model embeds is cut to its first tokens
+    #: (Ollama's ``truncate``); else it is refused with its index.
+    truncate: bool = False
+    #: How long the model stays loaded after this request (seconds; None:
+    #: the model's own keep-alive), as a generation's ``keep_alive``.
+    keep_alive: float | None = None
     #: Every input is the engine's tokens already (the model's embedding
     #: door's ``prepare`` made them, checked): nothing more to tokenize.
     tokenized: bool = False
@@ -102,6 +108,10 @@ class Embedded:
     prompt_tokens: int = 0
     #: The vectors' dimensions (0 for a rerank).
     dimensions: int = 0
+    #: Milliseconds from the request's start until the engine was its (a
+    #: model's load, a wait for a free slot), and until its end.
+    queued_ms: float = 0.0
+    total_ms: float = 0.0
 
 
 class EmbedInputError(ValueError):
