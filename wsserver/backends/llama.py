@@ -219,8 +219,8 @@ class LlamaBackend(Backend):
         return path
 
     def memory_estimate(self) -> int:
-        """The weights (the file's size) and the KV cache of every sequence,
-        from the GGUF header alone (docs/operations.md, "Several models")."""
+        """The weights (the file's size), every sequence's KV cache and the embedding
+        context, from the GGUF header alone (docs/operations.md, "Several models")."""
         path = self.model_file()
         try:
             kv = kv_cache_bytes(
@@ -229,6 +229,8 @@ class LlamaBackend(Backend):
                 type_k=self.cache_type_k,
                 type_v=self.cache_type_v,
             )
+            if self.embed_batch > 0:
+                kv += Embedder.context_bytes(path, self.embed_batch)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load model {path}: {exc}") from None
         return path.stat().st_size + kv
