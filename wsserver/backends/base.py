@@ -75,11 +75,10 @@ the loop.
 from __future__ import annotations
 
 import abc
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..core.call_parts import CallPart
 from ..core.events import Outcome
@@ -88,10 +87,9 @@ from ..core.protocol import Generate
 from ..core.sampling import options_asked
 from ..errors import ProtocolError
 from ..shaping.shaper import OutputFormat
+from .embed_door import EmbedDoor
+from .handles import CancelEvent, Submission
 from .request import GenerationRequest
-
-if TYPE_CHECKING:
-    from .embed_door import EmbedDoor
 
 __all__ = [
     "Backend",
@@ -134,42 +132,6 @@ class Liveness:
     stalled: bool = False
     #: Grammar computations the engine gave up on that still run natively.
     grammar_calls_running: int = 0
-
-
-class CancelEvent(threading.Event):
-    """A ``threading.Event`` that also runs callbacks, on the setting thread, when set.
-
-    An engine registers a callback to mirror the cancel into its own state the
-    instant it happens (the llama backend sets llama.cpp's abort flag; a
-    batched engine marks the sequence; an async engine cancels its task
-    through ``call_soon_threadsafe``) instead of keeping a thread blocked in
-    ``wait()``. Callbacks must be quick and must not raise.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._callbacks: list[Callable[[], None]] = []
-        self._callbacks_lock = threading.Lock()
-
-    def add_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` when the event is set — at once if it already is."""
-        with self._callbacks_lock:
-            if not self.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def remove_callback(self, callback: Callable[[], None]) -> None:
-        with self._callbacks_lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-    def set(self) -> None:
-        with self._callbacks_lock:
-            super().set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class TokenSink(Protocol):
@@ -215,48 +177,6 @@ class Sink(TokenSink, Protocol):
 
     def end(self, outcome: Outcome) -> None:
         """The request ended. Never blocks (an end always fits); dropped after a cancel."""
-
-
-class Submission:
-    """The handle of one submitted request: completed once, by the engine.
-
-    Callbacks run on the completing thread (at once if already completed).
-    The asyncio layer turns completion into a future and frees the slot then.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    def complete(self) -> None:
-        """The engine is done with the request and its slot. Idempotent."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def alive(self) -> bool:
-        """Whether the engine still runs anything for this request (a thread, a task)."""
-        return not self._done
-
-    def join(self, timeout: float) -> None:
-        """Block until what :meth:`alive` reports is gone. Called off the loop."""
-        return None
 
 
 class Backend(abc.ABC):

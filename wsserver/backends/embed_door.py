@@ -19,7 +19,7 @@ import abc
 
 from ..core.embedding import Embed, Embedded
 from ..errors import WireCode
-from .base import CancelEvent, Submission
+from .handles import CancelEvent, Submission
 
 __all__ = ["EmbedDoor", "EmbedSubmission"]
 

@@ -17,15 +17,20 @@ import hashlib
 import math
 import struct
 import threading
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from ..core.embedding import Embed, Embedded, EmbedInput
 from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError, WireCode
 from .base import CancelEvent
 from .embed_door import EmbedDoor, EmbedSubmission
 
-if TYPE_CHECKING:
-    from .fake import FakeBackend
+
+class _FakeSettings(Protocol):
+    """What the door reads of the fake engine, live (tests change them)."""
+
+    prefill_ms_per_token: float
+    model_name: str
+
 
 __all__ = [
     "FAKE_DIMENSIONS",
@@ -113,7 +118,7 @@ def check_fake_inputs(request: Embed, n_vocab: int) -> Embed:
 class FakeEmbedDoor(EmbedDoor):
     """The fake's embedding door: it embeds, and reranks too."""
 
-    def __init__(self, backend: FakeBackend, *, n_vocab: int) -> None:
+    def __init__(self, backend: _FakeSettings, *, n_vocab: int) -> None:
         self._backend = backend
         self._n_vocab = n_vocab
 

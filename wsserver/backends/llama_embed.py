@@ -169,7 +169,14 @@ class Embedder(EmbedDoor):
     def prepare(self, request: Embed) -> Embed:
         """Tokenize and check ``request``'s inputs (on a worker thread):
         :func:`.llama_embed_inputs.prepare_inputs`."""
-        return prepare_inputs(request, model=self.llama_model, embedder=self, name=self._name)
+        return prepare_inputs(
+            request,
+            model=self.llama_model,
+            pooling=self.pooling,
+            n_embd=self.n_embd,
+            batch_tokens=self.batch_tokens,
+            name=self._name,
+        )
 
     def start(self, request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
         if not request.tokenized:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import llama_cpp
 
 from ..core.embedding import Embed
 from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
-
-if TYPE_CHECKING:
-    from .llama_embed import Embedder
 
 __all__ = ["POOLING_NAMES", "gguf_pooling", "prepare_inputs", "rerank_tokens"]
 
@@ -52,7 +49,9 @@ def gguf_pooling(model: Any) -> int:
     return pooling
 
 
-def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str) -> Embed:
+def prepare_inputs(
+    request: Embed, *, model: Any, pooling: int, n_embd: int, batch_tokens: int, name: str
+) -> Embed:
     """``request`` with every input as the tokens the engine decodes, checked
     (off the loop and off the engine thread: a worker thread). Texts are
     tokenized as ``Llama.embed`` does (the model's BOS, special tokens not
@@ -63,12 +62,12 @@ def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str)
     an input longer than ``embed_batch`` (``too_large``, detail
     ``context_length_exceeded``), more
     tokens or vector bytes than the request's limits (``bad_request``)."""
-    kind = embedder.kind
+    kind = "rerank" if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else "embed"
     if request.kind != kind:
-        pooling = POOLING_NAMES.get(embedder.pooling, str(embedder.pooling))
+        pooled = POOLING_NAMES.get(pooling, str(pooling))
         if request.kind == "rerank":
             message = (
-                f"the model {name!r} cannot rerank: its pooling is {pooling}, a reranker's "
+                f"the model {name!r} cannot rerank: its pooling is {pooled}, a reranker's "
                 "is rank (serve a reranker GGUF for /v1/rerank)"
             )
         else:
@@ -80,10 +79,10 @@ def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str)
     if request.tokenized:
         return request
     limits = request.limits
-    if kind == "embed" and len(request.inputs) * embedder.n_embd * 4 > limits.max_vector_bytes:
+    if kind == "embed" and len(request.inputs) * n_embd * 4 > limits.max_vector_bytes:
         raise ProtocolError(
             "bad_request",
-            f"{len(request.inputs)} inputs of {embedder.n_embd} dimensions are more than "
+            f"{len(request.inputs)} inputs of {n_embd} dimensions are more than "
             f"{limits.max_vector_bytes} bytes of vectors: send fewer inputs per request",
             request.id,
         )
@@ -112,13 +111,13 @@ def prepare_inputs(request: Embed, *, model: Any, embedder: Embedder, name: str)
             tokens = list(given)
         if not tokens:
             raise ProtocolError("bad_request", f"input {index} has no tokens", request.id)
-        if len(tokens) > embedder.batch_tokens and request.truncate:
-            tokens = tokens[: embedder.batch_tokens]  # its first tokens, as Ollama cuts
-        elif len(tokens) > embedder.batch_tokens:
+        if len(tokens) > batch_tokens and request.truncate:
+            tokens = tokens[:batch_tokens]  # its first tokens, as Ollama cuts
+        elif len(tokens) > batch_tokens:
             raise ProtocolError(
                 "too_large",
                 f"input {index} is {len(tokens)} tokens; this model embeds inputs of at most "
-                f"{embedder.batch_tokens} tokens (backend.llama.embed_batch)",
+                f"{batch_tokens} tokens (backend.llama.embed_batch)",
                 request.id,
                 detail=CONTEXT_LENGTH_EXCEEDED,
             )
