@@ -180,6 +180,11 @@ async def test_a_client_gone_cancels_its_embedding_and_frees_the_slot() -> None:
             )
             async with asyncio.timeout(timeout(10)):
                 await started.wait()
+            # The embedding request owns its slot: the scheduler's books balance
+            # however long it runs (before, /readyz went 503 after a second).
+            now = asyncio.get_running_loop().time()
+            assert server.orphaned_slots(now) == []
+            assert server.orphaned_slots(now + 60.0) == []
             task.cancel()  # the client walks away: its connection closes
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -78,6 +78,7 @@ class EmbedRun:
         queued_ms = (time.monotonic() - self._started) * 1000.0
         loop = asyncio.get_running_loop()
         released = False
+        services.embed_slots[self] = (model.name, slot)
         try:
             if self.cancelled:
                 return None
@@ -100,6 +101,7 @@ class EmbedRun:
             await asyncio.shield(finished)
         finally:
             if not released:
+                services.embed_slots.pop(self, None)
                 services.models.release(model, slot, request.keep_alive)
         if submission.error is not None:
             code, message = submission.error
@@ -111,6 +113,7 @@ class EmbedRun:
         return dataclasses.replace(result, queued_ms=queued_ms, total_ms=total_ms)
 
     def _release(self, slot: int, finished: asyncio.Future[None]) -> None:
+        self._services.embed_slots.pop(self, None)
         self._services.models.release(self._model, slot, self.request.keep_alive)
         if not finished.done():
             finished.set_result(None)
