@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,6 +27,10 @@ import pytest
 
 from wsserver.aio import Server
 from wsserver.config import Config, load_config
+
+# The tree's own Python client: an installed one may be another checkout's
+# (an editable install of the main tree, tested from a worktree).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "python"))
 
 ROOT = Path(__file__).resolve().parents[1]
 # Ctrl-C tests send SIGINT to the processes they start. A suite started in

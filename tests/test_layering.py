@@ -61,17 +61,18 @@ def modules_in(package: str) -> list[str]:
 CORE = modules_in("wsserver.core")
 
 #: The dialects' halves without I/O, one package each (``wsserver/dialects``).
-DIALECT_PACKAGES = ("openai", "anthropic", "responses", "ollama")
+DIALECT_PACKAGES = ("openai", "anthropic", "responses", "ollama", "embeddings")
 
 #: Each dialect's own modules (a wire's parsing, rendering and transport): its
 #: package under ``wsserver/dialects`` and its asyncio half.
 DIALECTS = {
-    "websocket": {"wsserver.aio.connection"},
+    "websocket": {"wsserver.aio.connection", "wsserver.aio.embed_requests"},
     **{name: set(modules_in(f"wsserver.dialects.{name}")) for name in DIALECT_PACKAGES},
 }
 DIALECTS["openai"] |= {"wsserver.aio.openai_routes"}
 DIALECTS["anthropic"] |= {"wsserver.aio.anthropic_http"}
 DIALECTS["ollama"] |= {"wsserver.aio.ollama_http"}
+DIALECTS["embeddings"] |= {"wsserver.aio.embedding_routes"}
 DIALECTS["responses"] |= {
     "wsserver.aio.responses_run",
     "wsserver.aio.responses_http",
@@ -94,6 +95,7 @@ SANS_IO = [
     "wsserver.backends.gguf_meta",
     "wsserver.backends.int_range",
     "wsserver.backends.token_text",
+    "wsserver.backends.fake_embed",
     "wsserver.pull",
     "wsserver.pull.reference",
     "wsserver.pull.progress",
@@ -192,6 +194,7 @@ WIRE_NEUTRAL = [
     "wsserver.aio.resume",
     "wsserver.aio.responses_run",
     "wsserver.aio.exchange",
+    "wsserver.aio.embed_run",
 ]
 
 

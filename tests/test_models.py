@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 
 from wsserver.core.models import Resident, plan_room
@@ -715,3 +716,18 @@ async def test_requests_racing_an_unload_are_served_by_a_reload(
             )
             assert text_a == text_b == alone["beta"], frames
             assert frames[-1]["model"] == "beta"
+
+
+def test_a_models_memory_counts_its_embedding_context(ggufs: dict[str, Path]) -> None:
+    """llama.cpp sizes an embedding context's compute buffer for the output
+    head over every position (517 MiB measured for the default model at
+    embed_batch 512): the budget counts it before the load, and nothing for
+    a model served without embeddings (embed_batch 0)."""
+    path = ggufs["alpha"]
+    with_embeddings = estimate(path)
+    without = LlamaBackend(model=str(path), n_ctx=256, parallel=2, embed_batch=0).memory_estimate()
+    n_vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
+    assert n_vocab > 0
+    assert with_embeddings - without >= 512 * n_vocab * 4
+    smaller = LlamaBackend(model=str(path), n_ctx=256, parallel=2, embed_batch=128)
+    assert without < smaller.memory_estimate() < with_embeddings

@@ -78,6 +78,10 @@ def test_names_sizes_and_capabilities_as_ollama_writes_them() -> None:
         "tools",
         "thinking",
     )
+    # An embedding GGUF (it declares a pooling type) writes no text; a reranker embeds nothing.
+    assert capabilities(tools=True, template="", embedding=True, encoder=True) == ("embedding",)
+    assert capabilities(tools=True, template="", embedding=False, encoder=True) == ()
+    assert capabilities(tools=False, template="", embedding=True) == ("completion", "embedding")
 
 
 # ---------------------------------------------------------------- the server
@@ -110,10 +114,12 @@ async def test_list_show_ps_and_version_on_a_gguf(
         assert info["general.architecture"] == "llama"
         assert info["llama.context_length"] == header_value(tiny_gguf, "llama.context_length")
         assert info["llama.block_count"] == header_value(tiny_gguf, "llama.block_count")
-        assert shown.capabilities == ["completion", "tools"]
+        # Loaded (the default model): its engine embeds it (mean pooling).
+        assert shown.capabilities == ["completion", "embedding", "tools"]
         assert (await c.show("tiny:latest")).details == shown.details
         thinker = await c.show("thinker")
         assert thinker.template == THINKING_TEMPLATE
+        # Not loaded: a generative GGUF's header says nothing of embeddings.
         assert thinker.capabilities == ["completion", "tools", "thinking"]
 
         # Loaded: the default (at start), with its keep-alive of 600 s once idle.
@@ -147,7 +153,9 @@ async def test_the_fake_engine_is_listed_without_a_file() -> None:
         assert entry.model == "fake:latest" and entry.size == 0 and entry.details is not None
         assert entry.details.format == "" and entry.details.family == ""
         shown = await c.show(FAKE_MODEL)
-        assert shown.capabilities == ["completion", "tools"] and shown.modelinfo == {}
+        # The fake embeds too (its vectors are deterministic: docs/embeddings.md).
+        assert shown.capabilities == ["completion", "embedding", "tools"]
+        assert shown.modelinfo == {}
         (running,) = (await c.ps()).models
         # Kept until its memory is needed (no keep_alive_s): "forever".
         assert running.expires_at == datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC)
@@ -164,8 +172,6 @@ async def test_unknown_models_and_unsupported_endpoints_are_named_in_ollamas_sha
                 (c.copy(FAKE_MODEL, "other"), "/api/copy"),
                 (c.push("x/y"), "/api/push"),
                 (c.create(model="x", from_=FAKE_MODEL), "/api/create"),
-                (c.embed(model=FAKE_MODEL, input="x"), "/api/embed"),
-                (c.embeddings(model=FAKE_MODEL, prompt="x"), "/api/embeddings"),
             ]
             for call, named in calls:
                 with pytest.raises(ollama.ResponseError) as info:

@@ -243,7 +243,7 @@ async def test_errors_come_as_the_sdks_exceptions_with_our_messages() -> None:
         assert info.value.status_code == 413
         assert isinstance(info.value.body, dict) and info.value.body["code"] == "too_large"
         async with aiohttp.ClientSession() as raw:
-            async with raw.get(base_url(server) + "/embeddings") as missing:
+            async with raw.get(base_url(server) + "/audio/speech") as missing:
                 assert missing.status == 404
                 assert (await missing.json())["error"]["type"] == "not_found_error"
             async with raw.get(base_url(server) + "/chat/completions") as wrong:

@@ -109,6 +109,8 @@ def write_tiny_gguf(
     chat_template: str | None = None,
     eos_scale: float = 0.5,
     extra_tokens: tuple[tuple[str, gguf.TokenType], ...] = (),
+    pooling: gguf.PoolingType | None = None,
+    causal: bool | None = None,
 ) -> Path:
     """Write the tiny model to ``path`` and return it (about 0.6 MB).
 
@@ -119,6 +121,10 @@ def write_tiny_gguf(
     tests need that); at 3 it ends after a handful of tokens.
     ``extra_tokens`` (text, type) come last in the vocabulary, in order: a
     vocabulary's control and user-defined tokens.
+    ``pooling`` writes ``llama.pooling_type`` (an embedding model's pooling;
+    by default none is declared, as in a generative model) and ``causal``
+    ``llama.attention.causal`` (False: an encoder's attention, every token
+    seeing every other).
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -157,6 +163,10 @@ def write_tiny_gguf(
     writer.add_add_space_prefix(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
+    if causal is not None:
+        writer.add_causal_attention(causal)
 
     def weight(rows: int, cols: int, scale: float) -> np.ndarray:
         # gguf stores numpy (rows, cols) as ggml ne = [cols, rows]: cols is the input dim.

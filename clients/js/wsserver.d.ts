@@ -223,6 +223,41 @@ export interface PullOptions {
   signal?: AbortSignal;
 }
 
+/** An `embed`'s input: OpenAI's shapes (none empty). */
+export type EmbedInput = string | string[] | number[] | number[][];
+
+export interface EmbedOptions {
+  /** The request ID (default: a fresh one). */
+  id?: string;
+  /** The model (default: the server's default model). */
+  model?: string;
+  /** Aborting it cancels the embed (the promise rejects with `cancelled`). */
+  signal?: AbortSignal;
+}
+
+/** What `client.embed()` resolves with. */
+export interface Embedding {
+  /** Each input's vector, in input order, as the model returns it (not normalised). */
+  vectors: number[][];
+  model: string;
+  /** The tokens the server's engine read. */
+  promptTokens: number;
+}
+
+export interface EmbedDoneFrame {
+  type: "embed_done";
+  id: string;
+  reason: "complete" | "cancelled" | "error";
+  /** `complete`: the model that embedded. */
+  model?: string;
+  /** `complete`: each vector, as floats (or base64 strings with `encoding_format` base64). */
+  data?: number[][] | string[];
+  encoding_format?: "float" | "base64";
+  usage?: { prompt_tokens: number };
+  /** `error`: why (`too_large` for an input over the model's length, …). */
+  error?: { code: ErrorCode; message: string };
+}
+
 /** A pull in flight (`client.pull()`). */
 export interface PullHandle {
   readonly id: string;
@@ -394,7 +429,8 @@ export type ServerFrame =
   | ErrorFrame
   | ResumedFrame
   | PullProgressFrame
-  | PullDoneFrame;
+  | PullDoneFrame
+  | EmbedDoneFrame;
 
 // ------------------------------------------------------------------ errors
 
@@ -716,6 +752,8 @@ export declare class WsClient extends Emitter<ClientEvents> {
    * `hello.pull` is true); served once `done` resolves with `complete`.
    */
   pull(reference: string, options?: PullOptions): PullHandle;
+  /** Each input's vector (docs/embeddings.md); rejects with a `WsError`. */
+  embed(input: EmbedInput, options?: EmbedOptions): Promise<Embedding>;
 }
 
 // Without this, every top-level declaration of a .d.ts module is exported,

@@ -50,6 +50,11 @@
  * across connections: a lost connection fails it with `connection_lost`
  * (the server keeps what it fetched, and pulling again resumes the file).
  *
+ * `client.embed(input)` resolves with each input's vector (docs/embeddings.md):
+ * one `embed` request, run in the server's model queue and engine beside the
+ * streams, its one `embed_done` settles it; aborting its `signal` cancels it.
+ * Like a pull it is not resumed: a lost connection fails it.
+ *
  * When to reconnect, how long to wait, what a kept request sends, which
  * refused resume is asked again and when to give up is one policy for every
  * wsserver client ({@link reconnectPolicy}, {@link RECONNECT_DEFAULTS}): the
@@ -109,6 +114,22 @@ const RECENT_LIMIT = 64;
  * @property {(done: PullDoneFrame) => void} resolve
  * @property {(error: WsError) => void} reject
  * @property {Promise<PullDoneFrame>} done
+ */
+
+/** @typedef {import("./wsserver.d.ts").EmbedOptions} EmbedOptions */
+/** @typedef {import("./wsserver.d.ts").EmbedInput} EmbedInput */
+/** @typedef {import("./wsserver.d.ts").Embedding} Embedding */
+/** @typedef {import("./wsserver.d.ts").EmbedDoneFrame} EmbedDoneFrame */
+
+/**
+ * An embed in flight (internal).
+ *
+ * @typedef {object} EmbedState
+ * @property {string} id
+ * @property {Record<string, unknown>} frame
+ * @property {boolean} sent
+ * @property {(result: Embedding) => void} resolve
+ * @property {(error: WsError) => void} reject
  */
 
 /**
@@ -757,6 +778,8 @@ export class WsClient extends Emitter {
   #recent = new Map();
   /** @type {Map<string, PullState>} pulls not ended, by ID */
   #pulls = new Map();
+  /** @type {Map<string, EmbedState>} embeds not ended, by ID */
+  #embeds = new Map();
   /** @type {HelloFrame | null} */
   #hello = null;
   #closedByUser = false;
@@ -1044,7 +1067,89 @@ export class WsClient extends Emitter {
     };
   }
 
+  /**
+   * Each input's vector, as the server's model returns it (not normalised):
+   * `input` is a string, strings, token ids or token-id arrays. Rejects with
+   * a `WsError` when the embed is refused or fails (its wire code), when its
+   * `signal` aborts (`cancelled`: the server lets it go within a step) or its
+   * connection is lost.
+   *
+   * @param {EmbedInput} input
+   * @param {EmbedOptions} [options]
+   * @returns {Promise<Embedding>}
+   */
+  embed(input, options = {}) {
+    const id = this.#takeId(options.id);
+    /** @type {Record<string, unknown>} */
+    const frame = { type: "embed", id, input };
+    if (options.model !== undefined) frame.model = options.model;
+    /** @type {(result: Embedding) => void} */
+    let resolve = () => {};
+    /** @type {(error: WsError) => void} */
+    let reject = () => {};
+    /** @type {Promise<Embedding>} */
+    const result = new Promise((res, rej) => {
+      resolve = res;
+      reject = rej;
+    });
+    /** @type {EmbedState} */
+    const state = { id, frame, sent: false, resolve, reject };
+    this.#embeds.set(id, state);
+    const signal = options.signal;
+    if (signal) {
+      const cancel = () => this.#cancelEmbed(state);
+      if (signal.aborted) queueMicrotask(cancel);
+      else {
+        signal.addEventListener("abort", cancel, { once: true });
+        result.finally(() => signal.removeEventListener("abort", cancel)).catch(() => {});
+      }
+    }
+    if (this.#closedByUser) {
+      queueMicrotask(() => this.#endEmbed(state, new WsError("closed", "the client is closed")));
+    } else if (this.#state === "open") {
+      this.#sendEmbed(state);
+    }
+    // Else it goes out with the next hello (#onHello).
+    return result;
+  }
+
   // ---------------------------------------------------------------- internals
+
+  /** @param {EmbedState} state */
+  #sendEmbed(state) {
+    state.sent = true;
+    this.#send(state.frame);
+  }
+
+  /** @param {EmbedState} state */
+  #cancelEmbed(state) {
+    if (this.#embeds.get(state.id) !== state) return;
+    if (state.sent && this.#ws && this.#state === "open") this.#send({ type: "cancel", id: state.id });
+    this.#endEmbed(state, new WsError("cancelled", "the embed was cancelled", { requestId: state.id }));
+  }
+
+  /**
+   * @param {EmbedState} state
+   * @param {EmbedDoneFrame | WsError} end
+   */
+  #endEmbed(state, end) {
+    if (this.#embeds.get(state.id) !== state) return;
+    this.#embeds.delete(state.id);
+    if (end instanceof WsError) {
+      state.reject(end);
+    } else if (end.reason === "complete") {
+      state.resolve({
+        vectors: /** @type {number[][]} */ (end.data ?? []),
+        model: end.model ?? "",
+        promptTokens: end.usage?.prompt_tokens ?? 0,
+      });
+    } else if (end.reason === "cancelled") {
+      state.reject(new WsError("cancelled", "the embed was cancelled", { requestId: state.id }));
+    } else {
+      const code = end.error?.code ?? "internal";
+      state.reject(new WsError(code, end.error?.message ?? "the embed failed", { requestId: state.id }));
+    }
+  }
 
   /** @param {PullState} state */
   #sendPull(state) {
@@ -1156,7 +1261,9 @@ export class WsClient extends Emitter {
   #takeId(id) {
     if (id === undefined) return this.newId();
     if (!ID_RE.test(id)) throw new TypeError("a request id is 1-64 characters of A-Z a-z 0-9 _ . : -");
-    if (this.#streams.has(id) || this.#pulls.has(id)) throw new TypeError(`request id ${id} is in use`);
+    if (this.#streams.has(id) || this.#pulls.has(id) || this.#embeds.has(id)) {
+      throw new TypeError(`request id ${id} is in use`);
+    }
     return id;
   }
 
@@ -1276,6 +1383,14 @@ export class WsClient extends Emitter {
       this.#onPullFrame(pull, frame);
       return;
     }
+    const embed = typeof id === "string" ? this.#embeds.get(id) : undefined;
+    if (embed) {
+      if (frame.type === "embed_done") this.#endEmbed(embed, frame);
+      else if (frame.type === "error") {
+        this.#endEmbed(embed, new WsError(frame.code, frame.message, { requestId: embed.id, frame }));
+      }
+      return;
+    }
     const stream = typeof id === "string" ? this.#streams.get(id) : undefined;
     if (stream) {
       stream._handle(frame);
@@ -1312,6 +1427,9 @@ export class WsClient extends Emitter {
     if (resumed.length > 0) this.emit("reconnect", { epoch: this.#epoch, resumed });
     for (const state of this.#pulls.values()) {
       if (!state.sent && this.#state === "open") this.#sendPull(state);
+    }
+    for (const state of this.#embeds.values()) {
+      if (!state.sent && this.#state === "open") this.#sendEmbed(state);
     }
     const waiting = this.#outbox;
     this.#outbox = [];
@@ -1373,6 +1491,10 @@ export class WsClient extends Emitter {
    * @param {boolean} waiting
    */
   #failAll(error, waiting) {
+    for (const state of [...this.#embeds.values()]) {
+      // Nor are embeds: the server cancels them with the connection.
+      if (state.sent || waiting) this.#endEmbed(state, new WsError(error.code, error.message, { requestId: state.id }));
+    }
     for (const state of [...this.#pulls.values()]) {
       // Pulls are not resumable: the server leaves a download nobody waits for.
       if (state.sent || waiting) this.#endPull(state, new WsError(error.code, error.message, { requestId: state.id }));

@@ -7,10 +7,11 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
 
     server        lifecycle, shutdown, the connection table; builds the rest
     ├── listener       the listening socket (a small SO_SNDBUF), the subprotocol
-    ├── front          the first request line: /v1, /api → the HTTP dialects, the rest → websockets
+    ├── front          the first request line: /v1, /api, /rerank → the HTTP dialects, the rest → websockets
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
-    │   └── pull_requests  its pull requests: progress frames, cancel, the model added
+    │   ├── pull_requests  its pull requests: progress frames, cancel, the model added
+    │   └── embed_requests its embed requests: one embed_done each, cancel by id
     ├── socket_connection  one WebSocket connection, either dialect: receive loop,
     │   │                  frame rate, one table of requests, closing, memory held
     │   ├── sender         messages to the socket, drain-watched
@@ -23,7 +24,9 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
     │       ├── anthropic_http Anthropic's Messages API: /v1/messages, count_tokens
     │       ├── ollama_http    Ollama's API: /api/chat, /api/generate, the model endpoints, pull
+    │       ├── embedding_routes  /v1/embeddings, /v1/rerank and /rerank
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
+    │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: streamed (head, keep-alive, drain) or whole
     ├── responses_socket the Responses API's WebSocket mode: lanes, a driver per lane, response.cancel

@@ -8,7 +8,8 @@ socket (receive loop, frame rate, sender, drain, closing):
 * each message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
   handed to the connection's one :class:`~wsserver.aio.driver.RequestDriver`
   (one request at a time, ``cancel``, ``restart``, ``resume``), or to its
-  ``pull`` requests (:mod:`wsserver.aio.pull_requests`), which run beside;
+  ``pull`` and ``embed`` requests (:mod:`wsserver.aio.pull_requests`,
+  :mod:`wsserver.aio.embed_requests`), which run beside;
 * what the driver gives back is written as it is: the frame serialized;
 * a refusal is an ``error`` frame, through the driver (counted, logged).
 
@@ -22,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from ..core.protocol import (
     Cancel,
+    EmbedFrame,
     Generate,
     Hello,
     Pull,
@@ -33,6 +35,7 @@ from ..core.protocol import (
 from ..core.session import Session
 from ..errors import ProtocolError
 from .driver import RequestDriver
+from .embed_requests import ConnectionEmbeds
 from .peer import resume_tail_bytes
 from .pull_requests import ConnectionPulls
 from .resume import Resumes
@@ -73,6 +76,17 @@ class ProtocolDialect:
             log=self._log,
             id_taken=lambda request_id: session.state_of(request_id) is not None,
         )
+        #: Its ``embed`` requests, beside too (docs/embeddings.md); the three
+        #: kinds share the connection's ids.
+        pulls = self.pulls
+        self.embeds = ConnectionEmbeds(
+            services,
+            write=_frame_writer(socket.sender),
+            log=self._log,
+            id_taken=lambda request_id: (
+                session.state_of(request_id) is not None or pulls.knows(request_id)
+            ),
+        )
 
     def drivers(self) -> tuple[RequestDriver, ...]:
         return self._drivers
@@ -106,11 +120,19 @@ class ProtocolDialect:
         if isinstance(frame, Pull):
             await self.pulls.receive(frame)
             return
+        if isinstance(frame, EmbedFrame):
+            await self.embeds.receive(frame)
+            return
         if isinstance(frame, Cancel) and self.pulls.owns(frame.id):
             await self.pulls.cancel(frame.id)
             return
+        if isinstance(frame, Cancel) and self.embeds.owns(frame.id):
+            await self.embeds.cancel(frame.id)
+            return
         new_id = frame.new_id if isinstance(frame, Restart) else frame.id
-        if isinstance(frame, Generate | Restart) and self.pulls.knows(new_id):
+        if isinstance(frame, Generate | Restart) and (
+            self.pulls.knows(new_id) or self.embeds.knows(new_id)
+        ):
             await self.driver.refuse(
                 ProtocolError("duplicate_id", f"id {new_id!r} was already used", new_id)
             )
@@ -121,13 +143,14 @@ class ProtocolDialect:
         await self.driver.refuse(exc)
 
     def busy(self) -> bool:
-        return len(self.pulls) > 0
+        return len(self.pulls) > 0 or len(self.embeds) > 0
 
     def stall(self) -> None:
         self.driver.stall()
 
     async def close(self) -> None:
         await self.pulls.close()
+        await self.embeds.close()
 
     # ------------------------------------------------------------ the driver's dialect
 

@@ -35,20 +35,31 @@ written once for every dialect:
 
 Adding a dialect is a renderer and a route registered in
 :func:`wsserver.aio.http_router.api_routes`, nothing else.
+
+**Embeddings and rerank** (:meth:`Exchange.run_embed`) take the same way
+in — the model resolved once, a disconnect a cancel, the shutdown a 503 —
+but are no generation: no driver, no session, nothing streamed. Their engine
+side is :class:`~wsserver.aio.embed_run.EmbedRun` (the model's scheduler, the
+engine's step), and the answer one whole body, or the refusal the router
+writes in OpenAI's shape (``context_length_exceeded`` a 400 naming the input).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Final
 
+from ..core.embedding import Embed, Embedded
 from ..core.events import PromptCounted
 from ..core.protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
 from ..core.session import Session
 from ..dialects.api_errors import ApiError
-from ..dialects.exchange import Renderer, ending
-from ..errors import ProtocolError
+from ..dialects.exchange import SHUTTING_DOWN, Renderer, ending
+from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from .driver import RequestDriver
+from .embed_run import EmbedRun
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest
 from .models import Model
@@ -82,6 +93,8 @@ class Exchange:
         self._driver: RequestDriver | None = None
         #: The server's shutdown came before the driver had the request.
         self._cancelled = False
+        #: An embedding request's engine side (:meth:`run_embed`).
+        self._embedding: EmbedRun | None = None
 
     async def run(
         self,
@@ -126,18 +139,69 @@ class Exchange:
         finally:
             answer.stop_keepalive()
 
+    async def run_embed(
+        self,
+        request: Embed,
+        asked: str | None,
+        render: Callable[[Embedded, str], bytes],
+        *,
+        model: Model | None = None,
+    ) -> None:
+        """Serve an embedding or rerank request on the model ``asked`` for; its
+        answer is ``render(result, served name)``, whole. Returns once it is
+        answered, or its client is gone (which cancels it in the engine).
+        ``model``: resolved already by a dialect that names models its own
+        way (Ollama's), ``asked`` the name it is served under."""
+        route = self._route
+        if model is not None and asked is not None:
+            name = asked
+        else:
+            try:
+                model, name = self._services.models.lookup(asked, request.id)
+            except ProtocolError as exc:
+                raise ApiError.from_protocol(exc) from None
+        request = dataclasses.replace(request, model=name, conn_id=route.log.conn_id)
+        run = self._embedding = EmbedRun(self._services, model, request)
+        route.begin(self)
+        if self._cancelled or route.out.lost:
+            run.cancel()
+        try:
+            result = await run.run()
+        except ProtocolError as exc:
+            if exc.detail == CONTEXT_LENGTH_EXCEEDED:
+                raise ApiError(
+                    HTTPStatus.BAD_REQUEST, exc.message, CONTEXT_LENGTH_EXCEEDED, "input"
+                ) from None
+            raise ApiError.from_protocol(exc) from None
+        if result is None:
+            if route.out.lost:
+                route.log.request(request.id).info(CLIENT_GONE)
+                return
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN, "cancelled")
+        route.log.request(request.id).info(
+            "%s: %d input(s), %d token(s)",
+            request.kind,
+            len(request.inputs),
+            result.prompt_tokens,
+        )
+        route.out.simple(HTTPStatus.OK, render(result, name), route.headers)
+
     # ------------------------------------------------------------ the connection's calls
 
     def client_gone(self) -> None:
         """The client disconnected: that is a cancel."""
         if self._driver is not None:
             self._driver.cancel_soon(CLIENT_GONE)
+        if self._embedding is not None:
+            self._embedding.cancel()
 
     def cancel(self) -> None:
         """Server shutdown: end the request as cancelled (the client is told)."""
         self._cancelled = True
         if self._driver is not None:
             self._driver.cancel_soon()
+        if self._embedding is not None:
+            self._embedding.cancel()
 
     def stall(self) -> None:
         """The client read nothing for the stall timeout (see the driver's rule)."""

@@ -60,16 +60,23 @@ OPEN_TIMEOUT_S: Final = 10.0
 WsFactory = Callable[..., asyncio.Protocol]
 
 
+#: The one HTTP API path outside ``/v1`` and ``/api``: where llama-server's
+#: and Jina's rerank clients look.
+RERANK: Final = b"/rerank"
+
+
 def is_api_target(request_line: bytes) -> bool:
     """Whether ``METHOD TARGET VERSION`` asks for the HTTP API: ``/v1``,
-    ``/v1/…`` (but not ``GET /v1/responses``: a WebSocket upgrade), and
-    Ollama's ``/api``, ``/api/…``."""
+    ``/v1/…`` (but not ``GET /v1/responses``: a WebSocket upgrade), Ollama's
+    ``/api``, ``/api/…``, and ``/rerank``."""
     parts = request_line.split(b" ")
     if len(parts) < 2:
         return False
     target = parts[1].split(b"?", 1)[0]
     if parts[0] == b"GET" and target == RESPONSES_SOCKET:
         return False  # the Responses API's WebSocket mode: websockets does the upgrade
+    if target == RERANK:
+        return True
     return any(target == prefix or target.startswith(prefix + b"/") for prefix in API_PREFIXES)
 
 

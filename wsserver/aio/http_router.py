@@ -7,6 +7,8 @@ object unless the dialect says otherwise):
 
 * ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` — the OpenAI
   API (:mod:`wsserver.aio.openai_routes`);
+* ``/v1/embeddings``, ``/v1/rerank`` and ``/rerank`` — embeddings and rerank
+  (:mod:`wsserver.aio.embedding_routes`);
 * ``/v1/responses`` — the Responses API over HTTP (:mod:`wsserver.aio.responses_http`);
 * ``/v1/messages`` — Anthropic's Messages API (:mod:`wsserver.aio.anthropic_http`),
   its refusals in Anthropic's shape;
@@ -41,6 +43,7 @@ from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .anthropic_http import PREFIX as MESSAGES
 from .anthropic_http import MessagesRoute
+from .embedding_routes import EmbeddingsRoute, RerankRoute
 from .front import is_api_target
 from .http_route import (
     ErrorBody,
@@ -115,6 +118,9 @@ def api_routes(services: Services, responses: ResponsesRoute) -> RouteTable:
                 CompletionsRoute(services, "completion", "/v1/completions")
             ),
             "/v1/models": RouteEntry(ModelsRoute(services)),
+            "/v1/embeddings": RouteEntry(EmbeddingsRoute(services)),
+            "/v1/rerank": RouteEntry(RerankRoute(services, "/v1/rerank")),
+            "/rerank": RouteEntry(RerankRoute(services, "/rerank")),
             RESPONSES: RouteEntry(responses),
             MESSAGES: RouteEntry(MessagesRoute(services), anthropic_error_body),
             OLLAMA: RouteEntry(OllamaRoute(services), ollama_error_body),

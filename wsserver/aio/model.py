@@ -97,7 +97,12 @@ class Model:
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
             chat_template=self.backend.has_chat_template() if state == "loaded" else None,
+            embeddings=self._embeddings() if state == "loaded" else None,
         )
+
+    def _embeddings(self) -> str:
+        door = self.backend.embeddings()
+        return door.kind if door is not None else "none"
 
     def stats(self) -> ModelStats:
         """Its figures for ``/metrics`` (the engine's liveness only while loaded)."""

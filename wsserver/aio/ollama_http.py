@@ -27,9 +27,14 @@ clients send from ``OLLAMA_API_KEY``):
   as Ollama's status objects, then ``{"status": "success"}`` with the model
   served. A client that goes leaves the download, which stops if nobody
   else waits for it;
+* ``POST /api/embed`` and ``POST /api/embeddings`` — vectors
+  (:mod:`wsserver.dialects.ollama.embed`: L2-normalised on ``/api/embed``,
+  as Ollama's) from the model's embedding work, on the HTTP exchange as
+  ``/v1/embeddings`` runs: the model's queue and engine, cancelled by a
+  disconnect; nothing to embed loads (or unloads) the model;
 * the endpoints this server does not have (``/api/create``, ``/api/copy``,
-  ``/api/delete``, ``/api/push``, ``/api/blobs/…``, ``/api/embed``,
-  ``/api/embeddings``) — a 501 naming what is not supported.
+  ``/api/delete``, ``/api/push``, ``/api/blobs/…``) — a 501 naming what is
+  not supported.
 
 ``HEAD /`` and ``GET /``, which Ollama's tools use to see a server is up,
 are the chat page's (200), answered by the plain routes.
@@ -56,6 +61,7 @@ import orjson
 
 from ..backends.gguf_meta import read_metadata
 from ..config import MODEL_NAME_RE
+from ..core.embedding import Embedded
 from ..dialects.api_errors import ApiError, parse_json
 from ..dialects.exchange import SHUTTING_DOWN
 from ..dialects.ollama.api import Kind, OllamaRequest, error_object, parse_chat, parse_generate
@@ -76,6 +82,7 @@ from ..dialects.ollama.catalog import (
     unsupported,
     version_body,
 )
+from ..dialects.ollama.embed import embed_body, legacy_body, parse_embed, parse_legacy
 from ..dialects.ollama.options import check_num_ctx
 from ..dialects.ollama.render import MEDIA_TYPE as NDJSON
 from ..dialects.ollama.render import OllamaAnswer, loaded_object
@@ -98,6 +105,17 @@ PREFIX: Final = "/api"
 LATEST: Final = ":latest"
 #: ``expires_at`` of a model kept until its memory is needed.
 FOREVER: Final = "9999-12-31T23:59:59Z"
+#: llama.cpp's pooling type of a reranker (a GGUF's ``{arch}.pooling_type``).
+_RANK_POOLING: Final = 4
+#: The POST endpoints.
+_POSTS: Final = (
+    "/api/chat",
+    "/api/generate",
+    "/api/show",
+    "/api/pull",
+    "/api/embed",
+    "/api/embeddings",
+)
 #: The GET endpoints, and what each answers.
 _LISTINGS: Final = ("/api/tags", "/api/ps", "/api/version")
 
@@ -138,13 +156,15 @@ class OllamaRoute:
         refusal = unsupported(path)
         if refusal is not None:
             raise refusal
-        if path in ("/api/chat", "/api/generate", "/api/show", "/api/pull"):
+        if path in _POSTS:
             if method != "POST":
                 raise not_allowed(method, "POST")
             if path == "/api/show":
                 await self._show(request)
             elif path == "/api/pull":
                 await self._pull(request)
+            elif path in ("/api/embed", "/api/embeddings"):
+                await self._embed(request, legacy=path == "/api/embeddings")
             else:
                 await self._generate(request, "chat" if path == "/api/chat" else "generate")
             return
@@ -250,7 +270,8 @@ class OllamaRoute:
         backend = model.backend
         listed = listed_name(name)
         tools = "tools" in backend.honours
-        n_ctx = model.info().n_ctx
+        info = model.info()
+        n_ctx = info.n_ctx
         try:
             facts = await asyncio.to_thread(self._file_facts, backend.model_file)
         except Exception as exc:  # a missing or corrupt file: said, not fatal
@@ -260,8 +281,11 @@ class OllamaRoute:
                 "internal",
             ) from None
         if facts is None:  # no file here (an upstream's model)
+            embeds = info.embeddings == "embed"
             return ModelFacts(
-                listed, capabilities=capabilities(tools=tools, template=""), context_length=n_ctx
+                listed,
+                capabilities=capabilities(tools=tools, template="", embedding=embeds),
+                context_length=n_ctx,
             )
         key, found = facts
         if key not in self._files:
@@ -271,12 +295,21 @@ class OllamaRoute:
             self._files[key] = found
         header = found["header"]
         template = header["template"]
+        pooling = header["model_info"].get(f"{header['family']}.pooling_type")
+        encoder = isinstance(pooling, int) and pooling > 0
+        embeds = (
+            info.embeddings == "embed"
+            if info.embeddings is not None
+            else encoder and pooling != _RANK_POOLING
+        )
         return ModelFacts(
             listed,
             size=found["size"],
             modified_at=found["modified_at"],
             digest=found["digest"],
-            capabilities=capabilities(tools=tools, template=template),
+            capabilities=capabilities(
+                tools=tools, template=template, embedding=embeds, encoder=encoder
+            ),
             context_length=n_ctx,
             **header,
         )
@@ -328,18 +361,45 @@ class OllamaRoute:
 
         await Exchange(route, services).run(generate, served, answer, model=model)
 
+    async def _embed(self, route: RouteRequest, *, legacy: bool) -> None:
+        """``/api/embed`` (``legacy``: ``/api/embeddings``) on the HTTP exchange
+        (:mod:`wsserver.dialects.ollama.embed`)."""
+        services = self._services
+        parse = parse_legacy if legacy else parse_embed
+        ollama = parse(parse_json(route.body), route.request_id)
+        served, model = served_name(services.models, ollama.model, route.request_id)
+
+        def render(result: Embedded | None, _: str) -> bytes:
+            if legacy:
+                return legacy_body(result)
+            if result is None:
+                return embed_body(None, model=ollama.model)
+            return embed_body(
+                result, model=ollama.model, total_ms=result.total_ms, queued_ms=result.queued_ms
+            )
+
+        if ollama.embed is None:  # nothing to embed: load (or unload) the model
+            await self._warm(route, model, ollama.keep_alive)
+            route.out.simple(HTTPStatus.OK, render(None, served), route.headers)
+            return
+        embed = replace(ollama.embed, keep_alive=ollama.keep_alive)
+        await Exchange(route, services).run_embed(embed, served, render, model=model)
+
+    async def _warm(self, route: RouteRequest, model: Model, keep_alive: float | None) -> str:
+        """Load ``model``, or unload it (``keep_alive`` 0): ``load`` or ``unload``."""
+        models = self._services.models
+        if keep_alive == 0:
+            models.expire(model)
+            return "unload"
+        try:
+            await models.warm(model, route.request_id, keep_alive)
+        except ProtocolError as exc:
+            raise ApiError.from_protocol(exc) from None
+        return "load"
+
     async def _load(self, route: RouteRequest, ollama: OllamaRequest, model: Model) -> None:
         """Nothing to answer: load the model, or unload it (``keep_alive`` 0)."""
-        models = self._services.models
-        if ollama.keep_alive == 0:
-            models.expire(model)
-            reason = "unload"
-        else:
-            try:
-                await models.warm(model, route.request_id, ollama.keep_alive)
-            except ProtocolError as exc:
-                raise ApiError.from_protocol(exc) from None
-            reason = "load"
+        reason = await self._warm(route, model, ollama.keep_alive)
         body = loaded_object(ollama.kind, ollama.model, reason)
         content_type = "application/x-ndjson" if ollama.stream else "application/json"
         HttpAnswer(route.out, route.headers).respond(

@@ -301,6 +301,7 @@ class Server:
         """
         now = asyncio.get_running_loop().time() if now is None else now
         owned = {(g.model.name, g.slot) for g in self._generations() if g.slot is not None}
+        owned |= set(self._services.embed_slots.values())
         held = {(m.name, slot) for m in self.models.models.values() for slot in m.scheduler.held()}
         orphans = held - owned
         for slot in list(self._orphans):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import Backend
@@ -35,6 +35,9 @@ class Services:
     background: set[asyncio.Task[Any]]
     #: Downloads from the Hugging Face Hub (``None``: this server pulls nothing).
     pulls: Pulls | None = None
+    #: The slots embedding requests hold, by request (:mod:`.embed_run`): a
+    #: slot held by one is owned (the scheduler's books, ``/readyz``).
+    embed_slots: dict[object, tuple[str, int]] = field(default_factory=dict)
 
     def in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run a coroutine beside the caller; kept referenced until it ends."""

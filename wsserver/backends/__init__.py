@@ -11,8 +11,9 @@ from ..config import MODEL_NAME_RE, Config, LlamaConfig
 from ..errors import ConfigError, PullError
 from ..pull.reference import PREFIX as HUB_PREFIX
 from ..pull.reference import Reference, parse_reference
-from .base import Backend, GenerationRequest, Sink, Submission, ThreadedBackend, TokenSink
+from .base import Backend, GenerationRequest, Sink, Submission, TokenSink
 from .fake import FakeBackend
+from .threaded import ThreadedBackend
 
 __all__ = [
     "Backend",

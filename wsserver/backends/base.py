@@ -10,9 +10,9 @@ then on the engine owns the request until it calls
 :meth:`Submission.complete`. What it produces goes into the sink, from
 whatever thread or task the engine runs on. Three kinds of engine fit:
 
-1. **A thread per request** (:class:`ThreadedBackend`; the fake and llama
+1. **A thread per request** (:class:`~.threaded.ThreadedBackend`; the fake and llama
    backends). ``submit`` starts a thread that runs a blocking
-   :meth:`ThreadedBackend.generate`. :meth:`Sink.emit` blocks that thread
+   :meth:`~.threaded.ThreadedBackend.generate`. :meth:`Sink.emit` blocks that thread
    while the channel is full — the backpressure — and raises
    :class:`~wsserver.errors.GenerationCancelled` the instant the request is
    cancelled, even while it waits.
@@ -40,6 +40,10 @@ text and parsed by the core; an engine that parses them itself (an
 upstream that streams ``tool_calls``) says ``relay`` and hands each part
 over with :meth:`Sink.offer_call`, in order with its text — never written
 into the text, where a model could forge one.
+
+**Embeddings** (docs/embeddings.md) enter by a second door of the same
+kind, one object per loaded model (:meth:`Backend.embeddings`,
+:mod:`.embed_door`).
 
 Slots are the engine's to declare (:attr:`Backend.slots`): contexts for a
 threaded engine, sequences for a batched one, concurrent upstream streams for
@@ -71,8 +75,6 @@ the loop.
 from __future__ import annotations
 
 import abc
-import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,9 +85,10 @@ from ..core.events import Outcome
 from ..core.logprobs import TokenLogprob
 from ..core.protocol import Generate
 from ..core.sampling import options_asked
-from ..errors import BackendError, GenerationCancelled, ProtocolError
-from ..logs import context
+from ..errors import ProtocolError
 from ..shaping.shaper import OutputFormat
+from .embed_door import EmbedDoor
+from .handles import CancelEvent, Submission
 from .request import GenerationRequest
 
 __all__ = [
@@ -97,12 +100,9 @@ __all__ = [
     "OutputFormat",
     "Sink",
     "Submission",
-    "ThreadedBackend",
     "TokenSink",
     "UpstreamStats",
 ]
-
-log = logging.getLogger("wsserver.producer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,42 +132,6 @@ class Liveness:
     stalled: bool = False
     #: Grammar computations the engine gave up on that still run natively.
     grammar_calls_running: int = 0
-
-
-class CancelEvent(threading.Event):
-    """A ``threading.Event`` that also runs callbacks, on the setting thread, when set.
-
-    An engine registers a callback to mirror the cancel into its own state the
-    instant it happens (the llama backend sets llama.cpp's abort flag; a
-    batched engine marks the sequence; an async engine cancels its task
-    through ``call_soon_threadsafe``) instead of keeping a thread blocked in
-    ``wait()``. Callbacks must be quick and must not raise.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._callbacks: list[Callable[[], None]] = []
-        self._callbacks_lock = threading.Lock()
-
-    def add_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` when the event is set — at once if it already is."""
-        with self._callbacks_lock:
-            if not self.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def remove_callback(self, callback: Callable[[], None]) -> None:
-        with self._callbacks_lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
-
-    def set(self) -> None:
-        with self._callbacks_lock:
-            super().set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
 
 
 class TokenSink(Protocol):
@@ -213,48 +177,6 @@ class Sink(TokenSink, Protocol):
 
     def end(self, outcome: Outcome) -> None:
         """The request ended. Never blocks (an end always fits); dropped after a cancel."""
-
-
-class Submission:
-    """The handle of one submitted request: completed once, by the engine.
-
-    Callbacks run on the completing thread (at once if already completed).
-    The asyncio layer turns completion into a future and frees the slot then.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    def complete(self) -> None:
-        """The engine is done with the request and its slot. Idempotent."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._done:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def alive(self) -> bool:
-        """Whether the engine still runs anything for this request (a thread, a task)."""
-        return not self._done
-
-    def join(self, timeout: float) -> None:
-        """Block until what :meth:`alive` reports is gone. Called off the loop."""
-        return None
 
 
 class Backend(abc.ABC):
@@ -421,75 +343,7 @@ class Backend(abc.ABC):
     ) -> Submission:
         """Start ``request`` on ``slot``; called on the event loop, returns at once."""
 
-
-class _ThreadSubmission(Submission):
-    def __init__(self) -> None:
-        super().__init__()
-        self.thread: threading.Thread | None = None
-
-    def alive(self) -> bool:
-        thread = self.thread
-        return thread is not None and thread.is_alive()
-
-    def join(self, timeout: float) -> None:
-        # ``complete`` runs in the thread's last lines; the thread itself ends
-        # a moment later. Joining makes "stopped" mean gone.
-        if self.thread is not None:
-            self.thread.join(timeout)
-
-
-class ThreadedBackend(Backend):
-    """The thread-per-request adapter: :meth:`generate` on a thread of its own.
-
-    The thread reports how the request ended into the sink — the outcome
-    ``generate`` returned, or the wire code of a :class:`BackendError`
-    (anything else is logged here and reported as ``internal``); a cancel ends
-    it quietly, the client having had its ``done`` already. It completes the
-    submission in its last lines.
-    """
-
-    @abc.abstractmethod
-    def generate(
-        self,
-        request: GenerationRequest,
-        *,
-        slot: int,
-        sink: TokenSink,
-        cancel: threading.Event,
-    ) -> Outcome:
-        """Generate the completion for ``request`` into ``sink``, blocking.
-
-        Returns how it ended (reason ``stop`` or ``length`` with token counts).
-        Raises what ``sink.emit`` raises, or :class:`BackendError`.
-        """
-
-    def submit(
-        self, request: GenerationRequest, *, slot: int, sink: Sink, cancel: CancelEvent
-    ) -> Submission:
-        submission = _ThreadSubmission()
-
-        def produce() -> None:
-            try:
-                sink.end(self.generate(request, slot=slot, sink=sink, cancel=cancel))
-            except GenerationCancelled:
-                pass
-            except BackendError as exc:
-                sink.end(Outcome(reason="error", error_code=exc.code, error_message=str(exc)))
-            except Exception:
-                # Unexpected: log the traceback here; the client only gets "internal".
-                log.exception(
-                    "id=%s backend failed", request.id, extra=context(request.conn_id, request.id)
-                )
-                sink.end(
-                    Outcome(
-                        reason="error", error_code="internal", error_message="the backend failed"
-                    )
-                )
-            finally:
-                submission.complete()
-
-        submission.thread = threading.Thread(
-            target=produce, name=f"wsserver-producer-{request.conn_id}-{request.id}", daemon=True
-        )
-        submission.thread.start()
-        return submission
+    def embeddings(self) -> EmbedDoor | None:
+        """The loaded model's embedding door (:mod:`.embed_door`), or None:
+        it embeds nothing (this default; the request is refused by name)."""
+        return None

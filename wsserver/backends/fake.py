@@ -61,8 +61,10 @@ from ..core.sampling import LogitBias
 from ..core.textstream import TextAssembler
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..shaping.reasoning import CLOSE, FORCED_CLOSE, ReasoningBudget
-from .base import GenerationRequest, Outcome, ThreadedBackend, TokenSink
+from .base import GenerationRequest, Outcome, TokenSink
+from .fake_embed import FakeEmbedDoor
 from .fake_json import Unsupported, fake_document
+from .threaded import ThreadedBackend
 
 __all__ = [
     "FakeBackend",
@@ -302,6 +304,12 @@ class FakeBackend(ThreadedBackend):
         self.text = text
         self.echo = echo
         self._text_tokens = text_tokens(text) if text is not None else None
+        #: Its embeddings (one door: tests may wrap its ``start``).
+        self.embed_door = FakeEmbedDoor(self, n_vocab=len(_WORDS))
+
+    def embeddings(self) -> FakeEmbedDoor:
+        """The fake embeds and reranks (:mod:`.fake_embed`)."""
+        return self.embed_door
 
     def count_prompt_tokens(self, request: GenerationRequest) -> int | None:
         """The simulated count: what the request's ``usage.prompt_tokens`` will say."""

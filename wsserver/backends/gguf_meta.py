@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["KV_ELEMENT_BYTES", "kv_cache_bytes", "read_metadata"]
+__all__ = ["KV_ELEMENT_BYTES", "embedding_context_bytes", "kv_cache_bytes", "read_metadata"]
 
 _MAGIC = b"GGUF"
 #: Value types: struct format of the scalar ones (8 = string, 9 = array).
@@ -73,6 +73,17 @@ def _value(f: BinaryIO, kind: int, keep: bool) -> Any:
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
+def _skip_array(f: BinaryIO) -> int:
+    """Read past an array; its length."""
+    item, count = _unpack(f, "I"), _unpack(f, "Q")
+    if item in _SCALARS:
+        f.seek(struct.calcsize(_SCALARS[item]) * count, 1)
+    else:
+        for _ in range(count):
+            _value(f, item, False)
+    return int(count)
+
+
 def read_metadata(path: str | Path, wanted: set[str]) -> dict[str, Any]:
     """The header's values for the keys in ``wanted`` (those present).
 
@@ -95,6 +106,11 @@ def read_metadata(path: str | Path, wanted: set[str]) -> dict[str, Any]:
             key = _string(f)
             kind = _unpack(f, "I")
             named = key.replace(f"{arch}.", "{arch}.", 1) if arch else key
+            if kind == _ARRAY and "#" + named in wanted:
+                found["#" + named] = _skip_array(f)
+                if arch and wanted <= found.keys():
+                    break
+                continue
             keep = named in wanted or key == "general.architecture"
             value = _value(f, kind, keep)
             if key == "general.architecture":
@@ -140,3 +156,20 @@ def kv_cache_bytes(
         key_length * KV_ELEMENT_BYTES[type_k] + value_length * KV_ELEMENT_BYTES[type_v]
     )
     return int(per_cell * cells)
+
+
+def embedding_context_bytes(path: str | Path, *, tokens: int, sequences: int) -> int:
+    """The memory of a model's embedding context (:mod:`.llama_embed`) of
+    ``tokens`` positions and ``sequences`` sequences: an upper bound from the
+    header alone. llama.cpp sizes its compute buffer for the output head over
+    every position of the micro-batch (``tokens`` x vocabulary floats: 517 MiB
+    measured for the default model at 512, its vocabulary 262,144) and its
+    output buffer for each sequence's logits and vector; the KV cache is
+    ``tokens`` cells. An encoder without an output head needs less: it is
+    counted the same (an upper bound)."""
+    meta = read_metadata(path, {"#tokenizer.ggml.tokens", "{arch}.embedding_length"})
+    n_vocab = int(meta.get("#tokenizer.ggml.tokens", 0))
+    n_embd = int(meta.get("{arch}.embedding_length", 0))
+    compute = tokens * (n_vocab + 8 * n_embd) * 4
+    output = sequences * (n_vocab + n_embd) * 4
+    return compute + output + kv_cache_bytes(path, cells=tokens)

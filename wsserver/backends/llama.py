@@ -59,6 +59,7 @@ from .gguf_meta import kv_cache_bytes
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
+from .llama_embed import Embedder
 from .llama_engine import BatchEngine, RequestStats
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
@@ -118,6 +119,7 @@ class LlamaBackend(Backend):
         engine_stall_s: float = 30.0,
         template_bounds: TemplateBounds | None = None,
         name: str = "",
+        embed_batch: int = 512,
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -150,6 +152,10 @@ class LlamaBackend(Backend):
         self.grammar_deadline_ms = grammar_deadline_ms
         #: A step running this long makes the engine stalled: /readyz 503 (0 = never).
         self.engine_stall_s = engine_stall_s
+        #: The longest embedding input and one embedding decode's tokens (0: no embeddings).
+        self.embed_batch = embed_batch
+        #: The model's embedding work (while loaded; :mod:`.llama_embed`).
+        self.embedder: Embedder | None = None
         if name:
             self.model_name = name
         elif model:
@@ -190,6 +196,7 @@ class LlamaBackend(Backend):
             use_mlock=config.use_mlock,
             grammar_deadline_ms=config.grammar_deadline_ms,
             engine_stall_s=config.engine_stall_s,
+            embed_batch=config.embed_batch,
             template_bounds=TemplateBounds(
                 timeout_s=config.template.timeout_s,
                 memory_bytes=config.template.memory_bytes,
@@ -212,8 +219,8 @@ class LlamaBackend(Backend):
         return path
 
     def memory_estimate(self) -> int:
-        """The weights (the file's size) and the KV cache of every sequence,
-        from the GGUF header alone (docs/operations.md, "Several models")."""
+        """The weights (the file's size), every sequence's KV cache and the embedding
+        context, from the GGUF header alone (docs/operations.md, "Several models")."""
         path = self.model_file()
         try:
             kv = kv_cache_bytes(
@@ -222,6 +229,8 @@ class LlamaBackend(Backend):
                 type_k=self.cache_type_k,
                 type_v=self.cache_type_v,
             )
+            if self.embed_batch > 0:
+                kv += Embedder.context_bytes(path, self.embed_batch)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load model {path}: {exc}") from None
         return path.stat().st_size + kv
@@ -294,6 +303,15 @@ class LlamaBackend(Backend):
             stall_s=self.engine_stall_s,
         )
         self.engine.on_prefill = self._on_prefill
+        if self.embed_batch > 0:
+            self.embedder = Embedder(
+                model=self._model,
+                name=self.model_name,
+                batch_tokens=self.embed_batch,
+                n_threads=self.n_threads,
+                native_abort=native,
+            )
+            self.engine.attach_embedder(self.embedder)
         if native and not self.engine.flag.native:
             log.warning("libc strlen not found: using a Python abort callback (slower under load)")
         log.info("context ready in %.2fs", time.monotonic() - started)
@@ -315,11 +333,14 @@ class LlamaBackend(Backend):
         self.vocab = None
         if templates is not None:
             templates.close()
+        embedder, self.embedder = self.embedder, None
         if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
             # Its thread, or a grammar call given up on, still runs natively
             # in this model: freeing it would pull the memory from under them.
             self._ctx = self._model = None
             return
+        if embedder is not None:
+            embedder.close()  # the engine thread that stepped it has stopped
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             llama_cpp.llama_free(ctx)
@@ -373,35 +394,10 @@ class LlamaBackend(Backend):
     # ------------------------------------------------------------ requests
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
-        """The prompt's tokens and the stop strings, as llama-cpp-python would
-        make them (or as :meth:`prepare` made them). ``bad_request`` for a
-        prompt of no tokens: the input's fault (an empty prompt, or a chat
-        template that rendered nothing), not the engine's."""
-        prepared = request.prepared
-        if isinstance(prepared, PreparedPrompt):
-            if prepared.error is not None:
-                code, message = prepared.error
-                raise BackendError(message, code=code)
-            return list(prepared.tokens), prepared.stops
+        """The prompt's tokens and stop strings (:meth:`.llama_chat.LlamaChat.tokens`)."""
         vocab = self.vocab
         assert vocab is not None, "the model is not loaded"
-        stops = tuple(request.stop)
-        if request.prompt is not None:
-            tokens = vocab.bos + vocab.tokenize(request.prompt, add_bos=False)
-            if not tokens:
-                raise BackendError("the prompt is empty", code="bad_request")
-            return tokens, stops
-        text, more_stops, fallback = self.chat.prompt(request)
-        if fallback:
-            return vocab.bos + vocab.tokenize(text, add_bos=False), stops + more_stops
-        # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
-        tokens = vocab.tokenize(text, add_bos=False)
-        if not tokens:
-            raise BackendError(
-                "the model's chat template rendered an empty prompt for these messages",
-                code="bad_request",
-            )
-        return tokens, stops + more_stops
+        return self.chat.tokens(request, vocab)
 
     def prepare_blocks(self, request: GenerationRequest) -> bool:
         return (
@@ -489,6 +485,11 @@ class LlamaBackend(Backend):
         except BackendError as exc:  # checked before the start; a config reload may differ
             return _ended(sink, Outcome("error", error_code=exc.code, error_message=str(exc)))
         return self.engine.submit(request, sink, cancel)
+
+    def embeddings(self) -> Embedder | None:
+        """The embedding door (:mod:`.llama_embed`): while loaded, unless
+        ``backend.llama.embed_batch`` is 0."""
+        return self.embedder
 
 
 def _ended(sink: Sink, outcome: Outcome) -> Submission:

@@ -117,6 +117,20 @@ class PrefillBudget:
         self._sized_by = (decode, per_token)
         return share
 
+    def room(self, decoding: int) -> float:
+        """Seconds of other work a step may carry beside ``decoding``
+        sequences' tokens — the room :meth:`share` sizes a prompt's chunk by
+        (an embedding decode's, :mod:`.llama_embed`), without changing what it
+        learnt. 0 when nothing is measured yet or the budget is off: the
+        caller then takes its smallest piece."""
+        if self.factor <= 0 or decoding <= 0:
+            return 0.0
+        decode = self.decode_time(decoding)
+        if decode is None:
+            return 0.0
+        room = max(self.factor * decode, self.floor_s) - decode
+        return max(room - MARGIN * self.miss_s, MIN_ROOM * room)
+
     def output_tokens(self, decoding: int) -> int:
         """Prompt tokens a prompt's last token is worth beside ``decoding``
         sequences: it computes the logits and samples, as a decoding sequence

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -35,6 +35,9 @@ from .llama_template import ChatTemplate, TemplateLoadError
 from .llama_template_pool import BoundedTemplate, TemplateBounds, TemplatePool
 from .llama_tool_grammar import forced_call_grammar
 from .request import GenerationRequest
+
+if TYPE_CHECKING:
+    from .llama_vocab import Vocabulary
 
 __all__ = [
     "CHAT_FALLBACK_STOPS",
@@ -175,6 +178,37 @@ class LlamaChat:
         rendered = self.render(messages, tools, request.chat_template_kwargs)
         eos = template.eos_token
         return rendered, (eos,) if eos else (), False
+
+    def tokens(
+        self, request: GenerationRequest, vocab: Vocabulary
+    ) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt's tokens and the stop strings, as llama-cpp-python would
+        make them (or as the backend's ``prepare`` made them). ``bad_request``
+        for a prompt of no tokens: the input's fault (an empty prompt, or a
+        chat template that rendered nothing), not the engine's."""
+        prepared = request.prepared
+        if isinstance(prepared, PreparedPrompt):
+            if prepared.error is not None:
+                code, message = prepared.error
+                raise BackendError(message, code=code)
+            return list(prepared.tokens), prepared.stops
+        stops = tuple(request.stop)
+        if request.prompt is not None:
+            tokens = vocab.bos + vocab.tokenize(request.prompt, add_bos=False)
+            if not tokens:
+                raise BackendError("the prompt is empty", code="bad_request")
+            return tokens, stops
+        text, more_stops, fallback = self.prompt(request)
+        if fallback:
+            return vocab.bos + vocab.tokenize(text, add_bos=False), stops + more_stops
+        # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
+        tokens = vocab.tokenize(text, add_bos=False)
+        if not tokens:
+            raise BackendError(
+                "the model's chat template rendered an empty prompt for these messages",
+                code="bad_request",
+            )
+        return tokens, stops + more_stops
 
     def describes_tools(self, request: GenerationRequest) -> bool:
         """Whether the server, not the chat template, shows ``request``'s tools

@@ -78,8 +78,9 @@ import llama_cpp
 from ..core.logprobs import TokenLogprob
 from ..errors import BackendError
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_batching import Batcher
+from .llama_batching import Batcher, prefilling
 from .llama_context import AbortFlag, quiet_errors
+from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
 from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
@@ -195,6 +196,9 @@ class BatchEngine:
         #: tokens are decoded, with its ID and prompt length (the abort flag is
         #: armed for it by then). For tests and metrics; quick, must not raise.
         self.on_prefill: Callable[[str, int], None] | None = None
+        #: The model's embedding work, stepped after the streams' decode
+        #: (:meth:`attach_embedder`; None: the model embeds nothing yet).
+        self.embedder: Embedder | None = None
         self._thread = threading.Thread(target=self._run, name="wsserver-llama-engine", daemon=True)
         self._thread.start()
 
@@ -212,6 +216,14 @@ class BatchEngine:
         job.on_cancel = functools.partial(self._on_cancel, job)
         cancel.add_callback(job.on_cancel)
         return job.submission
+
+    def attach_embedder(self, embedder: Embedder) -> None:
+        """Run ``embedder``'s work on this thread, in each step after the
+        streams' decode, within the prefill budget's room (:mod:`.llama_embed`)."""
+        embedder.bind(self._cond)
+        with self._cond:
+            self.embedder = embedder
+            self._cond.notify()
 
     def _on_cancel(self, job: Job) -> None:
         with self._cond:
@@ -276,6 +288,8 @@ class BatchEngine:
     # ------------------------------------------------------------ the loop
 
     def _runnable(self) -> bool:
+        if self.embedder is not None and self.embedder.runnable():
+            return True
         return bool(self._incoming or self._stopping) or any(j.needs_step() for j in self._jobs)
 
     def _run(self) -> None:
@@ -296,6 +310,8 @@ class BatchEngine:
                     if not job.submission.done:
                         self._fail(job, "the backend failed", code="internal")
                 self._jobs = []
+                if self.embedder is not None:
+                    self.embedder.fail_all("the backend failed")
             self.watch.end()
 
     def _step(self, incoming: list[Job]) -> None:
@@ -324,6 +340,21 @@ class BatchEngine:
             if (job.outbox or job.ending) and not job.waiting_room:
                 self._deliver(job)
         self._decode_step(begun)
+        if self.embedder is not None:
+            self._embed_step()
+
+    def _embed_step(self) -> None:
+        """The embedding work's part of the step (:mod:`.llama_embed`): while a
+        prompt is prefilled the step was its (only the embeddings' cancels are
+        taken), else whole inputs within the room the budget leaves beside the
+        decoding sequences (no bound when none decode)."""
+        assert self.embedder is not None
+        if prefilling(self._jobs):
+            self.embedder.step(None, decode=False)  # its cancels still go at once
+            return
+        decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
+        self.watch.doing = ("embedding inputs", "")
+        self.embedder.step(self.batcher.budget.room(decoding) if decoding else None)
 
     # ------------------------------------------------------------ one step
 

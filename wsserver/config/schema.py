@@ -208,6 +208,7 @@ MODEL_OVERRIDES = (
     "use_mlock",
     "grammar_deadline_ms",
     "engine_stall_s",
+    "embed_batch",
 )
 #: What a model's name (and an alias) may be.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
@@ -275,6 +276,11 @@ class LlamaConfig:
     #: /readyz 503, sets wsserver_model_engine_stalled and logs an error once
     #: (0 = never).
     engine_stall_s: float = _key(30.0, low=0.0, high=86400.0)
+    #: Embeddings and rerank (docs/embeddings.md): the longest input, in
+    #: tokens, and the most one embedding decode holds — the size of the
+    #: model's embedding context, made on its first embedding request (0 =
+    #: this model serves no embeddings).
+    embed_batch: int = _key(512, low=0, high=1 << 16)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).

@@ -12,8 +12,6 @@ layer only has to turn that error into an ``error`` frame and carry on.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Final
@@ -30,6 +28,8 @@ from .chat_input import (
     parse_tool_choice,
     parse_tools,
 )
+from .embedding import EmbedInput, EmbedInputError, parse_inputs
+from .fields import ID_PATTERN, ID_RE, check_keys, is_int, parse_float, parse_id
 from .sampling import (
     MAX_TOP_LOGPROBS,
     SAMPLING_FIELDS,
@@ -45,6 +45,7 @@ __all__ = [
     "MAX_TOKEN_CHARS",
     "Cancel",
     "ClientFrame",
+    "EmbedFrame",
     "Generate",
     "Limits",
     "Message",
@@ -59,18 +60,11 @@ __all__ = [
 MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
 #: The longest model name a request may give (names are configured; longer ones cannot exist).
 MAX_MODEL_CHARS: Final = 128
-#: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
-#: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
-ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
-_ID_RE: Final = re.compile(ID_PATTERN)
 #: Stop strings a request may give, and their length (copied like the ID rule).
 MAX_STOP_STRINGS: Final = 4
 MAX_STOP_CHARS: Final = 128
 #: The longest ``resume_token`` accepted (the server issues 32 characters).
 MAX_TOKEN_CHARS: Final = 128
-# JSON integers outside this range are refused: llama.cpp takes 32-bit seeds
-# and nothing else in the protocol needs more.
-_INT_MAX: Final = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +203,21 @@ class Pull:
     model: Reference
 
 
-ClientFrame = Generate | Cancel | Restart | Resume | Pull
+@dataclass(frozen=True, slots=True)
+class EmbedFrame:
+    """Vectors for inputs (docs/embeddings.md, "Over the WebSocket"): exactly
+    one ``embed_done``; ``cancel`` by id. Runs beside the connection's
+    generations, in its model's queue and engine."""
+
+    id: str
+    #: OpenAI's ``input`` shapes, checked (:func:`~wsserver.core.embedding.parse_inputs`).
+    inputs: tuple[EmbedInput, ...]
+    model: str | None = None
+    #: How ``embed_done`` carries the vectors: ``float`` lists or ``base64``.
+    encoding: str = "float"
+
+
+ClientFrame = Generate | Cancel | Restart | Resume | Pull | EmbedFrame
 
 
 # ---------------------------------------------------------------- parsing
@@ -234,21 +242,23 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "a frame must be a JSON object")
     raw_id = obj.get("id")
-    request_id = raw_id if isinstance(raw_id, str) and _ID_RE.fullmatch(raw_id) else None
+    request_id = raw_id if isinstance(raw_id, str) and ID_RE.fullmatch(raw_id) else None
     kind = obj.get("type")
     try:
         if kind == "generate":
             return _parse_generate(obj, limits)
         if kind == "cancel":
-            _check_keys(obj, {"type", "id", "resume_token"})
+            check_keys(obj, {"type", "id", "resume_token"})
             token = _parse_token(obj) if "resume_token" in obj else None
-            return Cancel(id=_parse_id(obj, "id"), resume_token=token)
+            return Cancel(id=parse_id(obj, "id"), resume_token=token)
         if kind == "resume":
             return _parse_resume(obj)
         if kind == "restart":
             return _parse_restart(obj, limits)
         if kind == "pull":
             return _parse_pull(obj)
+        if kind == "embed":
+            return _parse_embed(obj)
     except ProtocolError as exc:
         if exc.request_id is None:
             exc.request_id = request_id
@@ -286,8 +296,8 @@ _GENERATE_FIELDS: Final = frozenset(
 
 
 def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
-    _check_keys(obj, {"type", "id"} | _GENERATE_FIELDS)
-    request_id = _parse_id(obj, "id")
+    check_keys(obj, {"type", "id"} | _GENERATE_FIELDS)
+    request_id = parse_id(obj, "id")
     options = _parse_generate_fields(obj, limits, request_id)
     has_prompt = "prompt" in options
     has_messages = "messages" in options
@@ -306,9 +316,9 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
 
 
 def _parse_restart(obj: dict[str, Any], limits: Limits) -> Restart:
-    _check_keys(obj, {"type", "id", "new_id"} | _GENERATE_FIELDS)
-    old_id = _parse_id(obj, "id")
-    new_id = _parse_id(obj, "new_id")
+    check_keys(obj, {"type", "id", "new_id"} | _GENERATE_FIELDS)
+    old_id = parse_id(obj, "id")
+    new_id = parse_id(obj, "new_id")
     options = _parse_generate_fields(obj, limits, new_id)
     if "prompt" in options and "messages" in options:
         raise ProtocolError("bad_request", "give at most one of 'prompt' and 'messages'", new_id)
@@ -344,7 +354,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         out["reasoning_format"] = obj["reasoning_format"]
     if "reasoning_budget_tokens" in obj:
         value = obj["reasoning_budget_tokens"]
-        if not _is_int(value) or value < -1:
+        if not is_int(value) or value < -1:
             raise fail("'reasoning_budget_tokens' must be an integer >= 0 (-1: no budget)")
         # -1 is llama-server's "unrestricted": the same as leaving it out.
         out["reasoning_budget_tokens"] = None if value == -1 else value
@@ -359,23 +369,23 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         )
     if "max_tokens" in obj:
         value = obj["max_tokens"]
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise fail("'max_tokens' must be an integer >= 1")
         if value > limits.max_tokens:
             raise fail(f"'max_tokens' exceeds the limit of {limits.max_tokens}")
         out["max_tokens"] = value
     if "temperature" in obj:
-        out["temperature"] = _parse_float(obj["temperature"], "temperature", 0.0, 100.0, fail)
+        out["temperature"] = parse_float(obj["temperature"], "temperature", 0.0, 100.0, fail)
     if "top_p" in obj:
-        out["top_p"] = _parse_float(obj["top_p"], "top_p", 0.0, 1.0, fail)
+        out["top_p"] = parse_float(obj["top_p"], "top_p", 0.0, 1.0, fail)
     if "top_k" in obj:
         value = obj["top_k"]
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise fail("'top_k' must be an integer >= 0 (0 = no limit)")
         out["top_k"] = value
     if "seed" in obj:
         value = obj["seed"]
-        if not _is_int(value) or not 0 <= value < 2**32:
+        if not is_int(value) or not 0 <= value < 2**32:
             raise fail("'seed' must be an integer in [0, 2**32)")
         out["seed"] = value
     if "stop" in obj:
@@ -390,7 +400,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         out["logprobs"] = obj["logprobs"]
     if "top_logprobs" in obj:
         value = obj["top_logprobs"]
-        if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        if not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
             raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         out["top_logprobs"] = value
     if "model" in obj:
@@ -418,20 +428,40 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
 
 
 def _parse_resume(obj: dict[str, Any]) -> Resume:
-    _check_keys(obj, {"type", "id", "resume_token", "after_seq"})
-    request_id = _parse_id(obj, "id")
+    check_keys(obj, {"type", "id", "resume_token", "after_seq"})
+    request_id = parse_id(obj, "id")
     token = _parse_token(obj)
     after_seq: Any = obj.get("after_seq")
-    if not _is_int(after_seq) or after_seq < -1:
+    if not is_int(after_seq) or after_seq < -1:
         raise ProtocolError(
             "bad_request", "'after_seq' must be an integer >= -1 (-1: no delta arrived)"
         )
     return Resume(id=request_id, resume_token=token, after_seq=after_seq)
 
 
+def _parse_embed(obj: dict[str, Any]) -> EmbedFrame:
+    check_keys(obj, {"type", "id", "input", "model", "encoding_format"})
+    request_id = parse_id(obj, "id")
+    if "input" not in obj:
+        raise ProtocolError("bad_request", "missing field 'input'", request_id)
+    try:
+        inputs = parse_inputs(obj["input"])
+    except EmbedInputError as exc:
+        raise ProtocolError("bad_request", str(exc), request_id) from None
+    model = obj.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ProtocolError("bad_request", "'model' must be a non-empty string", request_id)
+    encoding = obj.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise ProtocolError(
+            "bad_request", '\'encoding_format\' must be "float" or "base64"', request_id
+        )
+    return EmbedFrame(id=request_id, inputs=inputs, model=model, encoding=encoding)
+
+
 def _parse_pull(obj: dict[str, Any]) -> Pull:
-    _check_keys(obj, {"type", "id", "model"})
-    request_id = _parse_id(obj, "id")
+    check_keys(obj, {"type", "id", "model"})
+    request_id = parse_id(obj, "id")
     value = obj.get("model")
     if not isinstance(value, str):
         raise ProtocolError(
@@ -460,32 +490,3 @@ def _parse_stop(value: Any, fail: Any) -> tuple[str, ...]:
         if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
             raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
     return tuple(items)
-
-
-def _parse_float(value: Any, name: str, low: float, high: float, fail: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise fail(f"'{name}' must be a number")
-    number = float(value)
-    if not math.isfinite(number) or not low <= number <= high:
-        raise fail(f"'{name}' must be between {low:g} and {high:g}")
-    return number
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT_MAX
-
-
-def _parse_id(obj: dict[str, Any], key: str) -> str:
-    value = obj.get(key)
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise ProtocolError(
-            "bad_request", f"'{key}' must be 1-64 characters of A-Z a-z 0-9 _ . : -"
-        )
-    return value
-
-
-def _check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
-    unknown = set(obj) - allowed
-    if unknown:
-        names = ", ".join(sorted(repr(k[:40]) for k in unknown)[:5])
-        raise ProtocolError("bad_request", f"unknown field(s): {names}")

@@ -23,6 +23,8 @@ __all__ = [
     "Delta",
     "Done",
     "DoneReason",
+    "EmbedDone",
+    "EmbedReason",
     "Error",
     "Hello",
     "PullDone",
@@ -40,6 +42,7 @@ PROTOCOL_VERSION: Final = 1
 
 DoneReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 PullReason = Literal["complete", "cancelled", "error"]
+EmbedReason = Literal["complete", "cancelled", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,4 +179,24 @@ class PullDone:
     error_message: str | None = None
 
 
-ServerFrame = Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone
+@dataclass(frozen=True, slots=True)
+class EmbedDone:
+    """The end of an ``embed`` — exactly one per accepted embed, its only frame."""
+
+    id: str
+    reason: EmbedReason
+    #: ``complete``: the model that embedded (its served name).
+    model: str | None = None
+    #: ``complete``: each input's vector, little-endian float32, in input
+    #: order; written as ``data`` (float lists, or base64 with ``encoding``).
+    vectors: tuple[bytes, ...] | None = None
+    encoding: str = "float"
+    #: ``complete``: the tokens the engine read.
+    prompt_tokens: int | None = None
+    error_code: WireCode | None = None
+    error_message: str | None = None
+
+
+ServerFrame = (
+    Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone | EmbedDone
+)

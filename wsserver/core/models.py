@@ -44,6 +44,10 @@ class ModelInfo:
     #: continues text; chats get a plain-text rendering). ``None``: not known
     #: (not loaded yet, or an engine without templates). Written when known.
     chat_template: bool | None = None
+    #: What it serves besides generation, once loaded: ``embed`` (vectors,
+    #: ``/v1/embeddings``), ``rerank`` (a reranker, ``/v1/rerank``) or
+    #: ``none``; ``None``: not known yet (not loaded). Written when known.
+    embeddings: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

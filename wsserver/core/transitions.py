@@ -52,7 +52,7 @@ from .events import (
     Rejected,
     TextProduced,
 )
-from .protocol import Cancel, Generate, Pull, Restart, Resume
+from .protocol import Cancel, EmbedFrame, Generate, Pull, Restart, Resume
 from .request_record import RequestState
 
 __all__ = ["REFUSALS", "TRANSITIONS", "Row", "render_transitions"]
@@ -105,6 +105,7 @@ REFUSALS: Final[dict[type, tuple[WireCode, str]]] = {
     Restart: ("unknown_id", "no recent request {id!r} to restart"),
     Resume: ("bad_request", "resume is not handled here"),
     Pull: ("bad_request", "pull is not handled here"),
+    EmbedFrame: ("bad_request", "embed is not handled here"),
 }
 
 _ORDER: Final = {None: 0, WAITING: 1, RUNNING: 2, DONE: 3}

@@ -15,6 +15,7 @@
 // and later have it by default. Nothing here waits on a timer: every wait is
 // on an event of the client or the answer of the control endpoint.
 
+import { createHash } from "node:crypto";
 import { test } from "node:test";
 import assert from "node:assert/strict";
 
@@ -361,6 +362,48 @@ test("a pull where the server allows none is refused: done rejects with its code
     const early = offline.pull("org/repo");
     assert.equal((await early.cancel()).reason, "cancelled");
     offline.close();
+  } finally {
+    client.close();
+  }
+});
+
+/**
+ * The fake engine's vector of a text (wsserver/backends/fake_embed.py):
+ * 16 components from its SHA-256, as float32.
+ *
+ * @param {string} text
+ * @returns {number[]}
+ */
+function fakeVector(text) {
+  const digest = createHash("sha256").update(text, "utf8").digest();
+  const values = new Float32Array(16);
+  for (let i = 0; i < 16; i++) values[i] = (digest[2 * i] * 256 + digest[2 * i + 1]) / 32768 - 1;
+  return Array.from(values);
+}
+
+test("embed resolves with each input's vector; a refusal rejects with its code", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER, { reconnect: false });
+  try {
+    await client.ready();
+    const result = await client.embed(["hello", "café"]);
+    assert.deepEqual(result.vectors, [fakeVector("hello"), fakeVector("café")]);
+    assert.equal(result.model, "fake");
+    assert.equal(result.promptTokens, 2);
+    await assert.rejects(
+      client.embed("x", { model: "nope" }),
+      (error) => error instanceof WsError && error.code === "model_not_found",
+    );
+    await assert.rejects(
+      client.embed(""),
+      (error) => error instanceof WsError && error.code === "bad_request",
+    );
+    // Aborted before it went out: rejected as cancelled, locally.
+    const aborted = new AbortController();
+    aborted.abort();
+    await assert.rejects(
+      client.embed("y", { signal: aborted.signal }),
+      (error) => error instanceof WsError && error.code === "cancelled",
+    );
   } finally {
     client.close();
   }

@@ -11,10 +11,11 @@ frames, routing) with its reconnect/resume policy,
 from __future__ import annotations
 
 from .client import Client, GenerationError, RequestResult, Stream
-from .core import Event, Reasoning, Text, ToolCall, ToolCallDelta
+from .core import Embedding, Event, Reasoning, Text, ToolCall, ToolCallDelta
 
 __all__ = [
     "Client",
+    "Embedding",
     "Event",
     "GenerationError",
     "Reasoning",

@@ -16,7 +16,7 @@ from typing import Any, Generic, Literal, Self, TypeVar
 
 from wsserver.core.protocol import Error, Hello
 
-from .core import PullRequest, Request, RequestTable
+from .core import EmbedRequest, PullRequest, Request, RequestTable
 from .reconnect import ReconnectPolicy
 
 __all__ = ["ClientBase"]
@@ -162,6 +162,21 @@ class ClientBase(Generic[S]):
         pull = self._pull(request_id, frame)
         self.requests.add_pull(pull)
         return pull
+
+    def _embed_request(
+        self, input: Any, model: str | None, request_id: str | None
+    ) -> tuple[EmbedRequest, dict[str, Any]]:
+        """A new ``embed`` (registered, not yet sent) and its frame: ``input``
+        in OpenAI's shapes (a string, strings, token ids, token-id arrays),
+        on ``model`` (``None``: the default) — docs/embeddings.md."""
+        request_id, frame = self.requests.embed_frame(input, model, request_id)
+        embed = self._new_embed(request_id, frame)
+        self.requests.add_embed(embed)
+        return embed, frame
+
+    def _new_embed(self, request_id: str, frame: dict[str, Any]) -> EmbedRequest:
+        """The client's embed for an ``embed`` frame (an I/O layer adds its wake-up)."""
+        return EmbedRequest(request_id, frame)
 
     def _pull(self, request_id: str, frame: dict[str, Any]) -> PullRequest:
         """The client's pull for a ``pull`` frame (not yet sent)."""

@@ -34,7 +34,15 @@ from websockets.exceptions import ConnectionClosed
 from wsserver.core.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
-from .core import Event, GenerationError, PullRequest, Request, RequestResult
+from .core import (
+    Embedding,
+    EmbedRequest,
+    Event,
+    GenerationError,
+    PullRequest,
+    Request,
+    RequestResult,
+)
 
 __all__ = ["Client", "GenerationError", "Pull", "RequestResult", "Stream"]
 
@@ -154,6 +162,15 @@ class Pull(PullRequest):
         return await self.result()
 
 
+class _Embed(EmbedRequest):
+    def __init__(self, request_id: str, frame: dict[str, Any]) -> None:
+        super().__init__(request_id, frame)
+        self.wake = asyncio.Event()
+
+    def changed(self) -> None:
+        self.wake.set()
+
+
 class Client(ClientBase[Stream]):
     """A connection to wsserver. Use as an async context manager.
 
@@ -213,6 +230,33 @@ class Client(ClientBase[Stream]):
 
     def _pull(self, request_id: str, frame: dict[str, Any]) -> Pull:
         return Pull(self, request_id, frame)
+
+    def _new_embed(self, request_id: str, frame: dict[str, Any]) -> EmbedRequest:
+        return _Embed(request_id, frame)
+
+    async def embed(
+        self, input: Any, *, model: str | None = None, id: str | None = None
+    ) -> Embedding:
+        """Each input's vector (docs/embeddings.md): ``input`` is a string,
+        strings, token ids or token-id arrays; the server runs it in its
+        model's queue and engine beside the streams. Raises
+        :class:`GenerationError` when it is refused or fails; cancelling the
+        awaiting task cancels it on the server too."""
+        embed, frame = self._embed_request(input, model, id)
+        assert isinstance(embed, _Embed)
+        embed.sent = True
+        try:
+            await self._send(frame)
+            while not embed.finished:
+                embed.wake.clear()
+                await embed.wake.wait()
+        except asyncio.CancelledError:
+            if not embed.finished:
+                self.requests.embeds.pop(embed.id, None)
+                with contextlib.suppress(Exception):
+                    await self._send({"type": "cancel", "id": embed.id})
+            raise
+        return embed.result()
 
     def pull(self, reference: str, *, id: str | None = None) -> Pull:
         pull: Pull = super().pull(reference, id=id)

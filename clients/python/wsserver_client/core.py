@@ -53,9 +53,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from wsserver.core.embedding import floats_of
 from wsserver.core.protocol import (
     Delta,
     Done,
+    EmbedDone,
     Error,
     Hello,
     Progress,
@@ -78,6 +80,8 @@ from .reconnect import (
 )
 
 __all__ = [
+    "EmbedRequest",
+    "Embedding",
     "Event",
     "GenerationError",
     "PullRequest",
@@ -487,6 +491,69 @@ class PullRequest:
             self.changed()
 
 
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """An ``embed``'s result: each input's vector, in input order."""
+
+    vectors: list[list[float]]
+    model: str
+    #: The tokens the server's engine read.
+    prompt_tokens: int
+
+
+class EmbedRequest:
+    """One ``embed``: its one ``embed_done``, or the ``error`` that refused it."""
+
+    def __init__(self, request_id: str, frame: dict[str, Any]) -> None:
+        self.id = request_id
+        self.frame = frame
+        self.sent = False
+        self.done: EmbedDone | None = None
+        #: Why it ended without an ``embed_done`` (refused, connection lost).
+        self.error: GenerationError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+    def changed(self) -> None:
+        """Called once it ended; a hook for I/O layers."""
+
+    def deliver(self, frame: ServerFrame) -> None:
+        if self.finished:
+            return
+        if isinstance(frame, EmbedDone):
+            self.done = frame
+        elif isinstance(frame, Error):
+            self.error = GenerationError(frame.code, frame.message, frame.id)
+        else:
+            return
+        self.changed()
+
+    def fail(self, error: GenerationError) -> None:
+        if not self.finished:
+            self.error = error
+            self.changed()
+
+    def result(self) -> Embedding:
+        """The vectors (call once :attr:`finished`); raises
+        :class:`GenerationError` for a refused, failed or cancelled embed."""
+        done = self.done
+        if done is None:
+            raise self.error or GenerationError("internal", "the embed has not ended", self.id)
+        if done.reason == "cancelled":
+            raise GenerationError("cancelled", "the embed was cancelled", self.id)
+        if done.reason != "complete" or done.vectors is None:
+            raise GenerationError(
+                done.error_code or "internal", done.error_message or "embed failed", self.id
+            )
+        return Embedding(
+            vectors=[floats_of(v) for v in done.vectors],
+            model=done.model or "",
+            prompt_tokens=done.prompt_tokens or 0,
+        )
+
+
 R = TypeVar("R", bound=Request)
 
 
@@ -512,6 +579,8 @@ class RequestTable(Generic[R]):
         self.live: dict[str, R] = {}
         #: Pulls not ended yet, by ID.
         self.pulls: dict[str, PullRequest] = {}
+        #: Embeds not ended yet, by ID.
+        self.embeds: dict[str, EmbedRequest] = {}
         self.hello: Hello | None = None
         #: ``error`` frames about no live request (for debugging and tests).
         self.errors: list[Error] = []
@@ -582,12 +651,37 @@ class RequestTable(Generic[R]):
         self.pulls[pull.id] = pull
         return pull
 
+    def embed_frame(
+        self, input: Any, model: str | None, request_id: str | None
+    ) -> tuple[str, dict[str, Any]]:
+        """An ``embed`` frame (its vectors asked for as base64: compact)."""
+        request_id = request_id or self.new_id()
+        frame: dict[str, Any] = {
+            "type": "embed",
+            "id": request_id,
+            "input": input,
+            "encoding_format": "base64",
+        }
+        if model is not None:
+            frame["model"] = model
+        return request_id, frame
+
+    def add_embed(self, embed: EmbedRequest) -> EmbedRequest:
+        self.embeds[embed.id] = embed
+        return embed
+
     # Frames received.
 
     def receive(self, message: str | bytes) -> R | None:
         """Route one received message; returns the request it was about, if live."""
         frame = parse_server_frame(message)
         request_id = getattr(frame, "id", None)
+        embed = self.embeds.get(request_id) if request_id is not None else None
+        if embed is not None:
+            embed.deliver(frame)
+            if embed.finished:
+                del self.embeds[embed.id]
+            return None
         pull = self.pulls.get(request_id) if request_id is not None else None
         if pull is not None:
             pull.deliver(frame)
@@ -613,6 +707,10 @@ class RequestTable(Generic[R]):
         reconnect), resumable ones stay live (returned) for :meth:`resume_frames`
         after a reconnect."""
         now = self._clock()
+        for embed in list(self.embeds.values()):
+            if embed.sent:  # not resumed: the server cancels it with the connection
+                embed.fail(GenerationError("connection_lost", reason, embed.id))
+                del self.embeds[embed.id]
         for pull in list(self.pulls.values()):
             if pull.sent:  # not resumed: the server leaves a download nobody waits for
                 pull.fail(GenerationError("connection_lost", reason, pull.id))

@@ -51,6 +51,7 @@ from wsserver.core.protocol import Done, Progress, PullDone
 
 from .base import ClientBase
 from .core import (
+    Embedding,
     Event,
     GenerationError,
     PullRequest,
@@ -266,6 +267,31 @@ class Client(ClientBase[Stream]):
 
     def _pull(self, request_id: str, frame: dict[str, Any]) -> Pull:
         return Pull(self, request_id, frame)
+
+    def embed(
+        self,
+        input: Any,
+        *,
+        model: str | None = None,
+        id: str | None = None,
+        timeout: float | None = None,
+    ) -> Embedding:
+        """Each input's vector (docs/embeddings.md): ``input`` is a string,
+        strings, token ids or token-id arrays. Raises :class:`GenerationError`
+        when it is refused or fails; past ``timeout`` (TimeoutError, or
+        Ctrl-C) the embed is cancelled on the server."""
+        embed, frame = self._embed_request(input, model, id)
+        embed.sent = True
+        self._send(frame)
+        try:
+            self._wait(lambda: embed.finished, timeout)
+        except (TimeoutError, KeyboardInterrupt):
+            if not embed.finished:
+                self.requests.embeds.pop(embed.id, None)
+                with contextlib.suppress(GenerationError):
+                    self._send({"type": "cancel", "id": embed.id})
+            raise
+        return embed.result()
 
     def pull(self, reference: str, *, id: str | None = None) -> Pull:
         pull: Pull = super().pull(reference, id=id)

@@ -17,10 +17,13 @@ Ollama's shapes:
   is **not** the file's hash: hashing gigabytes per listing would cost
   seconds;
 * ``capabilities`` are what the engine really does with the model:
-  ``completion`` always; ``tools`` when the engine takes tools; ``thinking``
+  ``completion`` unless the GGUF declares a pooling type (an embedding or
+  rerank model); ``embedding`` when ``/api/embed`` serves it (a loaded
+  model's engine says; before its load, a GGUF that declares a pooling
+  other than rank); ``tools`` when the engine takes tools; ``thinking``
   when the model's chat template has a think block (``<think>``,
-  ``enable_thinking`` or ``reasoning_content`` in it). No ``embedding``,
-  ``vision`` nor ``insert``: not supported here yet.
+  ``enable_thinking`` or ``reasoning_content`` in it). No ``vision`` nor
+  ``insert``: not supported here yet.
 
 An engine without a file (the fake, an upstream) has empty details and no
 size.
@@ -121,6 +124,7 @@ HEADER_KEYS: Final = frozenset(
         "{arch}.feed_forward_length",
         "{arch}.attention.head_count",
         "{arch}.attention.head_count_kv",
+        "{arch}.pooling_type",
         "tokenizer.ggml.model",
         "tokenizer.chat_template",
     }
@@ -133,8 +137,6 @@ UNSUPPORTED: Final[dict[str, str]] = {
     "/api/delete": "deleting models is not supported: models are the configuration's",
     "/api/push": "pushing models is not supported",
     "/api/blobs": "blobs (model files uploaded for /api/create) are not supported",
-    "/api/embed": "embeddings are not supported yet",
-    "/api/embeddings": "embeddings are not supported yet",
 }
 
 #: What Ollama takes as a Hugging Face model (``hf.co/org/repo:QUANT``): the
@@ -236,9 +238,15 @@ def digest_of(path: str, size: int, mtime_ns: int) -> str:
     return hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()
 
 
-def capabilities(*, tools: bool, template: str) -> tuple[str, ...]:
+def capabilities(
+    *, tools: bool, template: str, embedding: bool = False, encoder: bool = False
+) -> tuple[str, ...]:
     """What a model can be asked for here (see the module docstring)."""
+    if encoder:  # an embedding (or rerank) GGUF: it writes no text
+        return ("embedding",) if embedding else ()
     found = ["completion"]
+    if embedding:
+        found.append("embedding")
     if tools:
         found.append("tools")
     if any(marker in template for marker in ("<think>", "enable_thinking", "reasoning_content")):

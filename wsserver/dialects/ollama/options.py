@@ -71,7 +71,7 @@ NEUTRAL_ONLY: Final[dict[str, tuple[Any, str]]] = {
     "num_keep": (lambda v: _is_int(v), "must be an integer"),
     "logits_all": (lambda v: v is False, "not supported"),
     "vocab_only": (lambda v: v is False, "not supported: a model here loads its weights"),
-    "embedding_only": (lambda v: v is False, "embeddings are not supported yet"),
+    "embedding_only": (lambda v: v is False, "a model here is loaded whole (use /api/embed)"),
 }
 
 #: How Ollama loads a model. They change how fast, not what is answered; the

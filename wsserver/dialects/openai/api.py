@@ -72,6 +72,7 @@ def model_entry(model: ModelInfo) -> dict[str, Any]:
         "parallel": model.parallel,
         "max_waiting": model.max_waiting,
         "aliases": list(model.aliases),
+        **({"embeddings": model.embeddings} if model.embeddings is not None else {}),
     }
 
 

@@ -1,0 +1,444 @@
+"""Embeddings and rerank scores on the llama engine's thread, beside its streams.
+
+Theory of operation
+-------------------
+llama.cpp computes embeddings only in a context made for them
+(``embeddings = true``) and pools them by the context's pooling type, so an
+:class:`Embedder` owns a **second, dedicated context** on the same loaded
+model (the weights are shared; only a small KV cache and the compute buffer
+are its own), made on the first request that needs it. It is not the
+generation context switched with ``llama_set_embeddings``: that one holds the
+streams' KV cells and prompt caches, and its pooling is fixed when it is made.
+
+**Pooling.** The GGUF's own (``{arch}.pooling_type``: mean, cls, last, rank);
+a model that declares none — a generative model — embeds with **mean**
+pooling. A ``rank`` model (a reranker) serves ``/v1/rerank`` and nothing else;
+any other serves embeddings and no rerank (:meth:`Embedder.kind`). Vectors
+are what the model returns, not normalised — exactly what llama-cpp-python's
+``Llama.embed`` returns with the same pooling (the tests compare them).
+
+**Whole inputs.** llama.cpp pools a sequence only when all of its tokens are
+in one micro-batch, and an encoder's attention (a non-causal model) needs
+them together anyway: an input is decoded whole, never split across steps,
+so the longest input is the context's size, ``embed_batch`` tokens
+(``backend.llama.embed_batch``; n_ctx = n_batch = n_ubatch of this context).
+A longer one is refused (``context_length_exceeded``, with its index) before
+it is queued. Several inputs go in one decode, as separate sequences (at most
+:data:`MAX_SEQUENCES`), the KV cache cleared before each — a reranker's
+pairs one at a time: batched, llama.cpp's rank pooling scored a pair
+differently from the same pair alone (by up to 1.3 on the tiny test
+reranker; llama-cpp-python's own ``embed`` shows the same).
+
+**Scheduled as a prompt is.** An embedding request holds one of the model's
+slots (the same scheduler as generations); its work runs on the engine's one
+thread, in the engine's step, *after* the streams' decode
+(:meth:`Embedder.step`): while sequences decode it takes whole inputs worth
+at most the step's **room** — the time the prefill budget leaves beside their
+decode (:meth:`~.llama_budget.PrefillBudget.room`), priced by this
+context's own measured cost per token (a generative model computes its
+vocabulary head for every token here: ~4x a prompt token on the default
+model) — and at least one input, so it always moves; the streams' gap is
+their decode plus that room, as beside a prompt. While a prompt is being
+prefilled the step is the prompt's (its first token is someone's wait;
+embedding is batch work). With nothing decoding it takes what one decode
+holds. The bound on the streams' gap is therefore one input's decode at
+worst: ``embed_batch`` tokens.
+
+**Cancel.** A cancel marks the request; one in the decode in flight raises
+this context's abort flag (ggml stops at its next graph node). Nothing of an
+aborted decode is kept — its other inputs simply run again next step.
+
+**Memory.** Bounded before anything runs (the backend's
+:meth:`Embedder.prepare`, :mod:`.llama_embed_inputs`): the inputs' count, their
+tokens in all, and the vectors' bytes (inputs x dimensions x 4). The vectors
+are kept as float32 bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import llama_cpp
+import numpy as np
+
+from ..core.embedding import Embed, Embedded
+from ..errors import ProtocolError
+from ..logs import context
+from .base import CancelEvent
+from .embed_door import EmbedDoor, EmbedSubmission
+from .gguf_meta import embedding_context_bytes
+from .llama_context import AbortFlag
+from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
+
+if TYPE_CHECKING:
+    from llama_cpp._internals import LlamaModel
+
+__all__ = ["MAX_SEQUENCES", "EmbedJob", "Embedder"]
+
+log = logging.getLogger("wsserver.llama")
+
+#: Inputs in one decode at most (llama.cpp allows 256 sequences).
+MAX_SEQUENCES: Final = 64
+#: Weight of the newest decode in the moving average of a token's cost.
+_COST_WEIGHT: Final = 0.5
+
+
+@dataclass(eq=False)
+class EmbedJob:
+    """One embedding request on the engine: its inputs' tokens, how far it got."""
+
+    request: Embed
+    tokens: tuple[tuple[int, ...], ...]
+    cancel: CancelEvent
+    submission: EmbedSubmission
+    #: Inputs done, in order; their vectors (or scores).
+    done: int = 0
+    vectors: list[bytes] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    cancelled: bool = False
+    #: Has inputs in the decode in flight (a cancel then aborts it).
+    in_flight: bool = False
+    on_cancel: Any = None
+
+
+class Embedder(EmbedDoor):
+    """A model's embedding context and queue, stepped by its engine thread:
+    the loaded model's embedding door (:mod:`.embed_door`)."""
+
+    def __init__(
+        self,
+        *,
+        model: LlamaModel,
+        name: str,
+        batch_tokens: int,
+        n_threads: int,
+        native_abort: bool = True,
+    ) -> None:
+        #: The loaded model (its tokenizer); ``_model`` is its llama.cpp handle.
+        self.llama_model = model
+        self._model = model.model
+        self._name = name
+        #: The longest input, and the most tokens one decode holds.
+        self.batch_tokens = batch_tokens
+        self._n_threads = n_threads
+        self._native_abort = native_abort
+        self.pooling = gguf_pooling(self._model)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
+        self._cond: threading.Condition = threading.Condition(threading.RLock())
+        self._incoming: list[EmbedJob] = []
+        self._jobs: deque[EmbedJob] = deque()
+        self._ctx: Any = None
+        self._batch: Any = None
+        #: Held while the context is made or freed (a worker thread, the unload).
+        self._open_lock = threading.Lock()
+        self._closed = False
+        self._flag: AbortFlag | None = None
+        #: Seconds one token costs in this context (None: not measured yet).
+        self.token_s: float | None = None
+        #: Decodes, inputs and tokens embedded, aborted decodes (tests, the bench).
+        self.stats: dict[str, int] = {"decodes": 0, "inputs": 0, "tokens": 0, "aborts": 0}
+        #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
+        #: decoding beside it), a token's cost it was priced by or -1, seconds).
+        self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
+        #: Called on the engine thread just before each decode, with the ids of
+        #: the requests in it (tests); quick, must not raise.
+        self.on_decode: Callable[[list[str]], None] | None = None
+
+    @staticmethod
+    def context_bytes(path: str | Path, tokens: int) -> int:
+        """The memory of an embedding context of ``tokens`` (``embed_batch``)
+        for the GGUF at ``path``, before it is made (the memory budget's):
+        :func:`.gguf_meta.embedding_context_bytes`."""
+        return embedding_context_bytes(path, tokens=tokens, sequences=MAX_SEQUENCES)
+
+    @property
+    def kind(self) -> str:
+        """``rerank`` for a rank model (pooling rank), else ``embed``."""
+        return "rerank" if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else "embed"
+
+    def bind(self, cond: threading.Condition) -> None:
+        """Share the engine's condition: a new job or a cancel wakes its thread."""
+        self._cond = cond
+
+    # ------------------------------------------------------------ loop side
+
+    def prepare(self, request: Embed) -> Embed:
+        """Tokenize and check ``request``'s inputs (on a worker thread):
+        :func:`.llama_embed_inputs.prepare_inputs`."""
+        prepared = prepare_inputs(
+            request,
+            model=self.llama_model,
+            pooling=self.pooling,
+            n_embd=self.n_embd,
+            batch_tokens=self.batch_tokens,
+            name=self._name,
+        )
+        # The context is made here, on this worker thread, not on the engine's:
+        # llama.cpp allocates its buffers (590 MiB for the default model) and
+        # the streams would wait for it — measured, a 1.8-2.2 s gap.
+        try:
+            self._ensure_open()
+        except Exception as exc:
+            log.error("cannot make the embedding context: %s", exc)
+            raise ProtocolError(
+                "internal", "the model's embedding context could not be made", request.id
+            ) from None
+        return prepared
+
+    def start(self, request: Embed, *, cancel: CancelEvent) -> EmbedSubmission:
+        if not request.tokenized:
+            submission = EmbedSubmission()
+            submission.fail("internal", "the request was not prepared for this model")
+            return submission
+        tokens = tuple(t for t in request.inputs if isinstance(t, tuple))
+        job = EmbedJob(request, tokens, cancel, EmbedSubmission())
+        with self._cond:
+            self._incoming.append(job)
+            self._cond.notify()
+        job.on_cancel = functools.partial(self._on_cancel, job)
+        cancel.add_callback(job.on_cancel)
+        return job.submission
+
+    def _on_cancel(self, job: EmbedJob) -> None:
+        with self._cond:
+            job.cancelled = True
+            if job.in_flight and self._flag is not None:
+                self._flag.raise_()
+            self._cond.notify()
+
+    # ------------------------------------------------------------ engine side
+
+    def runnable(self) -> bool:
+        """Work to do (called under the engine's condition)."""
+        return bool(self._incoming or self._jobs)
+
+    def step(self, room_s: float | None, *, decode: bool = True) -> None:
+        """Take new requests, let cancelled ones go, then (``decode``) one
+        decode of whole inputs: worth at most ``room_s`` seconds (at least one
+        input), or (None: nothing decodes beside it) what one decode holds.
+        Called on the engine thread every step — also those it may not decode
+        in (a prompt's), so that a cancel ends its request within a step."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+        self._jobs.extend(incoming)
+        for job in list(self._jobs):
+            if job.cancelled:
+                self._leave(job)
+        if not self._jobs or not decode:
+            return
+        if self._ctx is None:  # prepared before an unload's close: not made yet
+            try:
+                self._ensure_open()
+            except Exception as exc:
+                log.error("cannot make the embedding context: %s", exc)
+                for job in list(self._jobs):
+                    self._fail(job, "internal", "the model's embedding context could not be made")
+                return
+        priced_by = self.token_s
+        picked = self._pick(room_s)
+        self._decode(picked, room_s, priced_by)
+
+    def _pick(self, room_s: float | None) -> list[tuple[EmbedJob, int]]:
+        """The inputs of this decode, oldest request first: (job, input index)."""
+        picked: list[tuple[EmbedJob, int]] = []
+        tokens = 0
+        per_token = self.token_s
+        # A reranker's pairs one a decode: llama.cpp's rank pooling gave other
+        # scores for a pair batched with others (docs/embeddings.md).
+        most = 1 if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else MAX_SEQUENCES
+        for job in self._jobs:
+            for index in range(job.done, len(job.tokens)):
+                n = len(job.tokens[index])
+                if picked:
+                    if len(picked) >= most or tokens + n > self.batch_tokens:
+                        return picked
+                    if room_s is not None and (
+                        per_token is None or (tokens + n) * per_token > room_s
+                    ):
+                        return picked
+                picked.append((job, index))
+                tokens += n
+        return picked
+
+    def _decode(
+        self, picked: list[tuple[EmbedJob, int]], room_s: float | None, priced_by: float | None
+    ) -> None:
+        ctx = self._ctx
+        flag = self._flag
+        assert ctx is not None and flag is not None
+        batch = self._batch
+        n = 0
+        for seq, (job, index) in enumerate(picked):
+            for pos, token in enumerate(job.tokens[index]):
+                batch.token[n] = token
+                batch.pos[n] = pos
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq
+                batch.logits[n] = True  # every token is an output when embedding
+                n += 1
+        batch.n_tokens = n
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+        with self._cond:
+            flag.lower()
+            for job, _ in picked:
+                job.in_flight = True
+        if self.on_decode is not None:
+            self.on_decode([job.request.id for job, _ in picked])
+        started = time.perf_counter()
+        status = llama_cpp.llama_decode(ctx, batch)
+        seconds = time.perf_counter() - started
+        with self._cond:
+            for job, _ in picked:
+                job.in_flight = False
+            aborted = flag.raised
+            flag.lower()
+        self.stats["decodes"] += 1
+        if status != 0:
+            if status == 2 or aborted:
+                self.stats["aborts"] += 1
+                return  # the cancelled leave next step; the others run again
+            log.error("llama_decode returned %d for %d embedding input(s)", status, len(picked))
+            for job in {job for job, _ in picked}:
+                self._fail(job, "internal", "the model failed while embedding")
+            return
+        self.token_s = (
+            seconds / n
+            if self.token_s is None
+            else self.token_s + _COST_WEIGHT * (seconds / n - self.token_s)
+        )
+        self.stats["inputs"] += len(picked)
+        self.stats["tokens"] += n
+        self.step_log.append(
+            (
+                len(picked),
+                n,
+                -1.0 if room_s is None else room_s,
+                -1.0 if priced_by is None else priced_by,
+                seconds,
+            )
+        )
+        rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
+        width = 1 if rank else self.n_embd
+        for seq, (job, index) in enumerate(picked):
+            if job.cancelled or job.submission.done:
+                continue
+            pointer = llama_cpp.llama_get_embeddings_seq(ctx, seq)
+            if not pointer:
+                self._fail(job, "internal", "the model gave no embedding")
+                continue
+            values = np.ctypeslib.as_array(pointer, shape=(width,))
+            if not np.isfinite(values).all():
+                self._fail(
+                    job,
+                    "bad_request",
+                    f"input {index}: the model produced a value that is not a number "
+                    "(NaN or infinity) for it",
+                )
+                continue
+            if rank:
+                job.scores.append(float(values[0]))
+            else:
+                job.vectors.append(values.astype("<f4").tobytes())
+            job.done = index + 1
+            if job.done == len(job.tokens):
+                self._finish(job)
+
+    def _finish(self, job: EmbedJob) -> None:
+        total = sum(len(t) for t in job.tokens)
+        result = Embedded(
+            vectors=tuple(job.vectors),
+            scores=tuple(job.scores),
+            prompt_tokens=total,
+            dimensions=0 if job.scores else self.n_embd,
+        )
+        job.vectors = []
+        log.debug(
+            "id=%s embedded %d input(s), %d token(s)",
+            job.request.id,
+            len(job.tokens),
+            total,
+            extra=context(job.request.conn_id, job.request.id),
+        )
+        self._leave(job, result=result)
+
+    def _fail(self, job: EmbedJob, code: Any, message: str) -> None:
+        job.submission.fail(code, message)
+        self._leave(job)
+
+    def _leave(self, job: EmbedJob, result: Embedded | None = None) -> None:
+        if job.on_cancel is not None:
+            job.cancel.remove_callback(job.on_cancel)
+        if job in self._jobs:
+            self._jobs.remove(job)
+        if result is not None:
+            job.submission.finish(result)
+        job.submission.complete()
+
+    def fail_all(self, message: str) -> None:
+        """The engine failed: end every request (engine thread, or after it stopped)."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+        for job in [*self._jobs, *incoming]:
+            self._fail(job, "internal", message)
+
+    # ------------------------------------------------------------ the context
+
+    def _ensure_open(self) -> None:
+        """Make the context once (a worker thread's first ``prepare``); never
+        after :meth:`close`."""
+        with self._open_lock:
+            if self._closed:
+                raise RuntimeError("the model was unloaded")
+            if self._ctx is None:
+                self._open()
+
+    def _open(self) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = self.batch_tokens
+        params.n_batch = self.batch_tokens
+        params.n_ubatch = self.batch_tokens
+        params.n_seq_max = MAX_SEQUENCES
+        # One KV stream for every sequence: split streams gave vectors far from
+        # llama-cpp-python's here (docs/embeddings.md); the cache is cleared
+        # before each decode anyway.
+        params.kv_unified = True
+        params.embeddings = True
+        params.pooling_type = self.pooling
+        # Off, as in llama_cpp.Llama: on, the default model's vectors moved by
+        # up to 0.8 (of components ~5) from the reference's (docs/embeddings.md).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.n_threads = self._n_threads
+        params.n_threads_batch = self._n_threads
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if ctx is None:
+            raise RuntimeError("llama_init_from_model failed")
+        self._ctx = ctx
+        self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
+        self._flag = AbortFlag(ctx, native=self._native_abort)
+        log.info(
+            "embedding context ready: %s pooling, inputs of up to %d tokens, %d dimensions",
+            POOLING_NAMES.get(self.pooling, str(self.pooling)),
+            self.batch_tokens,
+            self.n_embd,
+        )
+
+    def close(self) -> None:
+        """Free the context (after the engine thread stopped)."""
+        self.fail_all("the model was unloaded")
+        with self._open_lock:  # not while a worker thread makes it
+            self._closed = True
+            if self._batch is not None:
+                llama_cpp.llama_batch_free(self._batch)
+                self._batch = None
+            if self._ctx is not None:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None

@@ -1,0 +1,59 @@
+"""Checks every frame's fields share: ids, known keys, numbers (sans-I/O).
+
+A failed check is a :class:`~wsserver.errors.ProtocolError` (``bad_request``)
+that names the field; the caller adds the request's id.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Final
+
+from ..errors import ProtocolError
+
+__all__ = ["ID_PATTERN", "ID_RE", "check_keys", "is_int", "parse_float", "parse_id"]
+
+#: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
+#: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
+ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
+ID_RE: Final = re.compile(ID_PATTERN)
+# JSON integers outside this range are refused: llama.cpp takes 32-bit seeds
+# and nothing else in the protocol needs more.
+_INT_MAX: Final = 2**63 - 1
+
+
+def parse_float(
+    value: Any, name: str, low: float, high: float, fail: Callable[[str], Exception]
+) -> float:
+    """``value`` as a finite number in [``low``, ``high``]; else ``fail``'s error."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(f"'{name}' must be a number")
+    number = float(value)
+    if not math.isfinite(number) or not low <= number <= high:
+        raise fail(f"'{name}' must be between {low:g} and {high:g}")
+    return number
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (not a bool) within 64 bits."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _INT_MAX
+
+
+def parse_id(obj: dict[str, Any], key: str) -> str:
+    """``obj[key]`` as a request id (:data:`ID_PATTERN`)."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise ProtocolError(
+            "bad_request", f"'{key}' must be 1-64 characters of A-Z a-z 0-9 _ . : -"
+        )
+    return value
+
+
+def check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    """Refuse a field not in ``allowed``, naming (up to five of) them."""
+    unknown = set(obj) - allowed
+    if unknown:
+        names = ", ".join(sorted(repr(k[:40]) for k in unknown)[:5])
+        raise ProtocolError("bad_request", f"unknown field(s): {names}")
