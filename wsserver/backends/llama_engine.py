@@ -81,6 +81,7 @@ from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_batching import Batcher
 from .llama_context import AbortFlag, quiet_errors
 from .llama_grammar import GrammarCache
+from .llama_host_cache import CacheCounters, HostCache
 from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
@@ -118,6 +119,8 @@ class BatchEngine:
         opens_reasoning: Callable[[GenerationRequest], bool] | None = None,
         grammar_deadline_s: float = 1.0,
         stall_s: float = 30.0,
+        prompt_cache_bytes: int = 0,
+        cache_counters: CacheCounters | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -146,6 +149,8 @@ class BatchEngine:
             "aborts": 0,
             "steps": 0,
             "prompt_tokens_reused": 0,
+            # Of those, restored from host memory (the prompt cache beyond the slots).
+            "prompt_tokens_restored": 0,
             "prompt_tokens_decoded": 0,
             "max_batch_sequences": 0,
             # Constrained sequences: sampled tokens the grammar rejected, and
@@ -169,8 +174,12 @@ class BatchEngine:
             grammar_deadline_s=grammar_deadline_s,
             stats=self.stats,
         )
-        #: The sequences and the KV cells each holds (the prompt cache).
-        self.cache = PromptCache(ctx, parallel)
+        #: The sequences and the KV cells each holds (the prompt cache), and
+        #: the states kept beyond them in host memory, up to ``prompt_cache_bytes``.
+        host = (
+            HostCache(ctx, prompt_cache_bytes, cache_counters) if prompt_cache_bytes > 0 else None
+        )
+        self.cache = PromptCache(ctx, parallel, host)
         self.intake = Intake(
             prepare=prepare,
             n_ctx=self.n_ctx,
@@ -245,6 +254,8 @@ class BatchEngine:
         for job in self._jobs:
             self.samplers.free(job)
         self.batcher.free()
+        if self.cache.host is not None:
+            self.cache.host.clear()
         if self.grammar_calls_running():
             log.error(
                 "%d grammar computation(s) given up on still run natively; leaving the "
