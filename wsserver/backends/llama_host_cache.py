@@ -87,6 +87,10 @@ class Entry:
     tokens: list[int]
     data: Any  # a ctypes c_ubyte array, llama.cpp's serialized cells
     size: int
+    #: The fewest of its tokens a prompt may keep for it to be restored
+    #: (0: any; learnt on a model with sliding-window layers, whose state
+    #: holds their cells for its last window only: :mod:`.llama_sequences`).
+    least: int = 0
 
 
 class HostCache:
@@ -164,6 +168,10 @@ class HostCache:
         """Take ``entry`` out before it is restored (saving the target
         sequence's own state first must not evict it)."""
         self._drop(id(entry.data))
+
+    def put_back(self, entry: Entry) -> None:
+        """``entry``, taken, could not be used: back in, most recently used."""
+        self._add(entry)
 
     def used(self, kept: int) -> None:
         """An entry, taken, was restored and its first ``kept`` tokens stay in

@@ -207,6 +207,8 @@ class PromptCache:
         self._memory = llama_cpp.llama_get_memory(ctx)
         self.sequences = [SequenceState(i) for i in range(parallel)]
         self.host = host
+        #: The sliding window of the model's SWA layers (1: none), for :meth:`_usable`.
+        self._n_swa = max(1, int(llama_cpp.llama_model_n_swa(llama_cpp.llama_get_model(ctx))))
 
     def claim(
         self, prompt: list[int], before_restore: Callable[[int], None] | None = None
@@ -220,12 +222,12 @@ class PromptCache:
         if not free:
             return None
         seq = self._choose(prompt, free)
-        keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+        keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
         restored = self._restore(prompt, free[0], keep, before_restore)
         if restored:
             seq, keep = free[0], restored
         else:  # (a refused restore emptied free[0], which may be ``seq``)
-            keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+            keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
             self._save(seq, keep)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
             keep = restored = 0  # a memory that cannot cut a sequence short
@@ -251,6 +253,8 @@ class PromptCache:
         common = min(common, len(prompt) - 1)
         if common < keep + RESTORE_MIN_GAIN or common / len(prompt) <= PREFIX_SIMILARITY:
             return 0
+        if common < min(entry.least, len(entry.tokens)):
+            return 0  # cut that short, its sliding window lacks cells (learnt below)
         assert self.host is not None
         self.host.take(entry)
         self._save(target, 0)  # all of its cells go
@@ -261,8 +265,28 @@ class PromptCache:
             self.forget(target)
             return 0
         target.tokens = list(entry.tokens)
+        if not self._usable(target, common):
+            # A saved state holds its SWA layers' cells for its last window
+            # only: cut back further, the next token would miss some.
+            pos_min = llama_cpp.llama_memory_seq_pos_min(self._memory, target.index)
+            entry.least = int(pos_min) + self._n_swa
+            self.host.put_back(entry)
+            self.forget(target)
+            return 0
         self.host.used(common)
         return common
+
+    def _usable(self, seq: SequenceState, keep: int) -> int:
+        """``keep``, or 0 where ``seq``'s cells cannot serve a prompt that
+        keeps only that many: cut back, the next token attends in the
+        sliding-window layers (Gemma 3's) to the ``n_swa`` positions before
+        it, and a sequence restored from host memory holds those layers'
+        cells for its last window only (``llama_memory_seq_pos_min``).
+        llama-server's check ("forcing full prompt re-processing")."""
+        if keep == 0 or keep >= len(seq.tokens):
+            return keep  # nothing cut: the window before the end is whole
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq.index))
+        return keep if pos_min <= max(0, keep - self._n_swa) else 0
 
     def _save(self, seq: SequenceState, keep: int) -> None:
         """Keep ``seq``'s cells in host memory if the prompt it goes to keeps
