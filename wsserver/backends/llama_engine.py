@@ -25,8 +25,9 @@ One step:
    submission completed. Its sequence keeps exactly the cells that were
    committed (the prompt cache: :mod:`.llama_sequences`).
 2. **Admission.** New requests are tokenized here (off the loop) and given a
-   free sequence, preferably one whose cells hold the start of the prompt;
-   only the rest is prefilled (:mod:`.llama_intake`).
+   free sequence, preferably one whose cells hold the start of the prompt,
+   or the lowest free one with a state kept in host memory restored into it
+   (:mod:`.llama_host_cache`); only the rest is prefilled (:mod:`.llama_intake`).
 3. **One batch.** The next token of every decoding sequence whose text was
    delivered, plus prompt tokens of prefilling sequences, within a time
    budget while others decode, so a long prompt does not freeze them
