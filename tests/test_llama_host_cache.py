@@ -358,6 +358,14 @@ def test_the_default_model_restores_no_state_cut_back_past_its_sliding_window() 
         continued = b.request_stats("h2")
         assert continued is not None and continued.restored == len(entry.tokens)
         assert ended.reason == "length"
+        # The sequence it went to holds the same partial window: its cells
+        # serve a prompt that continues them, not one that keeps only their
+        # start (the in-slot prefix cache asks this too; the engine is idle).
+        engine = b.engine
+        assert engine is not None
+        seq = engine.cache.sequences[continued.sequence]
+        assert engine.cache._usable(seq, len(seq.tokens)) == len(seq.tokens)
+        assert engine.cache._usable(seq, stats.prompt_tokens - 1) == 0
     with loaded(path, parallel=1, n_ctx=1024, prompt_cache_bytes=0) as fresh:
         _, expected = Running(fresh, request(start, id="s2", max_tokens=16)).wait(120)
     assert cut.text == expected.text
