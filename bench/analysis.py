@@ -19,6 +19,7 @@ from . import (
     batched,
     cancel,
     ceiling,
+    conversations,
     freeze,
     idle,
     models,
@@ -128,6 +129,14 @@ SECTIONS = (
         templates,
         "fake",
         "a chat template's render in a worker process against one in-process (issue 34)",
+    ),
+    Section(
+        "conversations",
+        "17. Six conversations on two slots: a returning conversation's time to first token "
+        "(issue 40)",
+        conversations,
+        "llama",
+        "six conversations on two slots, the prompt cache in host memory (issue 40)",
     ),
 )
 BY_KEY = {section.key: section for section in SECTIONS}

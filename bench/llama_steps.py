@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import llama_cpp
 from llama_cpp._internals import LlamaModel
 
-from wsserver.backends.llama import _default_model_path
 from wsserver.backends.llama_context import Batch, model_params, new_context
+from wsserver.backends.llama_memory import default_model_path
 
 POSITIONS = (0, 1000, 2000, 2900)
 CHUNKS = (16, 32, 64, 128, 256)
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flash-attn", choices=("on", "off"), default="off")
     args = parser.parse_args()
-    path = args.model or str(_default_model_path())
+    path = args.model or str(default_model_path())
     params = model_params(n_gpu_layers=0, use_mmap=True, use_mlock=False)
     model = LlamaModel(path_model=path, params=params, verbose=False)
     ctx = new_context(

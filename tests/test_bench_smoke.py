@@ -274,6 +274,29 @@ def test_quick_freeze_bench_measures_the_others_during_an_ingest(
 
 
 @pytest.mark.timeout(int(150 * UNIT))
+def test_quick_conversations_bench_restores_returning_conversations(
+    tmp_path: Path, bench_model: str | None
+) -> None:
+    """Section 17 on the tiny model: six conversations took two rounds on two
+    slots; with the prompt cache each returning turn took its history from
+    host memory, without it (the in-slot cache alone) far less."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    results, text = _quick(tmp_path, "17", "--model", str(bench_model), "--threads", "1")
+    result = results["conversations"]
+    assert result["status"] == "ok", result
+    rows = {r["contender"]: r for r in result["rows"]}
+    on, off = (
+        rows["wsserver (defaults: prompt cache on)"],
+        rows["wsserver (prompt_cache_bytes = 0)"],
+    )
+    assert on["turns"] == off["turns"] == 12
+    assert on["returning_cached_tokens"] >= 140 > 2 * off["returning_cached_tokens"]
+    assert on["returning_ttft_ms"] > 0  # timing-ok: measured
+    assert "## 17. Six conversations on two slots" in text
+
+
+@pytest.mark.timeout(int(150 * UNIT))
 def test_quick_resume_bench_keeps_detached_requests_within_the_bound(tmp_path: Path) -> None:
     """Section 11: a detached request held no more than its stated bound (a
     memory figure, not a time), and the resume latencies were measured."""

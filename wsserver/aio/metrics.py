@@ -396,6 +396,9 @@ MODEL_METRICS = (
     "wsserver_model_engine_step_seconds",
     "wsserver_model_engine_stalled",
     "wsserver_model_grammar_calls_abandoned",
+    "wsserver_model_prompt_cache_hits",
+    "wsserver_model_prompt_cache_restored_tokens",
+    "wsserver_model_prompt_cache_bytes",
 )
 
 
@@ -418,7 +421,7 @@ class ModelCollector(Collector):
         )
         memory = GaugeMetricFamily(
             names[3],
-            "Bytes the model holds against the budget (weights + KV cache, estimated).",
+            "Bytes the model holds against the budget (weights, KV cache, prompt cache bound; estimated).",
             labels=["model"],
         )
         loads = CounterMetricFamily(
@@ -445,7 +448,25 @@ class ModelCollector(Collector):
             "Grammar computations given up on past their deadline whose native call still runs.",
             labels=["model"],
         )
+        hits = CounterMetricFamily(
+            names[10],
+            "Requests whose prompt state was restored from the prompt cache in host memory.",
+            labels=["model"],
+        )
+        restored = CounterMetricFamily(
+            names[11],
+            "Prompt tokens restored from the prompt cache in host memory (not decoded again).",
+            labels=["model"],
+        )
+        held = GaugeMetricFamily(
+            names[12],
+            "Bytes the prompt cache holds in host memory (within backend.llama.prompt_cache_bytes).",
+            labels=["model"],
+        )
         for s in stats:
+            hits.add_metric([s.name], s.prompt_cache_hits)
+            restored.add_metric([s.name], s.prompt_cache_restored_tokens)
+            held.add_metric([s.name], s.prompt_cache_bytes)
             step.add_metric([s.name], s.step_seconds)
             stalled.add_metric([s.name], 1.0 if s.stalled else 0.0)
             abandoned.add_metric([s.name], s.grammar_calls_running)
@@ -467,4 +488,7 @@ class ModelCollector(Collector):
             step,
             stalled,
             abandoned,
+            hits,
+            restored,
+            held,
         )

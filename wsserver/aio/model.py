@@ -42,6 +42,10 @@ class ModelStats:
     step_seconds: float = 0.0
     stalled: bool = False
     grammar_calls_running: int = 0
+    #: Its prompt cache in host memory (:class:`~wsserver.backends.base.PromptCacheFigures`).
+    prompt_cache_hits: int = 0
+    prompt_cache_restored_tokens: int = 0
+    prompt_cache_bytes: int = 0
 
 
 class Model:
@@ -107,6 +111,7 @@ class Model:
     def stats(self) -> ModelStats:
         """Its figures for ``/metrics`` (the engine's liveness only while loaded)."""
         live = self.backend.liveness() if self.state == "loaded" else Liveness()
+        cache = self.backend.prompt_cache()
         return ModelStats(
             name=self.name,
             loaded=self.state == "loaded",
@@ -119,6 +124,9 @@ class Model:
             step_seconds=live.step_seconds,
             stalled=live.stalled,
             grammar_calls_running=live.grammar_calls_running,
+            prompt_cache_hits=cache.hits,
+            prompt_cache_restored_tokens=cache.restored_tokens,
+            prompt_cache_bytes=cache.bytes,
         )
 
     def set_state(self, state: str) -> None:

@@ -98,6 +98,7 @@ __all__ = [
     "Liveness",
     "Outcome",
     "OutputFormat",
+    "PromptCacheFigures",
     "Sink",
     "Submission",
     "TokenSink",
@@ -118,6 +119,19 @@ class UpstreamStats:
     #: Sum and count of the seconds from sending a request to its stream's first byte.
     first_byte_seconds_sum: float
     first_byte_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCacheFigures:
+    """An engine's prompt cache in host memory, for ``/metrics`` (the llama
+    engine's: docs/llama.md, "Host-memory prompt cache")."""
+
+    #: Requests whose prompt was restored from it, since the server started.
+    hits: int = 0
+    #: Prompt tokens restored from it (not decoded again), since the server started.
+    restored_tokens: int = 0
+    #: Bytes it holds now (0 while the model is unloaded).
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +350,11 @@ class Backend(abc.ABC):
     def liveness(self) -> Liveness:
         """The engine's progress, for ``/metrics`` (quick, any thread)."""
         return Liveness()
+
+    def prompt_cache(self) -> PromptCacheFigures:
+        """The engine's prompt cache in host memory, for ``/metrics`` (quick,
+        any thread; an engine without one: zeros)."""
+        return PromptCacheFigures()
 
     @abc.abstractmethod
     def submit(

