@@ -463,3 +463,25 @@ def test_the_token_and_vector_bounds_hold_before_any_work(pooled_ggufs: dict[str
         assert backend.embedder is not None and backend.embedder.stats["decodes"] == 0
     finally:
         backend.close()
+
+
+async def test_a_model_that_produces_nan_is_refused_naming_the_input(
+    tmp_path: Path,
+) -> None:
+    """A broken model (a token whose embedding is NaN): the input holding it
+    is refused by its index, a clear 400, and nothing is lost — the server
+    embeds the next request."""
+    path = write_tiny_gguf(tmp_path / "nan.gguf", pooling=gguf.PoolingType.MEAN, nan_token=300)
+    async with llama_server(path) as server:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0
+        )
+        try:
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.embeddings.create(model="nan", input=[[1, 301, 302], [1, 300, 302]])
+            after = await client.embeddings.create(model="nan", input=[[1, 301, 302]])
+        finally:
+            await client.close()
+    assert caught.value.status_code == 400
+    assert "not a number" in caught.value.message and "input 1" in caught.value.message
+    assert len(after.data) == 1 and all(np.isfinite(after.data[0].embedding))

@@ -111,6 +111,7 @@ def write_tiny_gguf(
     extra_tokens: tuple[tuple[str, gguf.TokenType], ...] = (),
     pooling: gguf.PoolingType | None = None,
     causal: bool | None = None,
+    nan_token: int | None = None,
 ) -> Path:
     """Write the tiny model to ``path`` and return it (about 0.6 MB).
 
@@ -124,7 +125,8 @@ def write_tiny_gguf(
     ``pooling`` writes ``llama.pooling_type`` (an embedding model's pooling;
     by default none is declared, as in a generative model) and ``causal``
     ``llama.attention.causal`` (False: an encoder's attention, every token
-    seeing every other).
+    seeing every other). ``nan_token``: that token's embedding row is NaN (a
+    model that produces NaN for inputs holding it).
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -175,7 +177,10 @@ def write_tiny_gguf(
     def norm(size: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, 1.0))
+    token_embd = weight(n_vocab, n_embd, 1.0)
+    if nan_token is not None:  # a broken model: this token's embedding is not a number
+        token_embd[nan_token] = np.nan
+    writer.add_tensor("token_embd.weight", token_embd)
     for layer in range(n_layer):
         prefix = f"blk.{layer}"
         # Large enough that attention patterns are sharp and the output depends

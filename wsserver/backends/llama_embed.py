@@ -138,6 +138,8 @@ class Embedder(EmbedDoor):
         #: Held while the context is made or freed (a worker thread, the unload).
         self._open_lock = threading.Lock()
         self._closed = False
+        #: Decodes to run one input each (after a NaN in a decode of several).
+        self._solo = 0
         self._flag: AbortFlag | None = None
         #: Seconds one token costs in this context (None: not measured yet).
         self.token_s: float | None = None
@@ -244,7 +246,8 @@ class Embedder(EmbedDoor):
         per_token = self.token_s
         # A reranker's pairs one a decode: llama.cpp's rank pooling gave other
         # scores for a pair batched with others (docs/embeddings.md).
-        most = 1 if self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK else MAX_SEQUENCES
+        rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
+        most = 1 if rank or self._solo > 0 else MAX_SEQUENCES
         for job in self._jobs:
             for index in range(job.done, len(job.tokens)):
                 n = len(job.tokens[index])
@@ -318,6 +321,14 @@ class Embedder(EmbedDoor):
         )
         rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
         width = 1 if rank else self.n_embd
+        self._solo = max(0, self._solo - 1)
+        if len(picked) > 1 and not self._all_finite(len(picked), width):
+            # One input's NaN reaches the others of its decode (a masked
+            # attention weight of 0 times NaN is NaN): none of them is kept,
+            # and they run again one a decode, so the refusal names the input
+            # that made it.
+            self._solo = len(picked)
+            return
         for seq, (job, index) in enumerate(picked):
             if job.cancelled or job.submission.done:
                 continue
@@ -341,6 +352,13 @@ class Embedder(EmbedDoor):
             job.done = index + 1
             if job.done == len(job.tokens):
                 self._finish(job)
+
+    def _all_finite(self, sequences: int, width: int) -> bool:
+        for seq in range(sequences):
+            pointer = llama_cpp.llama_get_embeddings_seq(self._ctx, seq)
+            if pointer and not np.isfinite(np.ctypeslib.as_array(pointer, shape=(width,))).all():
+                return False
+        return True
 
     def _finish(self, job: EmbedJob) -> None:
         total = sum(len(t) for t in job.tokens)
