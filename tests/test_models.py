@@ -547,7 +547,7 @@ async def test_switching_from_the_default_model_returns_its_memory(
     fits one: asking for the tiny one unloads the default, and the process's
     memory falls by about the default's weights; asking for the default again
     loads it back, and its greedy text is what it was."""
-    from wsserver.backends.llama import _default_model_path
+    from wsserver.backends.llama_files import default_model_path as _default_model_path
 
     default = _default_model_path()
     default_size = LlamaBackend(model=str(default), n_ctx=256, parallel=2).memory_estimate()

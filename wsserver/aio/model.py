@@ -97,6 +97,7 @@ class Model:
             max_waiting=self.backend.max_waiting,
             aliases=self.aliases,
             chat_template=self.backend.has_chat_template() if state == "loaded" else None,
+            input_modalities=self.backend.input_modalities() if state == "loaded" else None,
         )
 
     def stats(self) -> ModelStats:

@@ -250,7 +250,8 @@ class OllamaRoute:
         backend = model.backend
         listed = listed_name(name)
         tools = "tools" in backend.honours
-        n_ctx = model.info().n_ctx
+        info = model.info()
+        n_ctx, modalities = info.n_ctx, info.input_modalities or ()
         try:
             facts = await asyncio.to_thread(self._file_facts, backend.model_file)
         except Exception as exc:  # a missing or corrupt file: said, not fatal
@@ -276,7 +277,7 @@ class OllamaRoute:
             size=found["size"],
             modified_at=found["modified_at"],
             digest=found["digest"],
-            capabilities=capabilities(tools=tools, template=template),
+            capabilities=capabilities(tools=tools, template=template, modalities=modalities),
             context_length=n_ctx,
             **header,
         )

@@ -311,6 +311,11 @@ class Backend(abc.ABC):
         ``None``: an engine without the notion (not said). Quick, on the loop."""
         return None
 
+    def input_modalities(self) -> tuple[str, ...] | None:
+        """What the loaded model takes in (``"text"``, ``"image"``, ``"audio"``),
+        for ``hello`` and ``GET /v1/models``; ``None``: not said. Quick, on the loop."""
+        return None
+
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.
 

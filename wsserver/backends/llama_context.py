@@ -38,6 +38,7 @@ __all__ = [
     "chain_keeps",
     "has_history",
     "install_log_bridge",
+    "log_bridge",
     "model_params",
     "native_flag_reader",
     "new_context",
@@ -78,6 +79,13 @@ def install_log_bridge() -> None:
 
     _log_bridge = llama_cpp.llama_log_callback(on_log)  # kept alive: llama.cpp holds a raw pointer
     llama_cpp.llama_log_set(_log_bridge, ctypes.c_void_p(0))
+
+
+def log_bridge() -> Any:
+    """The native log callback :func:`install_log_bridge` installed (libmtmd
+    logs through its own setter: the same callback serves it)."""
+    install_log_bridge()
+    return _log_bridge
 
 
 def quiet_errors(flag: AbortFlag | None) -> None:

@@ -44,6 +44,10 @@ class ModelInfo:
     #: continues text; chats get a plain-text rendering). ``None``: not known
     #: (not loaded yet, or an engine without templates). Written when known.
     chat_template: bool | None = None
+    #: What it takes in: ``"text"``, and ``"image"`` / ``"audio"`` for a
+    #: model whose projector encodes them. ``None``: not known (not loaded
+    #: yet, or an engine that does not say). Written when known.
+    input_modalities: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

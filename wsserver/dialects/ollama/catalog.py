@@ -19,8 +19,9 @@ Ollama's shapes:
 * ``capabilities`` are what the engine really does with the model:
   ``completion`` always; ``tools`` when the engine takes tools; ``thinking``
   when the model's chat template has a think block (``<think>``,
-  ``enable_thinking`` or ``reasoning_content`` in it). No ``embedding``,
-  ``vision`` nor ``insert``: not supported here yet.
+  ``enable_thinking`` or ``reasoning_content`` in it); ``vision`` when the
+  loaded model's projector encodes images (said once it is loaded:
+  docs/images.md). No ``embedding`` nor ``insert``: not supported here yet.
 
 An engine without a file (the fake, an upstream) has empty details and no
 size.
@@ -236,13 +237,19 @@ def digest_of(path: str, size: int, mtime_ns: int) -> str:
     return hashlib.sha256(f"{path}\0{size}\0{mtime_ns}".encode()).hexdigest()
 
 
-def capabilities(*, tools: bool, template: str) -> tuple[str, ...]:
-    """What a model can be asked for here (see the module docstring)."""
+def capabilities(
+    *, tools: bool, template: str, modalities: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """What a model can be asked for here (see the module docstring);
+    ``modalities``: what the loaded model takes in (``"image"``: vision)."""
     found = ["completion"]
     if tools:
         found.append("tools")
     if any(marker in template for marker in ("<think>", "enable_thinking", "reasoning_content")):
         found.append("thinking")
+    found += [
+        name for kind, name in (("image", "vision"), ("audio", "audio")) if kind in modalities
+    ]
     return tuple(found)
 
 

@@ -72,6 +72,11 @@ def model_entry(model: ModelInfo) -> dict[str, Any]:
         "parallel": model.parallel,
         "max_waiting": model.max_waiting,
         "aliases": list(model.aliases),
+        **(
+            {"input_modalities": list(model.input_modalities)}
+            if model.input_modalities is not None
+            else {}
+        ),
     }
 
 

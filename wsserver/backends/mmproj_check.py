@@ -1,0 +1,229 @@
+"""A vision projector's GGUF checked from its header, before libmtmd sees it.
+
+A projector file (``mmproj``) is input like a model file, and libmtmd trusts
+it: many of the tensors a projector type's graph uses are *optional* when
+libmtmd loads the file, and ``mtmd_init_from_file`` then runs a warm-up
+encode through that graph — a missing ``mm.2.weight``,
+``v.position_embd.weight`` or ``v.blk.0.attn_q.weight`` is a null pointer
+dereferenced inside the native call (SIGSEGV: the whole server is gone, not
+one load). So the file's metadata and tensor list are read here, from the
+header alone (:func:`.gguf_meta.read_header`, no tensor data), and checked
+against what its projector type's graph needs; what is missing or of the
+wrong shape is refused with every name at once.
+
+Only the projector types whose needs are written down here are let through:
+today LLaVA's ``mlp`` (and its ``mlp_norm`` variant, which libmtmd picks when
+``mm.3.weight`` exists), read off llama.cpp's ``tools/mtmd/clip.cpp``
+(``load_hparams``, ``load_tensors``) and ``models/llava.cpp`` (the graph).
+Any other type is refused by name: libmtmd knows some 60, and a type we have
+not read is one whose missing tensor we cannot rule out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .gguf_meta import GgufHeader, read_header
+
+__all__ = ["CHECKED_TYPES", "Projector", "ProjectorError", "check_projector"]
+
+#: The projector types whose graph's needs this module checks.
+CHECKED_TYPES = ("mlp",)
+
+_V = "clip.vision."
+#: Vision metadata libmtmd reads as required (``get_u32``/``get_f32``).
+_REQUIRED_INTS = (
+    "embedding_length",
+    "attention.head_count",
+    "feed_forward_length",
+    "block_count",
+    "projection_dim",
+    "image_size",
+    "patch_size",
+)
+
+
+class ProjectorError(ValueError):
+    """The projector is refused; the message names what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Projector:
+    """What a checked projector is and takes."""
+
+    projector_type: str
+    #: The modalities it encodes (an audio projector is not let through yet).
+    vision: bool
+    audio: bool
+    #: The square side an image is resized to, and its patches' side.
+    image_size: int
+    patch_size: int
+    #: Its embeddings' width: the text model's embedding width.
+    output_width: int
+
+    @property
+    def image_tokens(self) -> int:
+        """The embeddings one image becomes (one slice: no tiling)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+class _Needs:
+    """The checks' findings, gathered so that one refusal names them all."""
+
+    def __init__(self, header: GgufHeader) -> None:
+        self.meta = header.metadata
+        self.tensors = header.tensors
+        self.problems: list[str] = []
+
+    def positive(self, key: str) -> int:
+        value = self.meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problems.append(f"metadata {key}" + ("" if value is None else " (not an integer)"))
+            return 0
+        if value <= 0:
+            self.problems.append(f"metadata {key} = {value} (must be positive)")
+            return 0
+        return value
+
+    def floats(self, key: str, count: int) -> None:
+        value = self.meta.get(key)
+        if not isinstance(value, list) or len(value) < count:
+            self.problems.append(f"metadata {key} (an array of {count} numbers)")
+
+    def tensor(self, name: str, shape: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
+        """The tensor's shape; ``None`` in ``shape`` matches any size."""
+        info = self.tensors.get(name)
+        if info is None:
+            self.problems.append(f"tensor {name}")
+            return ()
+        if shape is not None and (
+            len(info.shape) != len(shape)
+            or any(
+                want is not None and want != got
+                for want, got in zip(shape, info.shape, strict=True)
+            )
+        ):
+            wanted = "x".join("*" if d is None else str(d) for d in shape)
+            got = "x".join(str(d) for d in info.shape)
+            self.problems.append(f"tensor {name} is {got}, not {wanted}")
+        return info.shape
+
+
+def _llava(needs: _Needs, text_width: int | None) -> Projector:
+    """LLaVA's ``mlp`` projector: a CLIP ViT, then one or two linear layers."""
+    ints = {name: needs.positive(_V + name) for name in _REQUIRED_INTS}
+    if not isinstance(needs.meta.get(_V + "attention.layer_norm_epsilon"), float):
+        needs.problems.append(f"metadata {_V}attention.layer_norm_epsilon")
+    needs.floats(_V + "image_mean", 3)
+    needs.floats(_V + "image_std", 3)
+    width, heads, layers = (
+        ints["embedding_length"],
+        ints["attention.head_count"],
+        ints["block_count"],
+    )
+    size, patch = ints["image_size"], ints["patch_size"]
+    if width and heads and width % heads:
+        needs.problems.append(f"embedding_length {width} is not a multiple of head_count {heads}")
+    if size and patch and size % patch:
+        needs.problems.append(f"image_size {size} is not a multiple of patch_size {patch}")
+    if needs.problems:  # the shapes below are sized from these
+        return _refused(needs)
+
+    n_pos = (size // patch) ** 2 + (1 if "v.class_embd" in needs.tensors else 0)
+    needs.tensor("v.patch_embd.weight", (patch, patch, 3, width))
+    position = needs.tensor("v.position_embd.weight", (width, None))
+    if position and position[1] < n_pos:
+        needs.problems.append(f"tensor v.position_embd.weight has {position[1]} rows, not {n_pos}")
+    # The graph runs the layers below the deepest feature layer (by default
+    # the second-to-last: block_count - 1 layers); libmtmd loads every
+    # layer's output and feed-forward weights as required.
+    features = needs.meta.get(_V + "feature_layer")
+    graph_layers = layers - 1
+    if isinstance(features, list) and features:
+        graph_layers = max(int(f) for f in features)
+        if graph_layers > layers:
+            needs.problems.append(f"metadata {_V}feature_layer {graph_layers} > {layers}")
+            graph_layers = layers
+    for layer in range(layers):
+        prefix = f"v.blk.{layer}"
+        needs.tensor(f"{prefix}.attn_out.weight", (width, width))
+        needs.tensor(f"{prefix}.ffn_up.weight")
+        needs.tensor(f"{prefix}.ffn_down.weight")
+        if layer < graph_layers:
+            for part in ("attn_q", "attn_k", "attn_v"):
+                needs.tensor(f"{prefix}.{part}.weight", (width, width))
+
+    first = needs.tensor("mm.0.weight", (None, None))
+    hidden = first[1] if first else None  # unknown: its shapes are not compared
+    if first and not isinstance(features, list) and first[0] != width:
+        needs.problems.append(f"tensor mm.0.weight takes {first[0]} values, not {width}")
+    needs.tensor("mm.0.bias", (hidden,))
+    if "mm.3.weight" in needs.tensors:  # libmtmd's mlp_norm: linear, norm, GELU, linear, norm
+        needs.tensor("mm.1.weight", (hidden,))
+        needs.tensor("mm.1.bias", (hidden,))
+        last = needs.tensor("mm.3.weight", (hidden, None))
+        output = last[1] if last else None
+        for name in ("mm.3.bias", "mm.4.weight", "mm.4.bias"):
+            needs.tensor(name, (output,))
+    else:  # linear, GELU, linear (libmtmd reads its output width off mm.2.weight)
+        last = needs.tensor("mm.2.weight", (hidden, None))
+        output = last[1] if last else None
+        needs.tensor("mm.2.bias", (output,))
+    if output is not None and text_width is not None and output != text_width:
+        needs.problems.append(
+            f"its output width {output} is not the text model's embedding width {text_width}"
+        )
+    if needs.problems:
+        return _refused(needs)
+    return Projector(
+        projector_type="mlp",
+        vision=True,
+        audio=False,
+        image_size=size,
+        patch_size=patch,
+        output_width=output or 0,
+    )
+
+
+def _refused(needs: _Needs) -> Projector:
+    raise ProjectorError("; ".join(needs.problems))
+
+
+def _projector_type(meta: dict[str, Any]) -> str:
+    for key in ("clip.projector_type", "clip.vision.projector_type", "clip.audio.projector_type"):
+        value = meta.get(key)
+        if isinstance(value, str) and value:
+            return value
+    raise ProjectorError("no clip.projector_type in its metadata")
+
+
+def check_projector(path: str | Path, *, text_width: int | None = None) -> Projector:
+    """Check the projector at ``path`` (for a text model of ``text_width``).
+
+    Raises :class:`ProjectorError` naming what is wrong: not a projector, a
+    type not checked here (by name), or every missing or misshapen piece.
+    Blocking (reads the file's header).
+    """
+    try:
+        header = read_header(path)
+    except OSError as exc:
+        raise ProjectorError(f"cannot read it: {exc}") from None
+    except ValueError as exc:
+        raise ProjectorError(str(exc)) from None
+    meta = header.metadata
+    if meta.get("general.architecture") != "clip":
+        arch = meta.get("general.architecture")
+        raise ProjectorError(f"not a projector (general.architecture is {arch!r}, not 'clip')")
+    kind = _projector_type(meta)
+    if kind not in CHECKED_TYPES:
+        raise ProjectorError(
+            f"projector type {kind!r} is not one wsserver checks before loading "
+            f"(it checks: {', '.join(CHECKED_TYPES)})"
+        )
+    if meta.get("clip.has_audio_encoder") is True:
+        raise ProjectorError("it has an audio encoder: audio projectors are not checked yet")
+    if meta.get("clip.has_vision_encoder") is not True:
+        raise ProjectorError("metadata clip.has_vision_encoder is not true")
+    return _llava(_Needs(header), text_width)
