@@ -86,7 +86,7 @@ from ..core.sampling import options_asked
 from ..errors import BackendError, GenerationCancelled, ProtocolError
 from ..logs import context
 from ..shaping.shaper import OutputFormat
-from .request import GenerationRequest
+from .request import GenerationRequest, check_images
 
 __all__ = [
     "Backend",
@@ -326,9 +326,9 @@ class Backend(abc.ABC):
         stage option (:data:`wsserver.core.sampling.NEUTRAL`) given a value that
         matters and not in :attr:`honours`; an engine's override adds its own
         checks (``bad_request``: a grammar that does not compile, a token
-        outside the vocabulary). Must be quick or cached — or
-        :meth:`check_blocks` says so, and it runs on a worker thread.
-        """
+        outside the vocabulary; images to a model that takes none). Quick or
+        cached — or :meth:`check_blocks` says so: a worker thread runs it."""
+        check_images(frame, self.input_modalities(), self.model_name)
         for name in sorted(options_asked(frame) - self.honours):
             raise ProtocolError(
                 "unsupported_option",

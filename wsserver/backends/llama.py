@@ -59,6 +59,7 @@ from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import install_log_bridge, model_params, new_context
 from .llama_engine import BatchEngine, RequestStats
 from .llama_files import default_model_path, memory_bytes
+from .llama_prompt import Media, render_prompt
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vision import Vision, load_vision
 from .llama_vocab import Vocabulary
@@ -281,6 +282,7 @@ class LlamaBackend(Backend):
             opens_reasoning=lambda request: self.output_format(request).opens_reasoning,
             grammar_deadline_s=self.grammar_deadline_ms / 1000,
             stall_s=self.engine_stall_s,
+            images=self.vision.decoder(self._ctx, self.n_batch) if self.vision else None,
         )
         self.engine.on_prefill = self._on_prefill
         if native and not self.engine.flag.native:
@@ -363,8 +365,11 @@ class LlamaBackend(Backend):
         return self.chat.template is not None
 
     def input_modalities(self) -> tuple[str, ...]:
-        """Text, and what its projector (if any) really encodes: image, audio."""
-        return self.vision.modalities if self.vision is not None else ("text",)
+        """Text, and what its projector really encodes (until it is loaded:
+        images if it has one — the load checks that it encodes them)."""
+        if self.vision is not None:
+            return self.vision.modalities
+        return ("text", "image") if self.mmproj else ("text",)
 
     # ------------------------------------------------------------ requests
 
@@ -379,30 +384,20 @@ class LlamaBackend(Backend):
                 code, message = prepared.error
                 raise BackendError(message, code=code)
             return list(prepared.tokens), prepared.stops
-        vocab = self.vocab
-        assert vocab is not None, "the model is not loaded"
-        stops = tuple(request.stop)
-        if request.prompt is not None:
-            tokens = vocab.bos + vocab.tokenize(request.prompt, add_bos=False)
-            if not tokens:
-                raise BackendError("the prompt is empty", code="bad_request")
-            return tokens, stops
-        text, more_stops, fallback = self.chat.prompt(request)
-        if fallback:
-            return vocab.bos + vocab.tokenize(text, add_bos=False), stops + more_stops
-        # The template writes the BOS token itself (as llama-cpp-python's chat handlers assume).
-        tokens = vocab.tokenize(text, add_bos=False)
-        if not tokens:
-            raise BackendError(
-                "the model's chat template rendered an empty prompt for these messages",
-                code="bad_request",
-            )
-        return tokens, stops + more_stops
+        tokens, stops, _ = self._render(request)
+        return tokens, stops
+
+    def _render(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...], Media]:
+        """:meth:`_prompt`'s work, and the prompt's images (:mod:`.llama_prompt`)."""
+        assert self.vocab is not None, "the model is not loaded"
+        return render_prompt(request, vocab=self.vocab, chat=self.chat, vision=self.vision)
 
     def prepare_blocks(self, request: GenerationRequest) -> bool:
+        # Images are always prepared here: their spans ride on the prepared prompt.
+        messages = request.messages
         return (
-            request.messages is not None
-            and self.chat.template is not None
+            messages is not None
+            and (self.chat.template is not None or any(m.images for m in messages))
             and request.prepared is None
         )
 
@@ -417,7 +412,7 @@ class LlamaBackend(Backend):
         try:
             describes = chat.describes_tools(request)
             request = chat.forced_call(request)
-            tokens, stops = self._prompt(request)
+            tokens, stops, media = self._render(request)
             opened = chat.opens_reasoning(request)
         except BackendError as exc:
             failed = PreparedPrompt(error=(exc.code, str(exc)))
@@ -427,13 +422,17 @@ class LlamaBackend(Backend):
             failed = PreparedPrompt(error=("internal", "the prompt could not be prepared"))
             return dataclasses.replace(request, prepared=failed)
         prepared = PreparedPrompt(
-            tokens=tuple(tokens), stops=stops, opens_reasoning=opened, describes_tools=describes
+            tuple(tokens), stops, opened, describes_tools=describes, media=media
         )
         return dataclasses.replace(request, prepared=prepared)
 
     def check_blocks(self, frame: Generate) -> bool:
-        # Rendering a chat template waits on a worker process, up to its time bound.
-        return frame.messages is not None and self.chat.template is not None
+        # Rendering a chat template waits on a worker process, up to its time
+        # bound; images are decoded (so that bad pixels are refused up front).
+        messages = frame.messages
+        return messages is not None and (
+            self.chat.template is not None or any(m.images for m in messages)
+        )
 
     def output_format(self, request: GenerationRequest) -> OutputFormat:
         """Whether the chat template opened a think block (read by

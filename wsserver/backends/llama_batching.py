@@ -59,7 +59,8 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch) -> StepPlan:
     share = left = budget.share(len(decoding)) if prefilling(jobs) else 0
     first_chunks: list[Job] = []
     for job in jobs:
-        remaining = len(job.prompt) - job.fed
+        # Up to the next image: the engine decodes its embeddings apart.
+        remaining = job.text_end() - job.fed
         if remaining <= 0 or left <= 0 or job.cancelled:
             continue
         take = min(remaining, left)

@@ -14,9 +14,8 @@ The engine keeps the loop — cancels, admission, the decode, the text and
 its delivery — and a part for each other concern: the sequences and their
 cells (:class:`~.llama_sequences.PromptCache`), a request's setup
 (:class:`~.llama_intake.Intake`), what a step decodes
-(:class:`~.llama_batching.Batcher`), each sequence's next token
-(:class:`~.llama_samplers.Samplers`), whether it is alive
-(:class:`~.llama_liveness.StepWatch`: ``stalled``, for ``/readyz``).
+(:class:`~.llama_batching.Batcher`), images (:class:`~.llama_vision.ImageDecoder`),
+sampling (:class:`~.llama_samplers.Samplers`), liveness (:class:`~.llama_liveness.StepWatch`).
 
 One step:
 
@@ -86,6 +85,7 @@ from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
 from .llama_sequences import PREFIX_SIMILARITY, Job, PromptCache, RequestStats, SequenceState
+from .llama_vision import ImageDecoder
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
 
@@ -118,6 +118,7 @@ class BatchEngine:
         opens_reasoning: Callable[[GenerationRequest], bool] | None = None,
         grammar_deadline_s: float = 1.0,
         stall_s: float = 30.0,
+        images: ImageDecoder | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -182,6 +183,8 @@ class BatchEngine:
             stats=self.stats,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
+        #: A vision model's image encoder and embeddings' decoder (None: text only).
+        self.images = images
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)
@@ -329,6 +332,9 @@ class BatchEngine:
 
     def _decode_step(self, begun: float) -> None:
         batch = self.batcher.batch
+        if self.images is not None and self._image_part():
+            # Measured apart: the prompt budget learns decode steps, not encodes.
+            begun = time.perf_counter()
         with self._cond:
             self.flag.lower()
             step = self.batcher.plan(self._jobs)
@@ -380,6 +386,46 @@ class BatchEngine:
         self.seconds["sample"] += ended - decoded
         # The budget sizes what the decoding sequences wait for: the whole step.
         self.batcher.observe(step, ended - begun)
+
+    def _image_part(self) -> bool:
+        """The oldest due image's part of a step (:mod:`.llama_vision`): encoded
+        once, then up to a prompt share of its embeddings decoded. False: none due."""
+        job = next((j for j in self._jobs if not j.cancelled and j.image_at()), None)
+        span = job.image_at() if job is not None else None
+        if self.images is None or job is None or job.seq is None or span is None:
+            return False
+        if job.embeddings is None:
+            self.watch.doing = (f"encoding an image ({span.n_tokens} embeddings)", job.request.id)
+            job.embeddings = self.images.encode(span)
+            if job.embeddings is None:
+                self._fail(job, "the image could not be encoded")
+                return True
+        offset = job.fed - span.start
+        decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
+        share = min(self.batcher.budget.share(decoding), self.images.n_batch)
+        count = min(span.n_tokens - offset, share)
+        with self._cond:
+            if job.cancelled:
+                return True
+            self.flag.lower()
+            job.in_flight = True
+        self.watch.doing = (f"decoding {count} image embedding(s)", job.request.id)
+        status = self.images.decode(job.embeddings, offset, count, job.seq.index, job.fed)
+        with self._cond:
+            job.in_flight, aborted = False, self.flag.raised
+            self.flag.lower()
+        if status == 0:
+            self.stats["prompt_tokens_decoded"] += job.commit(count)
+            if job.fed == span.start + span.n_tokens:
+                job.embeddings = None
+            return True
+        self.cache.rollback(job.seq)
+        if status == 2 or aborted:
+            self.stats["aborts"] += 1
+            job.stats.aborted = job.cancelled
+        else:
+            self._fail(job, "the model failed while reading an image")
+        return True
 
     def _sample(self, job: Job, index: int) -> None:
         budget = job.budget

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
@@ -34,6 +34,9 @@ from ..core.protocol import DoneReason
 from ..core.textstream import TextAssembler
 from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
+
+if TYPE_CHECKING:
+    from .llama_vision import ImageSpan
 
 __all__ = [
     "PREFIX_SIMILARITY",
@@ -116,6 +119,25 @@ class Job:
     #: the close tag's tokens still to write instead of sampling once it is spent.
     budget: ReasoningBudget | None = None
     forced: deque[int] = field(default_factory=deque)
+    #: The prompt's images, in order (:mod:`.llama_vision`), and the
+    #: embeddings of the one being decoded (encoded once, decoded over steps).
+    media: tuple[ImageSpan, ...] = ()
+    embeddings: Any = None
+
+    def text_end(self) -> int:
+        """Where the prompt's text from ``fed`` on stops: the next image's
+        first position (``fed`` itself inside an image), or the prompt's end."""
+        for span in self.media:
+            if span.start + span.n_tokens > self.fed:
+                return max(span.start, self.fed)
+        return len(self.prompt)
+
+    def image_at(self) -> ImageSpan | None:
+        """The image holding the next prompt position, if one does."""
+        for span in self.media:
+            if span.start <= self.fed < span.start + span.n_tokens:
+                return span
+        return None
 
     def needs_step(self) -> bool:
         """Whether the engine has work for this job: to let it go (cancelled),

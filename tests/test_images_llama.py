@@ -1,0 +1,214 @@
+"""Images through the llama engine, on the tiny text model and its tiny projector.
+
+The engine's own path — libmtmd tokenizes, the engine encodes each image and
+decodes its embeddings into the sequence's positions beside other sequences
+(:mod:`wsserver.backends.llama_vision`) — against libmtmd's helper path on a
+plain context (``tests/mtmd_reference.py``): the same greedy text, token for
+token; the image changes the output, the same image gives the same output,
+two images are both read (their tokens counted). Then OpenAI's chat API with
+``image_url`` parts, and what it refuses, naming the image.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_cpp.mtmd_cpp")
+
+from conftest import TINY_MODEL, running_server
+from mtmd_reference import helper_greedy
+from test_anthropic_http import post
+from test_llama_backend import llama_config, loaded, request, run
+from tiny_images import gradient_png, png_header_only, solid_png
+from tiny_mmproj import IMAGE_TOKENS, write_tiny_mmproj
+
+from wsserver.backends.llama import LlamaBackend
+from wsserver.backends.llama_chat import plain_chat_prompt
+from wsserver.core.chat_input import Message
+from wsserver.core.images import IMAGE_MARKER, MAX_IMAGES
+
+RED = solid_png((255, 0, 0))
+BLUE = solid_png((0, 0, 255))
+GRADIENT = gradient_png()
+
+
+@pytest.fixture(scope="module")
+def mmproj(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "tiny.mmproj.gguf")
+
+
+@pytest.fixture(scope="module")
+def vision(tiny_gguf: Path, mmproj: Path) -> Iterator[LlamaBackend]:
+    with loaded(tiny_gguf, mmproj=str(mmproj), n_ctx=512, parallel=2) as backend:
+        yield backend
+
+
+def looking_at(*images: bytes, words: str = "Look at") -> tuple[Message, ...]:
+    markers = " and ".join(IMAGE_MARKER for _ in images)
+    return (Message("user", f"{words} {markers} please", images=images),)
+
+
+def answer(backend: LlamaBackend, messages: tuple[Message, ...], n: int = 12) -> tuple[Any, str]:
+    """The engine's greedy answer: its outcome and text."""
+    prepared = backend.prepare(request(None, messages=messages, max_tokens=n))
+    outcome, sink = run(backend, prepared)
+    return outcome, "".join(sink.pieces)
+
+
+def helper_answer(
+    tiny_gguf: Path, mmproj: Path, messages: tuple[Message, ...], n: int = 12
+) -> tuple[int, str]:
+    """libmtmd's helper path on the same prompt (the tiny model has no chat
+    template: the plain-text fallback's rendering, BOS added by libmtmd)."""
+    images = [image for m in messages for image in m.images]
+    run = helper_greedy(tiny_gguf, mmproj, plain_chat_prompt(messages), images, n=n)
+    from llama_cpp import Llama  # the pieces, as the engine's text assembler reads them
+
+    llm = Llama(str(tiny_gguf), n_ctx=64, verbose=False, vocab_only=True)
+    try:
+        data = b"".join(llm.detokenize([t], special=False) for t in run.tokens)
+    finally:
+        llm.close()
+    return run.prompt_tokens, data.decode("utf-8", errors="ignore")
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def test_the_engine_reads_an_image_as_libmtmds_helper_does(
+    vision: LlamaBackend, tiny_gguf: Path, mmproj: Path
+) -> None:
+    for images in ((RED,), (GRADIENT,), (RED, GRADIENT)):
+        messages = looking_at(*images)
+        outcome, text = answer(vision, messages)
+        prompt_tokens, expected = helper_answer(tiny_gguf, mmproj, messages)
+        assert outcome.reason == "length"
+        assert outcome.prompt_tokens == prompt_tokens  # image tokens counted
+        assert text == expected
+
+
+def test_an_image_changes_the_answer_and_the_same_image_gives_the_same(
+    vision: LlamaBackend,
+) -> None:
+    _, red = answer(vision, looking_at(RED))
+    _, red_again = answer(vision, looking_at(RED))
+    _, gradient = answer(vision, looking_at(GRADIENT))
+    _, text_only = answer(vision, (Message("user", "Look at please"),))
+    assert red == red_again
+    assert len({red, gradient, text_only}) == 3
+
+
+def test_two_images_are_both_read(vision: LlamaBackend) -> None:
+    one, _ = answer(vision, looking_at(RED))
+    two, _ = answer(vision, looking_at(RED, BLUE))
+    # The second image's tokens, and the text " and" between the two.
+    assert two.prompt_tokens - one.prompt_tokens >= IMAGE_TOKENS
+    encoded = vision.engine.images.encoded if vision.engine and vision.engine.images else 0
+    assert encoded >= 3
+
+
+def test_pixels_that_do_not_decode_are_refused_naming_the_image(vision: LlamaBackend) -> None:
+    corrupt = RED[:40] + b"\x00" * 20 + RED[60:]  # the header intact, the pixels not
+    prepared = vision.prepare(request(None, messages=looking_at(RED, corrupt), max_tokens=4))
+    outcome, _ = run(vision, prepared)
+    assert outcome.reason == "error" and outcome.error_code == "bad_request"
+    assert "image 1" in (outcome.error_message or "")
+
+
+# ---------------------------------------------------------------- OpenAI's chat API
+
+
+def data_url(image: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(image).decode()
+
+
+def chat_body(*parts: dict[str, Any], model: str = "seer") -> dict[str, Any]:
+    return {
+        "model": model,
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Look at"}, *parts]}],
+    }
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def seer_config(tiny_gguf: Path, mmproj: Path) -> Any:
+    return llama_config(
+        tiny_gguf,
+        backend__llama__parallel=1,
+        backend__llama__n_ctx=512,
+        backend__llama__models=[{"name": "seer", "model": str(tiny_gguf), "mmproj": str(mmproj)}],
+    )
+
+
+async def test_an_image_url_part_is_read_and_its_tokens_counted(
+    seer_config: Any, tiny_gguf: Path, mmproj: Path
+) -> None:
+    async with running_server(seer_config) as server:
+        status, body = await post(
+            server, "/v1/chat/completions", chat_body(image_part(data_url(RED)))
+        )
+    assert status == 200, body
+    messages = (Message("user", f"Look at{IMAGE_MARKER}", images=(RED,)),)
+    prompt_tokens, expected = helper_answer(tiny_gguf, mmproj, messages)
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    assert body["choices"][0]["message"]["content"] == expected
+
+
+BOMB = png_header_only(50_000, 50_000)
+REFUSALS = {
+    "http": (image_part("https://example.com/cat.png"), "not fetched"),
+    "not a data url": (image_part("file:///etc/passwd"), "expected a data URL"),
+    "bad base64": (image_part("data:image/png;base64,!!!"), "not valid base64"),
+    "empty": (image_part("data:image/png;base64,"), "the image is empty"),
+    "not an image": (image_part(data_url(b"GIF8 but no")), "not a PNG, JPEG, GIF or BMP"),
+    "webp": (image_part(data_url(b"RIFF\x00\x00\x00\x00WEBPVP8 ", "webp")), "not a PNG"),
+    "zero size": (image_part(data_url(png_header_only(0, 32))), "0x32 pixels"),
+    "bomb": (image_part(data_url(BOMB)), "claims 50000x50000 pixels"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+async def test_bad_images_are_refused_with_400_naming_the_image(
+    seer_config: Any, case: str
+) -> None:
+    part, said = REFUSALS[case]
+    async with running_server(seer_config) as server:
+        # The bad image is the second: its index is 1.
+        body = chat_body(image_part(data_url(RED)), part)
+        status, answer = await post(server, "/v1/chat/completions", body)
+        assert status == 400, answer
+        message = answer["error"]["message"]
+        assert "image 1" in message and said in message, message
+        # The server serves on.
+        status, fine = await post(server, "/v1/chat/completions", chat_body())
+        assert status == 200, fine
+
+
+async def test_too_many_images_a_text_only_model_and_a_typed_marker_are_refused(
+    seer_config: Any,
+) -> None:
+    async with running_server(seer_config) as server:
+        many = [image_part(data_url(RED))] * (MAX_IMAGES + 1)
+        status, answer = await post(server, "/v1/chat/completions", chat_body(*many))
+        assert status == 400 and f"image {MAX_IMAGES}: at most" in answer["error"]["message"]
+        to_text = chat_body(image_part(data_url(RED)), model=TINY_MODEL)
+        status, answer = await post(server, "/v1/chat/completions", to_text)
+        assert status == 400 and "image 0" in answer["error"]["message"]
+        assert "takes no images" in answer["error"]["message"]
+        typed = chat_body(image_part(data_url(RED)), {"type": "text", "text": IMAGE_MARKER})
+        status, answer = await post(server, "/v1/chat/completions", typed)
+        assert status == 400 and IMAGE_MARKER in answer["error"]["message"]
+        corrupt = RED[:40] + b"\x00" * 20 + RED[60:]
+        bad_pixels = chat_body(image_part(data_url(corrupt)))
+        status, answer = await post(server, "/v1/chat/completions", bad_pixels)
+        assert status == 400 and "image 0" in answer["error"]["message"], answer
