@@ -212,3 +212,92 @@ async def test_too_many_images_a_text_only_model_and_a_typed_marker_are_refused(
         bad_pixels = chat_body(image_part(data_url(corrupt)))
         status, answer = await post(server, "/v1/chat/completions", bad_pixels)
         assert status == 400 and "image 0" in answer["error"]["message"], answer
+
+
+# ---------------------------------------------------------------- the other wires
+
+
+def b64(image: bytes) -> str:
+    return base64.b64encode(image).decode()
+
+
+def anthropic_body(image: bytes | None) -> dict[str, Any]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": "Look at"}]
+    if image is not None:
+        source = {"type": "base64", "media_type": "image/png", "data": b64(image)}
+        blocks.append({"type": "image", "source": source})
+    return {"model": "seer", "max_tokens": 8, "messages": [{"role": "user", "content": blocks}]}
+
+
+def ollama_chat_body(image: bytes | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "user", "content": "Look at"}
+    if image is not None:
+        message["images"] = [b64(image)]
+    return {"model": "seer", "stream": False, "messages": [message], "options": {"num_predict": 8}}
+
+
+def ollama_generate_body(image: bytes | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "seer",
+        "stream": False,
+        "prompt": "Look at",
+        "options": {"num_predict": 8},
+    }
+    if image is not None:
+        body["images"] = [b64(image)]
+    return body
+
+
+def responses_body(image: bytes | None) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "input_text", "text": "Look at"}]
+    if image is not None:
+        parts.append({"type": "input_image", "image_url": data_url(image)})
+    return {
+        "model": "seer",
+        "max_output_tokens": 8,
+        "input": [{"role": "user", "content": parts}],
+    }
+
+
+def openai_body(image: bytes | None) -> dict[str, Any]:
+    return chat_body(*([image_part(data_url(image))] if image is not None else []))
+
+
+WIRES = {
+    "openai chat": ("/v1/chat/completions", openai_body, "usage.prompt_tokens"),
+    # Anthropic's input_tokens leave out what the prompt cache held.
+    "anthropic": ("/v1/messages", anthropic_body, "usage.input_tokens+cache_read_input_tokens"),
+    "ollama chat": ("/api/chat", ollama_chat_body, "prompt_eval_count"),
+    "ollama generate": ("/api/generate", ollama_generate_body, "prompt_eval_count"),
+    "responses": ("/v1/responses", responses_body, "usage.input_tokens"),
+}
+
+
+def dig(body: Any, path: str) -> int:
+    """The count at ``path`` (``a.b``; ``a.b+c``: ``a.b`` plus ``a.c``)."""
+    head, _, more = path.partition("+")
+    *parents, last = head.split(".")
+    for key in parents:
+        body = body[key]
+    return int(body[last]) + (int(body.get(more) or 0) if more else 0)
+
+
+def error_text(body: Any) -> str:
+    error = body["error"]
+    return error if isinstance(error, str) else str(error["message"])
+
+
+@pytest.mark.parametrize("wire", sorted(WIRES))
+async def test_every_wire_takes_an_image_and_refuses_a_bad_one_by_index(
+    seer_config: Any, wire: str
+) -> None:
+    path, body_of, usage = WIRES[wire]
+    async with running_server(seer_config) as server:
+        status, text_only = await post(server, path, body_of(None))
+        assert status == 200, text_only
+        status, red = await post(server, path, body_of(RED))
+        assert status == 200, red
+        assert dig(red, usage) - dig(text_only, usage) >= IMAGE_TOKENS
+        status, refused = await post(server, path, body_of(BOMB))
+        assert status == 400, refused
+        assert "image 0" in error_text(refused) and "50000x50000" in error_text(refused)

@@ -34,6 +34,7 @@ from typing import Final
 
 from ..errors import ProtocolError
 from .chat_input import Message
+from .client_frames import Generate
 
 __all__ = [
     "IMAGE_MARKER",
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_IMAGE_PIXELS",
     "MAX_IMAGE_SIDE",
     "ImageBudget",
+    "carry_images",
     "image_size",
     "with_images",
 ]
@@ -196,3 +198,15 @@ def with_images(
                 raise fail(f"messages[{index}]: only a user message may carry images")
             out[index] = dataclasses.replace(message, images=given)
     return tuple(out)
+
+
+def carry_images(
+    generate: Generate, messages: Sequence[Message], offset: int, fail: Fail
+) -> Generate:
+    """``generate`` (parsed from a frame, which carries no bytes) with the
+    images of ``messages``, the dialect's messages it was made of, at
+    ``offset`` (the messages the dialect put before them: a system prompt)."""
+    images = {offset + i: m.images for i, m in enumerate(messages) if m.images}
+    if not images or generate.messages is None:
+        return generate
+    return dataclasses.replace(generate, messages=with_images(generate.messages, images, fail))

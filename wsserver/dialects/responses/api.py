@@ -19,6 +19,9 @@ The events and response objects are :mod:`wsserver.dialects.responses.render`'s.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from typing import Any, Final
 
 import orjson
 
+from ...core.images import with_images
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...errors import ProtocolError
 
@@ -306,6 +310,13 @@ def to_generate(
     check_outputs(messages)
     # No reasoning_format: the server's default splits a think block into a
     # reasoning item (``auto``) or leaves it in the text (``none``).
+    # Images travel beside the frame (it is JSON): by message index, decoded.
+    images = {
+        i: [base64.b64decode(b) for b in m["images"]]
+        for i, m in enumerate(messages)
+        if "images" in m
+    }
+    messages = [{k: v for k, v in m.items() if k != "images"} for m in messages]
     frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
     if request.tools:
         frame["tools"] = chat_tools(request.tools)
@@ -320,6 +331,12 @@ def to_generate(
     frame.update((name, value) for name, value in optional.items() if value is not None)
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+        assert isinstance(generate, Generate)
+        if images and generate.messages is not None:
+            fail = functools.partial(ProtocolError, "bad_request")
+            generate = dataclasses.replace(
+                generate, messages=with_images(generate.messages, images, fail)
+            )
     except ProtocolError as exc:
         # The protocol names its own fields; say the Responses API's names.
         error = ApiError.from_protocol(exc)
