@@ -155,3 +155,29 @@ async def test_a_vision_model_says_it_takes_images_everywhere_a_model_is_describ
             plain = await ollama.show(TINY_MODEL)
         assert shown.capabilities is not None and "vision" in shown.capabilities
         assert plain.capabilities is not None and "vision" not in plain.capabilities
+
+
+def test_a_projector_is_its_models_alone_and_no_model_of_its_own(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from conftest import make_config
+
+    from wsserver.backends import create_models
+    from wsserver.backends.llama import LlamaBackend
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_gguf(folder / "other.gguf")
+    write_tiny_mmproj(folder / "other.mmproj.gguf")  # beside it: not listed as a model
+    mmproj = write_tiny_mmproj(tmp_path / "seer.mmproj.gguf")
+    config = make_config(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__mmproj=str(mmproj),
+        backend__llama__models_dir=str(folder),
+        backend__llama__models=[{"name": "plain", "model": str(tiny_gguf)}],
+    )
+    entries = {entry.name: entry.backend for entry in create_models(config)}
+    assert sorted(entries) == ["other", "plain", TINY_MODEL]
+    projectors = {name: b.mmproj for name, b in entries.items() if isinstance(b, LlamaBackend)}
+    assert projectors == {TINY_MODEL: str(mmproj), "plain": "", "other": ""}
