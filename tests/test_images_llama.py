@@ -27,6 +27,7 @@ from test_llama_backend import llama_config, loaded, request, run
 from tiny_images import gradient_png, png_header_only, solid_png
 from tiny_mmproj import IMAGE_TOKENS, write_tiny_mmproj
 
+from wsserver.backends.base import CancelEvent
 from wsserver.backends.llama import LlamaBackend
 from wsserver.backends.llama_chat import plain_chat_prompt
 from wsserver.core.chat_input import Message
@@ -118,6 +119,60 @@ def test_pixels_that_do_not_decode_are_refused_naming_the_image(vision: LlamaBac
     outcome, _ = run(vision, prepared)
     assert outcome.reason == "error" and outcome.error_code == "bad_request"
     assert "image 1" in (outcome.error_message or "")
+
+
+def test_a_cancel_during_an_images_encode_lands_before_its_embeddings_are_decoded(
+    vision: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The encode is one native call no cancel reaches: the finest cancel
+    # point is its end, before any embedding is decoded.
+    engine = vision.engine
+    assert engine is not None and engine.images is not None
+    images = engine.images
+    cancel = CancelEvent()
+    encode = images.encode
+
+    def cancelled_meanwhile(span: Any) -> Any:
+        cancel.set()
+        return encode(span)
+
+    monkeypatch.setattr(images, "encode", cancelled_meanwhile)
+    encoded, decoded = images.encoded, engine.stats["prompt_tokens_decoded"]
+    prepared = vision.prepare(request(None, messages=looking_at(GRADIENT), max_tokens=4))
+    outcome, _ = run(vision, prepared, cancel=cancel)
+    assert outcome is None  # cancelled: no end from the engine
+    assert images.encoded == encoded + 1
+    # Only the text before the image was decoded (the prompt's first part).
+    assert engine.stats["prompt_tokens_decoded"] - decoded < IMAGE_TOKENS
+    monkeypatch.undo()
+    assert answer(vision, looking_at(GRADIENT))[0].reason == "length"  # serving on
+
+
+def test_a_cancel_during_an_images_decode_aborts_it_and_the_engine_serves_on(
+    vision: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = vision.engine
+    assert engine is not None and engine.images is not None
+    images = engine.images
+    cancel = CancelEvent()
+    decode = images.decode
+    statuses: list[int] = []
+
+    def cancelled_meanwhile(*args: Any) -> int:
+        cancel.set()  # the job is in flight: its cancel raises the abort flag
+        statuses.append(decode(*args))
+        return statuses[-1]
+
+    monkeypatch.setattr(images, "decode", cancelled_meanwhile)
+    aborts = engine.stats["aborts"]
+    prepared = vision.prepare(request(None, messages=looking_at(BLUE), max_tokens=4))
+    outcome, _ = run(vision, prepared, cancel=cancel)
+    assert outcome is None
+    assert statuses == [2] and engine.stats["aborts"] == aborts + 1
+    monkeypatch.undo()
+    _, blue = answer(vision, looking_at(BLUE))
+    _, blue_again = answer(vision, looking_at(BLUE))
+    assert blue == blue_again  # no half-written cells reused
 
 
 # ---------------------------------------------------------------- OpenAI's chat API
