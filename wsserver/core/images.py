@@ -9,10 +9,12 @@ refused names the image by its index in the request (``image 2``):
 * a format llama.cpp's decoder (stb_image) does not read: PNG, JPEG, GIF and
   BMP are taken, anything else — WebP, HEIC, bytes that are no image — is
   refused;
-* zero-size images, and images whose header claims more than
-  :data:`MAX_IMAGE_PIXELS` pixels or a side over :data:`MAX_IMAGE_SIDE`: a
-  50,000 x 50,000 PNG is a few kilobytes that would decode to 7.5 GB (a
-  decompression bomb), so the claim is refused, not tested;
+* zero-size images, and images whose header claims a side over
+  :data:`MAX_IMAGE_SIDE`, or more than :data:`MAX_IMAGE_PIXELS` pixels — one
+  image, or the request's images together, since they are decoded together
+  (at 3 bytes a pixel: ~100 MB at most per request): a 50,000 x 50,000 PNG
+  is a few kilobytes that would decode to 7.5 GB (a decompression bomb), so
+  the claim is refused, not tested;
 * more than :data:`MAX_IMAGES` images, or more than :data:`MAX_IMAGE_BYTES`
   encoded bytes, in one request.
 
@@ -54,8 +56,8 @@ IMAGE_MARKER: Final = "<__media__>"
 #: Images per request, and their encoded bytes together.
 MAX_IMAGES: Final = 8
 MAX_IMAGE_BYTES: Final = 20 << 20
-#: What one image's header may claim: 33.5 megapixels (8192 x 4096; ~100 MB
-#: decoded as RGB), and no side over 16384.
+#: What a request's images' headers may claim together: 33.5 megapixels
+#: (8192 x 4096; ~100 MB decoded as RGB), and no side over 16384.
 MAX_IMAGE_PIXELS: Final = 8192 * 4096
 MAX_IMAGE_SIDE: Final = 16384
 
@@ -115,6 +117,7 @@ class ImageBudget:
         self.fail = fail
         self.count = 0
         self.bytes = 0
+        self.pixels = 0
 
     def from_base64(self, text: object, where: str) -> bytes:
         """An image given as base64 text (``where`` names its field)."""
@@ -166,8 +169,14 @@ class ImageBudget:
                 f"image {index} ({where}): its {kind} header claims {width}x{height} pixels; "
                 f"at most {MAX_IMAGE_PIXELS} pixels and {MAX_IMAGE_SIDE} a side are decoded"
             )
+        if self.pixels + width * height > MAX_IMAGE_PIXELS:
+            raise self.fail(
+                f"image {index} ({where}): the request's images claim more than "
+                f"{MAX_IMAGE_PIXELS} pixels together"
+            )
         self.count += 1
         self.bytes += len(data)
+        self.pixels += width * height
         return data
 
     def _room(self, index: int, size: int) -> None:
