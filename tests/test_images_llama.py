@@ -84,6 +84,7 @@ def helper_answer(
 def test_the_engine_reads_an_image_as_libmtmds_helper_does(
     vision: LlamaBackend, tiny_gguf: Path, mmproj: Path
 ) -> None:
+    assert vision.vocab is not None
     for images in ((RED,), (GRADIENT,), (RED, GRADIENT)):
         messages = looking_at(*images)
         outcome, text = answer(vision, messages)
@@ -91,6 +92,15 @@ def test_the_engine_reads_an_image_as_libmtmds_helper_does(
         assert outcome.reason == "length"
         assert outcome.prompt_tokens == prompt_tokens  # image tokens counted
         assert text == expected
+        # Token for token: each generated token's bytes (its log-probability
+        # entry), against the helper's tokens' pieces.
+        asked = request(None, messages=messages, max_tokens=12, logprobs=0)
+        _, sink = run(vision, vision.prepare(asked))
+        run_ = helper_greedy(tiny_gguf, mmproj, plain_chat_prompt(messages), images, n=12)
+        assert len(sink.logprobs) == len(run_.tokens) == 12
+        assert [entry.bytes for entry in sink.logprobs] == [
+            vision.vocab.piece(token) for token in run_.tokens
+        ]
 
 
 def test_an_image_changes_the_answer_and_the_same_image_gives_the_same(
