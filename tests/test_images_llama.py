@@ -12,6 +12,7 @@ two images are both read (their tokens counted). Then OpenAI's chat API with
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,10 @@ import pytest
 
 pytest.importorskip("llama_cpp.mtmd_cpp")
 
-from conftest import TINY_MODEL, running_server
+from conftest import TINY_MODEL, running_server, timeout
 from mtmd_reference import helper_greedy
 from test_anthropic_http import post
-from test_llama_backend import llama_config, loaded, request, run
+from test_llama_backend import RecordingSink, Running, llama_config, loaded, request, run
 from tiny_images import gradient_png, png_header_only, solid_png
 from tiny_mmproj import IMAGE_TOKENS, write_tiny_mmproj
 
@@ -183,6 +184,40 @@ def test_a_cancel_during_an_images_decode_aborts_it_and_the_engine_serves_on(
     _, blue = answer(vision, looking_at(BLUE))
     _, blue_again = answer(vision, looking_at(BLUE))
     assert blue == blue_again  # no half-written cells reused
+
+
+def test_an_images_embeddings_go_in_a_prompt_share_at_a_time_beside_a_decoding_stream(
+    tiny_gguf: Path, mmproj: Path
+) -> None:
+    # A fixed share of 4 prompt tokens a step while another sequence decodes
+    # (prefill_budget 0): the image's 16 embeddings go in 4 steps of 4, and
+    # the stream beside it gets a token every step meanwhile.
+    with loaded(
+        tiny_gguf, mmproj=str(mmproj), n_ctx=512, parallel=2, prefill_budget=0, prefill_chunk=4
+    ) as backend:
+        engine = backend.engine
+        assert engine is not None and engine.images is not None
+        images = engine.images
+        decode = images.decode
+        parts: list[tuple[int, int]] = []  # (embeddings, the stream's tokens so far)
+        stream_started = threading.Event()
+        stream = RecordingSink(on_offer=lambda sink: stream_started.set())
+
+        def recorded(embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:
+            parts.append((count, stream.tokens))
+            return decode(embeddings, offset, count, seq, pos)
+
+        images.decode = recorded  # type: ignore[method-assign]
+        long = Running(backend, request("Once upon a time", id="long", max_tokens=400), stream)
+        assert stream_started.wait(timeout(10))
+        prepared = backend.prepare(request(None, id="img", messages=looking_at(RED)))
+        outcome, _ = run(backend, prepared)
+        long.cancel.set()
+        long.wait()
+    assert outcome.reason == "length"
+    assert [count for count, _ in parts] == [4, 4, 4, 4]
+    seen = [tokens for _, tokens in parts]
+    assert seen == sorted(seen) and len(set(seen)) == 4  # the stream moved between parts
 
 
 # ---------------------------------------------------------------- OpenAI's chat API
