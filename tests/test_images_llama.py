@@ -401,3 +401,35 @@ async def test_every_wire_takes_an_image_and_refuses_a_bad_one_by_index(
         status, refused = await post(server, path, body_of(BOMB))
         assert status == 400, refused
         assert "image 0" in error_text(refused) and "50000x50000" in error_text(refused)
+
+
+async def test_a_responses_conversation_keeps_its_image_for_the_next_turn(
+    seer_config: Any,
+) -> None:
+    async with running_server(seer_config) as server:
+        status, first = await post(server, "/v1/responses", responses_body(RED))
+        assert status == 200, first
+        follow_up = {
+            "model": "seer",
+            "max_output_tokens": 8,
+            "previous_response_id": first["id"],
+            "input": "And now?",
+        }
+        status, second = await post(server, "/v1/responses", follow_up)
+        assert status == 200, second
+        # The earlier turn's image is read again (its tokens counted), and so
+        # is everything else of that turn.
+        assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 2
+        many = {
+            **follow_up,
+            "previous_response_id": second["id"],
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": data_url(RED)}] * MAX_IMAGES,
+                }
+            ],
+        }
+        status, refused = await post(server, "/v1/responses", many)
+        assert status == 400, refused  # the conversation's images together: one too many
+        assert f"image {MAX_IMAGES}" in refused["error"]["message"]

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import orjson
 
-from ...core.images import with_images
+from ...core.images import ImageBudget, with_images
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...errors import ProtocolError
 
@@ -310,12 +310,7 @@ def to_generate(
     check_outputs(messages)
     # No reasoning_format: the server's default splits a think block into a
     # reasoning item (``auto``) or leaves it in the text (``none``).
-    # Images travel beside the frame (it is JSON): by message index, decoded.
-    images = {
-        i: [base64.b64decode(b) for b in m["images"]]
-        for i, m in enumerate(messages)
-        if "images" in m
-    }
+    images = _images(messages)
     messages = [{k: v for k, v in m.items() if k != "images"} for m in messages]
     frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
     if request.tools:
@@ -355,6 +350,22 @@ def to_generate(
         raise error from None
     assert isinstance(generate, Generate)
     return generate
+
+
+def _images(messages: Sequence[Message]) -> dict[int, list[bytes]]:
+    """The images, by message index, decoded: they travel beside the frame
+    (which is JSON); the earlier turns' and this input's held together to
+    one request's bounds (:class:`~wsserver.core.images.ImageBudget`)."""
+    budget = ImageBudget(functools.partial(ProtocolError, "bad_request"))
+    found: dict[int, list[bytes]] = {}
+    try:
+        for index, message in enumerate(messages):
+            for image in message.get("images", ()):
+                where = f"the conversation's messages[{index}]"
+                found.setdefault(index, []).append(budget.take(base64.b64decode(image), where))
+    except ProtocolError as exc:
+        raise bad_request(exc.message, "input") from None
+    return found
 
 
 def refusal_wording(message: str) -> str:
