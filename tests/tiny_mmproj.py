@@ -58,7 +58,7 @@ def write_tiny_mmproj(
     omit: tuple[str, ...] = (),
     projector_type: str = "mlp",
 ) -> Path:
-    """Write the tiny projector to ``path`` and return it (about 60 KB).
+    """Write the tiny projector to ``path`` and return it (about 120 KB).
 
     ``text_width`` is the paired text model's embedding width (the
     projector's output width). ``omit`` leaves out every tensor or metadata
