@@ -47,16 +47,17 @@ def prefilling(jobs: list[Job]) -> bool:
     return any(j.fed < len(j.prompt) and not j.cancelled for j in jobs)
 
 
-def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch) -> StepPlan:
+def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0) -> StepPlan:
     """Choose each of ``jobs``' part of the next step and put it in ``batch``
-    (cleared first); ``jobs`` in admission order. A job with prompt tokens
+    (cleared first); ``jobs`` in admission order; ``used``: prompt positions
+    the step already took (an image's embeddings), out of its share. A job with prompt tokens
     in the step is marked ``in_flight`` (a cancel then aborts the decode).
     Called under the engine's condition: cancels change ``jobs`` meanwhile."""
     batch.clear()
     decoding = [j for j in jobs if j.next_token is not None and not j.outbox and not j.waiting_room]
     # Each sequence's part of the step: its next token, or a chunk of its prompt.
     parts: list[tuple[Job, int]] = [(job, 1) for job in decoding]
-    share = left = budget.share(len(decoding)) if prefilling(jobs) else 0
+    share = left = max(0, budget.share(len(decoding)) - used) if prefilling(jobs) else 0
     first_chunks: list[Job] = []
     for job in jobs:
         # Up to the next image: the engine decodes its embeddings apart.
@@ -130,9 +131,9 @@ class Batcher:
         #: the prompt's share, the step's seconds) — for tests and the bench.
         self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=log_size)
 
-    def plan(self, jobs: list[Job]) -> StepPlan:
+    def plan(self, jobs: list[Job], used: int = 0) -> StepPlan:
         """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
-        return plan_step(jobs, self.budget, self.batch)
+        return plan_step(jobs, self.budget, self.batch, used)
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its

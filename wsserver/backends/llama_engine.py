@@ -332,12 +332,12 @@ class BatchEngine:
 
     def _decode_step(self, begun: float) -> None:
         batch = self.batcher.batch
-        if self.images is not None and self._image_part():
-            # Measured apart: the prompt budget learns decode steps, not encodes.
+        image = self._image_part() if self.images is not None else None
+        if image is not None:  # measured apart: the budget learns decode steps, not encodes
             begun = time.perf_counter()
         with self._cond:
             self.flag.lower()
-            step = self.batcher.plan(self._jobs)
+            step = self.batcher.plan(self._jobs, image or 0)
         plan = step.parts
         if not plan:
             return
@@ -387,26 +387,26 @@ class BatchEngine:
         # The budget sizes what the decoding sequences wait for: the whole step.
         self.batcher.observe(step, ended - begun)
 
-    def _image_part(self) -> bool:
+    def _image_part(self) -> int | None:
         """The oldest due image's part of a step (:mod:`.llama_vision`): encoded
-        once, then up to a prompt share of its embeddings decoded. False: none due."""
+        once, then up to a prompt share of its embeddings decoded: how many (None: none due)."""
         job = next((j for j in self._jobs if not j.cancelled and j.image_at()), None)
         span = job.image_at() if job is not None else None
         if self.images is None or job is None or job.seq is None or span is None:
-            return False
+            return None
         if job.embeddings is None:
             self.watch.doing = (f"encoding an image ({span.n_tokens} embeddings)", job.request.id)
             job.embeddings = self.images.encode(span)
             if job.embeddings is None:
                 self._fail(job, "the image could not be encoded")
-                return True
+                return 0
         offset = job.fed - span.start
         decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
         share = min(self.batcher.budget.share(decoding), self.images.n_batch)
         count = min(span.n_tokens - offset, share)
         with self._cond:
             if job.cancelled:
-                return True
+                return 0
             self.flag.lower()
             job.in_flight = True
         self.watch.doing = (f"decoding {count} image embedding(s)", job.request.id)
@@ -418,14 +418,14 @@ class BatchEngine:
             self.stats["prompt_tokens_decoded"] += job.commit(count)
             if job.fed == span.start + span.n_tokens:
                 job.embeddings = None
-            return True
+            return count
         self.cache.rollback(job.seq)
         if status == 2 or aborted:
             self.stats["aborts"] += 1
             job.stats.aborted = job.cancelled
         else:
             self._fail(job, "the model failed while reading an image")
-        return True
+        return 0
 
     def _sample(self, job: Job, index: int) -> None:
         budget = job.budget
