@@ -181,3 +181,21 @@ def test_a_projector_is_its_models_alone_and_no_model_of_its_own(
     assert sorted(entries) == ["other", "plain", TINY_MODEL]
     projectors = {name: b.mmproj for name, b in entries.items() if isinstance(b, LlamaBackend)}
     assert projectors == {TINY_MODEL: str(mmproj), "plain": "", "other": ""}
+
+
+def test_a_projector_cut_short_passes_the_header_check_and_libmtmd_refuses_it(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    # The header is whole, the tensor data is not: libmtmd fails to seek for
+    # the first missing tensor and returns no context (tried here: no crash).
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from wsserver.backends.llama import LlamaBackend
+    from wsserver.errors import ModelLoadError
+
+    path = write_tiny_mmproj(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:60_000])
+    check_projector(path, text_width=64)  # the header says nothing is missing
+    backend = LlamaBackend(model=str(tiny_gguf), mmproj=str(path), n_threads=1, n_ctx=256)
+    with pytest.raises(ModelLoadError, match="libmtmd could not load it"):
+        backend.load()
+    assert backend.vision is None and backend.engine is None
