@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import aiohttp
+import gguf
 import pytest
 from conftest import TINY_MODEL, running_server, wire
 from test_llama_backend import llama_config
@@ -199,3 +200,33 @@ def test_a_projector_cut_short_passes_the_header_check_and_libmtmd_refuses_it(
     with pytest.raises(ModelLoadError, match="libmtmd could not load it"):
         backend.load()
     assert backend.vision is None and backend.engine is None
+
+
+def test_a_quantized_convolution_kernel_is_refused_and_quantized_matrices_load(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    # Tried here: a Q8_0 patch-embedding kernel aborts the process inside
+    # mtmd_init_from_file (GGML_ASSERT, exit 134). Patches of 32 pixels: a
+    # kernel row of 32 values, which Q8_0 can hold at all.
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    wide = {"image_size": 64, "patch_size": 32}
+    kernel = write_tiny_mmproj(tmp_path / "k.gguf", quantize={"v.patch_embd.weight": q8}, **wide)
+    with pytest.raises(ProjectorError, match=r"tensor v\.patch_embd\.weight has ggml type 8"):
+        check_projector(kernel, text_width=64)
+    bias = write_tiny_mmproj(
+        tmp_path / "b.gguf", quantize={"v.blk.0.attn_q.bias": q8, "mm.0.weight": q8}
+    )
+    with pytest.raises(ProjectorError, match=r"tensor v\.blk\.0\.attn_q\.bias has ggml type 8"):
+        check_projector(bias, text_width=64)
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from wsserver.backends.llama import LlamaBackend
+
+    matrices = {"mm.0.weight": q8, "v.blk.0.attn_q.weight": q8, "v.position_embd.weight": q8}
+    quantized = write_tiny_mmproj(tmp_path / "q.gguf", quantize=matrices)
+    assert check_projector(quantized, text_width=64).image_tokens == IMAGE_TOKENS
+    backend = LlamaBackend(model=str(tiny_gguf), mmproj=str(quantized), n_threads=1, n_ctx=256)
+    backend.load()
+    try:
+        assert backend.input_modalities() == ("text", "image")
+    finally:
+        backend.close()

@@ -57,17 +57,22 @@ def write_tiny_mmproj(
     seed: int = 4321,
     omit: tuple[str, ...] = (),
     projector_type: str = "mlp",
+    image_size: int = IMAGE_SIZE,
+    patch_size: int = PATCH_SIZE,
+    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
     """Write the tiny projector to ``path`` and return it (about 120 KB).
 
     ``text_width`` is the paired text model's embedding width (the
     projector's output width). ``omit`` leaves out every tensor or metadata
     key whose name starts with one of its entries — how the tests build the
-    malformed projectors that must be refused before libmtmd sees them.
+    malformed projectors that must be refused before libmtmd sees them;
+    ``quantize`` stores the named tensors in those ggml types instead of F32.
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
-    n_patches = IMAGE_TOKENS
+    n_patches = (image_size // patch_size) ** 2
+    quantize = quantize or {}
 
     def kept(name: str) -> bool:
         return not any(name.startswith(prefix) for prefix in omit)
@@ -86,8 +91,8 @@ def write_tiny_mmproj(
         ("clip.vision.projection_dim", text_width),
         ("clip.vision.attention.head_count", n_head),
         ("clip.vision.attention.layer_norm_epsilon", 1e-6),
-        ("clip.vision.image_size", IMAGE_SIZE),
-        ("clip.vision.patch_size", PATCH_SIZE),
+        ("clip.vision.image_size", image_size),
+        ("clip.vision.patch_size", patch_size),
         ("clip.vision.image_mean", [0.5, 0.5, 0.5]),
         ("clip.vision.image_std", [0.5, 0.5, 0.5]),
     ]
@@ -107,8 +112,12 @@ def write_tiny_mmproj(
 
     def tensor(name: str, shape: tuple[int, ...], scale: float) -> None:
         if kept(name):
-            values = rng.standard_normal(shape) * scale
-            writer.add_tensor(name, values.astype(np.float32))
+            values = (rng.standard_normal(shape) * scale).astype(np.float32)
+            kind = quantize.get(name)
+            if kind is None:
+                writer.add_tensor(name, values)
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
     def norm(name: str, size: int) -> None:
         if kept(name + ".weight"):
@@ -117,7 +126,7 @@ def write_tiny_mmproj(
         if kept(name + ".bias"):
             writer.add_tensor(name + ".bias", np.zeros(size, dtype=np.float32))
 
-    tensor("v.patch_embd.weight", (width, 3, PATCH_SIZE, PATCH_SIZE), 0.2)
+    tensor("v.patch_embd.weight", (width, 3, patch_size, patch_size), 0.2)
     tensor("v.patch_embd.bias", (width,), 0.1)
     tensor("v.position_embd.weight", (n_patches, width), 0.5)
     for layer in range(n_layer):

@@ -45,6 +45,17 @@ _REQUIRED_INTS = (
 )
 
 
+#: ggml types (``ggml.h``'s ids) a tensor may have, by what the graph does
+#: with it. A quantized patch-embedding kernel aborts the process in the
+#: warm-up encode (``GGML_ASSERT`` in the scheduler: tried here), so the
+#: convolution's kernel and the 1-D tensors (biases, norms) must be floats;
+#: matrix weights and the position table may be quantized (what quantized
+#: projectors do) in the types the CPU backend multiplies.
+_FLOAT_TYPES = frozenset({0, 1, 30})  # F32, F16, BF16
+_VECTOR_TYPES = frozenset({0, 1})  # F32, F16
+_MATRIX_TYPES = _FLOAT_TYPES | {2, 3, 6, 7, 8, 10, 11, 12, 13, 14}  # Q4_0 … Q8_0, Q2_K … Q6_K
+
+
 class ProjectorError(ValueError):
     """The projector is refused; the message names what is wrong."""
 
@@ -175,6 +186,17 @@ def _llava(needs: _Needs, text_width: int | None) -> Projector:
         needs.problems.append(
             f"its output width {output} is not the text model's embedding width {text_width}"
         )
+    for name, info in needs.tensors.items():
+        if name == "v.patch_embd.weight":
+            allowed = _FLOAT_TYPES
+        elif len(info.shape) == 1:
+            allowed = _VECTOR_TYPES
+        else:
+            allowed = _MATRIX_TYPES
+        if info.ggml_type not in allowed:
+            needs.problems.append(
+                f"tensor {name} has ggml type {info.ggml_type}, not one taken here"
+            )
     if needs.problems:
         return _refused(needs)
     return Projector(
