@@ -11,10 +11,13 @@ other models.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import gguf
+import numpy as np
 import pytest
 from conftest import TINY_MODEL, running_server, wire
 from test_llama_backend import llama_config
@@ -93,6 +96,35 @@ def test_an_unknown_type_a_wrong_width_and_a_text_model_are_refused(tmp_path: Pa
 def test_a_misshapen_tensor_is_refused(tmp_path: Path) -> None:
     path = write_tiny_mmproj(tmp_path / "p.gguf", text_width=48)  # mm.2: 48 wide
     with pytest.raises(ProjectorError, match="output width 48 is not the text model's"):
+        check_projector(path, text_width=64)
+
+
+#: Each of these, misshapen, aborted the process in libmtmd's warm-up
+#: (GGML_ASSERT, exit 134: a product or a sum of mismatched shapes).
+MISSHAPEN = {
+    "v.blk.0.ffn_up.weight": (64, 33),
+    "v.blk.0.ffn_down.weight": (30, 64),
+    "v.blk.0.ffn_up.bias": (65,),
+    "v.blk.0.attn_q.bias": (31,),
+    "v.blk.0.ln1.weight": (30,),
+    "v.patch_embd.bias": (31,),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISSHAPEN))
+def test_each_misshapen_tensor_is_refused_by_name(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def misshapen(self: gguf.GGUFWriter, tensor: str, values: Any, *args: Any, **kw: Any) -> None:
+        if tensor == name:
+            values = np.full(MISSHAPEN[name], 0.01, dtype=np.float32)
+        add_tensor(self, tensor, values, *args, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", misshapen)
+    path = write_tiny_mmproj(tmp_path / "p.gguf")
+    with pytest.raises(ProjectorError, match=re.escape(name.rsplit(".", 1)[0])):
         check_projector(path, text_width=64)
 
 

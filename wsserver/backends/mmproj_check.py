@@ -103,23 +103,62 @@ class _Needs:
         if not isinstance(value, list) or len(value) < count:
             self.problems.append(f"metadata {key} (an array of {count} numbers)")
 
+    def optional(self, name: str, *shapes: tuple[int | None, ...]) -> None:
+        """A tensor the graph uses when present: if it is, one of ``shapes``."""
+        info = self.tensors.get(name)
+        if info is not None and not any(_fits(info.shape, shape) for shape in shapes):
+            self.tensor(name, shapes[0])  # names it, with the shape it should have
+
     def tensor(self, name: str, shape: tuple[int | None, ...] | None = None) -> tuple[int, ...]:
         """The tensor's shape; ``None`` in ``shape`` matches any size."""
         info = self.tensors.get(name)
         if info is None:
             self.problems.append(f"tensor {name}")
             return ()
-        if shape is not None and (
-            len(info.shape) != len(shape)
-            or any(
-                want is not None and want != got
-                for want, got in zip(shape, info.shape, strict=True)
-            )
-        ):
+        if shape is not None and not _fits(info.shape, shape):
             wanted = "x".join("*" if d is None else str(d) for d in shape)
             got = "x".join(str(d) for d in info.shape)
             self.problems.append(f"tensor {name} is {got}, not {wanted}")
         return info.shape
+
+
+def _fits(got: tuple[int, ...], want: tuple[int | None, ...]) -> bool:
+    return len(got) == len(want) and all(
+        w is None or w == g for g, w in zip(got, want, strict=True)
+    )
+
+
+def _layer(needs: _Needs, prefix: str, width: int, runs: bool) -> None:
+    """A vision layer's tensors: all of them shaped as the graph multiplies
+    and adds them (a mismatch is a ``GGML_ASSERT`` abort in the warm-up);
+    the attention's projections required in a layer the graph runs."""
+    for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        if runs or part == "attn_out":
+            needs.tensor(f"{prefix}.{part}.weight", (width, width))
+        else:
+            needs.optional(f"{prefix}.{part}.weight", (width, width))
+        needs.optional(f"{prefix}.{part}.bias", (width,))
+    for norm in ("ln1", "ln2"):
+        needs.optional(f"{prefix}.{norm}.weight", (width,))
+        needs.optional(f"{prefix}.{norm}.bias", (width,))
+    up = needs.tensor(f"{prefix}.ffn_up.weight", (None, None))
+    down = needs.tensor(f"{prefix}.ffn_down.weight", (None, None))
+    if not up or not down:
+        return
+    # Old conversions stored up and down swapped; libmtmd swaps them back
+    # (weights and biases) when the file's down takes ``width`` values.
+    swapped = down[0] == width
+    into, out = (down, up) if swapped else (up, down)
+    hidden = into[1]
+    if into != (width, hidden) or out != (hidden, width):
+        needs.problems.append(
+            f"tensors {prefix}.ffn_up.weight and {prefix}.ffn_down.weight are {up} and "
+            f"{down}, not a {width} -> n -> {width} pair"
+        )
+    needs.optional(f"{prefix}.{'ffn_down' if swapped else 'ffn_up'}.bias", (hidden,))
+    needs.optional(f"{prefix}.{'ffn_up' if swapped else 'ffn_down'}.bias", (width,))
+    needs.optional(f"{prefix}.ffn_gate.weight", (width, hidden))
+    needs.optional(f"{prefix}.ffn_gate.bias", (hidden,))
 
 
 def _llava(needs: _Needs, text_width: int | None) -> Projector:
@@ -158,13 +197,12 @@ def _llava(needs: _Needs, text_width: int | None) -> Projector:
             needs.problems.append(f"metadata {_V}feature_layer {graph_layers} > {layers}")
             graph_layers = layers
     for layer in range(layers):
-        prefix = f"v.blk.{layer}"
-        needs.tensor(f"{prefix}.attn_out.weight", (width, width))
-        needs.tensor(f"{prefix}.ffn_up.weight")
-        needs.tensor(f"{prefix}.ffn_down.weight")
-        if layer < graph_layers:
-            for part in ("attn_q", "attn_k", "attn_v"):
-                needs.tensor(f"{prefix}.{part}.weight", (width, width))
+        _layer(needs, f"v.blk.{layer}", width, layer < graph_layers)
+    for name in ("v.patch_embd.bias", "v.pre_ln.weight", "v.pre_ln.bias"):
+        needs.optional(name, (width,))
+    for name in ("v.post_ln.weight", "v.post_ln.bias"):
+        needs.optional(name, (width,))
+    needs.optional("v.class_embd", (width,), (width, 1))
 
     first = needs.tensor("mm.0.weight", (None, None))
     hidden = first[1] if first else None  # unknown: its shapes are not compared
