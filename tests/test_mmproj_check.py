@@ -262,3 +262,11 @@ def test_a_quantized_convolution_kernel_is_refused_and_quantized_matrices_load(
         assert backend.input_modalities() == ("text", "image")
     finally:
         backend.close()
+
+
+def test_a_header_claiming_a_huge_warm_up_is_refused(tmp_path: Path) -> None:
+    # 1024 px in patches of 8: 16,384 patches, whose attention scores the
+    # warm-up would allocate (patches² per head; a real claim can be far larger).
+    path = write_tiny_mmproj(tmp_path / "p.gguf", image_size=1024, patch_size=8)
+    with pytest.raises(ProjectorError, match="16384 patches"):
+        check_projector(path, text_width=64)

@@ -27,10 +27,12 @@ from typing import Any
 
 from .gguf_meta import GgufHeader, read_header
 
-__all__ = ["CHECKED_TYPES", "Projector", "ProjectorError", "check_projector"]
+__all__ = ["CHECKED_TYPES", "MAX_PATCHES", "Projector", "ProjectorError", "check_projector"]
 
 #: The projector types whose graph's needs this module checks.
 CHECKED_TYPES = ("mlp",)
+#: Patches per image (one slice) a projector may claim: 64 x 64.
+MAX_PATCHES = 4096
 
 _V = "clip.vision."
 #: Vision metadata libmtmd reads as required (``get_u32``/``get_f32``).
@@ -178,6 +180,21 @@ def _llava(needs: _Needs, text_width: int | None) -> Projector:
         needs.problems.append(f"embedding_length {width} is not a multiple of head_count {heads}")
     if size and patch and size % patch:
         needs.problems.append(f"image_size {size} is not a multiple of patch_size {patch}")
+    # The warm-up encodes an image of image_size: its attention holds
+    # patches² scores per head. Far beyond any real projector (LLaVA 1.5:
+    # 576 patches), a header's claim would take the machine's memory.
+    if size and patch and (size // patch) ** 2 > MAX_PATCHES:
+        needs.problems.append(
+            f"image_size {size} / patch_size {patch}: {(size // patch) ** 2} patches "
+            f"(at most {MAX_PATCHES} taken here)"
+        )
+    for name, most in (
+        ("embedding_length", 1 << 14),
+        ("block_count", 256),
+        ("attention.head_count", 256),
+    ):
+        if ints[name] > most:
+            needs.problems.append(f"metadata {_V}{name} = {ints[name]} (at most {most} taken here)")
     if needs.problems:  # the shapes below are sized from these
         return _refused(needs)
 
