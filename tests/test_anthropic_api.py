@@ -75,7 +75,7 @@ def test_refusals_name_the_field() -> None:
         (body(messages=[]), "messages"),
         (
             body(messages=[{"role": "user", "content": [{"type": "image"}]}]),
-            "messages.0.content.0.type: images are not supported",
+            "image 0 (messages.0.content.0.source): give a base64 source",
         ),
         (
             body(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),

@@ -200,7 +200,10 @@ async def test_bad_input_is_a_clear_400_naming_the_field() -> None:
             ({"extra_body": {"temperature": 1.5}}, "temperature"),
             ({"speed": "fast"}, "speed"),
             ({"stop_sequences": [""]}, "stop_sequences"),
-            ({"messages": [{"role": "user", "content": [image]}]}, "messages.0.content.0.type"),
+            (
+                {"messages": [{"role": "user", "content": [image]}]},
+                "image 0 (messages.0.content.0.source): not valid base64",
+            ),
             (
                 {
                     "messages": [

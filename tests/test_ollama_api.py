@@ -124,7 +124,7 @@ def test_a_schema_format_is_the_cores_json_schema() -> None:
         ({"messages": [{"role": "user", "content": "x", "name": "n"}]}, "messages[0].name"),
         (
             {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
-            "messages[0].images: images are not supported",
+            "image 0 (messages[0].images): not a PNG, JPEG, GIF or BMP image",
         ),
         ({"messages": [{"role": "user", "content": "x"}] * 9}, "more than 8 messages"),
         ({"tools": [{"type": "function", "function": {"name": "f x"}}]}, "tools[0]"),

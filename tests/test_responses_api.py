@@ -136,7 +136,8 @@ def test_fields_not_honoured_are_refused_by_name(
         ({"type": "function_call_output", "call_id": "c", "output": 3}, "output"),
         ({"type": "function_call", "call_id": "c", "name": "f"}, "arguments"),
         ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1}, "'x'"),
-        ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
+        ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "data: URL"),
+        ({"role": "system", "content": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
         ({"role": "tool", "content": "x"}, "role"),
     ],
 )

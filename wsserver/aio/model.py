@@ -102,6 +102,7 @@ class Model:
             aliases=self.aliases,
             chat_template=self.backend.has_chat_template() if state == "loaded" else None,
             embeddings=self._embeddings() if state == "loaded" else None,
+            input_modalities=self.backend.input_modalities() if state == "loaded" else None,
         )
 
     def _embeddings(self) -> str:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -57,17 +56,13 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Final
 
-import orjson
-
 from ..backends.gguf_meta import read_metadata
 from ..config import MODEL_NAME_RE
 from ..core.embedding import Embedded
 from ..dialects.api_errors import ApiError, parse_json
-from ..dialects.exchange import SHUTTING_DOWN
-from ..dialects.ollama.api import Kind, OllamaRequest, error_object, parse_chat, parse_generate
+from ..dialects.ollama.api import Kind, OllamaRequest, parse_chat, parse_generate
 from ..dialects.ollama.catalog import (
     HEADER_KEYS,
-    PULL_STATUS,
     ModelFacts,
     Running,
     capabilities,
@@ -76,7 +71,6 @@ from ..dialects.ollama.catalog import (
     hub_reference,
     listed_name,
     ps_body,
-    pull_status,
     show_body,
     tags_body,
     unsupported,
@@ -84,18 +78,15 @@ from ..dialects.ollama.catalog import (
 )
 from ..dialects.ollama.embed import embed_body, legacy_body, parse_embed, parse_legacy
 from ..dialects.ollama.options import check_num_ctx
-from ..dialects.ollama.render import MEDIA_TYPE as NDJSON
 from ..dialects.ollama.render import OllamaAnswer, loaded_object
 from ..errors import ProtocolError, PullError
-from ..pull.hub import PullCancelled
-from ..pull.progress import Progress
 from ..pull.reference import parse_reference
 from .exchange import Exchange
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest, clip, no_route, not_allowed
 from .models import Model, ModelPool
+from .ollama_pull import PullAnswer
 from .pull_requests import pull_refusal
-from .pulls import Subscription
 from .services import Services
 
 __all__ = ["PREFIX", "OllamaRoute", "served_name"]
@@ -219,7 +210,7 @@ class OllamaRoute:
         route.log.request(route.request_id).info("pull %s", reference.text)
         subscription = services.pulls.start(reference)
         try:
-            await _PullAnswer(route, stream).run(subscription, services)
+            await PullAnswer(route, stream).run(subscription, services)
         finally:
             subscription.on_progress = None
             subscription.leave()  # gone, failed or done: nothing keeps the download for us
@@ -271,7 +262,7 @@ class OllamaRoute:
         listed = listed_name(name)
         tools = "tools" in backend.honours
         info = model.info()
-        n_ctx = info.n_ctx
+        n_ctx, modalities = info.n_ctx, info.input_modalities or ()
         try:
             facts = await asyncio.to_thread(self._file_facts, backend.model_file)
         except Exception as exc:  # a missing or corrupt file: said, not fatal
@@ -284,7 +275,9 @@ class OllamaRoute:
             embeds = info.embeddings == "embed"
             return ModelFacts(
                 listed,
-                capabilities=capabilities(tools=tools, template="", embedding=embeds),
+                capabilities=capabilities(
+                    tools=tools, template="", embedding=embeds, modalities=modalities
+                ),
                 context_length=n_ctx,
             )
         key, found = facts
@@ -308,7 +301,11 @@ class OllamaRoute:
             modified_at=found["modified_at"],
             digest=found["digest"],
             capabilities=capabilities(
-                tools=tools, template=template, embedding=embeds, encoder=encoder
+                tools=tools,
+                template=template,
+                embedding=embeds,
+                encoder=encoder,
+                modalities=modalities,
             ),
             context_length=n_ctx,
             **header,
@@ -405,94 +402,3 @@ class OllamaRoute:
         HttpAnswer(route.out, route.headers).respond(
             HTTPStatus.OK, body + b"\n" if ollama.stream else body, content_type
         )
-
-
-class _PullAnswer:
-    """One ``/api/pull``'s answer, and the :class:`~wsserver.aio.http_route.Running`
-    its connection tells of a disconnect or the server's shutdown."""
-
-    def __init__(self, route: RouteRequest, stream: bool) -> None:
-        self._route = route
-        self._stream = stream
-        self._answer = HttpAnswer(route.out, route.headers, keepalive=b"", media_type=NDJSON)
-        loop = asyncio.get_running_loop()
-        #: How it ended early: "gone" (the client) or "shutdown".
-        self._ended: asyncio.Future[str] = loop.create_future()
-        self._latest: Progress | None = None
-        self._news = asyncio.Event()
-
-    # The connection's calls.
-
-    def client_gone(self) -> None:
-        if not self._ended.done():
-            self._ended.set_result("gone")
-
-    def cancel(self) -> None:
-        if not self._ended.done():
-            self._ended.set_result("shutdown")
-
-    def stall(self) -> None:
-        """A pull holds no model: a client that reads slowly only hears less often."""
-
-    async def run(self, subscription: Subscription, services: Services) -> None:
-        route, answer = self._route, self._answer
-        route.begin(self)
-        subscription.on_progress = self._progressed
-        result = asyncio.ensure_future(subscription.wait())
-        try:
-            if self._stream:
-                answer.head()
-            while not result.done():
-                news = asyncio.ensure_future(self._news.wait())
-                waiting: set[asyncio.Future[Any]] = {result, news, self._ended}
-                await asyncio.wait(waiting, return_when=FIRST_COMPLETED)
-                news.cancel()
-                if self._ended.done():
-                    self._end_early()
-                    return
-                latest, self._latest = self._latest, None
-                self._news.clear()
-                if self._stream and latest is not None and not result.done():
-                    await answer.write(_line(pull_status(latest)))
-            try:
-                pulled = result.result()
-            except PullError as exc:
-                route.log.request(route.request_id).info(
-                    "pull failed: %s %s", exc.code, exc.message
-                )
-                self._fail(PULL_STATUS.get(exc.code, HTTPStatus.BAD_GATEWAY), exc.message)
-                return
-            except PullCancelled:
-                self._fail(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
-                return
-            model = services.models.add_pulled(services.config, pulled)
-            route.log.request(route.request_id).info(
-                "pulled %s as model %s", pulled.plan.reference.text, model.name
-            )
-            if self._stream:
-                answer.write_last(_line({"status": "success"}))
-            else:
-                answer.respond(HTTPStatus.OK, orjson.dumps({"status": "success"}))
-        finally:
-            if not result.done():
-                result.cancel()
-
-    def _progressed(self, progress: Progress) -> None:
-        self._latest = progress  # the latest replaces one not written yet
-        self._news.set()
-
-    def _end_early(self) -> None:
-        if self._ended.result() == "shutdown":
-            self._fail(HTTPStatus.SERVICE_UNAVAILABLE, SHUTTING_DOWN)
-        else:
-            self._answer.finish()  # nobody to tell
-
-    def _fail(self, status: int, message: str) -> None:
-        if self._stream:
-            self._answer.write_last(_line(error_object(message)))
-        else:
-            self._answer.respond(status, orjson.dumps(error_object(message)))
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return orjson.dumps(obj) + b"\n"

@@ -13,6 +13,7 @@ from ..pull.reference import PREFIX as HUB_PREFIX
 from ..pull.reference import Reference, parse_reference
 from .base import Backend, GenerationRequest, Sink, Submission, TokenSink
 from .fake import FakeBackend
+from .gguf_meta import read_metadata
 from .threaded import ThreadedBackend
 
 __all__ = [
@@ -107,7 +108,8 @@ def create_models(config: Config) -> list[ModelEntry]:
         folder = Path(llama.models_dir)
         if not folder.is_dir():
             raise ConfigError(f"backend.llama.models_dir: {folder} is not a directory")
-        dir_files = sorted(folder.glob("*.gguf"))
+        # A vision projector beside its model is no model of its own.
+        dir_files = [p for p in sorted(folder.glob("*.gguf")) if not _is_projector(p)]
     if llama.model or not (llama.models or dir_files):
         reference = hub_reference(llama.model, "backend.llama.model")
         default = LlamaBackend.from_config(llama, name=_reference_name(reference))
@@ -137,7 +139,8 @@ def create_models(config: Config) -> list[ModelEntry]:
         taken = paths.get(path.stem)
         if taken is not None and taken and Path(taken).resolve() == path.resolve():
             continue  # the same file, listed by name too
-        settings = dataclasses.replace(llama, model=str(path), models=(), aliases=[])
+        # The default model's projector is its own: no other model inherits it.
+        settings = dataclasses.replace(llama, model=str(path), mmproj="", models=(), aliases=[])
         add(path.stem, settings, False, f"backend.llama.models_dir {path}")
     return entries
 
@@ -147,7 +150,9 @@ def pulled_model(config: Config, reference: Reference, path: Path) -> ModelEntry
     ``[backend.llama]`` settings (loaded on its first request)."""
     from .llama import LlamaBackend
 
-    settings = dataclasses.replace(config.backend.llama, model=str(path), models=(), aliases=[])
+    settings = dataclasses.replace(
+        config.backend.llama, model=str(path), mmproj="", models=(), aliases=[]
+    )
     backend = LlamaBackend.from_config(settings, name=reference.name)
     return ModelEntry(
         reference.name,
@@ -236,3 +241,12 @@ def create_backend(config: Config) -> Backend:
 
         return OpenAIBackend.from_config(config.backend.openai)
     raise ValueError(f"unknown backend kind {kind!r}")  # config validation prevents this
+
+
+def _is_projector(path: Path) -> bool:
+    """Whether the GGUF at ``path`` is a vision projector (``clip``), by its header."""
+    try:
+        found = read_metadata(path, {"general.architecture"})
+    except (OSError, ValueError):
+        return False  # not for this question to judge: its load will say
+    return found.get("general.architecture") == "clip"

@@ -89,7 +89,7 @@ from ..errors import ProtocolError
 from ..shaping.shaper import OutputFormat
 from .embed_door import EmbedDoor
 from .handles import CancelEvent, Submission
-from .request import GenerationRequest
+from .request import GenerationRequest, check_images
 
 __all__ = [
     "Backend",
@@ -247,6 +247,11 @@ class Backend(abc.ABC):
         ``None``: an engine without the notion (not said). Quick, on the loop."""
         return None
 
+    def input_modalities(self) -> tuple[str, ...] | None:
+        """What the loaded model takes in (``"text"``, ``"image"``, ``"audio"``),
+        for ``hello`` and ``GET /v1/models``; ``None``: not said. Quick, on the loop."""
+        return None
+
     def check(self, frame: Generate) -> None:
         """Refuse, before it starts, a request this engine cannot serve as asked.
 
@@ -257,9 +262,9 @@ class Backend(abc.ABC):
         stage option (:data:`wsserver.core.sampling.NEUTRAL`) given a value that
         matters and not in :attr:`honours`; an engine's override adds its own
         checks (``bad_request``: a grammar that does not compile, a token
-        outside the vocabulary). Must be quick or cached — or
-        :meth:`check_blocks` says so, and it runs on a worker thread.
-        """
+        outside the vocabulary; images to a model that takes none). Quick or
+        cached — or :meth:`check_blocks` says so: a worker thread runs it."""
+        check_images(frame, self.input_modalities(), self.model_name)
         for name in sorted(options_asked(frame) - self.honours):
             raise ProtocolError(
                 "unsupported_option",

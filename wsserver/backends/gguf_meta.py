@@ -15,10 +15,19 @@ A file that is not a GGUF, or is cut short, raises :class:`ValueError`.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["KV_ELEMENT_BYTES", "embedding_context_bytes", "kv_cache_bytes", "read_metadata"]
+__all__ = [
+    "KV_ELEMENT_BYTES",
+    "GgufHeader",
+    "TensorInfo",
+    "embedding_context_bytes",
+    "kv_cache_bytes",
+    "read_header",
+    "read_metadata",
+]
 
 _MAGIC = b"GGUF"
 #: Value types: struct format of the scalar ones (8 = string, 9 = array).
@@ -38,6 +47,9 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 #: More keys than any real model has: a corrupt count is refused, not believed.
 _MAX_KEYS = 1 << 20
+#: Likewise tensors, and a tensor's dimensions (ggml has at most 4).
+_MAX_TENSORS = 1 << 20
+_MAX_DIMS = 4
 
 
 def _read(f: BinaryIO, size: int) -> bytes:
@@ -84,23 +96,82 @@ def _skip_array(f: BinaryIO) -> int:
     return int(count)
 
 
+def _begin(f: BinaryIO) -> tuple[int, int]:
+    """Check the magic and the version; the tensor and key counts."""
+    if _read(f, 4) != _MAGIC:
+        raise ValueError("not a GGUF file (bad magic)")
+    version = _unpack(f, "I")
+    if version not in (2, 3):
+        raise ValueError(f"unsupported GGUF version {version}")
+    tensors, keys = _unpack(f, "Q"), _unpack(f, "Q")
+    if keys > _MAX_KEYS:
+        raise ValueError(f"a GGUF header with {keys} keys")
+    if tensors > _MAX_TENSORS:
+        raise ValueError(f"a GGUF header with {tensors} tensors")
+    return tensors, keys
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor as the header describes it: ggml's ``ne`` (innermost first)."""
+
+    shape: tuple[int, ...]
+    ggml_type: int
+
+
+@dataclass(frozen=True, slots=True)
+class GgufHeader:
+    """A GGUF file's metadata (arrays of up to ``max_array`` items; longer
+    ones are ``None``) and its tensors by name."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+
+def read_header(path: str | Path, *, max_array: int = 4096) -> GgufHeader:
+    """The whole header: every key, and every tensor's name, shape and type.
+
+    For small files whose every tensor matters (a vision projector): the
+    header of a text model with a 262k vocabulary is megabytes of token
+    strings, skipped here but still read.
+    """
+    metadata: dict[str, Any] = {}
+    tensors: dict[str, TensorInfo] = {}
+    with open(path, "rb") as f:
+        n_tensors, keys = _begin(f)
+        for _ in range(keys):
+            key = _string(f)
+            kind = _unpack(f, "I")
+            if kind == _ARRAY:
+                here = f.tell()
+                _unpack(f, "I")  # the items' type
+                count = _unpack(f, "Q")
+                f.seek(here)
+                metadata[key] = _value(f, kind, count <= max_array)
+            else:
+                metadata[key] = _value(f, kind, True)
+        for _ in range(n_tensors):
+            name = _string(f)
+            dims = _unpack(f, "I")
+            if dims > _MAX_DIMS:
+                raise ValueError(f"tensor {name} has {dims} dimensions")
+            shape = tuple(int(_unpack(f, "Q")) for _ in range(dims))
+            ggml_type = _unpack(f, "I")
+            _unpack(f, "Q")  # its offset in the data section
+            tensors[name] = TensorInfo(shape=shape, ggml_type=ggml_type)
+    return GgufHeader(metadata=metadata, tensors=tensors)
+
+
 def read_metadata(path: str | Path, wanted: set[str]) -> dict[str, Any]:
     """The header's values for the keys in ``wanted`` (those present).
 
     ``general.architecture`` is always read; a ``{arch}.`` prefix in a wanted
-    key is filled in with it once known.
+    key is filled in with it once known; a ``#`` before a key asks for the
+    length of its array (``#tokenizer.ggml.tokens``: the vocabulary's size).
     """
     found: dict[str, Any] = {}
     with open(path, "rb") as f:
-        if _read(f, 4) != _MAGIC:
-            raise ValueError("not a GGUF file (bad magic)")
-        version = _unpack(f, "I")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
-        _unpack(f, "Q")  # tensor count
-        keys = _unpack(f, "Q")
-        if keys > _MAX_KEYS:
-            raise ValueError(f"a GGUF header with {keys} keys")
+        _n_tensors, keys = _begin(f)
         arch = ""
         for _ in range(keys):
             key = _string(f)

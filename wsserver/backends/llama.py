@@ -12,13 +12,12 @@ memory-bound: one pass over the weights serves the whole batch). This is a
 returns at once; text goes out through ``Sink.offer``; a full channel pauses
 only its own sequence.
 
-This module does what is per model: it loads it, makes each request's prompt
-— tokenized exactly as llama-cpp-python's ``create_completion`` does
-(:mod:`.llama_vocab`: BOS, then the prompt with special tokens parsed), or
-chat ``messages`` rendered through the GGUF's chat template or the plain-text
-fallback (:mod:`.llama_chat`, which also says what the output will look like:
-a think block the template opened, the tool call syntax it teaches) — and
-checks a request before it starts. Tokens map to their raw bytes for the
+This module does what is per model: it loads it (and its vision projector,
+:mod:`.llama_vision`), makes each request's prompt — tokenized as
+llama-cpp-python's ``create_completion`` does (:mod:`.llama_vocab`), or chat
+``messages`` through the chat template or the plain-text fallback
+(:mod:`.llama_chat`: also what the output will look like) — and checks a
+request before it starts. Tokens map to their raw bytes for the
 engine's :class:`~wsserver.core.textstream.TextAssembler` (a token that is not
 text, :mod:`.token_text`, to none); invalid byte sequences are dropped, as
 ``create_completion`` drops them (``errors="ignore"``).
@@ -36,7 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import llama_cpp
 from llama_cpp._internals import LlamaModel
@@ -58,15 +57,26 @@ from .base import (
 )
 from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
-from .llama_context import install_log_bridge, model_params, new_context
+from .llama_context import describe_load, install_log_bridge, model_params, new_context
 from .llama_embed import Embedder
 from .llama_engine import BatchEngine, RequestStats
 from .llama_host_cache import CacheCounters
 from .llama_memory import default_model_path, memory_parts
+from .llama_prompt import render_prompt
 from .llama_template_pool import TemplateBounds, TemplatePool
+from .llama_vision import Vision, load_vision
 from .llama_vocab import Vocabulary
 
 __all__ = ["LlamaBackend"]
+
+#: The constructor's keywords a model's configuration gives as they are.
+_CONFIG_KEYS: Final = (
+    *("model", "mmproj", "n_ctx", "n_threads", "n_batch", "n_ubatch", "parallel"),
+    *("prefill_chunk", "prefill_budget", "prefill_floor_ms", "max_waiting"),
+    *("chat_template_file", "n_gpu_layers", "flash_attn", "cache_type_k", "cache_type_v"),
+    *("use_mmap", "use_mlock", "grammar_deadline_ms", "engine_stall_s", "embed_batch"),
+    "prompt_cache_bytes",
+)
 
 log = logging.getLogger("wsserver.llama")
 
@@ -86,6 +96,7 @@ class LlamaBackend(Backend):
         self,
         *,
         model: str = "",
+        mmproj: str = "",
         n_ctx: int = 4096,
         n_threads: int = 0,
         n_batch: int = 512,
@@ -113,6 +124,8 @@ class LlamaBackend(Backend):
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
         self.model_path = model
+        #: Its vision projector GGUF ("": a text-only model; docs/images.md).
+        self.mmproj = mmproj
         self.n_ctx = n_ctx
         # One context now: all cores serve it. (ggml's threads spin at their
         # barriers, so on a busy machine a smaller explicit value is safer.)
@@ -156,6 +169,7 @@ class LlamaBackend(Backend):
             self.model_name = "gemma-3-270m-q4_k_m"
         self._model: Any = None
         self._ctx: Any = None
+        self.vision: Vision | None = None
         self.engine: BatchEngine | None = None
         #: The model's tokenizer (while loaded).
         self.vocab: Vocabulary | None = None
@@ -163,38 +177,20 @@ class LlamaBackend(Backend):
         self.chat = LlamaChat()
         #: The worker processes that compile and render the template (while loaded).
         self.templates: TemplatePool | None = None
-        self._on_prefill: Callable[[str, int], None] | None = None
+        #: Called on the engine thread just before a request's first prompt
+        #: tokens are decoded, with its ID and prompt length (tests, metrics).
+        self.on_prefill: Callable[[str, int], None] | None = None
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, name: str = "") -> LlamaBackend:
+        settings: dict[str, Any] = {key: getattr(config, key) for key in _CONFIG_KEYS}
+        bounds = config.template
         return cls(
             name=name,
-            model=config.model,
-            n_ctx=config.n_ctx,
-            n_threads=config.n_threads,
-            n_batch=config.n_batch,
-            prefill_chunk=config.prefill_chunk,
-            prefill_budget=config.prefill_budget,
-            prefill_floor_ms=config.prefill_floor_ms,
-            parallel=config.parallel,
-            max_waiting=config.max_waiting,
-            chat_template_file=config.chat_template_file,
-            n_ubatch=config.n_ubatch,
-            n_gpu_layers=config.n_gpu_layers,
-            flash_attn=config.flash_attn,
-            cache_type_k=config.cache_type_k,
-            cache_type_v=config.cache_type_v,
-            use_mmap=config.use_mmap,
-            use_mlock=config.use_mlock,
-            grammar_deadline_ms=config.grammar_deadline_ms,
-            engine_stall_s=config.engine_stall_s,
-            embed_batch=config.embed_batch,
-            prompt_cache_bytes=config.prompt_cache_bytes,
             template_bounds=TemplateBounds(
-                timeout_s=config.template.timeout_s,
-                memory_bytes=config.template.memory_bytes,
-                workers=config.template.workers,
+                timeout_s=bounds.timeout_s, memory_bytes=bounds.memory_bytes, workers=bounds.workers
             ),
+            **settings,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -212,14 +208,14 @@ class LlamaBackend(Backend):
         return path
 
     def memory_estimate(self) -> int:
-        """The weights (the file's size), the KV cache of every sequence, the
-        prompt cache's bound and the embedding context, from the GGUF header
-        alone (docs/operations.md, "Several models")."""
+        """The weights (the files' sizes: the model's and its projector's), the
+        KV cache of every sequence, the prompt cache's bound and the embedding
+        context, from the GGUF header alone (docs/operations.md, "Several models")."""
         path = self.model_file()
         return path.stat().st_size + sum(self._memory_parts(path))
 
-    def _memory_parts(self, path: Path) -> tuple[int, int, int]:
-        """The KV cache's bytes, the prompt cache's bound, the embedding context's."""
+    def _memory_parts(self, path: Path) -> tuple[int, int, int, int]:
+        """The KV cache, the prompt cache's bound, the embedding context, the projector."""
         return memory_parts(
             path,
             cells=self.n_ctx * self.parallel,
@@ -227,34 +223,13 @@ class LlamaBackend(Backend):
             type_v=self.cache_type_v,
             prompt_cache_bytes=self.prompt_cache_bytes,
             embed_batch=self.embed_batch,
+            mmproj=self.mmproj,
         )
 
     def load(self) -> None:
         install_log_bridge()
         path = self.model_file()
-        size_mb = path.stat().st_size / 1e6
-        log.info(
-            "loading %s (%.0f MB): %d sequence(s) of %d tokens in one context, "
-            "%d thread(s), batch %d (micro-batch %d), prefill %s, flash attention %s, "
-            "KV cache %s/%s, GPU layers %d",
-            path,
-            size_mb,
-            self.parallel,
-            self.n_ctx,
-            self.n_threads,
-            self.n_batch,
-            self.n_ubatch,
-            (
-                f"budget {self.prefill_budget:g}x a decode step "
-                f"(at least {self.prefill_floor_ms:g} ms)"
-                if self.prefill_budget > 0
-                else f"chunk {self.prefill_chunk} tokens"
-            ),
-            self.flash_attn,
-            self.cache_type_k,
-            self.cache_type_v,
-            self.n_gpu_layers,
-        )
+        log.info("loading %s", describe_load(self, path))
         started = time.monotonic()
         try:
             params = model_params(
@@ -272,6 +247,8 @@ class LlamaBackend(Backend):
                 cache_type_k=self.cache_type_k,
                 cache_type_v=self.cache_type_v,
             )
+            if self.mmproj:  # checked from its header before libmtmd reads it
+                self.vision = load_vision(self.mmproj, self._model.model, self.n_threads)
         except Exception as exc:
             self.close()
             raise ModelLoadError(f"cannot load model {path}: {exc}") from exc
@@ -297,8 +274,11 @@ class LlamaBackend(Backend):
             stall_s=self.engine_stall_s,
             prompt_cache_bytes=self._memory_parts(path)[1],
             cache_counters=self.cache_counters,
+            images=self.vision.decoder(self._ctx, self.n_batch) if self.vision else None,
         )
-        self.engine.on_prefill = self._on_prefill
+        self.engine.on_prefill = lambda request_id, n: (
+            None if self.on_prefill is None else self.on_prefill(request_id, n)
+        )
         if self.embed_batch > 0:
             self.embedder = Embedder(
                 model=self._model,
@@ -330,10 +310,13 @@ class LlamaBackend(Backend):
         if engine is not None and not engine.close(timeout=ENGINE_STOP_S):
             # Its thread, or a grammar call given up on, still runs natively
             # in this model: freeing it would pull the memory from under them.
-            self._ctx = self._model = None
+            self._ctx = self._model = self.vision = None
             return
         if embedder is not None:
             embedder.close()  # the engine thread that stepped it has stopped
+        vision, self.vision = self.vision, None
+        if vision is not None:
+            vision.close()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             llama_cpp.llama_free(ctx)
@@ -343,18 +326,6 @@ class LlamaBackend(Backend):
                 model.close()
 
     # ------------------------------------------------------------ inspection
-
-    @property
-    def on_prefill(self) -> Callable[[str, int], None] | None:
-        """Called on the engine thread just before a request's first prompt
-        tokens are decoded, with its ID and prompt length (tests, metrics)."""
-        return self._on_prefill
-
-    @on_prefill.setter
-    def on_prefill(self, hook: Callable[[str, int], None] | None) -> None:
-        self._on_prefill = hook
-        if self.engine is not None:
-            self.engine.on_prefill = hook
 
     def unready_reason(self) -> str | None:
         """Not ready while the engine is stalled: a step has run for
@@ -388,18 +359,38 @@ class LlamaBackend(Backend):
         """Whether the loaded model has its own chat template (else the plain-text fallback)."""
         return self.chat.template is not None
 
+    def input_modalities(self) -> tuple[str, ...]:
+        """Text, and what its projector really encodes (until it is loaded:
+        images if it has one — the load checks that it encodes them)."""
+        if self.vision is not None:
+            return self.vision.modalities
+        return ("text", "image") if self.mmproj else ("text",)
+
     # ------------------------------------------------------------ requests
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], tuple[str, ...]]:
-        """The prompt's tokens and stop strings (:meth:`.llama_chat.LlamaChat.tokens`)."""
-        vocab = self.vocab
-        assert vocab is not None, "the model is not loaded"
-        return self.chat.tokens(request, vocab)
+        """The prompt's tokens and the stop strings, as llama-cpp-python would
+        make them (or as :meth:`prepare` made them). ``bad_request`` for a
+        prompt of no tokens: the input's fault (an empty prompt, or a chat
+        template that rendered nothing), not the engine's."""
+        prepared = request.prepared
+        if isinstance(prepared, PreparedPrompt):
+            if prepared.error is not None:
+                code, message = prepared.error
+                raise BackendError(message, code=code)
+            return list(prepared.tokens), prepared.stops
+        assert self.vocab is not None, "the model is not loaded"
+        tokens, stops, _ = render_prompt(
+            request, vocab=self.vocab, chat=self.chat, vision=self.vision
+        )
+        return tokens, stops
 
     def prepare_blocks(self, request: GenerationRequest) -> bool:
+        # Images are always prepared here: their spans ride on the prepared prompt.
+        messages = request.messages
         return (
-            request.messages is not None
-            and self.chat.template is not None
+            messages is not None
+            and (self.chat.template is not None or any(m.images for m in messages))
             and request.prepared is None
         )
 
@@ -414,7 +405,10 @@ class LlamaBackend(Backend):
         try:
             describes = chat.describes_tools(request)
             request = chat.forced_call(request)
-            tokens, stops = self._prompt(request)
+            assert self.vocab is not None, "the model is not loaded"
+            tokens, stops, media = render_prompt(
+                request, vocab=self.vocab, chat=self.chat, vision=self.vision
+            )
             opened = chat.opens_reasoning(request)
         except BackendError as exc:
             failed = PreparedPrompt(error=(exc.code, str(exc)))
@@ -424,13 +418,17 @@ class LlamaBackend(Backend):
             failed = PreparedPrompt(error=("internal", "the prompt could not be prepared"))
             return dataclasses.replace(request, prepared=failed)
         prepared = PreparedPrompt(
-            tokens=tuple(tokens), stops=stops, opens_reasoning=opened, describes_tools=describes
+            tuple(tokens), stops, opened, describes_tools=describes, media=media
         )
         return dataclasses.replace(request, prepared=prepared)
 
     def check_blocks(self, frame: Generate) -> bool:
-        # Rendering a chat template waits on a worker process, up to its time bound.
-        return frame.messages is not None and self.chat.template is not None
+        # Rendering a chat template waits on a worker process, up to its time
+        # bound; images are decoded (so that bad pixels are refused up front).
+        messages = frame.messages
+        return messages is not None and (
+            self.chat.template is not None or any(m.images for m in messages)
+        )
 
     def output_format(self, request: GenerationRequest) -> OutputFormat:
         """Whether the chat template opened a think block (read by

@@ -24,7 +24,13 @@ from .llama_budget import PrefillBudget
 from .llama_context import Batch
 from .llama_sequences import Job
 
-__all__ = ["Batcher", "StepPlan", "plan_step", "prefilling"]
+__all__ = [
+    "Batcher",
+    "StepPlan",
+    "decoding",
+    "plan_step",
+    "prefilling",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,19 +53,26 @@ def prefilling(jobs: list[Job]) -> bool:
     return any(j.fed < len(j.prompt) and not j.cancelled for j in jobs)
 
 
-def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch) -> StepPlan:
+def decoding(jobs: list[Job]) -> int:
+    """How many of ``jobs`` decode a token this step (their text delivered)."""
+    return sum(1 for j in jobs if j.next_token is not None and not j.waiting_room)
+
+
+def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0) -> StepPlan:
     """Choose each of ``jobs``' part of the next step and put it in ``batch``
-    (cleared first); ``jobs`` in admission order. A job with prompt tokens
+    (cleared first); ``jobs`` in admission order; ``used``: prompt positions
+    the step already took (an image's embeddings), out of its share. A job with prompt tokens
     in the step is marked ``in_flight`` (a cancel then aborts the decode).
     Called under the engine's condition: cancels change ``jobs`` meanwhile."""
     batch.clear()
     decoding = [j for j in jobs if j.next_token is not None and not j.outbox and not j.waiting_room]
     # Each sequence's part of the step: its next token, or a chunk of its prompt.
     parts: list[tuple[Job, int]] = [(job, 1) for job in decoding]
-    share = left = budget.share(len(decoding)) if prefilling(jobs) else 0
+    share = left = max(0, budget.share(len(decoding)) - used) if prefilling(jobs) else 0
     first_chunks: list[Job] = []
     for job in jobs:
-        remaining = len(job.prompt) - job.fed
+        # Up to the next image: the engine decodes its embeddings apart.
+        remaining = job.text_end() - job.fed
         if remaining <= 0 or left <= 0 or job.cancelled:
             continue
         take = min(remaining, left)
@@ -129,9 +142,9 @@ class Batcher:
         #: the prompt's share, the step's seconds) — for tests and the bench.
         self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=log_size)
 
-    def plan(self, jobs: list[Job]) -> StepPlan:
+    def plan(self, jobs: list[Job], used: int = 0) -> StepPlan:
         """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
-        return plan_step(jobs, self.budget, self.batch)
+        return plan_step(jobs, self.budget, self.batch, used)
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its

@@ -117,6 +117,8 @@ class PreparedPrompt:
     #: Why there is no prompt (wire code, message): the template refused the
     #: messages or exceeded a bound. The engine ends the request with it.
     error: tuple[WireCode, str] | None = None
+    #: The prompt's images (:class:`.llama_vision.ImageSpan`), at negative tokens.
+    media: tuple[Any, ...] = ()
 
 
 class LlamaChat:

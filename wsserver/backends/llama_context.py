@@ -24,6 +24,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import llama_cpp
@@ -36,8 +37,10 @@ __all__ = [
     "AbortFlag",
     "Batch",
     "chain_keeps",
+    "describe_load",
     "has_history",
     "install_log_bridge",
+    "log_bridge",
     "model_params",
     "native_flag_reader",
     "new_context",
@@ -78,6 +81,13 @@ def install_log_bridge() -> None:
 
     _log_bridge = llama_cpp.llama_log_callback(on_log)  # kept alive: llama.cpp holds a raw pointer
     llama_cpp.llama_log_set(_log_bridge, ctypes.c_void_p(0))
+
+
+def log_bridge() -> Any:
+    """The native log callback :func:`install_log_bridge` installed (libmtmd
+    logs through its own setter: the same callback serves it)."""
+    install_log_bridge()
+    return _log_bridge
 
 
 def quiet_errors(flag: AbortFlag | None) -> None:
@@ -383,3 +393,21 @@ class Batch:
 
     def free(self) -> None:
         llama_cpp.llama_batch_free(self.native)
+
+
+def describe_load(backend: Any, path: Path) -> str:
+    """What a model's load makes, for its log line: ``backend`` is the
+    :class:`~.llama.LlamaBackend` (its settings), ``path`` its GGUF."""
+    prefill = (
+        f"budget {backend.prefill_budget:g}x a decode step "
+        f"(at least {backend.prefill_floor_ms:g} ms)"
+        if backend.prefill_budget > 0
+        else f"chunk {backend.prefill_chunk} tokens"
+    )
+    return (
+        f"{path} ({path.stat().st_size / 1e6:.0f} MB): {backend.parallel} sequence(s) of "
+        f"{backend.n_ctx} tokens in one context, {backend.n_threads} thread(s), batch "
+        f"{backend.n_batch} (micro-batch {backend.n_ubatch}), prefill {prefill}, flash "
+        f"attention {backend.flash_attn}, KV cache {backend.cache_type_k}/"
+        f"{backend.cache_type_v}, GPU layers {backend.n_gpu_layers}"
+    )

@@ -14,55 +14,34 @@ The engine keeps the loop — cancels, admission, the decode, the text and
 its delivery — and a part for each other concern: the sequences and their
 cells (:class:`~.llama_sequences.PromptCache`), a request's setup
 (:class:`~.llama_intake.Intake`), what a step decodes
-(:class:`~.llama_batching.Batcher`), each sequence's next token
-(:class:`~.llama_samplers.Samplers`), whether it is alive
-(:class:`~.llama_liveness.StepWatch`: ``stalled``, for ``/readyz``).
+(:class:`~.llama_batching.Batcher`), images (:class:`~.llama_vision.ImageDecoder`),
+sampling (:class:`~.llama_samplers.Samplers`), liveness (:class:`~.llama_liveness.StepWatch`).
 
 One step:
 
-1. **Cancels first.** A cancelled request leaves at once: no ``end`` (the
-   client had its ``done`` from the core), its sampler is freed and its
-   submission completed. Its sequence keeps exactly the cells that were
+1. **Cancels first.** A cancelled request leaves at once (the client had its
+   ``done`` from the core); its sequence keeps exactly the cells that were
    committed (the prompt cache: :mod:`.llama_sequences`).
 2. **Admission.** New requests are tokenized here (off the loop) and given a
    free sequence, preferably one whose cells hold the start of the prompt,
    or the lowest free one with a state kept in host memory restored into it
    (:mod:`.llama_host_cache`); only the rest is prefilled (:mod:`.llama_intake`).
 3. **One batch.** The next token of every decoding sequence whose text was
-   delivered, plus prompt tokens of prefilling sequences, within a time
-   budget while others decode, so a long prompt does not freeze them
-   (:mod:`.llama_batching`). A sequence whose last text its channel refused
-   (``Sink.offer`` → False: a slow client) sits out, holding that one token's
-   text, until ``when_room`` fires — its memory stays bounded by its channel,
-   the others keep their pace.
+   delivered, plus prompt tokens (or an image's embeddings) of prefilling
+   sequences within a time budget while others decode, so a long prompt does
+   not freeze them (:mod:`.llama_batching`). A sequence whose channel refused
+   its last text (a slow client) sits out, holding that token's text, until
+   ``when_room`` fires: its memory stays bounded, the others keep their pace.
 4. **Decode**, then sample every sequence that asked for logits with its own
    native sampler chain (and its grammar: :mod:`.llama_samplers`), and run
    the text through its :class:`~wsserver.core.textstream.TextAssembler` (UTF-8,
    stop strings); EOG, a stop string, ``max_tokens`` or the sequence's full
-   context end it.
+   context end it. Then embedding work, within the budget's room
+   (:mod:`.llama_embed`).
 
-Reasoning budget
-----------------
-A request with ``reasoning_budget`` counts its tokens inside the think block
-(:class:`~wsserver.shaping.reasoning.ReasoningBudget`; whether the prompt opened the
-block is the backend's ``opens_reasoning``). When the block holds that many
-and is still open, the sequence's next tokens are the close tag's
-(``reasoning_close``: :data:`~wsserver.shaping.reasoning.FORCED_CLOSE` tokenized),
-taken instead of sampled, one per step like any token — decoded, written to
-the text stream (so the core's reasoning split sees the close) and counted as
-completion tokens — and then the model samples its answer. A request without
-a budget pays one ``is None`` test per token.
-
-Cancel during a decode
-----------------------
-A cancel whose request has *prompt* tokens in the decode in flight raises the
-context's native abort flag: ggml stops after the graph node it is computing
-and ``llama_decode`` returns 2, having kept the micro-batches it finished. The
-engine then removes every batch sequence's cells from its pre-batch position
-on, so each is exactly where it was before the step, and the survivors simply
-run their part again next step. (A cancelled sequence with only its one
-decode token in flight is not worth aborting for: the step ends in
-milliseconds, and aborting would make the others redo it.)
+The reasoning budget (the close tag's tokens taken instead of sampled) and
+cancel during a decode (the native abort flag, the cells rolled back):
+docs/llama.md.
 """
 
 from __future__ import annotations
@@ -79,7 +58,7 @@ import llama_cpp
 from ..core.logprobs import TokenLogprob
 from ..errors import BackendError
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_batching import Batcher, prefilling
+from .llama_batching import Batcher, decoding, prefilling
 from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
@@ -88,7 +67,15 @@ from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
-from .llama_sequences import PREFIX_SIMILARITY, Job, PromptCache, RequestStats, SequenceState
+from .llama_sequences import (
+    PREFIX_SIMILARITY,
+    Job,
+    PromptCache,
+    RequestStats,
+    SequenceState,
+    engine_counters,
+)
+from .llama_vision import ImageDecoder
 
 __all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
 
@@ -123,6 +110,7 @@ class BatchEngine:
         stall_s: float = 30.0,
         prompt_cache_bytes: int = 0,
         cache_counters: CacheCounters | None = None,
+        images: ImageDecoder | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -146,23 +134,7 @@ class BatchEngine:
         self.grammars = GrammarCache(vocab)
         self.logprobs = LogprobReader(self.n_vocab, piece)
         self._cond = threading.Condition(threading.RLock())
-        self.stats: dict[str, int] = {
-            "requests": 0,
-            "aborts": 0,
-            "steps": 0,
-            "prompt_tokens_reused": 0,
-            # Of those, restored from host memory (the prompt cache beyond the slots).
-            "prompt_tokens_restored": 0,
-            "prompt_tokens_decoded": 0,
-            "max_batch_sequences": 0,
-            # Constrained sequences: sampled tokens the grammar rejected, and
-            # the tokens it was then asked about (the whole vocabulary each
-            # time without Candidates.constrain's shortcut).
-            "grammar_rejections": 0,
-            "grammar_tokens_asked": 0,
-            # Grammar work given up on past its deadline (or its cancel).
-            "grammar_abandoned": 0,
-        }
+        self.stats = engine_counters()
         #: Every sequence's sampler chain, and the grammar work around it.
         self.samplers = Samplers(
             ctx=ctx,
@@ -193,6 +165,8 @@ class BatchEngine:
             stats=self.stats,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
+        #: A vision model's image encoder and embeddings' decoder (None: text only).
+        self.images = images
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)
@@ -202,9 +176,8 @@ class BatchEngine:
         #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
         self.seconds: dict[str, float] = {"decode": 0.0, "sample": 0.0}
         self.request_stats: dict[str, RequestStats] = {}
-        #: Called on the engine thread just before a request's first prompt
-        #: tokens are decoded, with its ID and prompt length (the abort flag is
-        #: armed for it by then). For tests and metrics; quick, must not raise.
+        #: Called on the engine thread before a request's first prompt tokens are
+        #: decoded (abort flag armed), with its ID and prompt length; must not raise.
         self.on_prefill: Callable[[str, int], None] | None = None
         #: The model's embedding work, stepped after the streams' decode
         #: (:meth:`attach_embedder`; None: the model embeds nothing yet).
@@ -257,11 +230,7 @@ class BatchEngine:
             self._cond.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.error(
-                "the batched engine did not stop within %.1fs (it is %s); leaving its memory",
-                timeout or 0.0,
-                self.watch.describe(),
-            )
+            log.error("the engine did not stop (it is %s): its memory left", self.watch.describe())
             return False
         self.samplers.close()
         for job in self._jobs:
@@ -269,12 +238,8 @@ class BatchEngine:
         self.batcher.free()
         if self.cache.host is not None:
             self.cache.host.clear()
-        if self.grammar_calls_running():
-            log.error(
-                "%d grammar computation(s) given up on still run natively; leaving the "
-                "model's memory to them",
-                self.grammar_calls_running(),
-            )
+        if (running := self.grammar_calls_running()) > 0:
+            log.error("%d grammar call(s) given up on still run: the model's memory left", running)
             return False
         self.grammars.close()
         return True
@@ -282,13 +247,11 @@ class BatchEngine:
     # ------------------------------------------------------------ liveness
 
     def grammar_calls_running(self) -> int:
-        """Grammar computations given up on (their request ended) whose native
-        call still runs, each keeping a core busy."""
+        """Grammar calls given up on whose native call still runs (a core each)."""
         return self.samplers.calls_running()
 
     def step_seconds(self) -> float:
-        """How long the running step has lasted so far (0: between steps).
-        Idle, or with every sequence paused on a slow client, no step runs."""
+        """How long the running step has lasted so far (0: between steps, idle)."""
         return self.watch.seconds()
 
     def stalled(self) -> str | None:
@@ -356,25 +319,26 @@ class BatchEngine:
             self._embed_step()
 
     def _embed_step(self) -> None:
-        """The embedding work's part of the step (:mod:`.llama_embed`): while a
-        prompt is prefilled the step was its (only the embeddings' cancels are
-        taken), else whole inputs within the room the budget leaves beside the
-        decoding sequences (no bound when none decode)."""
+        """The embedding work's part of the step (:mod:`.llama_embed`): only its
+        cancels while a prompt is prefilled, else inputs within the budget's room."""
         assert self.embedder is not None
         if prefilling(self._jobs):
             self.embedder.step(None, decode=False)  # its cancels still go at once
             return
-        decoding = sum(1 for j in self._jobs if j.next_token is not None and not j.waiting_room)
+        n = decoding(self._jobs)
         self.watch.doing = ("embedding inputs", "")
-        self.embedder.step(self.batcher.budget.room(decoding) if decoding else None)
+        self.embedder.step(self.batcher.budget.room(n) if n else None)
 
     # ------------------------------------------------------------ one step
 
     def _decode_step(self, begun: float) -> None:
         batch = self.batcher.batch
+        image = self._image_part() if self.images is not None else None
+        if image is not None:  # measured apart: the budget learns decode steps, not encodes
+            begun = time.perf_counter()
         with self._cond:
             self.flag.lower()
-            step = self.batcher.plan(self._jobs)
+            step = self.batcher.plan(self._jobs, image or 0)
         plan = step.parts
         if not plan:
             return
@@ -423,6 +387,45 @@ class BatchEngine:
         self.seconds["sample"] += ended - decoded
         # The budget sizes what the decoding sequences wait for: the whole step.
         self.batcher.observe(step, ended - begun)
+
+    def _image_part(self) -> int | None:
+        """The oldest due image's part of a step (:mod:`.llama_vision`): encoded
+        once, then up to a prompt share of its embeddings decoded: how many (None: none due)."""
+        job = next((j for j in self._jobs if not j.cancelled and j.image_at()), None)
+        span = job.image_at() if job is not None else None
+        if self.images is None or job is None or job.seq is None or span is None:
+            return None
+        if job.embeddings is None:
+            self.watch.doing = (f"encoding an image ({span.n_tokens} embeddings)", job.request.id)
+            job.embeddings = self.images.encode(span)
+            if job.embeddings is None:
+                self._fail(job, "the image could not be encoded")
+                return 0
+        offset = job.fed - span.start
+        share = min(self.batcher.budget.share(decoding(self._jobs)), self.images.n_batch)
+        count = min(span.n_tokens - offset, share)
+        with self._cond:
+            if job.cancelled:
+                return 0
+            self.flag.lower()
+            job.in_flight = True
+        self.watch.doing = (f"decoding {count} image embedding(s)", job.request.id)
+        status = self.images.decode(job.embeddings, offset, count, job.seq.index, job.fed)
+        with self._cond:
+            job.in_flight, aborted = False, self.flag.raised
+            self.flag.lower()
+        if status == 0:
+            self.stats["prompt_tokens_decoded"] += job.commit(count)
+            if job.fed == span.start + span.n_tokens:
+                job.embeddings = None
+            return count
+        self.cache.rollback(job.seq)
+        if status == 2 or aborted:
+            self.stats["aborts"] += 1
+            job.stats.aborted = job.cancelled
+        else:
+            self._fail(job, "the model failed while reading an image")
+        return 0
 
     def _sample(self, job: Job, index: int) -> None:
         budget = job.budget

@@ -100,6 +100,10 @@ class Intake:
         job.seq = seq
         job.prompt = prompt
         job.fed = keep
+        # The images the backend's prepare placed (their positions are negative).
+        job.media = getattr(request.prepared, "media", ())
+        if not job.media and min(prompt) < 0:
+            raise BackendError("the prompt's images were not prepared", code="internal")
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self._n_ctx - len(prompt))
         self._samplers.attach(job, prompt, bias)

@@ -42,11 +42,13 @@ def memory_parts(
     type_v: str,
     prompt_cache_bytes: int,
     embed_batch: int = 0,
-) -> tuple[int, int, int]:
+    mmproj: str = "",
+) -> tuple[int, int, int, int]:
     """The KV cache of ``cells`` cells; the prompt cache's bound:
     ``prompt_cache_bytes``, or the KV cache's size where it is -1 (the default:
     host memory for as many tokens as the sequences hold); the embedding
-    context of ``embed_batch`` tokens (0: none; :mod:`.llama_embed`)."""
+    context of ``embed_batch`` tokens (0: none; :mod:`.llama_embed`); the
+    projector's weights (``mmproj``: its file; "": none)."""
     try:
         kv = kv_cache_bytes(path, cells=cells, type_k=type_k, type_v=type_v)
         embedding = (
@@ -54,6 +56,7 @@ def memory_parts(
             if embed_batch > 0
             else 0
         )
+        projector = Path(mmproj).stat().st_size if mmproj else 0
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {path}: {exc}") from None
-    return kv, kv if prompt_cache_bytes < 0 else prompt_cache_bytes, embedding
+    return kv, kv if prompt_cache_bytes < 0 else prompt_cache_bytes, embedding, projector

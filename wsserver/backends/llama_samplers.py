@@ -165,7 +165,8 @@ class Samplers:
             )
             history = job.sampler if job.grammar is None else job.pre
             for token in prompt[max(0, len(prompt) - window) :]:
-                llama_cpp.llama_sampler_accept(history, token)
+                if token >= 0:  # an image's positions are not tokens (llama_vision)
+                    llama_cpp.llama_sampler_accept(history, token)
 
     @staticmethod
     def free(job: Job) -> None:

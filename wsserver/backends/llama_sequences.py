@@ -31,7 +31,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
@@ -42,6 +42,9 @@ from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_host_cache import HostCache, common_prefix
 
+if TYPE_CHECKING:
+    from .llama_vision import ImageSpan
+
 __all__ = [
     "PREFIX_SIMILARITY",
     "RESTORE_MIN_GAIN",
@@ -50,6 +53,7 @@ __all__ = [
     "RequestStats",
     "SequenceState",
     "common_prefix",
+    "engine_counters",
 ]
 
 log = logging.getLogger("wsserver.llama")
@@ -134,6 +138,25 @@ class Job:
     #: the close tag's tokens still to write instead of sampling once it is spent.
     budget: ReasoningBudget | None = None
     forced: deque[int] = field(default_factory=deque)
+    #: The prompt's images, in order (:mod:`.llama_vision`), and the
+    #: embeddings of the one being decoded (encoded once, decoded over steps).
+    media: tuple[ImageSpan, ...] = ()
+    embeddings: Any = None
+
+    def text_end(self) -> int:
+        """Where the prompt's text from ``fed`` on stops: the next image's
+        first position (``fed`` itself inside an image), or the prompt's end."""
+        for span in self.media:
+            if span.start + span.n_tokens > self.fed:
+                return max(span.start, self.fed)
+        return len(self.prompt)
+
+    def image_at(self) -> ImageSpan | None:
+        """The image holding the next prompt position, if one does."""
+        for span in self.media:
+            if span.start <= self.fed < span.start + span.n_tokens:
+                return span
+        return None
 
     def needs_step(self) -> bool:
         """Whether the engine has work for this job: to let it go (cancelled),
@@ -311,3 +334,24 @@ class PromptCache:
         if common_prefix(best.tokens, prompt) / len(prompt) > PREFIX_SIMILARITY:
             return best
         return free[0]
+
+
+def engine_counters() -> dict[str, int]:
+    """The engine's counters (``BatchEngine.stats``: tests, the bench, metrics), at 0."""
+    return {
+        "requests": 0,
+        "aborts": 0,
+        "steps": 0,
+        "prompt_tokens_reused": 0,
+        # Of those, restored from host memory (the prompt cache beyond the slots).
+        "prompt_tokens_restored": 0,
+        "prompt_tokens_decoded": 0,
+        "max_batch_sequences": 0,
+        # Constrained sequences: sampled tokens the grammar rejected, and
+        # the tokens it was then asked about (the whole vocabulary each
+        # time without Candidates.constrain's shortcut).
+        "grammar_rejections": 0,
+        "grammar_tokens_asked": 0,
+        # Grammar work given up on past its deadline (or its cancel).
+        "grammar_abandoned": 0,
+    }

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from ..core.protocol import Generate, Message
 from ..core.sampling import SAMPLING_FIELDS, Sampling
+from ..errors import ProtocolError
 
-__all__ = ["GenerationRequest"]
+__all__ = ["GenerationRequest", "check_images"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +80,19 @@ class GenerationRequest:
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
             model=frame.model,
         )
+
+
+def check_images(frame: Generate, modalities: tuple[str, ...] | None, model: str) -> None:
+    """Refuse a request with images to a model that takes none, naming the first."""
+    if frame.messages is None or "image" in (modalities or ()):
+        return
+    before = 0
+    for message in frame.messages:
+        if message.images:
+            raise ProtocolError(
+                "bad_request",
+                f"image {before}: model {model} takes no images (it is served without a "
+                "vision projector: docs/images.md)",
+                frame.id,
+            )
+        before += len(message.images)

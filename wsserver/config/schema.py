@@ -182,13 +182,13 @@ class LlamaModelConfig:
 
     def settings(self, base: LlamaConfig) -> LlamaConfig:
         """``base`` with this model's file and overrides (not the default's aliases)."""
-        return dataclasses.replace(
-            base, model=self.model, models=(), aliases=[], **dict(self.overrides)
-        )
+        own: dict[str, Any] = {"mmproj": "", **dict(self.overrides)}
+        return dataclasses.replace(base, model=self.model, models=(), aliases=[], **own)
 
 
 #: The ``[backend.llama]`` settings a ``[[backend.llama.models]]`` table may override.
 MODEL_OVERRIDES = (
+    "mmproj",
     "n_ctx",
     "n_threads",
     "n_batch",
@@ -235,6 +235,9 @@ class TemplateConfig:
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
     model: str = _key("")
+    #: The model's vision projector GGUF ("" = none: text only; docs/images.md).
+    #: Not inherited by ``[[backend.llama.models]]``: each model names its own.
+    mmproj: str = _key("")
     #: More names requests may give for the default model (clients that
     #: hard-code one, e.g. "gpt-4o"); each model's table has its own.
     aliases: list[str] = _key([])  # noqa: RUF009 - a default_factory

@@ -20,6 +20,7 @@ them once, where it needs them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ class Message:
     name: str | None = None
     #: An assistant's reasoning (its think block), None when it has none.
     reasoning: str | None = None
+    #: The images of a user message, encoded (PNG, JPEG, GIF, BMP: checked,
+    #: :mod:`.images`), each at an :data:`~.images.IMAGE_MARKER` in ``content``.
+    images: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
 
     def to_openai(self) -> dict[str, Any]:
         """The message in OpenAI's shape (what templates and upstreams read):

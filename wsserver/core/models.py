@@ -48,6 +48,10 @@ class ModelInfo:
     #: ``/v1/embeddings``), ``rerank`` (a reranker, ``/v1/rerank``) or
     #: ``none``; ``None``: not known yet (not loaded). Written when known.
     embeddings: str | None = None
+    #: What it takes in: ``"text"``, and ``"image"`` / ``"audio"`` for a
+    #: model whose projector encodes them. ``None``: not known (not loaded
+    #: yet, or an engine that does not say). Written when known.
+    input_modalities: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

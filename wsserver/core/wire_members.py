@@ -281,18 +281,20 @@ class ModelList(Optional):
 
 def _read_model(obj: dict[str, Any], names: tuple[str, ...]) -> ModelInfo:
     known: dict[str, Any] = {k: v for k, v in obj.items() if k in names}
-    if "aliases" in known:
-        known["aliases"] = tuple(known["aliases"])
+    for name in ("aliases", "input_modalities"):
+        if known.get(name) is not None:
+            known[name] = tuple(known[name])
     return ModelInfo(**known)
 
 
 def _model_object(model: ModelInfo) -> dict[str, Any]:
     out = {f.name: getattr(model, f.name) for f in fields(ModelInfo)}
     out["aliases"] = list(model.aliases)
-    if model.chat_template is None:
-        del out["chat_template"]  # not known: not said
-    if model.embeddings is None:
-        del out["embeddings"]
+    for name in ("chat_template", "embeddings", "input_modalities"):
+        if out[name] is None:
+            del out[name]  # not known: not said
+    if model.input_modalities is not None:
+        out["input_modalities"] = list(model.input_modalities)
     return out
 
 

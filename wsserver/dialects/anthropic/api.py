@@ -26,12 +26,14 @@ the other HTTP dialects; :func:`error_body` writes it in Anthropic's shape,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
 
+from ...core.images import carry_images
 from ...core.protocol import Generate, Limits, Message, parse_client_frame
 from ...errors import ProtocolError
 from ..api_errors import ERROR_TYPES, ApiError, Fields, in_dialect_names
@@ -290,9 +292,11 @@ def to_generate(request: MessagesRequest, request_id: str, limits: Limits) -> Ge
     frame.update((name, value) for name, value in optional.items() if value is not None)
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+        assert isinstance(generate, Generate)
+        fail = functools.partial(ProtocolError, "bad_request")
+        generate = carry_images(generate, request.messages, 1 if request.system else 0, fail)
     except ProtocolError as exc:
         raise _renamed(ApiError.from_protocol(exc)) from None
-    assert isinstance(generate, Generate)
     return generate
 
 

@@ -22,7 +22,11 @@ other and checks every block, naming it Anthropic's way
   context and leaves earlier turns' out; earlier turns' are accepted and
   dropped. ``redacted_thinking`` (encrypted, unreadable here) is always
   dropped; nothing checks a ``signature``;
-* anything else (images, documents, server tools' blocks) is refused.
+* ``image`` (user) — an image, its ``source`` ``base64`` (``url`` sources
+  are refused: this server does not fetch), checked from its header
+  (:mod:`wsserver.core.images`: refusals name the image's index in the
+  request), in the text at its place;
+* anything else (documents, server tools' blocks) is refused.
 
 ``tools`` become the core's function tools (``input_schema`` as
 ``parameters``, checked to describe an object); ``tool_choice`` becomes the
@@ -46,6 +50,8 @@ from typing import Any, Final
 import orjson
 
 from ...core.chat_input import MAX_TOOLS, Message, ToolCall
+from ...core.images import IMAGE_MARKER, ImageBudget
+from ...errors import ProtocolError
 from ..api_errors import ApiError
 
 __all__ = [
@@ -94,13 +100,18 @@ class _Turn:
     calls: list[ToolCall] = field(default_factory=list)
     results: list[Message] = field(default_factory=list)
     thinking: list[str] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
 
     def messages(self, *, keep_thinking: bool) -> list[Message]:
         text = "\n\n".join(self.texts)
         if self.role == "assistant":
             reasoning = "\n\n".join(self.thinking) if keep_thinking else ""
             return [Message("assistant", text, tuple(self.calls), reasoning=reasoning or None)]
-        tail = [Message("user", text)] if self.texts or not self.results else []
+        tail = (
+            [Message("user", text, images=tuple(self.images))]
+            if self.texts or not self.results
+            else []
+        )
         return [*self.results, *tail]
 
 
@@ -109,6 +120,7 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
         raise bad_request("messages: must be a non-empty list", "messages")
     turns: list[_Turn] = []
+    images = ImageBudget(lambda message: ProtocolError("bad_request", message))
     for index, item in enumerate(value):
         where = f"messages.{index}"
         if not isinstance(item, dict) or not {"role", "content"} <= set(item) or len(item) > 2:
@@ -124,7 +136,7 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
             turn.texts.append(content)
         elif isinstance(content, list):
             calls = turns[-2].calls if len(turns) > 1 else []
-            _blocks(content, f"{where}.content", turn, {call.id for call in calls})
+            _blocks(content, f"{where}.content", turn, {call.id for call in calls}, images)
         else:
             raise bad_request(f"{where}.content: must be a string or a list of blocks", "messages")
     if turns[-1].role == "assistant":
@@ -145,7 +157,9 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
     )
 
 
-def _blocks(blocks: list[Any], where: str, turn: _Turn, answerable: set[str]) -> None:
+def _blocks(
+    blocks: list[Any], where: str, turn: _Turn, answerable: set[str], images: ImageBudget
+) -> None:
     texts = []
     for index, block in enumerate(blocks):
         at = f"{where}.{index}"
@@ -158,6 +172,9 @@ def _blocks(blocks: list[Any], where: str, turn: _Turn, answerable: set[str]) ->
             turn.calls.append(_tool_use(block, at))
         elif kind == "tool_result" and turn.role == "user":
             turn.results.append(_tool_result(block, at, answerable))
+        elif kind == "image" and turn.role == "user":
+            turn.images.append(_image(block, at, images))
+            texts.append(IMAGE_MARKER)
         elif kind in ("thinking", "redacted_thinking") and turn.role == "assistant":
             thinking = _thinking_block(block, at)
             if thinking:
@@ -174,12 +191,29 @@ def _blocks(blocks: list[Any], where: str, turn: _Turn, answerable: set[str]) ->
 
 
 def _unsupported_block(kind: Any, at: str, param: str) -> ApiError:
-    what = "images" if kind == "image" else f"blocks of type {str(kind)[:40]!r}"
+    what = "images here" if kind == "image" else f"blocks of type {str(kind)[:40]!r}"
     return bad_request(
         f"{at}.type: {what} are not supported (text, tool_use, tool_result and thinking"
-        " are: this server is text-only)",
+        " are, and a user's image blocks)",
         param,
     )
+
+
+def _image(block: dict[str, Any], at: str, images: ImageBudget) -> bytes:
+    """An ``image`` block's bytes: a ``base64`` source only (no fetching)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    try:
+        if kind == "url" and isinstance(source, dict):
+            return images.from_url(source.get("url"), f"{at}.source")
+        if kind != "base64" or not isinstance(source, dict):
+            raise images.fail(
+                f"image {images.count} ({at}.source): give a base64 source "
+                "({'type': 'base64', 'media_type': 'image/png', 'data': ...})"
+            )
+        return images.from_base64(source.get("data"), f"{at}.source")
+    except ProtocolError as exc:
+        raise bad_request(exc.message, "messages") from None
 
 
 def _text(block: dict[str, Any], at: str, param: str) -> str:

@@ -8,13 +8,17 @@ same limits as every other, its fields named Ollama's way in the errors
 
 **Honour or refuse, never ignore.** Every top-level field is honoured, or
 accepted only with a value that asks for nothing, or refused naming it
-(:data:`CHAT_FIELDS`, :data:`GENERATE_FIELDS`): ``images`` (not yet: images
-are another issue), ``suffix`` (no fill-in-the-middle), ``template`` (a
+(:data:`CHAT_FIELDS`, :data:`GENERATE_FIELDS`): ``suffix`` (no fill-in-the-middle), ``template`` (a
 model's chat template is its own), the deprecated ``context``, ``truncate``
 and ``shift`` ``true`` (nothing here drops a conversation's start; a prompt
 beyond the context is refused), image generation's ``width``, ``height``,
 ``steps``. ``options``, ``format``, ``think`` and ``keep_alive`` are
 :mod:`wsserver.dialects.ollama.options`'. Any other field is unknown, and refused.
+
+**Images.** A user message's ``images`` (``/api/generate``'s, with a
+``prompt`` that is not ``raw``), base64, are checked from their headers
+(:mod:`wsserver.core.images`: refusals name the image's index in the
+request) and go before the message's text, in order.
 
 **Messages.** Roles ``system``, ``user``, ``assistant`` and ``tool``; an
 assistant's ``thinking`` is its reasoning, its ``tool_calls``
@@ -35,12 +39,14 @@ the :class:`~wsserver.dialects.api_errors.ApiError`'s status.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import orjson
 
+from ...core.images import IMAGE_MARKER, ImageBudget, with_images
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...errors import ProtocolError
 from ..api_errors import ApiError, in_dialect_names
@@ -107,7 +113,6 @@ GENERATE_FIELDS: Final = frozenset(
 )
 #: Fields refused with a reason whatever their value (when given a non-empty one).
 _REFUSED: Final = {
-    "images": "images are not supported yet (the engines here are text-only)",
     "suffix": "suffix (fill-in-the-middle) is not supported",
     "template": "a custom template is not supported: a model answers with its own chat template",
     "context": (
@@ -176,15 +181,16 @@ def parse_chat(obj: Mapping[str, Any], request_id: str, limits: Limits) -> Ollam
     """An ``/api/chat`` body."""
     given = _given(obj, CHAT_FIELDS)
     frame: dict[str, Any] = {}
+    images = _Images()
     if given.get("messages"):
-        frame["messages"] = _messages(given["messages"], limits)
+        frame["messages"] = _messages(given["messages"], limits, images)
     if "tools" in given:
         if not isinstance(given["tools"], list):
             raise bad_request("tools: must be a list of function tools")
         if given["tools"]:  # [] is no tools (clients send it)
             frame["tools"] = [_tool(tool) for tool in given["tools"]]
     frame.update(parse_think(given.get("think")))
-    return _request("chat", given, frame, request_id, limits)
+    return _request("chat", given, frame, request_id, limits, images)
 
 
 def parse_generate(obj: Mapping[str, Any], request_id: str, limits: Limits) -> OllamaRequest:
@@ -200,7 +206,10 @@ def parse_generate(obj: Mapping[str, Any], request_id: str, limits: Limits) -> O
         if not isinstance(value, str):
             raise bad_request(f"{name}: must be a string")
     frame: dict[str, Any] = {}
+    images = _Images()
     if raw:
+        if given.get("images"):
+            raise bad_request("images: not with raw (a raw prompt is sent as it is)")
         if system:
             raise bad_request("system: not with raw (a raw prompt is sent as it is)")
         if "think" in given:
@@ -210,9 +219,12 @@ def parse_generate(obj: Mapping[str, Any], request_id: str, limits: Limits) -> O
     else:
         if prompt:
             messages = [{"role": "system", "content": system}] if system else []
-            frame["messages"] = [*messages, {"role": "user", "content": prompt}]
+            content = images.take(given.get("images"), len(messages), "images") + prompt
+            frame["messages"] = [*messages, {"role": "user", "content": content}]
+        elif given.get("images"):
+            raise bad_request("images: give a prompt with them")
         frame.update(parse_think(given.get("think")))
-    return _request("generate", given, frame, request_id, limits)
+    return _request("generate", given, frame, request_id, limits, images)
 
 
 def _given(obj: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
@@ -236,8 +248,35 @@ def _given(obj: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
     return given
 
 
+class _Images:
+    """A request's images as its messages are read: checked, by message index."""
+
+    def __init__(self) -> None:
+        self.budget = ImageBudget(lambda message: ProtocolError("bad_request", message))
+        self.by_message: dict[int, list[bytes]] = {}
+
+    def take(self, value: Any, index: int, where: str) -> str:
+        """A message's ``images`` (base64 strings) kept; their markers."""
+        if not value:
+            return ""
+        if not isinstance(value, list):
+            raise bad_request(f"{where}: must be a list of base64 images")
+        kept = self.by_message.setdefault(index, [])
+        for item in value:
+            try:
+                kept.append(self.budget.from_base64(item, where))
+            except ProtocolError as exc:
+                raise bad_request(exc.message) from None
+        return IMAGE_MARKER * len(value)
+
+
 def _request(
-    kind: Kind, given: dict[str, Any], frame: dict[str, Any], request_id: str, limits: Limits
+    kind: Kind,
+    given: dict[str, Any],
+    frame: dict[str, Any],
+    request_id: str,
+    limits: Limits,
+    images: _Images,
 ) -> OllamaRequest:
     model = given.get("model")
     if not isinstance(model, str) or not model:
@@ -265,11 +304,14 @@ def _request(
         frame["keep_alive"] = keep_alive
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+        assert isinstance(generate, Generate)
+        if images.by_message and generate.messages is not None:
+            messages = with_images(generate.messages, images.by_message, images.budget.fail)
+            generate = dataclasses.replace(generate, messages=messages)
     except ProtocolError as exc:
         error = ApiError.from_protocol(exc)
         error.message = refusal_wording(error.message)
         raise error from None
-    assert isinstance(generate, Generate)
     return OllamaRequest(
         kind, model, generate, stream, keep_alive, num_ctx, logprobs=logprobs is True
     )
@@ -282,7 +324,7 @@ def _tool(tool: Any) -> Any:
     return tool
 
 
-def _messages(value: Any, limits: Limits) -> list[dict[str, Any]]:
+def _messages(value: Any, limits: Limits, images: _Images) -> list[dict[str, Any]]:
     """``messages`` as the frame's (OpenAI's chat shape); see the module docstring."""
     if not isinstance(value, list):
         raise bad_request("messages: must be a list")
@@ -298,11 +340,6 @@ def _messages(value: Any, limits: Limits) -> list[dict[str, Any]]:
         for key in message:
             if key not in _MESSAGE_KEYS:
                 raise bad_request(f"{where}.{str(key)[:64]}: unknown field")
-        if message.get("images"):
-            raise bad_request(
-                f"{where}.images: images are not supported yet (the engines here are text-only)",
-                "unsupported_option",
-            )
         role = message.get("role")
         if role not in _ROLES:
             raise bad_request(f"{where}.role: must be one of {', '.join(_ROLES)}")
@@ -311,6 +348,7 @@ def _messages(value: Any, limits: Limits) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"{where}.content: must be a string")
+        content = images.take(message.get("images"), index, f"{where}.images") + content
         entry: dict[str, Any] = {"role": role, "content": content}
         thinking = message.get("thinking")
         if thinking:

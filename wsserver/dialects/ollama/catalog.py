@@ -22,8 +22,9 @@ Ollama's shapes:
   model's engine says; before its load, a GGUF that declares a pooling
   other than rank); ``tools`` when the engine takes tools; ``thinking``
   when the model's chat template has a think block (``<think>``,
-  ``enable_thinking`` or ``reasoning_content`` in it). No ``vision`` nor
-  ``insert``: not supported here yet.
+  ``enable_thinking`` or ``reasoning_content`` in it); ``vision`` when the
+  loaded model's projector encodes images (said once it is loaded:
+  docs/images.md). No ``insert``: not supported here yet.
 
 An engine without a file (the fake, an upstream) has empty details and no
 size.
@@ -239,9 +240,15 @@ def digest_of(path: str, size: int, mtime_ns: int) -> str:
 
 
 def capabilities(
-    *, tools: bool, template: str, embedding: bool = False, encoder: bool = False
+    *,
+    tools: bool,
+    template: str,
+    embedding: bool = False,
+    encoder: bool = False,
+    modalities: tuple[str, ...] = (),
 ) -> tuple[str, ...]:
-    """What a model can be asked for here (see the module docstring)."""
+    """What a model can be asked for here (see the module docstring);
+    ``modalities``: what the loaded model takes in (``"image"``: vision)."""
     if encoder:  # an embedding (or rerank) GGUF: it writes no text
         return ("embedding",) if embedding else ()
     found = ["completion"]
@@ -251,6 +258,9 @@ def capabilities(
         found.append("tools")
     if any(marker in template for marker in ("<think>", "enable_thinking", "reasoning_content")):
         found.append("thinking")
+    found += [
+        name for kind, name in (("image", "vision"), ("audio", "audio")) if kind in modalities
+    ]
     return tuple(found)
 
 

@@ -26,13 +26,15 @@ wire code a WebSocket client would get for the same fault.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Final, Literal
 
 import orjson
 
+from ...core.images import IMAGE_MARKER, ImageBudget, with_images
 from ...core.models import ModelInfo
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...core.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
@@ -73,6 +75,11 @@ def model_entry(model: ModelInfo) -> dict[str, Any]:
         "max_waiting": model.max_waiting,
         "aliases": list(model.aliases),
         **({"embeddings": model.embeddings} if model.embeddings is not None else {}),
+        **(
+            {"input_modalities": list(model.input_modalities)}
+            if model.input_modalities is not None
+            else {}
+        ),
     }
 
 
@@ -149,10 +156,11 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
     frame: dict[str, Any] = {"type": "generate", "id": request_id}
+    images = _Images(ImageBudget(lambda message: ProtocolError("bad_request", message)))
     if kind == "chat":
         if "messages" not in given:
             raise _bad("'messages' is required", "messages")
-        frame["messages"] = _messages(given["messages"])
+        frame["messages"] = _messages(given["messages"], images)
     else:
         if "prompt" not in given:
             raise _bad("'prompt' is required", "prompt")
@@ -193,9 +201,12 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
             frame["json_schema"] = schema
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+        assert isinstance(generate, Generate)
+        if images.by_message and generate.messages is not None:
+            messages = with_images(generate.messages, images.by_message, images.budget.fail)
+            generate = dataclasses.replace(generate, messages=messages)
     except ProtocolError as exc:
         raise ApiError.from_protocol(exc) from None
-    assert isinstance(generate, Generate)
     return ApiRequest(kind, generate, stream, include_usage, model)
 
 
@@ -267,7 +278,27 @@ def _prompt(value: Any) -> Any:
     return value
 
 
-def _messages(value: Any) -> Any:
+@dataclass
+class _Images:
+    """A request's images as its messages are read: checked, by message index."""
+
+    budget: ImageBudget
+    by_message: dict[int, list[bytes]] = field(default_factory=dict)
+
+    def part(self, part: dict[str, Any], index: int) -> str:
+        """An ``image_url`` part: its image kept, its marker for the text."""
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        where = f"messages[{index}].content"
+        try:
+            data = self.budget.from_url(url, where)
+        except ProtocolError as exc:
+            raise _bad(exc.message, "messages") from None
+        self.by_message.setdefault(index, []).append(data)
+        return IMAGE_MARKER
+
+
+def _messages(value: Any, images: _Images) -> Any:
     if not isinstance(value, list):
         return value  # the protocol's parser says what is wrong
     out = []
@@ -308,21 +339,28 @@ def _messages(value: Any) -> Any:
             entry["reasoning"] = next(iter(given.values()))
         content = message.get("content")
         if content is not None or "tool_calls" not in entry:
-            entry["content"] = _content(content, index)
+            entry["content"] = _content(content, index, images)
         out.append(entry)
     return out
 
 
-def _content(value: Any, index: int) -> Any:
-    """A message's text: a string, or the text parts of a list joined."""
+def _content(value: Any, index: int, images: _Images) -> Any:
+    """A message's text: a string, or the text parts of a list joined (an
+    image part, its image kept aside, as the marker of its place)."""
     if value is None:
         return ""  # an assistant message may have no content
     if not isinstance(value, list):
         return value
     texts = []
     for part in value:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            texts.append(images.part(part, index))
+            continue
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise _bad(f"messages[{index}].content: only text parts are supported", "messages")
+            raise _bad(
+                f"messages[{index}].content: only text and image_url parts are supported",
+                "messages",
+            )
         text = part.get("text")
         if not isinstance(text, str):
             raise _bad(f"messages[{index}].content: a text part needs a string 'text'", "messages")

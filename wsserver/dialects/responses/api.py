@@ -19,6 +19,9 @@ The events and response objects are :mod:`wsserver.dialects.responses.render`'s.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from typing import Any, Final
 
 import orjson
 
+from ...core.images import ImageBudget, with_images
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...errors import ProtocolError
 
@@ -306,6 +310,8 @@ def to_generate(
     check_outputs(messages)
     # No reasoning_format: the server's default splits a think block into a
     # reasoning item (``auto``) or leaves it in the text (``none``).
+    images = _images(messages)
+    messages = [{k: v for k, v in m.items() if k != "images"} for m in messages]
     frame: dict[str, Any] = {"type": "generate", "id": request_id, "messages": messages}
     if request.tools:
         frame["tools"] = chat_tools(request.tools)
@@ -320,6 +326,12 @@ def to_generate(
     frame.update((name, value) for name, value in optional.items() if value is not None)
     try:
         generate = parse_client_frame(orjson.dumps(frame).decode(), limits)
+        assert isinstance(generate, Generate)
+        if images and generate.messages is not None:
+            fail = functools.partial(ProtocolError, "bad_request")
+            generate = dataclasses.replace(
+                generate, messages=with_images(generate.messages, images, fail)
+            )
     except ProtocolError as exc:
         # The protocol names its own fields; say the Responses API's names.
         error = ApiError.from_protocol(exc)
@@ -338,6 +350,22 @@ def to_generate(
         raise error from None
     assert isinstance(generate, Generate)
     return generate
+
+
+def _images(messages: Sequence[Message]) -> dict[int, list[bytes]]:
+    """The images, by message index, decoded: they travel beside the frame
+    (which is JSON); the earlier turns' and this input's held together to
+    one request's bounds (:class:`~wsserver.core.images.ImageBudget`)."""
+    budget = ImageBudget(functools.partial(ProtocolError, "bad_request"))
+    found: dict[int, list[bytes]] = {}
+    try:
+        for index, message in enumerate(messages):
+            for image in message.get("images", ()):
+                where = f"the conversation's messages[{index}]"
+                found.setdefault(index, []).append(budget.take(base64.b64decode(image), where))
+    except ProtocolError as exc:
+        raise bad_request(exc.message, "input") from None
+    return found
 
 
 def refusal_wording(message: str) -> str:

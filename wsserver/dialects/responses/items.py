@@ -1,7 +1,11 @@
 """The Responses API's input items and function tools, as the core takes them (sans-I/O).
 
-**Items in.** Messages with ``input_text`` (or, for the assistant,
-``output_text``) parts; ``function_call`` items (a call the model made: the
+**Items in.** Messages with ``input_text`` and ``input_image`` parts (or,
+for the assistant, ``output_text``) — an image given as a ``data:`` URL in
+``image_url`` (no ``file_id``, no fetching), checked from its header
+(:mod:`wsserver.core.images`), kept in its message as base64 under
+``images`` (a stored conversation's size counts it) and its place in the
+text marked; ``function_call`` items (a call the model made: the
 assistant message's ``tool_calls``, consecutive calls joined into one
 message) and ``function_call_output`` items (its result: a ``tool`` message
 naming the ``call_id``); a ``reasoning`` item's text (its ``content``
@@ -23,10 +27,13 @@ nothing enforces yet) are refused by name.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, Final
 
+from ...core.images import IMAGE_MARKER, ImageBudget
+from ...errors import ProtocolError
 from ..api_errors import ApiError
 
 __all__ = [
@@ -66,13 +73,14 @@ def parse_input(value: Any) -> tuple[Message, ...]:
     messages: list[dict[str, Any]] = []
     #: Reasoning items' texts not yet attached to an assistant message.
     reasoning: list[str] = []
+    images = ImageBudget(lambda message: ProtocolError("bad_request", message))
     for index, item in enumerate(value):
         where = f"input[{index}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object", "input")
         kind = item.get("type", "message")
         if kind == "message":
-            message = _message(item, where)
+            message = _message(item, where, images)
             if message["role"] == "assistant":
                 _attach(message, reasoning)
             reasoning.clear()
@@ -152,7 +160,7 @@ def _attach(message: dict[str, Any], reasoning: list[str]) -> None:
         message["reasoning"] = "\n\n".join([*texts, *reasoning])
 
 
-def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _message(item: Mapping[str, Any], where: str, images: ImageBudget) -> dict[str, Any]:
     _only(item, where, _MESSAGE_KEYS)
     role = item.get("role")
     mapped = _ROLES.get(role) if isinstance(role, str) else None
@@ -160,7 +168,19 @@ def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise bad_request(
             f"{where}.role must be one of user, system, developer, assistant", "input"
         )
-    return {"role": mapped, "content": _content(item.get("content"), where, mapped)}
+    kept: list[str] = []
+    message: dict[str, Any] = {
+        "role": mapped,
+        "content": _content(item.get("content"), where, mapped, kept),
+    }
+    if kept:
+        message["images"] = kept
+    for image in kept:  # checked here, in order: a refusal names the image's index
+        try:
+            images.take(base64.b64decode(image), f"{where}.content")
+        except ProtocolError as exc:
+            raise bad_request(exc.message, "input") from None
+    return message
 
 
 def _text_field(item: Mapping[str, Any], where: str, name: str) -> str:
@@ -186,7 +206,7 @@ def _function_output(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     _only(item, where, _OUTPUT_KEYS)
     output = item.get("output")
     if isinstance(output, list):
-        output = _content(output, f"{where}.output", "user")
+        output = _content(output, f"{where}.output", "tool", [])
     elif not isinstance(output, str):
         raise bad_request(
             f"{where}.output must be a string or a list of 'input_text' parts", "input"
@@ -228,16 +248,20 @@ def parse_function_tools(value: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
-def _content(value: Any, where: str, role: str) -> str:
+def _content(value: Any, where: str, role: str, images: list[str]) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise bad_request(f"{where}.content must be a string or a list of parts", "input")
-    allowed = ("output_text",) if role == "assistant" else ("input_text",)
+    allowed = ("output_text",) if role == "assistant" else ("input_text", "input_image")
     texts = []
     for index, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in allowed:
+        if kind == "input_image" and role == "user" and isinstance(part, dict):
+            images.append(_image_url(part.get("image_url"), f"{where}.content[{index}]"))
+            texts.append(IMAGE_MARKER)
+            continue
+        if kind not in allowed or kind == "input_image":
             raise bad_request(
                 f"{where}.content[{index}]: parts of type {kind!r} are not supported"
                 f" (only {allowed[0]!r} for the {role})",
@@ -248,6 +272,29 @@ def _content(value: Any, where: str, role: str) -> str:
             raise bad_request(f"{where}.content[{index}] needs a string 'text'", "input")
         texts.append(text)
     return "".join(texts)
+
+
+def _image_url(url: Any, where: str) -> str:
+    """An ``input_image``'s base64 (checked with its message, in order)."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        said = "http(s) image URLs are not fetched by this server (a server-side request "
+        raise bad_request(
+            f"{where}.image_url: "
+            + (
+                said + "forgery risk); send a data: URL"
+                if isinstance(url, str) and url.startswith(("http://", "https://"))
+                else "give a data: URL (data:image/png;base64,...); file_id is not supported"
+            ),
+            "input",
+        )
+    head, _, payload = url.partition(",")
+    if not head.endswith(";base64"):
+        raise bad_request(f"{where}.image_url: expected data:image/...;base64,...", "input")
+    try:
+        base64.b64decode(payload, validate=True)
+    except ValueError:
+        raise bad_request(f"{where}.image_url: not valid base64", "input") from None
+    return payload
 
 
 def check_outputs(messages: Sequence[Message]) -> None:

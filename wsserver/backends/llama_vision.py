@@ -1,0 +1,254 @@
+"""A model's vision projector, through llama.cpp's libmtmd (``llama_cpp.mtmd_cpp``).
+
+Loading: the projector GGUF is checked from its header first
+(:mod:`.mmproj_check`: libmtmd dereferences missing tensors inside
+``mtmd_init_from_file``'s warm-up encode, which kills the process), then
+libmtmd loads it against the text model (it refuses a projector whose output
+width is not the model's). A refusal from either is the model's
+``model_load_failed``, naming the projector and what is wrong.
+
+A prompt with images (:meth:`Vision.tokenize`, on a worker thread): each
+image is decoded from its bytes (``mtmd_helper_bitmap_init_from_buf``:
+stb_image), then ``mtmd_tokenize`` splits the rendered prompt at its
+markers into text chunks (their tokens, as the engine's) and image chunks
+(preprocessed pixels). An image's chunk stands in the prompt as
+``n_tokens`` positions holding one *negative* number, unique to that image
+and request: no vocabulary token, so the prompt cache never takes another
+request's cells for them (a cache keyed by the image's content is not built
+yet), the samplers' history skips them, and the batcher never puts them in a
+token batch (:meth:`.Job.text_end`).
+
+In the engine (:class:`ImageDecoder`, on its thread): when a sequence's
+prompt reaches an image, that step first encodes the image
+(``mtmd_encode_chunk``: the projector's graph, one native call no cancel
+reaches) and then decodes its embeddings into the sequence's positions with
+``llama_decode`` on an embeddings batch, under the context's abort flag like
+any prompt chunk — so the finest cancel point during an image is the end of
+its encode, and inside the embeddings' decode ggml's graph node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from llama_cpp import mtmd_cpp as mtmd
+
+from ..errors import BackendError, ModelLoadError
+from .llama_context import log_bridge
+from .mmproj_check import Projector, ProjectorError, check_projector
+
+__all__ = ["ImageChunk", "ImageDecoder", "ImageSpan", "Vision", "load_vision"]
+
+#: Each image's positions hold the next of these (negated): unique per image.
+_IMAGE_IDS = itertools.count(1)
+
+
+class ImageChunk:
+    """An image's chunk from ``mtmd_tokenize`` (its preprocessed pixels),
+    owned: freed when the last request holding it lets it go."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: Any) -> None:
+        self.ptr = ptr
+
+    def __del__(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            mtmd.mtmd_input_chunk_free(ptr)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """An image in a prompt: its first position and how many it takes."""
+
+    start: int
+    n_tokens: int
+    chunk: ImageChunk
+
+
+log = logging.getLogger("wsserver.llama.vision")
+
+
+class Vision:
+    """A loaded projector: libmtmd's context for one text model."""
+
+    def __init__(self, ctx: Any, projector: Projector, path: Path) -> None:
+        self.ctx = ctx
+        self.projector = projector
+        self.path = path
+        #: libmtmd's context is not thread-safe: tokenizing (a worker thread)
+        #: and encoding (the engine) take turns.
+        self.lock = threading.Lock()
+        self._decoder: ImageDecoder | None = None
+
+    def decoder(self, ctx: Any, n_batch: int) -> ImageDecoder:
+        """The engine's decoder of this projector's images into ``ctx`` (freed with it)."""
+        self._decoder = ImageDecoder(self, ctx, n_batch)
+        return self._decoder
+
+    def tokenize(
+        self, text: str, images: Sequence[bytes], *, add_special: bool
+    ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """``text``'s tokens with ``images`` at its markers (see the module
+        docstring). ``BackendError`` (``bad_request``) names an image that
+        does not decode, or a prompt whose markers do not match its images."""
+        bitmaps: list[Any] = []
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            for index, data in enumerate(images):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+                if not bitmap:
+                    raise BackendError(
+                        f"image {index}: its pixels could not be decoded", code="bad_request"
+                    )
+                bitmaps.append(bitmap)
+            given = mtmd.mtmd_input_text()
+            encoded = text.encode("utf-8")
+            given.text, given.text_len = encoded, len(encoded)
+            given.add_special, given.parse_special = add_special, True
+            array = (mtmd.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
+            with self.lock:
+                status = mtmd.mtmd_tokenize(
+                    self.ctx, chunks, ctypes.byref(given), array, len(bitmaps)
+                )
+            if status != 0:
+                raise BackendError(
+                    f"the prompt's {len(images)} image(s) could not be placed (libmtmd: "
+                    f"{status}; did the chat template drop a message with an image?)",
+                    code="bad_request",
+                )
+            return _flatten(chunks)
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What the model takes in: text, and what the projector encodes."""
+        kinds = ["text"]
+        if mtmd.mtmd_support_vision(self.ctx):
+            kinds.append("image")
+        if mtmd.mtmd_support_audio(self.ctx):
+            kinds.append("audio")
+        return tuple(kinds)
+
+    def close(self) -> None:
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.free()
+        ctx, self.ctx = self.ctx, None
+        if ctx:
+            mtmd.mtmd_free(ctx)
+
+
+def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """The chunks as one prompt: text tokens, each image's positions."""
+    tokens: list[int] = []
+    spans: list[ImageSpan] = []
+    for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            count = ctypes.c_size_t(0)
+            text = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+            tokens.extend(text[k] for k in range(count.value))
+            continue
+        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            raise BackendError("only images are taken, not audio", code="bad_request")
+        n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        # One position per embedding: what the checked (llava) projectors
+        # make; M-RoPE models (Qwen2-VL) would differ and are not let through.
+        assert mtmd.mtmd_input_chunk_get_n_pos(chunk) == n_tokens
+        owned = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk))
+        spans.append(ImageSpan(len(tokens), n_tokens, owned))
+        tokens.extend([-next(_IMAGE_IDS)] * n_tokens)
+    if spans and spans[-1].start + spans[-1].n_tokens == len(tokens):
+        # The last position's logits start the answer: a prompt's end is text.
+        raise BackendError("the prompt ends with an image; add text after it", code="bad_request")
+    return tokens, tuple(spans)
+
+
+class ImageDecoder:
+    """The engine's side: one image of a sequence's prompt into its KV cells
+    (see the module docstring). Used on the engine thread only."""
+
+    def __init__(self, vision: Vision, ctx: Any, n_batch: int) -> None:
+        self.vision = vision
+        self.ctx = ctx
+        self.n_batch = n_batch
+        self.n_embd = llama_cpp.llama_model_n_embd(llama_cpp.llama_get_model(ctx))
+        self.batch = llama_cpp.llama_batch_init(n_batch, self.n_embd, 1)
+        #: Images encoded (tests, metrics).
+        self.encoded = 0
+
+    def encode(self, span: ImageSpan) -> Any:
+        """The image's embeddings (``n_tokens`` x ``n_embd`` floats), copied
+        out of libmtmd's buffer; ``None``: the encode failed."""
+        size = span.n_tokens * self.n_embd
+        with self.vision.lock:
+            if mtmd.mtmd_encode_chunk(self.vision.ctx, span.chunk.ptr) != 0:
+                return None
+            out = mtmd.mtmd_get_output_embd(self.vision.ctx)
+            embeddings = (ctypes.c_float * size)()
+            ctypes.memmove(embeddings, out, size * ctypes.sizeof(ctypes.c_float))
+        self.encoded += 1
+        return embeddings
+
+    def decode(self, embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:
+        """Embeddings ``offset`` to ``offset + count`` (at most ``n_batch``)
+        into sequence ``seq`` from position ``pos``: ``llama_decode``'s
+        status (2: aborted by the context's abort flag)."""
+        b, width = self.batch, self.n_embd
+        size = ctypes.sizeof(ctypes.c_float) * width
+        ctypes.memmove(b.embd, ctypes.byref(embeddings, offset * size), count * size)
+        for i in range(count):
+            b.pos[i] = pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = False
+        b.n_tokens = count
+        return int(llama_cpp.llama_decode(self.ctx, b))
+
+    def free(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+
+
+def load_vision(path: str | Path, model: Any, n_threads: int) -> Vision:
+    """Check the projector at ``path`` and load it for ``model`` (a
+    ``llama_model`` pointer), on the CPU. Blocking; :class:`ModelLoadError`
+    on refusal."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"projector file not found: {path}")
+    text_width = llama_cpp.llama_model_n_embd(model)
+    try:
+        projector = check_projector(path, text_width=text_width)
+    except ProjectorError as exc:
+        raise ModelLoadError(f"projector {path} refused: {exc}") from None
+    mtmd.mtmd_log_set(log_bridge(), ctypes.c_void_p(0))
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu = False  # the text model's n_gpu_layers says nothing of the projector
+    params.n_threads = n_threads
+    params.print_timings = False
+    ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
+    if not ctx:
+        raise ModelLoadError(f"projector {path}: libmtmd could not load it (see the log)")
+    log.info(
+        "projector %s (%s): %d-pixel images, %d tokens each",
+        path,
+        projector.projector_type,
+        projector.image_size,
+        projector.image_tokens,
+    )
+    return Vision(ctx, projector, path)
