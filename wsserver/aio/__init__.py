@@ -23,7 +23,8 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       ├── openai_routes  the OpenAI API: chat completions, completions, models
     │       ├── responses_http the Responses API over HTTP: POST, GET, DELETE /v1/responses
     │       ├── anthropic_http Anthropic's Messages API: /v1/messages, count_tokens
-    │       ├── ollama_http    Ollama's API: /api/chat, /api/generate, the model endpoints, pull
+    │       ├── ollama_http    Ollama's API: /api/chat, /api/generate, embed, the model endpoints
+    │       │   └── ollama_pull    one /api/pull's answer: its progress, then success
     │       ├── embedding_routes  /v1/embeddings, /v1/rerank and /rerank
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
     │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
