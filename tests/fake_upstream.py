@@ -16,14 +16,18 @@ speed, not synchronisation: tests never wait on them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import gzip
 import json
 import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from wsserver.backends.fake_embed import fake_score, fake_vector
 
 __all__ = ["PIECES", "FakeUpstream", "Stream"]
 
@@ -82,6 +86,12 @@ class FakeUpstream:
         self.streams: list[Stream] = []
         self.arrived = asyncio.Event()
         self.models_requests = 0
+        #: Serve /v1/embeddings and /v1/rerank (the fake engine's vectors and
+        #: scores: wsserver.backends.fake_embed); their request bodies, in order.
+        self.embeddings = False
+        self.embed_bodies: list[dict[str, Any]] = []
+        #: Answer the embeddings' vectors as float lists, not base64 (as asked).
+        self.float_vectors = False
         self._sndbuf = sndbuf
         self._runner: web.AppRunner | None = None
         self._port = 0
@@ -106,6 +116,8 @@ class FakeUpstream:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/rerank", self._embeddings)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
@@ -140,6 +152,31 @@ class FakeUpstream:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         )
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        if not self.embeddings:
+            return web.json_response({"error": {"message": "Not found"}}, status=404)
+        body = await request.json()
+        self.embed_bodies.append(body)
+        usage = {"prompt_tokens": 7, "total_tokens": 7}
+        if request.path.endswith("/rerank"):
+            results = [
+                {"index": i, "relevance_score": fake_score(body["query"], d)}
+                for i, d in enumerate(body["documents"])
+            ]
+            results.sort(key=lambda r: -r["relevance_score"])
+            return web.json_response({"results": results, "usage": usage})
+        items = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = []
+        for index, item in enumerate(reversed(items)):  # out of order: the index says
+            vector = fake_vector(item if isinstance(item, str) else tuple(item))
+            embedding: Any = (
+                list(struct.unpack(f"<{len(vector) // 4}f", vector))
+                if self.float_vectors or body.get("encoding_format") != "base64"
+                else base64.b64encode(vector).decode()
+            )
+            data.append({"index": len(items) - 1 - index, "embedding": embedding})
+        return web.json_response({"data": data, "model": body["model"], "usage": usage})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -256,14 +256,17 @@ async def test_the_models_list_says_which_models_embed() -> None:
     assert listed["data"][0]["embeddings"] == "embed"
 
 
-async def test_the_relay_refuses_embeddings_by_name() -> None:
-    """The openai relay does not pass /v1/embeddings through (yet): refused by
-    name, never a silent empty answer."""
+async def test_the_relay_passes_embeddings_and_rerank_through() -> None:
+    """Through the openai relay to an upstream that has the endpoints: the
+    upstream's vectors (asked as base64; read as floats too) and scores,
+    in input order, rendered as for a local model; an upstream without
+    them (404) is refused by name, never a silent empty answer."""
     from fake_upstream import FakeUpstream
 
     from wsserver.backends.openai import OpenAIBackend
 
     async with FakeUpstream() as up:
+        up.embeddings = True
         backend = OpenAIBackend(urls=[up.url], backoff_s=0.05, max_backoff_s=0.5)
         server = Server(
             make_config(backend__kind="openai", backend__openai__urls=[up.url]), backend
@@ -272,14 +275,39 @@ async def test_the_relay_refuses_embeddings_by_name() -> None:
         try:
             async with asyncio.timeout(timeout(20)):
                 await server.wait_ready()
-            status, answer = await post(server, "/v1/embeddings", {"input": "a"})
+            status, answer = await post(server, "/v1/embeddings", {"input": ["a", "bc"]})
+            up.float_vectors = True
+            _, floats = await post(server, "/v1/embeddings", {"input": [[1, 2], "bc"]})
             rerank_status, rerank = await post(
+                server, "/v1/rerank", {"query": "q", "documents": ["a", "b", "c"], "top_n": 2}
+            )
+            up.embeddings = False
+            missing_status, missing = await post(server, "/v1/embeddings", {"input": "a"})
+            rerank_missing_status, rerank_missing = await post(
                 server, "/v1/rerank", {"query": "q", "documents": ["a"]}
             )
         finally:
             await server.stop(grace=0)
-    assert status == 400
-    assert answer["error"]["code"] == "unsupported_option"
-    assert "embeddings are not served by this model's engine" in answer["error"]["message"]
-    assert rerank_status == 400
-    assert "rerank is not served by this model's engine" in rerank["error"]["message"]
+    assert status == 200, answer
+    assert [d["embedding"] for d in answer["data"]] == [
+        pytest.approx(list(struct.unpack("<16f", fake_vector(t)))) for t in ("a", "bc")
+    ]
+    assert answer["model"] == "fake-upstream" and answer["usage"]["prompt_tokens"] == 7
+    assert up.embed_bodies[0] == {
+        "model": "fake-upstream",
+        "input": ["a", "bc"],
+        "encoding_format": "base64",
+    }
+    assert up.embed_bodies[1]["input"] == [[1, 2], "bc"]
+    assert [d["embedding"] for d in floats["data"]] == [
+        pytest.approx(list(struct.unpack("<16f", fake_vector(t)))) for t in ((1, 2), "bc")
+    ]
+    assert rerank_status == 200, rerank
+    scores = {i: fake_score("q", d) for i, d in enumerate(["a", "b", "c"])}
+    best = sorted(scores, key=lambda i: -scores[i])[:2]
+    assert [r["index"] for r in rerank["results"]] == best
+    assert up.embed_bodies[2]["top_n"] == 3  # all scored upstream; cut here
+    assert missing_status == 400 and missing["error"]["code"] == "unsupported_option"
+    assert "embeddings are not served by the upstream" in missing["error"]["message"]
+    assert rerank_missing_status == 400
+    assert "rerank is not served by the upstream" in rerank_missing["error"]["message"]

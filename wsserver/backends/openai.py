@@ -61,6 +61,7 @@ from .base import (
     Submission,
     UpstreamStats,
 )
+from .openai_embed import RelayEmbedDoor
 from .openai_relay import Relay, call_soon
 from .openai_upstream import MAX_ERROR_BODY, Upstream, exchange
 from .openai_wire import UpstreamError
@@ -140,6 +141,13 @@ class OpenAIBackend(Backend):
         self._tasks: set[asyncio.Task[None]] = set()
         #: Looks for a model while no upstream has listed one (started late).
         self._discovery: asyncio.Task[None] | None = None
+        #: /v1/embeddings and /v1/rerank, passed through (:mod:`.openai_embed`).
+        self._embed_door = RelayEmbedDoor(
+            session=self._session,
+            pick=lambda model: self.pick(model=model),
+            target=self._target,
+            timeout_s=first_byte_timeout_s,
+        )
 
     @classmethod
     def from_config(cls, config: OpenAIConfig) -> OpenAIBackend:
@@ -321,6 +329,10 @@ class OpenAIBackend(Backend):
         finally:
             submission.complete()
 
+    def embeddings(self) -> RelayEmbedDoor:
+        """Embedding and rerank requests go to an upstream (:mod:`.openai_embed`)."""
+        return self._embed_door
+
     def pick(
         self, exclude: frozenset[Upstream] = frozenset(), model: str | None = None
     ) -> Upstream | None:
@@ -335,9 +347,8 @@ class OpenAIBackend(Backend):
         ]
         return min(candidates, key=lambda u: u.in_flight, default=None)
 
-    def _target(self, request: GenerationRequest) -> str:
-        """The model id to ask for: the request's, if an upstream lists it."""
-        asked = request.model
+    def _target(self, asked: str | None) -> str:
+        """The model id to ask for: the one asked, if an upstream lists it."""
         if self._routing and asked is not None and any(asked in u.models for u in self.upstreams):
             return asked
         return self.model
@@ -349,7 +360,7 @@ class OpenAIBackend(Backend):
                 "no upstream has listed a model at /v1/models yet", code="upstream_unavailable"
             )
         tried: frozenset[Upstream] = frozenset()
-        target = self._target(request)
+        target = self._target(request.model)
         relay = Relay(
             sink,
             cancel,
