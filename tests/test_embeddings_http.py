@@ -311,3 +311,22 @@ async def test_the_relay_passes_embeddings_and_rerank_through() -> None:
     assert "embeddings are not served by the upstream" in missing["error"]["message"]
     assert rerank_missing_status == 400
     assert "rerank is not served by the upstream" in rerank_missing["error"]["message"]
+
+
+async def test_embedding_requests_are_counted_by_how_they_ended() -> None:
+    async with running_server() as server:
+        assert (await post(server, "/v1/embeddings", {"input": "abcd"}))[0] == 200
+        # A token outside the vocabulary: refused once it had its slot (the engine's check).
+        assert (await post(server, "/v1/embeddings", {"input": [[10**6]]}))[0] == 400
+        rerank = {"query": "q", "documents": ["a"]}
+        assert (await post(server, "/v1/rerank", rerank))[0] == 200
+        registry = server.metrics.registry
+
+        def ended(kind: str, reason: str) -> float:
+            labels = {"kind": kind, "reason": reason}
+            return registry.get_sample_value("wsserver_embedding_requests_total", labels) or 0.0
+
+        assert ended("embed", "complete") == 1.0
+        assert ended("embed", "error") == 1.0
+        assert ended("rerank", "complete") == 1.0
+        assert registry.get_sample_value("wsserver_embedding_request_seconds_count") == 3.0

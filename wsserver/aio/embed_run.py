@@ -62,7 +62,21 @@ class EmbedRun:
     async def run(self) -> Embedded | None:
         """The request's result; ``None`` once cancelled. Raises
         :class:`~wsserver.errors.ProtocolError`: refused (the queue, the
-        model's load, the inputs) or failed in the engine."""
+        model's load, the inputs) or failed in the engine. Counted in
+        ``wsserver_embedding_requests_total`` by how it ended."""
+        reason = "error"
+        try:
+            result = await self._run()
+            reason = "cancelled" if result is None else "complete"
+            return result
+        except asyncio.CancelledError:
+            reason = "cancelled"
+            raise
+        finally:
+            seconds = time.monotonic() - self._started
+            self._services.metrics.embedded(self.request.kind, reason, seconds)
+
+    async def _run(self) -> Embedded | None:
         services, model, request = self._services, self._model, self.request
         if self.cancelled:
             return None  # gone before it could queue

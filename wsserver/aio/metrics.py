@@ -159,6 +159,19 @@ class Metrics:
         self.requests = Counter(
             "wsserver_requests", "Requests ended (done frames), by reason.", ["reason"], registry=r
         )
+        self.embedding_requests = Counter(
+            "wsserver_embedding_requests",
+            "Embedding and rerank requests ended, by kind (embed, rerank) and reason "
+            "(complete, error, cancelled).",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.embedding_time = Histogram(
+            "wsserver_embedding_request_seconds",
+            "Time from receiving an embedding or rerank request to its answer or end.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
         self.tokens = Counter(
             "wsserver_tokens_generated", "Tokens generated and handed to the sender.", registry=r
         )
@@ -209,6 +222,11 @@ class Metrics:
 
     def connection_closed(self, protocol: Protocol) -> None:
         self.connection_closes.labels(close_label(protocol)).inc()
+
+    def embedded(self, kind: str, reason: str, seconds: float) -> None:
+        """An embedding or rerank request ended (any wire)."""
+        self.embedding_requests.labels(kind, reason).inc()
+        self.embedding_time.observe(seconds)
 
     def done(self, frame: Done) -> None:
         """A request ended: record its phases from the ``done`` frame's timings."""
