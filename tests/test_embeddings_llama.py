@@ -31,6 +31,7 @@ from wsserver.aio import Server
 from wsserver.backends.base import CancelEvent
 from wsserver.backends.llama import LlamaBackend
 from wsserver.backends.llama_embed import Embedder
+from wsserver.backends.llama_embed_chunks import ChunkedEmbedder
 from wsserver.core.embedding import Embed
 
 pytestmark = pytest.mark.llama
@@ -274,12 +275,15 @@ async def test_beside_a_stream_each_decode_is_priced_within_the_steps_room(
             await client.close()
         assert len(reply.data) == 512
         embedder = backend.embedder
-        assert embedder is not None
+        # A causal model's inputs are read in pieces (llama_embed_chunks).
+        assert isinstance(embedder, ChunkedEmbedder)
         beside = [entry for entry in embedder.step_log if entry[2] >= 0]
         assert beside, "no embedding decode ran beside the stream"
         for inputs, tokens, room, per_token, _seconds in beside:
-            # More than one input only when the price fit the room.
-            assert inputs == 1 or (per_token > 0 and tokens * per_token <= room + 1e-12)
+            if per_token < 0:  # the first, unmeasured: one input's first piece
+                assert inputs == 1 and tokens <= 16
+            else:  # the room's worth of tokens at the measured price, at least one
+                assert tokens == 1 or tokens * per_token <= room + 1e-12
 
 
 async def test_two_requests_share_the_models_slots(pooled_ggufs: dict[str, Path]) -> None:
@@ -541,3 +545,41 @@ async def test_a_model_that_produces_nan_is_refused_naming_the_input(
     assert caught.value.status_code == 400
     assert "not a number" in caught.value.message and "input 1" in caught.value.message
     assert len(after.data) == 1 and all(np.isfinite(after.data[0].embedding))
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+async def test_a_long_input_beside_a_stream_is_read_in_pieces_and_equals_the_whole(
+    pooled_ggufs: dict[str, Path], pooling: str
+) -> None:
+    """A causal model's input goes in pieces within the step's room (the
+    streams never wait for a whole input), pooled here as llama.cpp pools:
+    the vector equals Llama.embed's of the whole input within 1e-4."""
+    path = pooled_ggufs[pooling]
+    text = " ".join(TEXTS * 9)  # ~415 tokens: within embed_batch (512)
+    expected = reference(path, [text])
+    async with llama_server(path, n_ctx=4096, parallel=2) as server:
+        embedder = door(server.backend)
+        assert isinstance(embedder, ChunkedEmbedder)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout(60),
+        )
+        try:
+            stream = await client.completions.create(
+                model=pooling, prompt="Hello", max_tokens=3000, temperature=0, stream=True
+            )
+            chunks = aiter(stream)
+            await anext(chunks)  # decoding now
+            reply = await client.embeddings.create(model=pooling, input=[text, TEXTS[0], text])
+            await stream.close()
+        finally:
+            await client.close()
+    got = np.array([d.embedding for d in reply.data], dtype=np.float64)
+    assert np.abs(got[0] - expected[0]).max() <= TOLERANCE
+    assert np.abs(got[2] - expected[0]).max() <= TOLERANCE
+    assert np.abs(got[1] - reference(path, [TEXTS[0]])[0]).max() <= TOLERANCE
+    beside = [entry for entry in embedder.step_log if entry[2] >= 0]
+    longest = reply.usage.prompt_tokens  # every token read, in pieces
+    assert beside and max(tokens for _, tokens, _, _, _ in beside) < longest

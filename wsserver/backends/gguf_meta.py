@@ -243,4 +243,5 @@ def embedding_context_bytes(path: str | Path, *, tokens: int, sequences: int) ->
     n_embd = int(meta.get("{arch}.embedding_length", 0))
     compute = tokens * (n_vocab + 8 * n_embd) * 4
     output = sequences * (n_vocab + n_embd) * 4
-    return compute + output + kv_cache_bytes(path, cells=tokens)
+    # Twice the cells: a causal model's input cut between decodes keeps its own.
+    return compute + output + kv_cache_bytes(path, cells=2 * tokens)

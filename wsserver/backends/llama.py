@@ -59,6 +59,8 @@ from .llama_admission import admit
 from .llama_chat import LlamaChat, PreparedPrompt
 from .llama_context import describe_load, install_log_bridge, model_params, new_context
 from .llama_embed import Embedder
+from .llama_embed_chunks import ChunkedEmbedder, chunked
+from .llama_embed_inputs import gguf_causal, gguf_pooling
 from .llama_engine import BatchEngine, RequestStats
 from .llama_host_cache import CacheCounters
 from .llama_memory import default_model_path, memory_parts
@@ -279,8 +281,10 @@ class LlamaBackend(Backend):
         self.engine.on_prefill = lambda request_id, n: (
             None if self.on_prefill is None else self.on_prefill(request_id, n)
         )
-        if self.embed_batch > 0:
-            self.embedder = Embedder(
+        if self.embed_batch > 0:  # a causal model's inputs in pieces: llama_embed_chunks
+            handle = self._model.model
+            chunks = chunked(gguf_pooling(handle), gguf_causal(handle))
+            self.embedder = (ChunkedEmbedder if chunks else Embedder)(
                 model=self._model,
                 name=self.model_name,
                 batch_tokens=self.embed_batch,

@@ -235,6 +235,10 @@ class Embedder(EmbedDoor):
                 for job in list(self._jobs):
                     self._fail(job, "internal", "the model's embedding context could not be made")
                 return
+        self._work(room_s)
+
+    def _work(self, room_s: float | None) -> None:
+        """One decode of whole inputs (see :meth:`step`)."""
         priced_by = self.token_s
         picked = self._pick(room_s)
         self._decode(picked, room_s, priced_by)
@@ -280,47 +284,12 @@ class Embedder(EmbedDoor):
                 n += 1
         batch.n_tokens = n
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        with self._cond:
-            flag.lower()
-            for job, _ in picked:
-                job.in_flight = True
-        if self.on_decode is not None:
-            self.on_decode([job.request.id for job, _ in picked])
-        started = time.perf_counter()
-        status = llama_cpp.llama_decode(ctx, batch)
-        seconds = time.perf_counter() - started
-        with self._cond:
-            for job, _ in picked:
-                job.in_flight = False
-            aborted = flag.raised
-            flag.lower()
-        self.stats["decodes"] += 1
-        if status != 0:
-            if status == 2 or aborted:
-                self.stats["aborts"] += 1
-                return  # the cancelled leave next step; the others run again
-            log.error("llama_decode returned %d for %d embedding input(s)", status, len(picked))
-            for job in {job for job, _ in picked}:
-                self._fail(job, "internal", "the model failed while embedding")
+        jobs = [job for job, _ in picked]
+        if not self._run_decode(jobs, len(picked), n, room_s, priced_by):
             return
-        self.token_s = (
-            seconds / n
-            if self.token_s is None
-            else self.token_s + _COST_WEIGHT * (seconds / n - self.token_s)
-        )
-        self.stats["inputs"] += len(picked)
-        self.stats["tokens"] += n
-        self.step_log.append(
-            (
-                len(picked),
-                n,
-                -1.0 if room_s is None else room_s,
-                -1.0 if priced_by is None else priced_by,
-                seconds,
-            )
-        )
         rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
         width = 1 if rank else self.n_embd
+        self.stats["inputs"] += len(picked)
         self._solo = max(0, self._solo - 1)
         if len(picked) > 1 and not self._all_finite(len(picked), width):
             # One input's NaN reaches the others of its decode (a masked
@@ -352,6 +321,58 @@ class Embedder(EmbedDoor):
             job.done = index + 1
             if job.done == len(job.tokens):
                 self._finish(job)
+
+    def _run_decode(
+        self,
+        jobs: list[EmbedJob],
+        inputs: int,
+        n: int,
+        room_s: float | None,
+        priced_by: float | None,
+    ) -> bool:
+        """Decode the batch (``n`` tokens of ``inputs`` inputs of ``jobs``)
+        under the abort flag, and account for it: True once it succeeded."""
+        ctx, flag = self._ctx, self._flag
+        assert ctx is not None and flag is not None
+        with self._cond:
+            flag.lower()
+            for job in jobs:
+                job.in_flight = True
+        if self.on_decode is not None:
+            self.on_decode([job.request.id for job in jobs])
+        started = time.perf_counter()
+        status = llama_cpp.llama_decode(ctx, self._batch)
+        seconds = time.perf_counter() - started
+        with self._cond:
+            for job in jobs:
+                job.in_flight = False
+            aborted = flag.raised
+            flag.lower()
+        self.stats["decodes"] += 1
+        if status != 0:
+            if status == 2 or aborted:
+                self.stats["aborts"] += 1
+                return False  # the cancelled leave next step; the others run again
+            log.error("llama_decode returned %d for %d embedding input(s)", status, inputs)
+            for job in set(jobs):
+                self._fail(job, "internal", "the model failed while embedding")
+            return False
+        self.token_s = (
+            seconds / n
+            if self.token_s is None
+            else self.token_s + _COST_WEIGHT * (seconds / n - self.token_s)
+        )
+        self.stats["tokens"] += n
+        self.step_log.append(
+            (
+                inputs,
+                n,
+                -1.0 if room_s is None else room_s,
+                -1.0 if priced_by is None else priced_by,
+                seconds,
+            )
+        )
+        return True
 
     def _all_finite(self, sequences: int, width: int) -> bool:
         for seq in range(sequences):
@@ -400,6 +421,14 @@ class Embedder(EmbedDoor):
 
     # ------------------------------------------------------------ the context
 
+    def _context_cells(self) -> int:
+        """The context's KV cells: one decode's (cleared before each)."""
+        return self.batch_tokens
+
+    def _context_pooling(self) -> int:
+        """The pooling the context is made with: the model's, llama.cpp pools."""
+        return self.pooling
+
     def _ensure_open(self) -> None:
         """Make the context once (a worker thread's first ``prepare``); never
         after :meth:`close`."""
@@ -411,7 +440,7 @@ class Embedder(EmbedDoor):
 
     def _open(self) -> None:
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = self.batch_tokens
+        params.n_ctx = self._context_cells()
         params.n_batch = self.batch_tokens
         params.n_ubatch = self.batch_tokens
         params.n_seq_max = MAX_SEQUENCES
@@ -420,7 +449,7 @@ class Embedder(EmbedDoor):
         # before each decode anyway.
         params.kv_unified = True
         params.embeddings = True
-        params.pooling_type = self.pooling
+        params.pooling_type = self._context_pooling()
         # Off, as in llama_cpp.Llama: on, the default model's vectors moved by
         # up to 0.8 (of components ~5) from the reference's (docs/embeddings.md).
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED

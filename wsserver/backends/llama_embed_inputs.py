@@ -17,7 +17,7 @@ import llama_cpp
 from ..core.embedding import Embed
 from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 
-__all__ = ["POOLING_NAMES", "gguf_pooling", "prepare_inputs", "rerank_tokens"]
+__all__ = ["POOLING_NAMES", "gguf_causal", "gguf_pooling", "prepare_inputs", "rerank_tokens"]
 
 #: The names of llama.cpp's pooling types (docs, logs).
 POOLING_NAMES: Final = {
@@ -47,6 +47,13 @@ def gguf_pooling(model: Any) -> int:
     if pooling not in POOLING_NAMES or pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
         return llama_cpp.LLAMA_POOLING_TYPE_MEAN
     return pooling
+
+
+def gguf_causal(model: Any) -> bool:
+    """Whether the model's attention is causal (``{arch}.attention.causal``,
+    true unless the GGUF says otherwise: an encoder's is not)."""
+    arch = _meta(model, "general.architecture") or ""
+    return (_meta(model, f"{arch}.attention.causal") or "true").strip().lower() != "false"
 
 
 def prepare_inputs(
