@@ -175,7 +175,7 @@ class Embedder(EmbedDoor):
             name=self._name,
         )
         # The context is made here, on this worker thread, not on the engine's:
-        # llama.cpp allocates its buffers (590 MiB for the default model) and
+        # llama.cpp allocates its buffers (~1 GiB for the default model) and
         # the streams would wait for it — measured, a 1.8-2.2 s gap.
         try:
             self._ensure_open()
