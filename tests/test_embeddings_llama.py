@@ -150,7 +150,7 @@ async def test_the_embedding_context_is_made_off_the_engine_thread(
     pooled_ggufs: dict[str, Path],
 ) -> None:
     """llama.cpp allocates an embedding context's buffers when it is made
-    (~1 GiB on the default model): made on the engine thread, every stream
+    (hundreds of MiB on the default model): made on the engine thread, every stream
     waited for it (a 1.8-2.2 s gap, measured with bench.embeddings)."""
     async with llama_server(pooled_ggufs["mean"]) as server:
         embedder = door(server.backend)

@@ -60,6 +60,7 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 
 from wsserver.aio import Server  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
+from wsserver.backends.llama_embed_chunks import PIECE_TOKENS  # noqa: E402
 
 GREEDY = {"prompt": "The capital of France", "max_tokens": 24, "temperature": 0}
 
@@ -720,14 +721,15 @@ async def test_requests_racing_an_unload_are_served_by_a_reload(
 
 def test_a_models_memory_counts_its_embedding_context(ggufs: dict[str, Path]) -> None:
     """llama.cpp sizes an embedding context's compute buffer for the output
-    head over every position (517 MiB measured for the default model at
-    embed_batch 512): the budget counts it before the load, and nothing for
-    a model served without embeddings (embed_batch 0)."""
+    head over every position of a decode, and — a generative model's inputs
+    read in pieces of 128 tokens — its output buffer for every position's
+    logits (~270 MiB for the default model): the budget counts it before the
+    load, and nothing for a model served without embeddings (embed_batch 0)."""
     path = ggufs["alpha"]
     with_embeddings = estimate(path)
     without = LlamaBackend(model=str(path), n_ctx=256, parallel=2, embed_batch=0).memory_estimate()
     n_vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)
     assert n_vocab > 0
-    assert with_embeddings - without >= 512 * n_vocab * 4
+    assert with_embeddings - without >= 2 * PIECE_TOKENS * n_vocab * 4
     smaller = LlamaBackend(model=str(path), n_ctx=256, parallel=2, embed_batch=128)
     assert without < smaller.memory_estimate() < with_embeddings

@@ -229,21 +229,20 @@ def kv_cache_bytes(
     return int(per_cell * cells)
 
 
-def embedding_context_bytes(path: str | Path, *, tokens: int, sequences: int) -> int:
-    """The memory of a model's embedding context (:mod:`.llama_embed`) of
-    ``tokens`` positions and ``sequences`` sequences: an upper bound from the
-    header alone. llama.cpp sizes its compute buffer for the output head over
-    every position of the micro-batch (``tokens`` x vocabulary floats: 515 MiB
-    measured for the default model at 512, its vocabulary 262,144) and its
-    output buffer for each output's logits and vector — a sequence's when
-    llama.cpp pools, every position's when the server does (a causal
-    model's inputs in pieces: :mod:`.llama_embed_chunks`; ~514 MiB more,
-    measured); the KV cache is twice ``tokens`` cells. An encoder without an
-    output head needs less: it is counted the same (an upper bound)."""
+def embedding_context_bytes(path: str | Path, *, tokens: int, decode: int, sequences: int) -> int:
+    """The memory of a model's embedding context (:mod:`.llama_embed`) for
+    inputs of up to ``tokens`` tokens, ``decode`` tokens a decode, and
+    ``sequences`` sequences: an upper bound from the header alone. llama.cpp
+    sizes its compute buffer for the output head over every position of a
+    decode (``decode`` x vocabulary floats: 515 MiB measured for the default
+    model at 512, its vocabulary 262,144) and its output buffer for each
+    output's logits and vector — a sequence's when llama.cpp pools, every
+    position's when the server does (a causal model's inputs in pieces:
+    :mod:`.llama_embed_chunks`); the KV cache is ``tokens + decode`` cells.
+    An encoder without an output head needs less: it is counted the same."""
     meta = read_metadata(path, {"#tokenizer.ggml.tokens", "{arch}.embedding_length"})
     n_vocab = int(meta.get("#tokenizer.ggml.tokens", 0))
     n_embd = int(meta.get("{arch}.embedding_length", 0))
-    compute = tokens * (n_vocab + 8 * n_embd) * 4
-    output = max(sequences, tokens) * (n_vocab + n_embd) * 4
-    # Twice the cells: a causal model's input cut between decodes keeps its own.
-    return compute + output + kv_cache_bytes(path, cells=2 * tokens)
+    compute = decode * (n_vocab + 8 * n_embd) * 4
+    output = max(sequences, decode) * (n_vocab + n_embd) * 4
+    return compute + output + kv_cache_bytes(path, cells=tokens + decode)

@@ -175,7 +175,7 @@ class Embedder(EmbedDoor):
             name=self._name,
         )
         # The context is made here, on this worker thread, not on the engine's:
-        # llama.cpp allocates its buffers (~1 GiB for the default model) and
+        # llama.cpp allocates its buffers (270 MiB for the default model) and
         # the streams would wait for it — measured, a 1.8-2.2 s gap.
         try:
             self._ensure_open()
@@ -421,6 +421,11 @@ class Embedder(EmbedDoor):
 
     # ------------------------------------------------------------ the context
 
+    def decode_tokens(self) -> int:
+        """The most tokens one decode holds: a whole input's (llama.cpp pools
+        a sequence only when all its tokens are in one micro-batch)."""
+        return self.batch_tokens
+
     def _context_cells(self) -> int:
         """The context's KV cells: one decode's (cleared before each)."""
         return self.batch_tokens
@@ -441,8 +446,8 @@ class Embedder(EmbedDoor):
     def _open(self) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = self._context_cells()
-        params.n_batch = self.batch_tokens
-        params.n_ubatch = self.batch_tokens
+        params.n_batch = self.decode_tokens()
+        params.n_ubatch = self.decode_tokens()
         params.n_seq_max = MAX_SEQUENCES
         # One KV stream for every sequence: split streams gave vectors far from
         # llama-cpp-python's here (docs/embeddings.md); the cache is cleared
@@ -460,7 +465,7 @@ class Embedder(EmbedDoor):
         if ctx is None:
             raise RuntimeError("llama_init_from_model failed")
         self._ctx = ctx
-        self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
+        self._batch = llama_cpp.llama_batch_init(self.decode_tokens(), 0, 1)
         self._flag = AbortFlag(ctx, native=self._native_abort)
         log.info(
             "embedding context ready: %s pooling, inputs of up to %d tokens, %d dimensions",

