@@ -94,7 +94,7 @@ async def test_chat_and_generate_on_the_tiny_model(tiny_gguf: Path) -> None:
             parts_sum = answer.load_duration + answer.prompt_eval_duration + answer.eval_duration
             # timing-ok: arithmetic, not speed — three parts of one measured whole, each
             # rounded to a nanosecond, add up to it within 3 ns on any machine.
-            assert abs(parts_sum - answer.total_duration) <= 3
+            assert abs(parts_sum - answer.total_duration) <= 3  # timing-ok: ns rounding
 
 
 async def test_abandoning_a_long_prompt_mid_prefill_frees_the_model_at_once(
