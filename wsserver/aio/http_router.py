@@ -43,7 +43,7 @@ from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .anthropic_http import PREFIX as MESSAGES
 from .anthropic_http import MessagesRoute
-from .embedding_routes import EmbeddingsRoute, RerankRoute
+from .embedding_routes import embeddings_route, rerank_route
 from .front import is_api_target
 from .http_route import (
     ErrorBody,
@@ -118,9 +118,9 @@ def api_routes(services: Services, responses: ResponsesRoute) -> RouteTable:
                 CompletionsRoute(services, "completion", "/v1/completions")
             ),
             "/v1/models": RouteEntry(ModelsRoute(services)),
-            "/v1/embeddings": RouteEntry(EmbeddingsRoute(services)),
-            "/v1/rerank": RouteEntry(RerankRoute(services, "/v1/rerank")),
-            "/rerank": RouteEntry(RerankRoute(services, "/rerank")),
+            "/v1/embeddings": RouteEntry(embeddings_route(services)),
+            "/v1/rerank": RouteEntry(rerank_route(services, "/v1/rerank")),
+            "/rerank": RouteEntry(rerank_route(services, "/rerank")),
             RESPONSES: RouteEntry(responses),
             MESSAGES: RouteEntry(MessagesRoute(services), anthropic_error_body),
             OLLAMA: RouteEntry(OllamaRoute(services), ollama_error_body),
