@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .contenders import InProcess, llama_completion
-from .figures import TIMES, fmt
+from .figures import TIMES, fmt, target
 from .lineup import distinct, long_prompt
 from .options import Options
 from .servers import llama_model, llama_server, llama_wsserver, tools_for
@@ -188,6 +188,42 @@ async def run(opts: Options) -> dict[str, Any]:
         for n, rows in by_length.items()
     ]
     return {"status": "ok", "threads": threads, "rows": table, "repeats": repeats}
+
+
+#: Issue 40's bound: the others' worst gap, and the prompt the targets are read at.
+WORST_GAP_MS = 250.0
+TARGET_PROMPT = 3000
+DEFAULTS = "wsserver (defaults: gap 200 ms)"
+
+
+def _cell(result: dict[str, Any], contender: str, key: str) -> Any:
+    """``key`` of ``contender``'s row at the longest prompt (None: not measured)."""
+    rows = [r for r in result["rows"] if r["contender"] == contender]
+    longest = max(rows, key=lambda r: r["prompt"], default=None)
+    return None if longest is None else longest.get(key)
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 40's freeze targets at the ~3,000-token prompt: the three streams'
+    worst gap at most 250 ms, the long prompt's first token at most 1.5x
+    llama-server's."""
+    peer = next((r["contender"] for r in result["rows"] if r["contender"].startswith("llama")), "")
+    return [
+        target(
+            f"freeze: three streams' worst gap <= {WORST_GAP_MS:g} ms beside a 3,000-token prompt",
+            _cell(result, DEFAULTS, "gap_worst_ms"),
+            lambda v: v <= WORST_GAP_MS,
+            "{:,.0f} ms",
+            missing="not measured",
+        ),
+        target(
+            f"freeze: the 3,000-token prompt's TTFT <= 1.5{TIMES} llama-server's",
+            ratio(_cell(result, DEFAULTS, "ttft_ms"), _cell(result, peer, "ttft_ms")),
+            lambda v: v <= 1.5,
+            f"{{:,.2f}}{TIMES}",
+            missing="not measured",
+        ),
+    ]
 
 
 def render(result: dict[str, Any]) -> str:
