@@ -13,12 +13,15 @@ median of the rounds is reported):
 * the **work rate** during the ingest: prompt tokens ingested plus the tokens
   the three streams received, per second of the ingest.
 
-Contenders: wsserver at its defaults (``prefill_budget = 2.0``), with
-``prefill_budget = 4.0`` (the prompt gets more of the machine), with the old
-fixed 64-token chunk (``prefill_budget = 0``), with flash attention off
-(its default is ``auto``: on, on a CPU), and ``llama-server -np 4`` as a user runs it (its
-defaults: flash attention ``auto``; ``scripts/llama-tools`` builds it; without
-it its rows read "not measured").
+Contenders: wsserver at its defaults (the freeze bound ``prefill_gap_ms =
+200``: a step carrying prompt tokens beside decoding streams lasts at most
+200 ms), with the bound at 150 and 250 ms (the default is chosen from these
+rows: the others' worst gap at most 250 ms, the long prompt's first token as
+early as that allows), as before issue 40 (``prefill_gap_ms = 80``: twice the
+decode step bounds the step, 80 ms at least), and ``llama-server -np 4`` as a
+user runs it (its defaults: flash attention ``auto``; ``scripts/llama-tools``
+builds it; without it its rows read "not measured"). Section 15's earlier
+rows (a fixed 64-token chunk, flash attention off) are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .contenders import InProcess, llama_completion
-from .figures import TIMES, fmt
+from .figures import TIMES, fmt, target
 from .lineup import distinct, long_prompt
 from .options import Options
 from .servers import llama_model, llama_server, llama_wsserver, tools_for
@@ -47,10 +50,10 @@ LENGTHS = (1000, 3000)
 
 #: name → extra wsserver settings (None: llama-server).
 CONTENDERS: dict[str, dict[str, Any] | None] = {
-    "wsserver (budget 2.0)": {},
-    "wsserver (budget 4.0)": {"backend.llama.prefill_budget": 4.0},
-    "wsserver (fixed 64-token chunk)": {"backend.llama.prefill_budget": 0.0},
-    "wsserver (budget 2.0, flash attention off)": {"backend.llama.flash_attn": "off"},
+    "wsserver (defaults: gap 200 ms)": {},
+    "wsserver (gap 150 ms)": {"backend.llama.prefill_gap_ms": 150.0},
+    "wsserver (gap 250 ms)": {"backend.llama.prefill_gap_ms": 250.0},
+    "wsserver (before: 2x the decode step, 80 ms floor)": {"backend.llama.prefill_gap_ms": 80.0},
     "llama-server -np 4 (defaults)": None,
 }
 
@@ -187,6 +190,42 @@ async def run(opts: Options) -> dict[str, Any]:
     return {"status": "ok", "threads": threads, "rows": table, "repeats": repeats}
 
 
+#: Issue 40's bound: the others' worst gap, and the prompt the targets are read at.
+WORST_GAP_MS = 250.0
+TARGET_PROMPT = 3000
+DEFAULTS = "wsserver (defaults: gap 200 ms)"
+
+
+def _cell(result: dict[str, Any], contender: str, key: str) -> Any:
+    """``key`` of ``contender``'s row at the longest prompt (None: not measured)."""
+    rows = [r for r in result["rows"] if r["contender"] == contender]
+    longest = max(rows, key=lambda r: r["prompt"], default=None)
+    return None if longest is None else longest.get(key)
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 40's freeze targets at the ~3,000-token prompt: the three streams'
+    worst gap at most 250 ms, the long prompt's first token at most 1.5x
+    llama-server's."""
+    peer = next((r["contender"] for r in result["rows"] if r["contender"].startswith("llama")), "")
+    return [
+        target(
+            f"freeze: three streams' worst gap <= {WORST_GAP_MS:g} ms beside a 3,000-token prompt",
+            _cell(result, DEFAULTS, "gap_worst_ms"),
+            lambda v: v <= WORST_GAP_MS,
+            "{:,.0f} ms",
+            missing="not measured",
+        ),
+        target(
+            f"freeze: the 3,000-token prompt's TTFT <= 1.5{TIMES} llama-server's",
+            ratio(_cell(result, DEFAULTS, "ttft_ms"), _cell(result, peer, "ttft_ms")),
+            lambda v: v <= 1.5,
+            f"{{:,.2f}}{TIMES}",
+            missing="not measured",
+        ),
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"Default model, {result['threads']} thread(s), temperature 0, three streams decoding "
@@ -197,17 +236,20 @@ def render(result: dict[str, Any]) -> str:
         "prompt's time to first token.",
         "",
         "| prompt tokens | contender | median gap, ms | worst gap, ms | worst / median "
-        "| long prompt's TTFT, ms | work rate, tok/s | work vs llama-server |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| long prompt's TTFT, ms | TTFT vs llama-server | work rate, tok/s "
+        "| work vs llama-server |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    peer = {
-        r["prompt"]: r["work_tok_s"] for r in result["rows"] if r["contender"].startswith("llama")
-    }
+    peers = [r for r in result["rows"] if r["contender"].startswith("llama")]
+    peer = {r["prompt"]: r["work_tok_s"] for r in peers}
+    peer_ttft = {r["prompt"]: r["ttft_ms"] for r in peers}
     for r in sorted(result["rows"], key=lambda r: r["prompt"]):
         lines.append(
             f"| {fmt(r['prompt_tokens'], 0)} | {r['contender']} | {fmt(r['gap_median_ms'])} | "
             f"{fmt(r['gap_worst_ms'])} | {fmt(r['worst_over_median'], 1, TIMES)} | "
-            f"{fmt(r['ttft_ms'], 0)} | {fmt(r['work_tok_s'])} | "
+            f"{fmt(r['ttft_ms'], 0)} | "
+            f"{fmt(ratio(r['ttft_ms'], peer_ttft.get(r['prompt'])), 2, TIMES)} | "
+            f"{fmt(r['work_tok_s'])} | "
             f"{fmt(ratio(r['work_tok_s'], peer.get(r['prompt'])), 2, TIMES)} |"
         )
     return "\n".join(lines)

@@ -46,6 +46,11 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ("[stream]\nflush_tokens = 0\n", "out of range"),
         ("[limits]\ndefault_max_tokens = 10\nmax_tokens = 5\n", "default_max_tokens"),
         ("not toml", "cannot read config file"),
+        (
+            "[backend.llama]\nprefill_floor_ms = 80\n",
+            "unknown key backend.llama.prefill_floor_ms in file",
+        ),
+        ("[backend.llama]\nprefill_floor_ms = 80\n", "(renamed: prefill_gap_ms"),
     ],
 )
 def test_invalid_files_are_refused_with_a_clear_message(
@@ -64,6 +69,10 @@ def test_invalid_env_and_flags() -> None:
         load_config(env={"WSSERVER_SERVER_PORT": "eighty"})
     with pytest.raises(ConfigError, match=r"unknown key x\.y"):
         load_config(env={}, overrides={"x.y": 1})
+    with pytest.raises(ConfigError, match=r"WSSERVER_BACKEND_LLAMA_PREFILL_FLOOR_MS \(renamed"):
+        load_config(env={"WSSERVER_BACKEND_LLAMA_PREFILL_FLOOR_MS": "80"})
+    with pytest.raises(ConfigError, match=r"\(from flag\) \(renamed: prefill_gap_ms"):
+        load_config(env={}, overrides={"backend.llama.prefill_floor_ms": 80})
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(path="/nonexistent/wsserver.toml", env={})
 

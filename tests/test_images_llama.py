@@ -193,7 +193,13 @@ def test_an_images_embeddings_go_in_a_prompt_share_at_a_time_beside_a_decoding_s
     # (prefill_budget 0): the image's 16 embeddings go in 4 steps of 4, and
     # the stream beside it gets a token every step meanwhile.
     with loaded(
-        tiny_gguf, mmproj=str(mmproj), n_ctx=512, parallel=2, prefill_budget=0, prefill_chunk=4
+        tiny_gguf,
+        mmproj=str(mmproj),
+        n_ctx=512,
+        parallel=2,
+        prefill_budget=0,
+        prefill_gap_ms=0,
+        prefill_chunk=4,
     ) as backend:
         engine = backend.engine
         assert engine is not None and engine.images is not None

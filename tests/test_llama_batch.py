@@ -142,7 +142,14 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
 def test_a_fixed_prefill_chunk_when_the_budget_is_off(tiny_gguf: Path) -> None:
     """``prefill_budget = 0``: every step beside a decoding stream takes
     ``prefill_chunk`` prompt tokens (the last one what is left)."""
-    with loaded(tiny_gguf, parallel=2, n_ctx=LONG_CTX, prefill_budget=0.0, prefill_chunk=24) as b:
+    with loaded(
+        tiny_gguf,
+        parallel=2,
+        n_ctx=LONG_CTX,
+        prefill_budget=0.0,
+        prefill_gap_ms=0.0,
+        prefill_chunk=24,
+    ) as b:
         engine = b.engine
         assert engine is not None
         started = threading.Event()

@@ -140,19 +140,56 @@ def test_a_prompts_last_token_is_worth_a_decoding_sequences_part_of_the_step() -
     assert PrefillBudget(0.0, n_batch=512).output_tokens(3) == 0  # the budget off
 
 
-def test_a_step_may_always_last_the_floor_however_short_the_decode_step() -> None:
-    """Beside one stream decoding in 20 ms, twice its step would leave an
-    arriving prompt 20 ms (a few tokens) a step; a pause of up to the floor
-    (80 ms) is not seen, and the prompt gets the rest of it. Where twice the
-    decode step is above the floor, the floor changes nothing."""
-    plain = PrefillBudget(2.0, n_batch=512)
-    floored = PrefillBudget(2.0, n_batch=512, floor_s=80 * MS)
-    for budget in (plain, floored):
-        budget.observe(1, 0, 20 * MS)
+def test_the_gap_bound_gives_the_prompt_the_rest_of_the_step() -> None:
+    """The freeze bound in milliseconds: beside three streams decoding in
+    45 ms, a 200 ms bound leaves the prompt 155 ms of every mixed step —
+    where twice their step (the bound before issue 40) left it 45 ms. Beside
+    one stream in 20 ms, the prompt gets 180 ms: however short the decode
+    step, the step lasts the bound, not a multiple of it."""
+    twice = PrefillBudget(2.0, n_batch=512)
+    gap = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    for budget in (twice, gap):
+        budget.observe(3, 0, 45 * MS)
         budget.observe(0, 100, 100 * 2 * MS)
-    assert plain.share(1) == 10  # 20 ms of room at 2 ms a token
-    assert floored.share(1) == 30  # 80 - 20 = 60 ms of room
-    three = PrefillBudget(2.0, n_batch=512, floor_s=80 * MS)
-    three.observe(3, 0, 45 * MS)
-    three.observe(0, 100, 100 * 2 * MS)
-    assert three.share(3) == 22  # 2 x 45 = 90 ms > 80: 45 ms of room, as without the floor
+    assert twice.share(3) == 22  # 45 ms of room at 2 ms a token
+    assert gap.share(3) == 77  # 200 - 45 = 155 ms of room
+    one = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    one.observe(1, 0, 20 * MS)
+    one.observe(0, 100, 100 * 2 * MS)
+    assert one.share(1) == 90  # 200 - 20 = 180 ms
+
+
+def test_many_streams_whose_own_step_nears_the_bound_still_let_a_prompt_move() -> None:
+    """Sixteen streams decoding in 150 ms leave 50 ms of a 200 ms bound; the
+    step may then last ``factor`` times their step (2 x 150 = 300 ms), so the
+    prompt still gets 150 ms. With ``factor`` 0 the bound alone holds, the
+    prompt's share shrinking to what fits."""
+    budget = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    budget.observe(16, 0, 150 * MS)
+    budget.observe(0, 100, 100 * 2 * MS)
+    assert budget.share(16) == 75  # 300 - 150 ms of room
+    strict = PrefillBudget(0.0, n_batch=512, gap_s=200 * MS)
+    strict.observe(16, 0, 150 * MS)
+    strict.observe(0, 100, 100 * 2 * MS)
+    assert strict.share(16) == 25  # 200 - 150 ms
+    assert not strict.off
+    assert PrefillBudget(0.0, n_batch=512, fixed=48).off
+
+
+def test_the_gap_bound_holds_while_the_prompt_grows_dearer() -> None:
+    """Over a long prompt whose tokens grow dearer with their position, every
+    mixed step once measured ends within the 200 ms bound, and the chunks
+    shrink as the tokens' cost grows."""
+    budget = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    budget.observe(3, 0, 45 * MS)
+    budget.observe(0, 64, 64 * 2 * MS)
+    shares = []
+    for step in range(80):
+        token_s = (2.0 + step * 0.03) * MS  # 2 ms at the start, 4.4 ms at the end
+        share = budget.share(3)
+        shares.append(share)
+        seconds = 45 * MS + share * token_s
+        budget.observe(3, share, seconds)
+        if step >= 3:  # after the first steps' estimate settles
+            assert seconds <= 200 * MS * 1.02, (step, share, seconds)
+    assert shares[-1] < shares[5]

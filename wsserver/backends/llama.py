@@ -74,7 +74,7 @@ __all__ = ["LlamaBackend"]
 #: The constructor's keywords a model's configuration gives as they are.
 _CONFIG_KEYS: Final = (
     *("model", "mmproj", "n_ctx", "n_threads", "n_batch", "n_ubatch", "parallel"),
-    *("prefill_chunk", "prefill_budget", "prefill_floor_ms", "max_waiting"),
+    *("prefill_chunk", "prefill_budget", "prefill_gap_ms", "max_waiting"),
     *("chat_template_file", "n_gpu_layers", "flash_attn", "cache_type_k", "cache_type_v"),
     *("use_mmap", "use_mlock", "grammar_deadline_ms", "engine_stall_s", "embed_batch"),
     "prompt_cache_bytes",
@@ -104,7 +104,7 @@ class LlamaBackend(Backend):
         n_batch: int = 512,
         prefill_chunk: int = 64,
         prefill_budget: float = 2.0,
-        prefill_floor_ms: float = 80.0,
+        prefill_gap_ms: float = 200.0,
         parallel: int = 4,
         max_waiting: int = 64,
         abort_check: str = "native",
@@ -135,7 +135,7 @@ class LlamaBackend(Backend):
         self.n_batch = n_batch
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
-        self.prefill_floor_ms = prefill_floor_ms
+        self.prefill_gap_ms = prefill_gap_ms
         self.parallel = parallel
         self.slots = parallel
         self.max_waiting = max_waiting
@@ -264,7 +264,7 @@ class LlamaBackend(Backend):
             n_batch=self.n_batch,
             prefill_chunk=self.prefill_chunk,
             prefill_budget=self.prefill_budget,
-            prefill_floor_ms=self.prefill_floor_ms,
+            prefill_gap_ms=self.prefill_gap_ms,
             prepare=self._prompt,
             piece=vocab.piece,
             read_piece=vocab.read_piece,

@@ -5,9 +5,8 @@ its latest steps. :func:`plan_step` fills the step's batch: the next token
 of every decoding sequence whose text was delivered, plus prompt tokens of
 prefilling sequences, oldest first, up to a share: while anyone else is
 decoding, what fits in a time budget (a step lasts at most
-``prefill_budget`` times their decode-only step, from the engine's own
-measurements: :mod:`.llama_budget`), so a long prompt does not freeze the
-others; ``n_batch`` when no one is. A sequence paused on its channel (its
+``prefill_gap_ms``, sized from the engine's own measurements:
+:mod:`.llama_budget`), so a long prompt does not freeze the others; ``n_batch`` when no one is. A sequence paused on its channel (its
 last text refused) has no part in it.
 
 The batch holds the tokens in sequence order, not admission order: with one
@@ -116,8 +115,8 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 
 class Batcher:
     """The engine's batch and its prompt budget: each step's plan, and what
     each step cost (see the module docstring). Used on the engine thread;
-    ``prefill_budget``, ``prefill_floor_ms`` and ``prefill_chunk`` are
-    :class:`.PrefillBudget`'s ``factor``, ``floor_s`` (in ms) and ``fixed``."""
+    ``prefill_budget``, ``prefill_gap_ms`` and ``prefill_chunk`` are
+    :class:`.PrefillBudget`'s ``factor``, ``gap_s`` (in ms) and ``fixed``."""
 
     def __init__(
         self,
@@ -126,7 +125,7 @@ class Batcher:
         parallel: int,
         prefill_chunk: int,
         prefill_budget: float,
-        prefill_floor_ms: float,
+        prefill_gap_ms: float,
         log_size: int,
     ) -> None:
         #: Prompt tokens per step while others decode (see :mod:`.llama_budget`).
@@ -134,7 +133,7 @@ class Batcher:
             prefill_budget,
             n_batch,
             fixed=max(1, min(prefill_chunk, n_batch)),
-            floor_s=prefill_floor_ms / 1000,
+            gap_s=prefill_gap_ms / 1000,
         )
         #: Room for ``n_batch`` prompt tokens and every sequence's next token.
         self.batch = Batch(n_batch + parallel)

@@ -3,13 +3,22 @@
 A long prompt shares the machine with the sequences that are decoding: each
 step carries their next tokens and a chunk of the prompt, and their next
 token comes only when the step ends. :class:`PrefillBudget` sizes that chunk
-by time, not by a token count: the step should last ``factor`` times a
-decode-only step of the same sequences (2.0: the prompt gets about half the
-machine, the others' gap at most doubles). A fixed token count cannot do
-that: a prompt token's cost grows with its position (attention reads every
-earlier cell; measured here on the default model, 2 threads: ~2 ms at
-position 0, ~4.6 ms at position 2,900), and differs between models and
-machines.
+by time, not by a token count: a step that carries prompt tokens lasts at
+most ``gap_s`` (``prefill_gap_ms``, 200 ms by default) — the others' worst
+pause, a bound a person can feel, in milliseconds — and the prompt gets the
+rest of the step. A fixed token count cannot do that: a prompt token's cost
+grows with its position (attention reads every earlier cell; measured here
+on the default model, 2 threads: ~2 ms at position 0, ~4.6 ms at position
+2,900), and differs between models and machines.
+
+When the decoding sequences' own step comes near the bound (many streams, a
+slow machine), the step may last ``factor`` (``prefill_budget``, 2.0) times
+their decode-only step instead, so the prompt still moves. (Before issue 40
+``factor`` was the bound and ``gap_s`` a floor of 80 ms: the others' gap at
+most doubled — 90 ms at three streams here — and a 3,000-token prompt
+beside them waited 23.5 s for its first token, against llama-server's
+7.1 s. Nobody sees a 90 ms pause in streaming text paced at 30 ms a frame;
+everybody sees a 23-second wait. docs/llama.md, "The freeze bound".)
 
 It learns from the steps it is told about (:meth:`PrefillBudget.observe`):
 
@@ -27,16 +36,11 @@ scatter still ends within it (on a quiet machine a few milliseconds; never
 more than half the room, so a prompt still moves on a machine too noisy to
 keep the bound).
 
-A step may always last ``floor_s`` (``prefill_floor_ms``, 80 ms by default),
-whatever ``factor`` times the decode step comes to: beside one or two streams,
-or on a fast machine, twice a 20 ms decode step would leave an arriving
-prompt a few tokens a step (measured: four requests arriving together, the
-last first token at 648 ms), for a pause nobody sees.
-
 Until the decode-only step of (about) that many sequences was measured, a
-step takes the fixed chunk (``prefill_chunk``), as without a budget: many
-short prompts arriving together get their first tokens quickly, and the
-budget takes over once the batch has settled.
+step takes the fixed chunk (``prefill_chunk``), as it does when both
+``factor`` and ``gap_s`` are 0 (the budget off): many short prompts arriving
+together get their first tokens quickly, and the budget takes over once the
+batch has settled.
 
 Sans-I/O: durations come from the caller — the engine times the whole step,
 what the decoding sequences wait for between two tokens (the last step's
@@ -72,17 +76,15 @@ MIN_ROOM = 0.5
 
 @dataclass
 class PrefillBudget:
-    """See the module docstring. ``factor`` 0 turns the budget off: every
-    step then takes ``fixed`` prompt tokens (the old ``prefill_chunk``)."""
+    """See the module docstring. ``factor`` and ``gap_s`` both 0 turn the
+    budget off: every step then takes ``fixed`` prompt tokens (``prefill_chunk``)."""
 
     factor: float
     n_batch: int
     fixed: int = 64
-    #: A mixed step may always last this long (seconds), whatever ``factor``
-    #: times the decode step comes to: a pause this short is not seen, and
-    #: beside one or two streams (or on a fast machine) ``factor`` times a
-    #: short decode step would leave an arriving prompt a few tokens a step.
-    floor_s: float = 0.0
+    #: A mixed step lasts at most this long (seconds), unless ``factor`` times
+    #: the decode-only step is longer: the others' worst pause.
+    gap_s: float = 0.0
     #: Decode-only step seconds by the number of decoding sequences.
     decode_s: dict[int, float] = field(default_factory=dict)
     #: Seconds one prompt token adds to a mixed step (None: not seen yet).
@@ -101,14 +103,14 @@ class PrefillBudget:
         tokens (all of ``n_batch`` when none decode)."""
         if decoding == 0:
             return self.n_batch
-        if self.factor <= 0:
+        if self.off:
             return max(1, min(self.fixed, self.n_batch))
         decode = self.decode_time(decoding)
         per_token = self.token_s if self.token_s is not None else self.alone_s
         if decode is None or per_token is None or per_token <= 0:
             # Nothing to size by yet: the fixed chunk, as without a budget.
             return max(1, min(self.fixed, self.n_batch))
-        room = max(self.factor * decode, self.floor_s) - decode
+        room = max(self.factor * decode, self.gap_s) - decode
         room = max(room - MARGIN * self.miss_s, MIN_ROOM * room)
         share = max(1, min(self.n_batch, int(room / per_token + 1e-6)))
         if self.last_share:  # one quick step (noise) must not make the next one huge
@@ -123,12 +125,12 @@ class PrefillBudget:
         (an embedding decode's, :mod:`.llama_embed`), without changing what it
         learnt. 0 when nothing is measured yet or the budget is off: the
         caller then takes its smallest piece."""
-        if self.factor <= 0 or decoding <= 0:
+        if self.off or decoding <= 0:
             return 0.0
         decode = self.decode_time(decoding)
         if decode is None:
             return 0.0
-        room = max(self.factor * decode, self.floor_s) - decode
+        room = max(self.factor * decode, self.gap_s) - decode
         return max(room - MARGIN * self.miss_s, MIN_ROOM * room)
 
     def output_tokens(self, decoding: int) -> int:
@@ -138,13 +140,18 @@ class PrefillBudget:
         vocabulary is most of a decoding sequence's part of the step), so the
         step that ends a prompt leaves that much room for it. 0 when nothing
         is measured or the budget is off."""
-        if self.factor <= 0 or decoding <= 0:
+        if self.off or decoding <= 0:
             return 0
         decode = self.decode_time(decoding)
         per_token = self.token_s if self.token_s is not None else self.alone_s
         if decode is None or per_token is None or per_token <= 0:
             return 0
         return math.ceil(decode / decoding / per_token)
+
+    @property
+    def off(self) -> bool:
+        """No time budget: a fixed chunk a step (``factor`` and ``gap_s`` 0)."""
+        return self.factor <= 0 and self.gap_s <= 0
 
     @property
     def miss_s(self) -> float:

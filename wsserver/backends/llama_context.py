@@ -399,9 +399,9 @@ def describe_load(backend: Any, path: Path) -> str:
     """What a model's load makes, for its log line: ``backend`` is the
     :class:`~.llama.LlamaBackend` (its settings), ``path`` its GGUF."""
     prefill = (
-        f"budget {backend.prefill_budget:g}x a decode step "
-        f"(at least {backend.prefill_floor_ms:g} ms)"
-        if backend.prefill_budget > 0
+        f"steps beside decoding streams of at most {backend.prefill_gap_ms:g} ms "
+        f"(or {backend.prefill_budget:g}x their decode step)"
+        if backend.prefill_budget > 0 or backend.prefill_gap_ms > 0
         else f"chunk {backend.prefill_chunk} tokens"
     )
     return (

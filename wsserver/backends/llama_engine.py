@@ -99,7 +99,7 @@ class BatchEngine:
         prefill_chunk: int,
         prepare: Prepare,
         prefill_budget: float = 2.0,
-        prefill_floor_ms: float = 0.0,
+        prefill_gap_ms: float = 0.0,
         piece: Callable[[int], bytes],
         read_piece: Callable[[int], bytes] | None = None,
         tokenize_text: Callable[[str], list[int]] | None = None,
@@ -123,7 +123,7 @@ class BatchEngine:
             parallel=parallel,
             prefill_chunk=prefill_chunk,
             prefill_budget=prefill_budget,
-            prefill_floor_ms=prefill_floor_ms,
+            prefill_gap_ms=prefill_gap_ms,
             log_size=4 * _STATS_KEPT,
         )
         self._piece = piece

@@ -130,7 +130,7 @@ def _model_tables(name: str, value: Any, source: str) -> tuple[LlamaModelConfig,
                 continue
             if key not in MODEL_OVERRIDES:
                 raise ConfigError(
-                    f"unknown key {where}.{key} in {source} (a model may set name, model, "
+                    f"unknown key {where}.{key} in {source}{_renamed(key)} (a model may set name, model, "
                     f"preload, aliases, {', '.join(MODEL_OVERRIDES)})"
                 )
             path_key = ("backend", "llama", f"models[{index}]", key)
@@ -156,6 +156,16 @@ def _check_aliases(name: str, value: Any, source: str) -> list[str]:
     return value
 
 
+#: Keys that were renamed: their old name's error says the new one.
+RENAMED = {"prefill_floor_ms": "prefill_gap_ms (issue 40: now the freeze bound itself, 200 ms)"}
+
+
+def _renamed(key: str) -> str:
+    """`` (renamed: …)`` for a key that has a new name, else ""."""
+    new = RENAMED.get(key.rsplit(".", 1)[-1].removeprefix("WSSERVER_BACKEND_LLAMA_").lower())
+    return f" (renamed: {new})" if new else ""
+
+
 def _flatten(
     table: Mapping[str, Any], source: str, prefix: tuple[str, ...] = ()
 ) -> dict[tuple[str, ...], Any]:
@@ -167,7 +177,8 @@ def _flatten(
                 raise ConfigError(f"unknown section [{'.'.join(path)}] in {source}")
             out.update(_flatten(value, source, path))
         elif path not in KEYS:
-            raise ConfigError(f"unknown key {'.'.join(path)} in {source}")
+            dotted = ".".join(path)
+            raise ConfigError(f"unknown key {dotted} in {source}{_renamed(dotted)}")
         else:
             out[path] = value
     return out
@@ -210,13 +221,13 @@ def load_config(
             continue
         env_key = known_env.get(name)
         if env_key is None:
-            raise ConfigError(f"unknown environment variable {name}")
+            raise ConfigError(f"unknown environment variable {name}{_renamed(name)}")
         values[env_key] = _coerce(env_key, KEYS[env_key], raw, f"env {name}")
         sources[env_key] = f"env {name}"
     for dotted, value in (overrides or {}).items():
         key = tuple(dotted.split("."))
         if key not in KEYS:
-            raise ConfigError(f"unknown key {dotted} (from flag)")
+            raise ConfigError(f"unknown key {dotted} (from flag){_renamed(dotted)}")
         values[key] = _coerce(key, KEYS[key], value, "flag")
         sources[key] = "flag"
     config = _build(Config, values, ())

@@ -194,7 +194,7 @@ MODEL_OVERRIDES = (
     "n_batch",
     "prefill_chunk",
     "prefill_budget",
-    "prefill_floor_ms",
+    "prefill_gap_ms",
     "parallel",
     "max_waiting",
     "chat_template_file",
@@ -258,15 +258,14 @@ class LlamaConfig:
     use_mmap: bool = _key(True)
     #: Lock the weights in RAM (no swapping; may need a raised RLIMIT_MEMLOCK).
     use_mlock: bool = _key(False)
-    #: While other sequences decode, a step carrying prompt tokens lasts at
-    #: most this many times their decode-only step (their pause; the prompt
-    #: gets the rest of the machine). 0 = a fixed ``prefill_chunk`` instead.
+    #: The freeze bound: while other sequences decode, a step carrying prompt
+    #: tokens (or an image's or embedding inputs' work) lasts at most this long
+    #: (ms) — their worst pause; the prompt gets the rest of the step.
+    prefill_gap_ms: float = _key(200.0, low=0.0, high=10000.0)
+    #: ... or this many times their decode-only step, when that is longer (many
+    #: streams, a slow machine: the prompt must still move).
     prefill_budget: float = _key(2.0, low=0.0, high=1000.0)
-    #: ... but such a step may always last this long (ms): below it a pause in
-    #: streaming text is not seen, and a short decode step (one or two streams,
-    #: a fast machine) would otherwise leave an arriving prompt a few tokens a step.
-    prefill_floor_ms: float = _key(80.0, low=0.0, high=10000.0)
-    #: Prompt tokens per step while others decode, when ``prefill_budget`` is 0.
+    #: Prompt tokens per step while others decode when both of the above are 0.
     prefill_chunk: int = _key(64, low=1, high=1 << 16)
     parallel: int = _key(4, low=1, high=64)
     max_waiting: int = _key(64, low=0, high=100000)
