@@ -154,6 +154,9 @@ def verify(
     sequence that ends, is cancelled or paused on its channel stops there
     (a cancelled one samples nothing)."""
     draft, job.draft = job.draft, []
+    # Counted before the tokens go out: the last one may complete the request.
+    job.stats.drafted += len(draft)
+    stats["draft_tokens"] += len(draft)
     accepted = 0
     if not job.cancelled:
         sample(job, index)
@@ -162,16 +165,13 @@ def verify(
                 break
             job.commit(1)  # its cell, decoded this step, holds the token sampled: it stays
             accepted += 1
+            job.stats.accepted += 1
+            stats["draft_tokens_accepted"] += 1
             sample(job, index + accepted)
-    if not draft:
-        return
-    assert job.seq is not None and job.drafter is not None
-    rollback(job.seq)  # the cells past the committed tokens: the rejected draft's
-    job.drafter.verified(len(draft), accepted)
-    job.stats.drafted += len(draft)
-    job.stats.accepted += accepted
-    stats["draft_tokens"] += len(draft)
-    stats["draft_tokens_accepted"] += accepted
+    if draft:
+        assert job.seq is not None and job.drafter is not None
+        rollback(job.seq)  # the cells past the committed tokens: the rejected draft's
+        job.drafter.verified(len(draft), accepted)
 
 
 class Batcher:

@@ -490,7 +490,8 @@ class BatchEngine:
         if job.on_cancel is not None:
             job.cancel.remove_callback(job.on_cancel)
         self.samplers.free(job)
-        if job.seq is not None:
+        if job.seq is not None:  # (a draft's cells past its end go before it completes)
+            self.cache.rollback(job.seq)
             job.seq.job = None
         if job in self._jobs:
             self._jobs.remove(job)

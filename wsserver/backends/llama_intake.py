@@ -112,7 +112,7 @@ class Intake:
         job.max_tokens = min(request.max_tokens, self._n_ctx - len(prompt))
         self._samplers.attach(job, prompt, bias)
         job.assembler = TextAssembler(stops)
-        if self._draft_max > 0:
+        if self._draft_max > 0 and request.speculative:
             job.drafter = Drafter(self._draft_max)
         if request.reasoning_budget is not None and self._reasoning_close:
             opened = self._opens_reasoning is not None and self._opens_reasoning(request)

@@ -7,7 +7,8 @@ asked to edit, a quote, an extraction — can often be predicted from its own
 context. :class:`Drafter` looks up the last few tokens (the token about to be
 decoded and the ones before it: :data:`NGRAM_SIZES`, the longest that
 matched) at their latest earlier occurrence in the sequence's prompt and
-output, and proposes the tokens that followed there. No second model: the
+output, and proposes the tokens that followed there (a match just before
+the end is a repeating run, and the draft repeats it). No second model: the
 drafts cost a dictionary look-up.
 
 The engine decodes a sequence's next token and its draft in the same step
@@ -85,10 +86,14 @@ class Drafter:
         at = self._match(history, last)
         if at is None:
             return []
+        # The continuation, up to ``last``; a match that close to the end is a
+        # repeating run (a loop, a list's pattern) of period ``end + 1 - at``,
+        # and the draft goes on repeating it.
         end = len(history)
         draft: list[int] = []
-        for p in range(at, min(at + limit, end + 1)):
-            token = history[p] if p < end else last
+        for k in range(limit):
+            p = at + k
+            token = history[p] if p < end else last if p == end else draft[k - (end + 1 - at)]
             if token < 0:
                 break
             draft.append(token)
