@@ -93,6 +93,7 @@ def drafted(backend: LlamaBackend, request_id: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the default model copies
 
 
+@pytest.mark.model
 def test_greedy_copy_is_the_same_token_for_token_and_drafts_were_accepted(
     spec: LlamaBackend, plain: LlamaBackend
 ) -> None:
@@ -113,6 +114,7 @@ def test_greedy_copy_is_the_same_token_for_token_and_drafts_were_accepted(
     assert drafted(plain, "copy") == (0, 0)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("max_tokens", [7, 23, 40])
 def test_max_tokens_inside_a_draft(
     spec: LlamaBackend, plain: LlamaBackend, max_tokens: int
@@ -125,6 +127,7 @@ def test_max_tokens_inside_a_draft(
     assert committed(spec, req.id) == committed(plain, req.id)
 
 
+@pytest.mark.model
 def test_a_stop_string_inside_an_accepted_draft(spec: LlamaBackend, plain: LlamaBackend) -> None:
     req = request(COPY, id="stop", max_tokens=64, stop=("/ len(values)",))
     expected, expected_sink = generate(plain, req)
@@ -136,6 +139,7 @@ def test_a_stop_string_inside_an_accepted_draft(spec: LlamaBackend, plain: Llama
     assert committed(spec, "stop") == committed(plain, "stop")
 
 
+@pytest.mark.model
 def test_logprobs_come_from_each_drafted_positions_logits(
     spec: LlamaBackend, plain: LlamaBackend
 ) -> None:
@@ -154,6 +158,7 @@ def test_logprobs_come_from_each_drafted_positions_logits(
         assert got.top[0].token == want.top[0].token
 
 
+@pytest.mark.model
 def test_off_per_request_drafts_nothing(spec: LlamaBackend, plain: LlamaBackend) -> None:
     req = request(COPY, id="off", max_tokens=24, speculative=False)
     assert generate(spec, req)[1].pieces == generate(plain, req)[1].pieces
