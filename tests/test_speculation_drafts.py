@@ -1,8 +1,16 @@
-"""The n-gram drafter of speculative decoding, sans-I/O (wsserver/backends/llama_speculation.py)."""
+"""The n-gram drafter of speculative decoding, sans-I/O (wsserver/backends/llama_speculation.py),
+and the per-request switch on the wire."""
 
 from __future__ import annotations
 
+import orjson
+import pytest
+
 from wsserver.backends.llama_speculation import FIRST_DRAFT, MAX_PAUSE, Drafter
+from wsserver.backends.request import GenerationRequest
+from wsserver.core.protocol import Generate, Limits, parse_client_frame
+from wsserver.dialects.openai.api import ApiError, parse_request
+from wsserver.errors import ProtocolError
 
 
 def test_it_proposes_what_followed_the_latest_earlier_occurrence() -> None:
@@ -97,3 +105,33 @@ def test_rejected_drafts_shrink_and_pause_for_longer_each_time() -> None:
     assert (drafter.pause, drafter.misses) == (0, 0)
     drafter.verified(2, 0)
     assert drafter.pause == 1
+
+
+# ---------------------------------------------------------------- the per-request switch
+
+
+def test_speculative_on_a_generate_and_an_openai_body() -> None:
+    limits = Limits(max_prompt_chars=100, max_tokens=50)
+
+    def frame(**fields: object) -> Generate:
+        parsed = parse_client_frame(
+            orjson.dumps({"type": "generate", "id": "g", "prompt": "hi", **fields}).decode(),
+            limits,
+        )
+        assert isinstance(parsed, Generate)
+        return parsed
+
+    def speculates(generate: Generate) -> bool:
+        return GenerationRequest.from_frame(generate, default_max_tokens=8).speculative
+
+    assert speculates(frame()) and speculates(frame(speculative="auto"))
+    assert not speculates(frame(speculative="off"))
+    for wrong in ("on", True, None, 1):
+        with pytest.raises(ProtocolError, match="'speculative' must be"):
+            frame(speculative=wrong)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": "off"}
+    api = parse_request("chat", orjson.dumps(body), "r1", limits)
+    assert api.generate.speculative == "off"
+    body["speculative"] = "fast"
+    with pytest.raises(ApiError, match="speculative"):
+        parse_request("chat", orjson.dumps(body), "r1", limits)
