@@ -22,7 +22,15 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from test_llama_backend import RecordingSink, Running, loaded, request, run  # noqa: E402
+from conftest import wire  # noqa: E402
+from test_llama_backend import (  # noqa: E402
+    RecordingSink,
+    Running,
+    llama_server,
+    loaded,
+    request,
+    run,
+)
 
 from wsserver.backends.base import CancelEvent  # noqa: E402
 from wsserver.backends.llama import LlamaBackend  # noqa: E402
@@ -249,3 +257,26 @@ def test_cancel_mid_stream_stops_at_once_and_leaves_exact_cells(tiny_spec: Llama
     after = run(tiny_spec, repeating("Hello", id="after", max_tokens=30))[1].pieces
     plain = run(tiny_spec, repeating("Hello", id="plain", max_tokens=30, speculative=False))
     assert after == plain[1].pieces
+
+
+# ---------------------------------------------------------------- over the wire
+
+
+async def test_over_the_websocket_the_switch_and_the_metrics(tiny_gguf: Path) -> None:
+    """Two requests whose output repeats a token, the second with
+    ``"speculative": "off"``: the same text, drafts for the first only, and
+    ``/metrics`` counts them."""
+    frame = {"type": "generate", "prompt": "Hello", "max_tokens": 40, "temperature": 0}
+    async with llama_server(tiny_gguf) as server, wire(server) as client:
+        await client.send({**frame, "id": "auto", "logit_bias": {"17": 100}})
+        text, _ = await client.done("auto")
+        await client.send({**frame, "id": "off", "logit_bias": {"17": 100}, "speculative": "off"})
+        assert (await client.done("off"))[0] == text
+        backend = server.backend
+        assert isinstance(backend, LlamaBackend)
+        n_drafted, n_accepted = drafted(backend, "auto")
+        assert n_accepted > 0 and drafted(backend, "off") == (0, 0)
+        metric = server.metrics.registry.get_sample_value
+        labels = {"model": "tiny"}
+        assert metric("wsserver_model_draft_tokens_total", labels) == n_drafted
+        assert metric("wsserver_model_draft_tokens_accepted_total", labels) == n_accepted
