@@ -240,6 +240,26 @@ def test_seeded_sampling_with_rejected_drafts_is_the_same_as_without(
         committed(tiny_spec, r.id)
 
 
+def test_a_grammar_sees_each_drafted_token_in_turn(
+    tiny_spec: LlamaBackend, tiny_gguf: Path
+) -> None:
+    """Under a grammar each position is sampled (and the grammar advanced)
+    in turn, as without drafts: the same text, greedy and seeded."""
+    grammar = 'root ::= ("ab" | "cd ")+'
+    reqs = [
+        request("Hello", id="grammar-greedy", max_tokens=60, grammar=grammar),
+        request(
+            "Hello", id="grammar-seeded", max_tokens=60, grammar=grammar, temperature=1.0, seed=7
+        ),
+    ]
+    with loaded(tiny_gguf, parallel=1, speculative="off") as alone:
+        expected = [run(alone, r)[1].pieces for r in reqs]
+    assert [run(tiny_spec, r)[1].pieces for r in reqs] == expected
+    assert all(drafted(tiny_spec, r.id)[1] > 0 for r in reqs)
+    for r in reqs:
+        committed(tiny_spec, r.id)
+
+
 def test_cancel_mid_stream_stops_at_once_and_leaves_exact_cells(tiny_spec: LlamaBackend) -> None:
     cancel = CancelEvent()
 
