@@ -245,7 +245,7 @@ def test_a_grammar_sees_each_drafted_token_in_turn(
 ) -> None:
     """Under a grammar each position is sampled (and the grammar advanced)
     in turn, as without drafts: the same text, greedy and seeded."""
-    grammar = 'root ::= ("ab" | "cd ")+'
+    grammar = 'root ::= ("ab" | "cd "){20,40}'
     reqs = [
         request("Hello", id="grammar-greedy", max_tokens=60, grammar=grammar),
         request(

@@ -40,8 +40,9 @@ from collections.abc import Sequence
 __all__ = ["FIRST_DRAFT", "MAX_PAUSE", "NGRAM_SIZES", "Drafter"]
 
 #: The n-gram sizes looked up, longest first: a longer match is more likely
-#: the same passage; 2 still re-aligns a copy two tokens after an edit.
-NGRAM_SIZES = (4, 3, 2)
+#: the same passage; 3 re-aligns a copy three tokens after an edit; 2-grams
+#: matched by chance in prose (docs/llama.md, "Speculative decoding").
+NGRAM_SIZES = (4, 3)
 #: A sequence's first draft (then doubled while accepted, up to ``draft_max``).
 FIRST_DRAFT = 4
 #: The longest pause (steps without drafting) after drafts that did not pay.
