@@ -13,16 +13,19 @@ drafts cost a dictionary look-up.
 
 The engine decodes a sequence's next token and its draft in the same step
 as everyone else's tokens, with logits at each position
-(:func:`.llama_batching.plan_step`), then :func:`.llama_batching.verify` samples at each position in
-turn with the sequence's own sampler chain, exactly as if the tokens had
-come one step at a time, and stops at the first sampled token that differs
-from the draft: every sampled token is emitted (the accepted draft and the
-one after it), and the rejected draft tokens' cells are removed. For a draft
-fixed before sampling this is the standard acceptance rule (accept ``d``
-with probability ``p(d)``; on reject, sample from ``p`` without ``d``) in its
-simplest form — draw ``x`` from ``p``, accept iff ``x == d`` — so the output
-has the distribution of plain decoding; greedy output is the same token for
-token, and a seeded chain draws once per emitted token, as without drafts.
+(:func:`.llama_batching.plan_step`), then :func:`.llama_batching.verify`
+samples at each position in turn with the sequence's own sampler chain,
+exactly as if the tokens had come one step at a time, and stops at the
+first sampled token that differs from the draft: every sampled token is
+emitted (the accepted draft and the one after it), and the rejected draft
+tokens' cells are removed. For a draft fixed before sampling this is the
+standard acceptance rule (accept ``d`` with probability ``p(d)``; on
+reject, sample from ``p`` without ``d``) in its simplest form — draw ``x``
+from ``p``, accept iff ``x == d`` — so the output has the distribution of
+plain decoding; greedy output is the same token for token, and a seeded
+chain draws once per emitted token, as without drafts — given the same
+logits, which quantized weights' multi-row kernels do not quite give
+(docs/llama.md, "Speculative decoding").
 
 A draft costs the step its tokens (the output row over the whole vocabulary
 most of all), so drafting is automatic where it pays (docs/llama.md,
