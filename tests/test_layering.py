@@ -96,6 +96,7 @@ SANS_IO = [
     "wsserver.backends.int_range",
     "wsserver.backends.token_text",
     "wsserver.backends.fake_embed",
+    "wsserver.backends.llama_speculation",
     "wsserver.pull",
     "wsserver.pull.reference",
     "wsserver.pull.progress",

@@ -124,6 +124,12 @@ export interface GenerateParams {
    * at once, -1 = until its memory is needed. Default: the model's keep_alive_s.
    */
   keep_alive?: number;
+  /**
+   * Speculative decoding with n-gram drafts (the llama engine): "auto" (the
+   * default) where it pays, "off" never for this request. Speed only: the
+   * output is the same either way.
+   */
+  speculative?: "auto" | "off";
 }
 
 export interface Limits {

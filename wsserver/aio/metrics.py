@@ -402,21 +402,69 @@ class _LiveCollector(Collector):
         yield blocked
 
 
-#: The per-model families (their names as scraped, without suffixes).
-MODEL_METRICS = (
-    "wsserver_model_loaded",
-    "wsserver_model_requests_active",
-    "wsserver_model_requests_queued",
-    "wsserver_model_memory_bytes",
-    "wsserver_model_loads",
-    "wsserver_model_unloads",
-    "wsserver_model_load_failures",
-    "wsserver_model_engine_step_seconds",
-    "wsserver_model_engine_stalled",
-    "wsserver_model_grammar_calls_abandoned",
-    "wsserver_model_prompt_cache_hits",
-    "wsserver_model_prompt_cache_restored_tokens",
-    "wsserver_model_prompt_cache_bytes",
+#: The per-model families, in order: (name as scraped after ``wsserver_model_``,
+#: without suffixes; counter or gauge; the :class:`ModelStats` field it reads; help).
+MODEL_METRICS: Final = (
+    ("loaded", "gauge", "loaded", "1 while the model is loaded."),
+    ("requests_active", "gauge", "active", "Requests holding one of the model's slots."),
+    ("requests_queued", "gauge", "queued", "Requests waiting for the model (its load included)."),
+    (
+        "memory_bytes",
+        "gauge",
+        "memory_bytes",
+        "Bytes the model holds against the budget (weights, KV cache, prompt cache bound; estimated).",
+    ),
+    ("loads", "counter", "loads", "Loads of the model that succeeded."),
+    ("unloads", "counter", "unloads", "Unloads of the model (for room or after its keep-alive)."),
+    ("load_failures", "counter", "load_failures", "Loads of the model that failed."),
+    (
+        "engine_step_seconds",
+        "gauge",
+        "step_seconds",
+        "How long the engine's running step has lasted (0 between steps, and while idle).",
+    ),
+    (
+        "engine_stalled",
+        "gauge",
+        "stalled",
+        "1 while the engine is stalled: a step has run for backend.llama.engine_stall_s.",
+    ),
+    (
+        "grammar_calls_abandoned",
+        "gauge",
+        "grammar_calls_running",
+        "Grammar computations given up on past their deadline whose native call still runs.",
+    ),
+    (
+        "prompt_cache_hits",
+        "counter",
+        "prompt_cache_hits",
+        "Requests whose prompt state was restored from the prompt cache in host memory.",
+    ),
+    (
+        "prompt_cache_restored_tokens",
+        "counter",
+        "prompt_cache_restored_tokens",
+        "Prompt tokens restored from the prompt cache in host memory (not decoded again).",
+    ),
+    (
+        "prompt_cache_bytes",
+        "gauge",
+        "prompt_cache_bytes",
+        "Bytes the prompt cache holds in host memory (within backend.llama.prompt_cache_bytes).",
+    ),
+    (
+        "draft_tokens",
+        "counter",
+        "draft_tokens",
+        "Draft tokens decoded by speculative decoding (n-gram drafts; since the model's load).",
+    ),
+    (
+        "draft_tokens_accepted",
+        "counter",
+        "draft_tokens_accepted",
+        "Of those, the tokens accepted: each one a token that took no step of its own.",
+    ),
 )
 
 
@@ -429,84 +477,10 @@ class ModelCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats = self._stats()
-        names = MODEL_METRICS
-        loaded = GaugeMetricFamily(names[0], "1 while the model is loaded.", labels=["model"])
-        active = GaugeMetricFamily(
-            names[1], "Requests holding one of the model's slots.", labels=["model"]
-        )
-        queued = GaugeMetricFamily(
-            names[2], "Requests waiting for the model (its load included).", labels=["model"]
-        )
-        memory = GaugeMetricFamily(
-            names[3],
-            "Bytes the model holds against the budget (weights, KV cache, prompt cache bound; estimated).",
-            labels=["model"],
-        )
-        loads = CounterMetricFamily(
-            names[4], "Loads of the model that succeeded.", labels=["model"]
-        )
-        unloads = CounterMetricFamily(
-            names[5], "Unloads of the model (for room or after its keep-alive).", labels=["model"]
-        )
-        failures = CounterMetricFamily(
-            names[6], "Loads of the model that failed.", labels=["model"]
-        )
-        step = GaugeMetricFamily(
-            names[7],
-            "How long the engine's running step has lasted (0 between steps, and while idle).",
-            labels=["model"],
-        )
-        stalled = GaugeMetricFamily(
-            names[8],
-            "1 while the engine is stalled: a step has run for backend.llama.engine_stall_s.",
-            labels=["model"],
-        )
-        abandoned = GaugeMetricFamily(
-            names[9],
-            "Grammar computations given up on past their deadline whose native call still runs.",
-            labels=["model"],
-        )
-        hits = CounterMetricFamily(
-            names[10],
-            "Requests whose prompt state was restored from the prompt cache in host memory.",
-            labels=["model"],
-        )
-        restored = CounterMetricFamily(
-            names[11],
-            "Prompt tokens restored from the prompt cache in host memory (not decoded again).",
-            labels=["model"],
-        )
-        held = GaugeMetricFamily(
-            names[12],
-            "Bytes the prompt cache holds in host memory (within backend.llama.prompt_cache_bytes).",
-            labels=["model"],
-        )
-        for s in stats:
-            hits.add_metric([s.name], s.prompt_cache_hits)
-            restored.add_metric([s.name], s.prompt_cache_restored_tokens)
-            held.add_metric([s.name], s.prompt_cache_bytes)
-            step.add_metric([s.name], s.step_seconds)
-            stalled.add_metric([s.name], 1.0 if s.stalled else 0.0)
-            abandoned.add_metric([s.name], s.grammar_calls_running)
-            loaded.add_metric([s.name], 1.0 if s.loaded else 0.0)
-            active.add_metric([s.name], s.active)
-            queued.add_metric([s.name], s.queued)
-            memory.add_metric([s.name], s.memory_bytes)
-            loads.add_metric([s.name], s.loads)
-            unloads.add_metric([s.name], s.unloads)
-            failures.add_metric([s.name], s.load_failures)
-        yield from (
-            loaded,
-            active,
-            queued,
-            memory,
-            loads,
-            unloads,
-            failures,
-            step,
-            stalled,
-            abandoned,
-            hits,
-            restored,
-            held,
-        )
+        for name, kind, field, doc in MODEL_METRICS:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"wsserver_model_{name}", doc, labels=["model"]
+            )
+            for s in stats:
+                family.add_metric([s.name], float(getattr(s, field)))
+            yield family

@@ -46,6 +46,9 @@ class ModelStats:
     prompt_cache_hits: int = 0
     prompt_cache_restored_tokens: int = 0
     prompt_cache_bytes: int = 0
+    #: Speculative decoding's draft tokens decoded and accepted since the load.
+    draft_tokens: int = 0
+    draft_tokens_accepted: int = 0
 
 
 class Model:
@@ -113,6 +116,7 @@ class Model:
         """Its figures for ``/metrics`` (the engine's liveness only while loaded)."""
         live = self.backend.liveness() if self.state == "loaded" else Liveness()
         cache = self.backend.prompt_cache()
+        counters = self.backend.stats() if self.state == "loaded" else {}
         return ModelStats(
             name=self.name,
             loaded=self.state == "loaded",
@@ -128,6 +132,8 @@ class Model:
             prompt_cache_hits=cache.hits,
             prompt_cache_restored_tokens=cache.restored_tokens,
             prompt_cache_bytes=cache.bytes,
+            draft_tokens=counters.get("draft_tokens", 0),
+            draft_tokens_accepted=counters.get("draft_tokens_accepted", 0),
         )
 
     def set_state(self, state: str) -> None:

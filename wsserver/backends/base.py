@@ -356,6 +356,12 @@ class Backend(abc.ABC):
         """The engine's progress, for ``/metrics`` (quick, any thread)."""
         return Liveness()
 
+    def stats(self) -> dict[str, int]:
+        """The engine's counters since its model's load, by name (``/metrics``
+        reads ``draft_tokens`` and ``draft_tokens_accepted``; quick, any
+        thread; an engine without counters: none)."""
+        return {}
+
     def prompt_cache(self) -> PromptCacheFigures:
         """The engine's prompt cache in host memory, for ``/metrics`` (quick,
         any thread; an engine without one: zeros)."""

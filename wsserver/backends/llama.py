@@ -77,7 +77,7 @@ _CONFIG_KEYS: Final = (
     *("prefill_chunk", "prefill_budget", "prefill_gap_ms", "max_waiting"),
     *("chat_template_file", "n_gpu_layers", "flash_attn", "cache_type_k", "cache_type_v"),
     *("use_mmap", "use_mlock", "grammar_deadline_ms", "engine_stall_s", "embed_batch"),
-    "prompt_cache_bytes",
+    *("prompt_cache_bytes", "speculative", "draft_max"),
 )
 
 log = logging.getLogger("wsserver.llama")
@@ -122,6 +122,8 @@ class LlamaBackend(Backend):
         template_bounds: TemplateBounds | None = None,
         name: str = "",
         embed_batch: int = 512,
+        speculative: str = "auto",
+        draft_max: int = 16,
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -132,10 +134,8 @@ class LlamaBackend(Backend):
         # One context now: all cores serve it. (ggml's threads spin at their
         # barriers, so on a busy machine a smaller explicit value is safer.)
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
-        self.n_batch = n_batch
-        self.prefill_chunk = prefill_chunk
-        self.prefill_budget = prefill_budget
-        self.prefill_gap_ms = prefill_gap_ms
+        self.n_batch, self.prefill_chunk = n_batch, prefill_chunk
+        self.prefill_budget, self.prefill_gap_ms = prefill_budget, prefill_gap_ms
         self.parallel = parallel
         self.slots = parallel
         self.max_waiting = max_waiting
@@ -162,6 +162,8 @@ class LlamaBackend(Backend):
         self.embedder: Embedder | None = None
         #: Host memory for prompt states beyond the slots (-1: the KV cache's size; 0: none).
         self.prompt_cache_bytes = prompt_cache_bytes
+        #: The longest n-gram draft of a sequence (0: none; :mod:`.llama_speculation`).
+        self.draft_max = draft_max if speculative == "auto" else 0
         self.cache_counters = CacheCounters()  # kept across loads
         if name:
             self.model_name = name
@@ -242,7 +244,7 @@ class LlamaBackend(Backend):
                 self._model.model,
                 n_ctx_seq=self.n_ctx,
                 n_seq_max=self.parallel,
-                n_batch=self.n_batch + self.parallel,
+                n_batch=self.n_batch + self.parallel * (1 + self.draft_max),
                 n_ubatch=self.n_ubatch,
                 n_threads=self.n_threads,
                 flash_attn=self.flash_attn,
@@ -277,6 +279,7 @@ class LlamaBackend(Backend):
             prompt_cache_bytes=self._memory_parts(path)[1],
             cache_counters=self.cache_counters,
             images=self.vision.decoder(self._ctx, self.n_batch) if self.vision else None,
+            draft_max=self.draft_max,
         )
         self.engine.on_prefill = lambda request_id, n: (
             None if self.on_prefill is None else self.on_prefill(request_id, n)
@@ -474,10 +477,8 @@ class LlamaBackend(Backend):
         # The slot number only bounds how many run at once: the engine picks
         # the sequence (the one caching the longest prefix of the prompt).
         if self.engine is None:
-            return _ended(
-                sink,
-                Outcome("error", error_code="internal", error_message="the model is not loaded"),
-            )
+            unloaded = "the model is not loaded"
+            return _ended(sink, Outcome("error", error_code="internal", error_message=unloaded))
         try:
             if request.prepared is None:  # prepare() did it
                 request = self.chat.forced_call(request)

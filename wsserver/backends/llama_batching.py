@@ -6,8 +6,13 @@ of every decoding sequence whose text was delivered, plus prompt tokens of
 prefilling sequences, oldest first, up to a share: while anyone else is
 decoding, what fits in a time budget (a step lasts at most
 ``prefill_gap_ms``, sized from the engine's own measurements:
-:mod:`.llama_budget`), so a long prompt does not freeze the others; ``n_batch`` when no one is. A sequence paused on its channel (its
-last text refused) has no part in it.
+:mod:`.llama_budget`), so a long prompt does not freeze the others;
+``n_batch`` when no one is. A sequence paused on its channel (its last text
+refused) has no part in it. A decoding sequence that speculates adds its
+n-gram draft after its next token, each with logits
+(:mod:`.llama_speculation`); :func:`verify` samples them after the decode.
+Draft tokens are part of the decoding sequences' share of the step: the
+budget learns their decode-only steps with the drafts in them.
 
 The batch holds the tokens in sequence order, not admission order: with one
 KV stream per sequence llama.cpp keeps tokens in one micro-batch only while
@@ -17,18 +22,21 @@ each next sequence id is the last + 1.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .llama_budget import PrefillBudget
 from .llama_context import Batch
-from .llama_sequences import Job
+from .llama_sequences import Job, SequenceState
 
 __all__ = [
     "Batcher",
     "StepPlan",
     "decoding",
+    "draft_for",
     "plan_step",
     "prefilling",
+    "verify",
 ]
 
 
@@ -45,6 +53,8 @@ class StepPlan:
     share: int
     #: The requests whose first prompt tokens the step decodes.
     first_chunks: list[Job]
+    #: Draft tokens in the batch, after their sequences' next tokens.
+    drafted: int = 0
 
 
 def prefilling(jobs: list[Job]) -> bool:
@@ -55,6 +65,18 @@ def prefilling(jobs: list[Job]) -> bool:
 def decoding(jobs: list[Job]) -> int:
     """How many of ``jobs`` decode a token this step (their text delivered)."""
     return sum(1 for j in jobs if j.next_token is not None and not j.waiting_room)
+
+
+def draft_for(job: Job) -> list[int]:
+    """The draft ``job`` decodes beside its next token this step (empty: none):
+    none while close-tag tokens are due (they are written, not sampled), and
+    none past what ``max_tokens`` lets it emit (the context is within it)."""
+    if job.drafter is None or job.next_token is None or job.forced or job.seq is None:
+        return []
+    if job.budget is not None and job.budget.exhausted():
+        return []
+    limit = job.max_tokens - job.produced - 1
+    return job.drafter.propose(job.seq.tokens, job.next_token, limit)
 
 
 def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0) -> StepPlan:
@@ -95,12 +117,17 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 
     # several passes over the weights once sequences are reused.
     parts.sort(key=lambda part: part[0].seq.index if part[0].seq is not None else -1)
     placed: list[tuple[Job, int, int]] = []
+    drafted = 0
     for job, take in parts:
         assert job.seq is not None
         start = len(job.seq.tokens)
         if job.fed >= len(job.prompt):
             assert job.next_token is not None
+            job.draft = draft_for(job)
             placed.append((job, 1, batch.add(job.next_token, start, job.seq.index, True)))
+            for k, token in enumerate(job.draft, 1):
+                batch.add(token, start + k, job.seq.index, True)
+            drafted += len(job.draft)
             continue
         index = -1
         for k in range(take):
@@ -109,7 +136,42 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 
             if last:
                 index = i
         placed.append((job, take, index))
-    return StepPlan(decoding, placed, share, first_chunks)
+    return StepPlan(decoding, placed, share, first_chunks, drafted)
+
+
+def verify(
+    job: Job,
+    index: int,
+    sample: Callable[[Job, int], None],
+    rollback: Callable[[SequenceState], None],
+    stats: dict[str, int],
+) -> None:
+    """Sample ``job`` at ``index`` (its next token's logits) and, while each
+    sampled token equals its draft's token there, at that draft token's index
+    too (the one after it); the draft's rejected tokens' cells are removed
+    (:mod:`.llama_speculation`). ``sample`` emits a token as the engine does
+    (EOG, stop strings, ``max_tokens``, grammar, logprobs, delivery): a
+    sequence that ends, is cancelled or paused on its channel stops there
+    (a cancelled one samples nothing)."""
+    draft, job.draft = job.draft, []
+    # Counted before the tokens go out: the last one may complete the request.
+    job.stats.drafted += len(draft)
+    stats["draft_tokens"] += len(draft)
+    accepted = 0
+    if not job.cancelled:
+        sample(job, index)
+        for token in draft:
+            if job.next_token != token or job.cancelled or job.waiting_room:
+                break
+            job.commit(1)  # its cell, decoded this step, holds the token sampled: it stays
+            accepted += 1
+            job.stats.accepted += 1
+            stats["draft_tokens_accepted"] += 1
+            sample(job, index + accepted)
+    if draft:
+        assert job.seq is not None and job.drafter is not None
+        rollback(job.seq)  # the cells past the committed tokens: the rejected draft's
+        job.drafter.verified(len(draft), accepted)
 
 
 class Batcher:
@@ -127,6 +189,7 @@ class Batcher:
         prefill_budget: float,
         prefill_gap_ms: float,
         log_size: int,
+        draft_max: int = 0,
     ) -> None:
         #: Prompt tokens per step while others decode (see :mod:`.llama_budget`).
         self.budget = PrefillBudget(
@@ -135,8 +198,9 @@ class Batcher:
             fixed=max(1, min(prefill_chunk, n_batch)),
             gap_s=prefill_gap_ms / 1000,
         )
-        #: Room for ``n_batch`` prompt tokens and every sequence's next token.
-        self.batch = Batch(n_batch + parallel)
+        #: Room for ``n_batch`` prompt tokens and every sequence's next
+        #: token with its draft (``draft_max``: the longest; 0, none).
+        self.batch = Batch(n_batch + parallel * (1 + draft_max))
         #: The latest steps, oldest first: (decoding sequences, prompt tokens,
         #: the prompt's share, the step's seconds) — for tests and the bench.
         self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=log_size)
@@ -148,7 +212,7 @@ class Batcher:
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its
         last sampled: what the decoding sequences waited (the budget learns it)."""
-        prompt_tokens = self.batch.n - len(step.decoding)
+        prompt_tokens = self.batch.n - len(step.decoding) - step.drafted
         self.budget.observe(len(step.decoding), prompt_tokens, seconds)
         self.step_log.append((len(step.decoding), prompt_tokens, step.share, seconds))
 

@@ -11,11 +11,11 @@ variable when nothing can run — idle, or every sequence paused on a full
 channel — and never polls.
 
 The engine keeps the loop — cancels, admission, the decode, the text and
-its delivery — and a part for each other concern: the sequences and their
-cells (:class:`~.llama_sequences.PromptCache`), a request's setup
-(:class:`~.llama_intake.Intake`), what a step decodes
-(:class:`~.llama_batching.Batcher`), images (:class:`~.llama_vision.ImageDecoder`),
-sampling (:class:`~.llama_samplers.Samplers`), liveness (:class:`~.llama_liveness.StepWatch`).
+its delivery — and a part for each other concern: the sequences' cells
+(:class:`~.llama_sequences.PromptCache`), a request's setup
+(:class:`~.llama_intake.Intake`), what a step decodes (:class:`~.llama_batching.Batcher`),
+images (:class:`~.llama_vision.ImageDecoder`), sampling
+(:class:`~.llama_samplers.Samplers`), liveness (:class:`~.llama_liveness.StepWatch`).
 
 One step:
 
@@ -32,12 +32,13 @@ One step:
    not freeze them (:mod:`.llama_batching`). A sequence whose channel refused
    its last text (a slow client) sits out, holding that token's text, until
    ``when_room`` fires: its memory stays bounded, the others keep their pace.
+   A decoding sequence may add an n-gram draft (:mod:`.llama_speculation`).
 4. **Decode**, then sample every sequence that asked for logits with its own
-   native sampler chain (and its grammar: :mod:`.llama_samplers`), and run
-   the text through its :class:`~wsserver.core.textstream.TextAssembler` (UTF-8,
-   stop strings); EOG, a stop string, ``max_tokens`` or the sequence's full
-   context end it. Then embedding work, within the budget's room
-   (:mod:`.llama_embed`).
+   native sampler chain (and grammar: :mod:`.llama_samplers`), at each draft
+   token too while the draft holds (:func:`.llama_batching.verify`); its
+   :class:`~wsserver.core.textstream.TextAssembler` makes the text (UTF-8, stop
+   strings); EOG, a stop string or ``max_tokens`` (its context's room) end it.
+   Then embedding work, within the budget's room (:mod:`.llama_embed`).
 
 The reasoning budget (the close tag's tokens taken instead of sampled) and
 cancel during a decode (the native abort flag, the cells rolled back):
@@ -58,7 +59,7 @@ import llama_cpp
 from ..core.logprobs import TokenLogprob
 from ..errors import BackendError
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_batching import Batcher, decoding, prefilling
+from .llama_batching import Batcher, decoding, prefilling, verify
 from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
@@ -67,17 +68,10 @@ from .llama_intake import Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
-from .llama_sequences import (
-    PREFIX_SIMILARITY,
-    Job,
-    PromptCache,
-    RequestStats,
-    SequenceState,
-    engine_counters,
-)
+from .llama_sequences import Job, PromptCache, RequestStats, engine_counters
 from .llama_vision import ImageDecoder
 
-__all__ = ["PREFIX_SIMILARITY", "BatchEngine", "RequestStats", "SequenceState"]
+__all__ = ["BatchEngine", "RequestStats"]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -111,6 +105,7 @@ class BatchEngine:
         prompt_cache_bytes: int = 0,
         cache_counters: CacheCounters | None = None,
         images: ImageDecoder | None = None,
+        draft_max: int = 0,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -125,6 +120,7 @@ class BatchEngine:
             prefill_budget=prefill_budget,
             prefill_gap_ms=prefill_gap_ms,
             log_size=4 * _STATS_KEPT,
+            draft_max=draft_max,
         )
         self._piece = piece
         #: The tokens that close a think block whose budget is spent, and
@@ -163,6 +159,7 @@ class BatchEngine:
             reasoning_close=reasoning_close,
             opens_reasoning=opens_reasoning,
             stats=self.stats,
+            draft_max=draft_max,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
         #: A vision model's image encoder and embeddings' decoder (None: text only).
@@ -381,8 +378,8 @@ class BatchEngine:
                 self.stats["prompt_tokens_decoded"] += fed
                 if job.fed == len(job.prompt) and not job.cancelled:
                     job.sink.prompt_processed(len(job.prompt), job.stats.reused)
-            if index >= 0 and not job.cancelled:
-                self._sample(job, index)
+            if index >= 0:  # (a cancelled job's draft cells go, nothing sampled)
+                verify(job, index, self._sample, self.cache.rollback, self.stats)
         ended = time.perf_counter()
         self.seconds["sample"] += ended - decoded
         # The budget sizes what the decoding sequences wait for: the whole step.
@@ -493,7 +490,8 @@ class BatchEngine:
         if job.on_cancel is not None:
             job.cancel.remove_callback(job.on_cancel)
         self.samplers.free(job)
-        if job.seq is not None:
+        if job.seq is not None:  # (a draft's cells past its end go before it completes)
+            self.cache.rollback(job.seq)
             job.seq.job = None
         if job in self._jobs:
             self._jobs.remove(job)

@@ -41,6 +41,7 @@ from ..core.textstream import TextAssembler
 from ..shaping.reasoning import ReasoningBudget
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_host_cache import HostCache, common_prefix
+from .llama_speculation import Drafter
 
 if TYPE_CHECKING:
     from .llama_vision import ImageSpan
@@ -84,6 +85,9 @@ class RequestStats:
     aborted: bool = False
     #: Tokens written instead of sampled to close a think block (its budget spent).
     forced: int = 0
+    #: Draft tokens proposed for it and accepted (:mod:`.llama_speculation`).
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -142,6 +146,10 @@ class Job:
     #: embeddings of the one being decoded (encoded once, decoded over steps).
     media: tuple[ImageSpan, ...] = ()
     embeddings: Any = None
+    #: Its n-gram drafts (None: it does not speculate), and the draft decoded
+    #: beside its next token in the step in flight (:mod:`.llama_speculation`).
+    drafter: Drafter | None = None
+    draft: list[int] = field(default_factory=list)
 
     def text_end(self) -> int:
         """Where the prompt's text from ``fed`` on stops: the next image's
@@ -354,4 +362,7 @@ def engine_counters() -> dict[str, int]:
         "grammar_tokens_asked": 0,
         # Grammar work given up on past its deadline (or its cancel).
         "grammar_abandoned": 0,
+        # Speculative decoding: draft tokens decoded, and those accepted.
+        "draft_tokens": 0,
+        "draft_tokens_accepted": 0,
     }

@@ -45,6 +45,9 @@ class GenerationRequest:
     #: Log-probabilities asked for: how many alternatives per token (0-20);
     #: ``None``: none (the engine computes nothing for them).
     logprobs: int | None = None
+    #: False: no n-gram drafts for it (``speculative`` "off"; speed only,
+    #: the output is the same either way: docs/llama.md, "Speculative decoding").
+    speculative: bool = True
     #: The model asked for, resolved by the server (an engine that serves
     #: several, :meth:`Backend.served_models`, routes by it).
     model: str | None = None
@@ -79,6 +82,7 @@ class GenerationRequest:
             reasoning_budget=frame.reasoning_budget_tokens,
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
             model=frame.model,
+            speculative=frame.speculative != "off",
         )
 
 

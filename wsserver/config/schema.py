@@ -210,6 +210,8 @@ MODEL_OVERRIDES = (
     "engine_stall_s",
     "embed_batch",
     "prompt_cache_bytes",
+    "speculative",
+    "draft_max",
 )
 #: What a model's name (and an alias) may be.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
@@ -288,6 +290,12 @@ class LlamaConfig:
     #: (a returning one is restored, not prefilled again), bytes; counted in
     #: ``models_memory_bytes``. -1 = the size of the model's KV cache; 0 = none.
     prompt_cache_bytes: int = _key(-1, low=-1, high=1 << 50)
+    #: Speculative decoding with n-gram drafts from a sequence's own prompt
+    #: and output (docs/llama.md, "Speculative decoding"): "auto" drafts where
+    #: an n-gram matched and backs off where drafts are rejected; "off" never.
+    speculative: str = _key("auto", choices=("auto", "off"))
+    #: The most draft tokens a sequence decodes in one step (the batch has room for them).
+    draft_max: int = _key(16, low=1, high=256)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).

@@ -146,6 +146,9 @@ class Generate:
     #: ``keep_alive``): 0 = unloaded at once, -1 = until its memory is needed;
     #: None: the model's ``keep_alive_s``.
     keep_alive: float | None = None
+    #: ``auto`` | ``off``: n-gram drafts where they pay, or none for this
+    #: request (for speed only: speculation never changes the output). None: ``auto``.
+    speculative: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +292,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "top_logprobs",
         "model",
         "keep_alive",
+        "speculative",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -358,6 +362,10 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
             raise fail("'reasoning_budget_tokens' must be an integer >= 0 (-1: no budget)")
         # -1 is llama-server's "unrestricted": the same as leaving it out.
         out["reasoning_budget_tokens"] = None if value == -1 else value
+    if "speculative" in obj:
+        if obj["speculative"] not in ("auto", "off"):
+            raise fail('\'speculative\' must be "auto" or "off"')
+        out["speculative"] = obj["speculative"]
     if "chat_template_kwargs" in obj:
         out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
     chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))

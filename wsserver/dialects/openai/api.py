@@ -185,6 +185,7 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
         "reasoning_format",
         "keep_alive",
         "reasoning_budget_tokens",
+        "speculative",
     ):
         if name in given:
             frame[name] = given[name]

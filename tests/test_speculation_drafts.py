@@ -1,0 +1,137 @@
+"""The n-gram drafter of speculative decoding, sans-I/O (wsserver/backends/llama_speculation.py),
+and the per-request switch on the wire."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from wsserver.backends.llama_speculation import FIRST_DRAFT, MAX_PAUSE, Drafter
+from wsserver.backends.request import GenerationRequest
+from wsserver.core.protocol import Generate, Limits, parse_client_frame
+from wsserver.dialects.openai.api import ApiError, parse_request
+from wsserver.errors import ProtocolError
+
+
+def test_it_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    drafter = Drafter(8)
+    history = [1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 8, 1, 2]
+    # The last tokens are (..., 1, 2) + 3: "2 3" and "1 2 3" occurred; the
+    # longest match, "1 2 3" at the start, is followed by 4, 5, 6, 7.
+    assert drafter.propose(history, 3, limit=8) == [4, 5, 6, 7][:FIRST_DRAFT]
+    # Only "0 2 3" matches; its latest occurrence was followed by 4, 8, 1, 2.
+    drafter = Drafter(8)
+    assert drafter.propose([0, 2, 3, 6, 0, 2, 3, 4, 8, 1, 0, 2], 3, limit=4) == [4, 8, 1, 0]
+
+
+def test_the_longest_ngram_wins_over_a_later_shorter_one() -> None:
+    drafter = Drafter(8)
+    # "7 1 2 3" occurs at the start (then 40); "1 2 3" alone later (then 50).
+    history = [7, 1, 2, 3, 40, 41, 9, 1, 2, 3, 50, 51, 7, 1, 2]
+    assert drafter.propose(history, 3, limit=2) == [40, 41]
+
+
+def test_no_match_no_draft_and_two_tokens_are_too_few() -> None:
+    drafter = Drafter(8)
+    assert drafter.propose([1, 2, 3, 4], 5, limit=8) == []
+    # "5 3" occurred before, but two tokens match by chance too often.
+    assert drafter.propose([5, 3, 9, 1, 2, 4, 5], 3, limit=8) == []
+    assert drafter.propose([], 3, limit=8) == []
+
+
+def test_a_repeating_run_is_drafted_on_up_to_the_limit() -> None:
+    drafter = Drafter(16)
+    drafter.length = 16
+    # A run of one token: "7 7 7" matched one position back; the draft
+    # reaches the token being decoded, and repeats the run after it.
+    assert drafter.propose([7, 7, 7], 7, limit=16) == [7] * 16
+    assert drafter.propose([5, 6, 5, 6, 5], 6, limit=5) == [5, 6, 5, 6, 5]
+    assert drafter.propose([5, 6, 5, 6, 5], 6, limit=1) == [5]
+    assert drafter.propose([5, 6, 5, 6, 5], 6, limit=0) == []
+    drafter = Drafter(16)
+    drafter.length = 3  # the drafter's own length bounds it too
+    assert drafter.propose([1, 2, 3, 1, 2], 3, limit=16) == [1, 2, 3]
+
+
+def test_image_positions_are_never_matched_nor_drafted() -> None:
+    drafter = Drafter(8)
+    drafter.length = 8
+    # Image positions are negative ids: the draft stops before one ...
+    assert drafter.propose([1, 2, 3, -1, -1, 9, 1, 2], 3, limit=8) == []
+    drafter = Drafter(8)
+    drafter.length = 8
+    assert drafter.propose([0, 1, 2, 4, 5, -1, -1, 9, 0, 1], 2, limit=8) == [4, 5]
+    # ... and an n-gram across one is not a key.
+    drafter = Drafter(8)
+    assert drafter.propose([7, -1, 4, 5, 9, 7, -1], 4, limit=8) == []
+
+
+def test_the_index_grows_with_the_history() -> None:
+    drafter = Drafter(8)
+    history = [1, 2, 3, 4]
+    assert drafter.propose(history, 9, limit=8) == []
+    history += [9, 1, 2]
+    assert drafter.propose(history, 3, limit=8) == [4, 9, 1, 2]
+
+
+def test_accepted_drafts_grow_to_draft_max() -> None:
+    drafter = Drafter(16)
+    assert drafter.length == FIRST_DRAFT
+    drafter.verified(4, 4)
+    assert drafter.length == 8
+    drafter.verified(8, 8)
+    drafter.verified(16, 16)
+    assert drafter.length == 16
+    drafter.verified(16, 9)  # paid (more than half), not all: the length stays
+    assert (drafter.length, drafter.pause, drafter.misses) == (16, 0, 0)
+    assert (drafter.drafted, drafter.accepted) == (44, 37)
+    assert Drafter(2).length == 2
+
+
+def test_rejected_drafts_shrink_and_pause_for_longer_each_time() -> None:
+    drafter = Drafter(16)
+    history = [1, 2, 3, 4, 5, 1, 2]
+    pauses = []
+    for _ in range(9):
+        drafter.verified(4, 1)  # did not pay
+        pauses.append(drafter.pause)
+        # While paused, no draft even though "1 2 3" matches.
+        for _ in range(drafter.pause):
+            assert drafter.propose(history, 3, limit=8) == []
+        assert drafter.propose(history, 3, limit=8) != []
+    assert pauses == [1, 3, 7, 15, 31, 63, MAX_PAUSE, MAX_PAUSE, MAX_PAUSE]
+    assert drafter.length == 2
+    drafter.verified(2, 1)  # paid again: no pause, the misses forgotten
+    assert (drafter.pause, drafter.misses) == (0, 0)
+    drafter.verified(2, 0)
+    assert drafter.pause == 1
+
+
+# ---------------------------------------------------------------- the per-request switch
+
+
+def test_speculative_on_a_generate_and_an_openai_body() -> None:
+    limits = Limits(max_prompt_chars=100, max_tokens=50)
+
+    def frame(**fields: object) -> Generate:
+        parsed = parse_client_frame(
+            orjson.dumps({"type": "generate", "id": "g", "prompt": "hi", **fields}).decode(),
+            limits,
+        )
+        assert isinstance(parsed, Generate)
+        return parsed
+
+    def speculates(generate: Generate) -> bool:
+        return GenerationRequest.from_frame(generate, default_max_tokens=8).speculative
+
+    assert speculates(frame()) and speculates(frame(speculative="auto"))
+    assert not speculates(frame(speculative="off"))
+    for wrong in ("on", True, None, 1):
+        with pytest.raises(ProtocolError, match="'speculative' must be"):
+            frame(speculative=wrong)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "speculative": "off"}
+    api = parse_request("chat", orjson.dumps(body), "r1", limits)
+    assert api.generate.speculative == "off"
+    body["speculative"] = "fast"
+    with pytest.raises(ApiError, match="speculative"):
+        parse_request("chat", orjson.dumps(body), "r1", limits)

@@ -1,0 +1,151 @@
+"""Speculative decoding with n-gram drafts: prompt lookup (used by :mod:`.llama_engine`).
+
+Theory of operation
+-------------------
+A decoding sequence that repeats text it has seen — a code listing it is
+asked to edit, a quote, an extraction — can often be predicted from its own
+context. :class:`Drafter` looks up the last few tokens (the token about to be
+decoded and the ones before it: :data:`NGRAM_SIZES`, the longest that
+matched) at their latest earlier occurrence in the sequence's prompt and
+output, and proposes the tokens that followed there (a match just before
+the end is a repeating run, and the draft repeats it). No second model: the
+drafts cost a dictionary look-up.
+
+The engine decodes a sequence's next token and its draft in the same step
+as everyone else's tokens, with logits at each position
+(:func:`.llama_batching.plan_step`), then :func:`.llama_batching.verify`
+samples at each position in turn with the sequence's own sampler chain,
+exactly as if the tokens had come one step at a time, and stops at the
+first sampled token that differs from the draft: every sampled token is
+emitted (the accepted draft and the one after it), and the rejected draft
+tokens' cells are removed. For a draft fixed before sampling this is the
+standard acceptance rule (accept ``d`` with probability ``p(d)``; on
+reject, sample from ``p`` without ``d``) in its simplest form — draw ``x``
+from ``p``, accept iff ``x == d`` — so the output has the distribution of
+plain decoding; greedy output is the same token for token, and a seeded
+chain draws once per emitted token, as without drafts — given the same
+logits, which quantized weights' multi-row kernels do not quite give
+(docs/llama.md, "Speculative decoding").
+
+A draft costs the step its tokens (the output row over the whole vocabulary
+most of all), so drafting is automatic where it pays (docs/llama.md,
+"Speculative decoding"): only when an n-gram matched; a sequence's draft
+grows while it is accepted and shrinks when it is not; a draft that did not
+pay (fewer than half of its tokens accepted) pauses the sequence's drafting
+for 1, 3, 7, ... steps (up to :data:`MAX_PAUSE`), so ordinary prose drafts
+rarely. Sans-I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["FIRST_DRAFT", "MAX_PAUSE", "NGRAM_SIZES", "Drafter"]
+
+#: The n-gram sizes looked up, longest first: a longer match is more likely
+#: the same passage; 3 re-aligns a copy three tokens after an edit; 2-grams
+#: matched by chance in prose (docs/llama.md, "Speculative decoding").
+NGRAM_SIZES = (4, 3)
+#: A sequence's first draft (then doubled while accepted, up to ``draft_max``).
+FIRST_DRAFT = 4
+#: The longest pause (steps without drafting) after drafts that did not pay.
+MAX_PAUSE = 64
+#: Token ids fit in this many bits (llama.cpp's are int32): n-gram keys are
+#: their tokens packed into one integer.
+_BITS = 32
+
+
+class Drafter:
+    """One sequence's n-gram index, its drafts and how well they did (see the
+    module docstring). ``draft_max``: the most tokens one draft proposes."""
+
+    def __init__(self, draft_max: int) -> None:
+        self.draft_max = draft_max
+        #: For each size in :data:`NGRAM_SIZES`: n-gram key -> the position
+        #: after its latest occurrence (where its continuation starts).
+        self._after: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
+        #: History positions indexed so far (the history only grows).
+        self._indexed = 0
+        #: The next draft's length, and the pause before it (steps).
+        self.length = min(draft_max, FIRST_DRAFT)
+        self.pause = 0
+        #: Drafts in a row that did not pay (the pause doubles with each).
+        self.misses = 0
+        #: Tokens proposed and accepted over the sequence's life.
+        self.drafted = 0
+        self.accepted = 0
+
+    def propose(self, history: Sequence[int], last: int, limit: int) -> list[int]:
+        """A draft of at most ``limit`` tokens to follow ``last`` — the token
+        about to be decoded after ``history``, the sequence's committed
+        tokens (prompt and output; negative ids are image positions, never
+        matched nor drafted). Empty: no match, or drafting paused."""
+        if self.pause > 0:
+            self.pause -= 1
+            return []
+        limit = min(limit, self.length)
+        if limit <= 0 or last < 0:
+            return []
+        self._index(history)
+        at = self._match(history, last)
+        if at is None:
+            return []
+        # The continuation, up to ``last``; a match that close to the end is a
+        # repeating run (a loop, a list's pattern) of period ``end + 1 - at``,
+        # and the draft goes on repeating it.
+        end = len(history)
+        draft: list[int] = []
+        for k in range(limit):
+            p = at + k
+            token = history[p] if p < end else last if p == end else draft[k - (end + 1 - at)]
+            if token < 0:
+                break
+            draft.append(token)
+        return draft
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens had its first ``accepted`` accepted:
+        the next draft's length and pause follow (see the module docstring)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if 2 * accepted >= drafted:  # paid: a draft token costs about half a step's
+            self.misses = 0
+            if accepted == drafted:
+                self.length = min(self.draft_max, 2 * self.length)
+            return
+        self.misses += 1
+        self.length = max(min(self.draft_max, 2), self.length // 2)
+        self.pause = min(MAX_PAUSE, (1 << self.misses) - 1)
+
+    def _index(self, history: Sequence[int]) -> None:
+        """Index the n-grams ending at each history position not indexed yet:
+        each maps to the position after it (the latest occurrence wins)."""
+        longest = NGRAM_SIZES[0]
+        for end in range(self._indexed, len(history)):
+            key = 0
+            for n in range(1, min(longest, end + 1) + 1):
+                token = history[end - n + 1]
+                if token < 0:
+                    break
+                key = (key << _BITS) | token
+                table = self._after.get(n)
+                if table is not None:
+                    table[key] = end + 1
+        self._indexed = len(history)
+
+    def _match(self, history: Sequence[int], last: int) -> int | None:
+        """Where the continuation of the longest n-gram ending in ``last``
+        starts at its latest earlier occurrence (None: no n-gram matched)."""
+        keys: dict[int, int] = {}
+        key, n = last, 1
+        while n < NGRAM_SIZES[0] and n <= len(history):
+            token = history[-n]
+            if token < 0:
+                break
+            key = (key << _BITS) | token
+            n += 1
+            keys[n] = key
+        for size in NGRAM_SIZES:
+            if size in keys and (at := self._after[size].get(keys[size])) is not None:
+                return at
+        return None
