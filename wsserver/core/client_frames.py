@@ -146,6 +146,11 @@ class Generate:
     #: ``keep_alive``): 0 = unloaded at once, -1 = until its memory is needed;
     #: None: the model's ``keep_alive_s``.
     keep_alive: float | None = None
+    #: How many choices to generate for the prompt (``n``), which one this
+    #: frame runs, and the id the request was given (its choices' own ids differ).
+    n: int = 1
+    choice: int = 0
+    choice_of: str = ""
 
 
 @dataclass(frozen=True, slots=True)
