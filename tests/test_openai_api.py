@@ -86,7 +86,9 @@ def test_a_completion_body_with_stream_options() -> None:
 @pytest.mark.parametrize(
     ("kind", "body", "status", "code", "message"),
     [
-        ("chat", chat(n=2), 400, "bad_request", "only n=1 is supported"),
+        ("chat", chat(n=0), 400, "bad_request", "'n' must be an integer from 1 to 128"),
+        ("chat", chat(n=129), 400, "bad_request", "'n' must be an integer from 1 to 128"),
+        ("completion", orjson.dumps({"prompt": "x", "n": 1.5}), 400, "bad_request", "'n' must"),
         (
             "chat",
             chat(temperature=101),

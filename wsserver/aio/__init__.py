@@ -27,6 +27,7 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       │   └── ollama_pull    one /api/pull's answer: its progress, then success
     │       ├── embedding_routes  /v1/embeddings, /v1/rerank and /rerank
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
+    │           ├── choices        n > 1: a driver per choice, their frames merged into one answer
     │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: streamed (head, keep-alive, drain) or whole

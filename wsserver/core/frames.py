@@ -104,6 +104,8 @@ class Delta:
     #: a call's first part has its ``id`` and ``name``, later ones more
     #: ``arguments`` text.
     tool_calls: tuple[CallPart, ...] | None = None
+    #: Which of a request's ``n`` choices it belongs to (None: it asked one).
+    choice: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
