@@ -1,4 +1,4 @@
-"""Several choices for one prompt on the HTTP exchange (``n`` > 1: docs/openai.md, "Several choices").
+"""Several choices for one prompt on the HTTP exchange (``n`` > 1: docs/openai-api.md, "Several choices").
 
 Theory of operation
 -------------------

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The server runs each of a request's ``n`` choices as a request of its own
-(its own slot, channel and text stream: docs/openai.md, "Several choices"),
+(its own slot, channel and text stream: docs/openai-api.md, "Several choices"),
 all carrying the same :attr:`~.request.GenerationRequest.group`. What they
 share is the prompt, and the engine ingests it once:
 

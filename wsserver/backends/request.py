@@ -51,7 +51,7 @@ class GenerationRequest:
     #: What :meth:`Backend.prepare` worked out off the loop (the engine's own
     #: type: a rendered and tokenized prompt); None until then.
     prepared: object | None = None
-    #: One of several choices for one prompt (``n`` > 1: docs/openai.md,
+    #: One of several choices for one prompt (``n`` > 1: docs/openai-api.md,
     #: "Several choices"): which one (0 to ``choices - 1``), and the key its
     #: siblings share — an engine that can shares the prompt's work among
     #: them (the llama engine: :mod:`.llama_choices`). ``group`` None: alone.

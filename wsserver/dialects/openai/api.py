@@ -131,7 +131,7 @@ _UNSUPPORTED: Final[dict[str, Any]] = {
 
 
 #: The most choices one request may ask for (OpenAI's own bound); the
-#: exchange bounds ``n`` by the model's ``parallel`` too (docs/openai.md).
+#: exchange bounds ``n`` by the model's ``parallel`` too (docs/openai-api.md, "Several choices").
 MAX_CHOICES: Final = 128
 
 
