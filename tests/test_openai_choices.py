@@ -208,3 +208,29 @@ async def test_llama_choices_with_the_sdk_share_the_prompt(tiny_gguf: Path) -> N
         )
         assert [c.index for c in chat.choices] == [0, 1]
         assert all(c.finish_reason == "length" for c in chat.choices)
+
+
+async def test_a_choice_that_fails_ends_the_answer_and_cancels_the_others() -> None:
+    """Two slots, one taken: the first choice gets the other, the second
+    finds the queue full (no room to wait): the answer is that 503, and the
+    first choice is cancelled — no answer with a missing choice."""
+    async with (
+        running_server(
+            backend__fake__tokens_per_s=20.0,
+            backend__fake__parallel=2,
+            backend__fake__max_waiting=0,
+        ) as server,
+        sdk(server) as client,
+    ):
+        first = await client.completions.create(
+            model=FAKE_MODEL, prompt="a", max_tokens=1000, stream=True
+        )
+        await first.__anext__()
+        with pytest.raises(openai.InternalServerError, match="already waiting") as info:
+            await client.completions.create(model=FAKE_MODEL, prompt="b", max_tokens=1000, n=2)
+        assert info.value.status_code == 503
+        await first.close()
+        # Both slots come free: the first choice was cancelled, not left to run.
+        reply = await client.completions.create(model=FAKE_MODEL, prompt="c", max_tokens=2, n=2)
+        assert [c.finish_reason for c in reply.choices] == ["length", "length"]
+        assert requests_ended(server, "cancelled") == 2

@@ -93,14 +93,15 @@ class ChoiceMerge:
         self._finish = finish
         self._ends: dict[int, Done] = {}
         self._heads: set[type[ServerFrame]] = set()
-        self._over = False
+        #: The answer's end is written (or being written): nothing more goes out.
+        self.over = False
         self.drivers: list[RequestDriver] = []
 
     def dialect(self, index: int) -> _ChoiceDialect:
         return _ChoiceDialect(self, index)
 
     async def write(self, index: int, frame: ServerFrame) -> None:
-        if self._over:
+        if self.over:
             return
         if isinstance(frame, Delta):
             await self._write(dataclasses.replace(frame, choice=index))
@@ -115,14 +116,18 @@ class ChoiceMerge:
                 self._answer.head()
                 await self._answer.write(data)
             if len(self._ends) == self._n:
-                self._over = True
+                self.over = True
                 await self._write(self._whole())
         elif isinstance(frame, Done | Error):
             # The first failure ends the answer; the other choices are cancelled.
-            self._over = True
-            for driver in self.drivers:
-                driver.cancel_soon()
+            self.over = True
+            self.cancel_all()
             await self._write(frame)
+
+    def cancel_all(self) -> None:
+        """Cancel every choice that runs (or waits for the model)."""
+        for driver in self.drivers:
+            driver.cancel_soon()
 
     def _whole(self) -> Done:
         """The request's end: choice 0's, its usage the prompt once and every

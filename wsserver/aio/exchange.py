@@ -148,6 +148,9 @@ class Exchange:
         try:
             for driver, frame in zip(drivers, frames, strict=True):
                 await driver.receive(frame, model=model)
+                if merge is not None and merge.over:
+                    merge.cancel_all()  # a choice failed: the rest would run for nobody
+                    break
             for driver in drivers:
                 if route.out.lost:
                     driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
