@@ -51,7 +51,7 @@ def choices(base: GenerationRequest, n: int, group: str) -> list[GenerationReque
     return [
         dataclasses.replace(
             base,
-            id=base.id if k == 0 else f"{base.id}-{k}",
+            id=base.id if k == 0 else f"{base.id}#{k}",
             choice=k,
             choices=n,
             group=group,

@@ -6,8 +6,8 @@ Each of a request's ``n`` choices runs as a request of its own — its own
 :class:`~wsserver.aio.driver.RequestDriver` and session, so its own slot in
 the scheduler, bounded channel, pacing, text shaping (reasoning, tool calls)
 and one ``done`` — with the frame :func:`choice_frames` makes for it: its
-own id, its index, and with a ``seed`` the seed plus its index (so that
-seeded choices differ). The engine knows them as one group by
+own id, its index, and with a ``seed`` the seed plus its index (modulo
+2**32, llama.cpp's seeds; so that seeded choices differ). The engine knows them as one group by
 ``choice_of`` and shares their prompt's work (the llama engine ingests it
 once: :mod:`wsserver.backends.llama_choices`).
 
@@ -33,7 +33,6 @@ from ..core.protocol import Delta, Done, Error, Generate, Queued, ServerFrame, S
 from ..dialects.api_errors import ApiError
 from ..dialects.exchange import terminal_of
 from .driver import RequestDriver
-from .http_answer import HttpAnswer
 
 __all__ = ["ChoiceMerge", "check_choices", "choice_frames"]
 
@@ -55,9 +54,10 @@ def choice_frames(generate: Generate) -> list[Generate]:
     return [
         dataclasses.replace(
             generate,
-            id=generate.id if k == 0 else f"{generate.id}-{k}",
+            # '#' is no client's: a choice's id never meets another request's.
+            id=generate.id if k == 0 else f"{generate.id}#{k}",
             choice=k,
-            seed=None if generate.seed is None else generate.seed + k,
+            seed=None if generate.seed is None else (generate.seed + k) % 2**32,
         )
         for k in range(generate.n)
     ]
@@ -82,14 +82,12 @@ class ChoiceMerge:
         n: int,
         *,
         write: Callable[[ServerFrame], Awaitable[None]],
-        answer: HttpAnswer,
-        finish: Callable[[Done, int], bytes],
+        finish: Callable[[Done, int], Awaitable[None]],
     ) -> None:
         self._n = n
-        #: The exchange's own writer: the head, the chunks, the one end.
+        #: The dialect's own writer: the head, the chunks, the one end.
         self._write = write
-        self._answer = answer
-        #: The renderer's end of one choice: its finish chunk (streamed).
+        #: Writes the end of one choice (a finish chunk, a ``choice_done``).
         self._finish = finish
         self._ends: dict[int, Done] = {}
         self._heads: set[type[ServerFrame]] = set()
@@ -111,10 +109,7 @@ class ChoiceMerge:
                 await self._write(frame)
         elif isinstance(frame, Done) and terminal_of(frame) == "finished":
             self._ends[index] = frame
-            data = self._finish(frame, index)
-            if data:
-                self._answer.head()
-                await self._answer.write(data)
+            await self._finish(frame, index)
             if len(self._ends) == self._n:
                 self.over = True
                 await self._write(self._whole())

@@ -127,9 +127,7 @@ class Exchange:
         if generate.n > 1:  # several choices: a driver each (wsserver.aio.choices)
             check_choices(generate.n, model.backend.slots)
             frames = choice_frames(generate)
-            merge = ChoiceMerge(
-                generate.n, write=self.write, answer=answer, finish=renderer.choice_done
-            )
+            merge = ChoiceMerge(generate.n, write=self.write, finish=self._choice_done)
         drivers = self._drivers = [
             RequestDriver(
                 self._services,
@@ -266,6 +264,13 @@ class Exchange:
                 answer.write_last(end.data)
             else:
                 answer.respond(end.status, end.data)
+
+    async def _choice_done(self, done: Done, index: int) -> None:
+        """One of several choices ran to its end: its finish chunk, if streamed."""
+        data = self._renderer.choice_done(done, index)
+        if data and self._answer is not None:
+            self._answer.head()
+            await self._answer.write(data)
 
     def _prompt_counted(self, event: PromptCounted) -> None:
         self._renderer.prompt_counted(event.prompt_tokens, event.cached_tokens)

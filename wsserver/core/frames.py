@@ -20,6 +20,7 @@ from .models import ModelInfo
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "ChoiceDone",
     "Delta",
     "Done",
     "DoneReason",
@@ -149,6 +150,19 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class ChoiceDone:
+    """One choice of a request for several (``n``) ended; not terminal: the
+    request's one ``done`` follows the last choice's."""
+
+    id: str
+    choice: int
+    reason: DoneReason
+    #: The choice's own completion (and reasoning) tokens; the prompt's are the ``done``'s.
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     id: str | None
     code: WireCode
@@ -200,5 +214,15 @@ class EmbedDone:
 
 
 ServerFrame = (
-    Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone | EmbedDone
+    Hello
+    | Queued
+    | Started
+    | Delta
+    | ChoiceDone
+    | Done
+    | Error
+    | Resumed
+    | Pulling
+    | PullDone
+    | EmbedDone
 )

@@ -12,7 +12,7 @@ protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
 ``developer`` role, an assistant's ``reasoning_content`` (the frame's
 ``reasoning``), ``n`` (several choices: the frame's ``n``, at most
-:data:`MAX_CHOICES` here and the model's ``parallel`` at the exchange),
+:data:`~wsserver.core.sampling.MAX_CHOICES` and the model's ``parallel`` at the exchange),
 ``stream`` and ``stream_options``,
 completions' legacy ``logprobs`` (a count; chat's ``logprobs`` and
 ``top_logprobs`` are the frame's own). The
@@ -39,12 +39,11 @@ import orjson
 from ...core.images import IMAGE_MARKER, ImageBudget, with_images
 from ...core.models import ModelInfo
 from ...core.protocol import Generate, Limits, parse_client_frame
-from ...core.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
+from ...core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SAMPLING_FIELDS
 from ...errors import ProtocolError
 from ..api_errors import ApiError, error_body, parse_json, status_of
 
 __all__ = [
-    "MAX_CHOICES",
     "ApiError",
     "ApiRequest",
     "Kind",
@@ -128,11 +127,6 @@ _UNSUPPORTED: Final[dict[str, Any]] = {
     "functions": None,
     "function_call": None,
 }
-
-
-#: The most choices one request may ask for (OpenAI's own bound); the
-#: exchange bounds ``n`` by the model's ``parallel`` too (docs/openai-api.md, "Several choices").
-MAX_CHOICES: Final = 128
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
