@@ -98,3 +98,20 @@ async def test_n_refusals_name_it() -> None:
             await client.send({"type": "generate", "id": "ok", "prompt": "x"})
             error = await client.until(lambda f: f["type"] == "error")
             assert error[-1]["code"] == "duplicate_id"
+
+
+async def test_the_python_client_gives_each_choices_text() -> None:
+    from wsserver_client import Client
+
+    async with (
+        running_server(backend__fake__tokens_per_s=0.0) as server,
+        Client(server.url, resumable=True) as client,
+    ):
+        stream = client.generate("hello there", max_tokens=6, seed=5, n=2)
+        async for _ in stream:
+            pass
+        assert stream.done is not None and stream.done.usage.completion_tokens == 12
+        assert stream.choice_texts() == [
+            expected_fake_text("hello there", 6, seed=5 + k) for k in range(2)
+        ]
+        assert sorted(end.choice for end in stream.choice_ends) == [0, 1]
