@@ -208,6 +208,9 @@ async def test_llama_choices_with_the_sdk_share_the_prompt(tiny_gguf: Path) -> N
         )
         assert [c.index for c in chat.choices] == [0, 1]
         assert all(c.finish_reason == "length" for c in chat.choices)
+        # Seeds 3 and 4: each choice its own answer.
+        assert chat.choices[0].message.content != chat.choices[1].message.content
+        assert chat.usage is not None and chat.usage.completion_tokens == 16
 
 
 async def test_a_choice_that_fails_ends_the_answer_and_cancels_the_others() -> None:
