@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from http import HTTPStatus
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 
 from wsserver.aio.front import is_api_target
 from wsserver.backends.openai_wire import parse_chunk
-from wsserver.core.protocol import Done, Limits, Message, Timings, Usage
+from wsserver.core.logprobs import TokenLogprob
+from wsserver.core.protocol import Delta, Done, Limits, Message, Timings, Usage
 from wsserver.dialects.openai.api import ApiError, error_body, parse_request, status_of
-from wsserver.dialects.openai.render import Reply
+from wsserver.dialects.openai.render import CompletionAnswer, Reply
 from wsserver.sse import SSEParser
 
 LIMITS = Limits(max_prompt_chars=100, max_tokens=50)
@@ -86,7 +88,9 @@ def test_a_completion_body_with_stream_options() -> None:
 @pytest.mark.parametrize(
     ("kind", "body", "status", "code", "message"),
     [
-        ("chat", chat(n=2), 400, "bad_request", "only n=1 is supported"),
+        ("chat", chat(n=0), 400, "bad_request", "'n' must be an integer from 1 to 128"),
+        ("chat", chat(n=129), 400, "bad_request", "'n' must be an integer from 1 to 128"),
+        ("completion", orjson.dumps({"prompt": "x", "n": 1.5}), 400, "bad_request", "'n' must"),
         (
             "chat",
             chat(temperature=101),
@@ -170,6 +174,48 @@ def test_a_whole_body_has_the_text_and_usage() -> None:
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+
+
+def test_several_choices_render_each_with_its_index_logprobs_and_end() -> None:
+    """``n`` = 2, sans-I/O: each choice its role, its legacy ``text_offset``,
+    its finish chunk; whole, sorted by index, each with its own end."""
+    entry = TokenLogprob(token="ab", logprob=-0.5, bytes=b"ab")
+    body = completion_body(n=2, logprobs=1)
+    api = parse_request("completion", body, "r1", LIMITS)
+    assert api.n == 2 and api.generate.choice_of == "r1"
+    streamed = CompletionAnswer(dataclasses.replace(api, stream=True), "m", created=1)
+    data = b"".join(
+        streamed.chunk(Delta("r1", seq, text, logprobs=(entry,), choice=k))
+        for seq, (k, text) in enumerate([(1, "ab"), (0, "ab"), (1, "ab")])
+    )
+    data += streamed.choice_done(done("length"), 1) + streamed.choice_done(done("stop"), 0)
+    data += streamed.last(done())
+    events = SSEParser().feed(data)
+    assert events[-1] == "[DONE]"
+    choices = [orjson.loads(e)["choices"][0] for e in events[:-1]]
+    assert [(c["index"], c["finish_reason"]) for c in choices] == [
+        (1, None),
+        (0, None),
+        (1, None),
+        (1, "length"),
+        (0, "stop"),
+    ]
+    # Each choice's offsets count its own text.
+    assert [c["logprobs"]["text_offset"] for c in choices[:3]] == [[0], [0], [2]]
+    whole = CompletionAnswer(api, "m", created=1)
+    for k, text in [(1, "x"), (0, "y"), (1, "z")]:
+        whole.gather(Delta("r1", 0, text, choice=k))
+    assert whole.choice_done(done("length"), 1) == b""
+    whole.choice_done(done("stop"), 0)
+    out = orjson.loads(whole.body(done()))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in out["choices"]] == [
+        (0, "y", "stop"),
+        (1, "xz", "length"),
+    ]
+
+
+def completion_body(**fields: Any) -> bytes:
+    return orjson.dumps({"prompt": "hi", **fields})
 
 
 @pytest.mark.parametrize(

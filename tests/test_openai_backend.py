@@ -632,3 +632,20 @@ async def test_a_model_goes_to_the_least_busy_upstream_that_serves_it() -> None:
             for client, request_id in ((first, "a"), (second, "b")):
                 await client.send({"type": "cancel", "id": request_id})
                 await client.done(request_id)
+
+
+async def test_several_choices_go_upstream_as_a_request_each_with_its_seed() -> None:
+    """The relay serves ``n`` as it serves any request, once per choice
+    (docs/upstream.md): no ``n`` upstream, ``seed + k``."""
+    async with FakeUpstream() as up, relay(up.url, parallel=2) as server:
+        async with wire(server) as client:
+            await client.send(gen("n", max_tokens=50, seed=3, n=2))
+            _, frames = await client.done("n")
+    texts: dict[int, str] = {}
+    for frame in frames:
+        if frame["type"] == "delta":
+            texts[frame["choice"]] = texts.get(frame["choice"], "") + frame["text"]
+    assert texts == {0: TEXT, 1: TEXT}
+    assert frames[-1]["usage"]["completion_tokens"] == 2 * len(PIECES)
+    assert sorted(stream.body["seed"] for stream in up.streams) == [3, 4]
+    assert all("n" not in stream.body for stream in up.streams)

@@ -232,8 +232,8 @@ async def test_shutdown_ends_a_running_stream_with_an_error_event_and_closes() -
 
 async def test_errors_come_as_the_sdks_exceptions_with_our_messages() -> None:
     async with running_server(server__max_frame_bytes=4096) as server, sdk(server) as client:
-        with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
-            await client.chat.completions.create(model=FAKE_MODEL, messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 128"):
+            await client.chat.completions.create(model=FAKE_MODEL, messages=MESSAGES, n=500)  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError, match="'temperature' must be between 0 and 100"):
             await client.completions.create(model=FAKE_MODEL, prompt="x", temperature=500)
         with pytest.raises(openai.NotFoundError, match="does not exist"):

@@ -113,6 +113,9 @@ export interface GenerateParams {
   logprobs?: boolean;
   /** Integer in [0, 20]: alternatives per token; only with `logprobs: true`. Default 0. */
   top_logprobs?: number;
+  /** Several choices for the prompt (1-128, at most the model's `parallel`): each
+   * delta carries its `choice`, a `choice_done` ends each; not resumable. Default 1. */
+  n?: number;
   /**
    * The model to serve it: one of `HelloFrame.models`' names (default: the
    * server's default model, `HelloFrame.model`). An unknown name is refused
@@ -318,6 +321,18 @@ export interface DeltaFrame {
   logprobs?: TokenLogprob[];
   /** Parts of the model's tool calls (a request with `tools`), after `text`. */
   tool_calls?: ToolCallPart[];
+  /** Which choice it belongs to: only for a request for several (`n` > 1). */
+  choice?: number;
+}
+
+/** One choice of a request for several (`n`) ended; the request's `done` follows the last. */
+export interface ChoiceDoneFrame {
+  type: "choice_done";
+  id: string;
+  choice: number;
+  reason: "stop" | "length" | "tool_calls";
+  usage: { completion_tokens: number; reasoning_tokens?: number };
+  stop_sequence?: string;
 }
 
 /** A part of a tool call: the first of a call (by `index`) has `id` and `name`,
@@ -431,6 +446,7 @@ export type ServerFrame =
   | QueuedFrame
   | StartedFrame
   | DeltaFrame
+  | ChoiceDoneFrame
   | DoneFrame
   | ErrorFrame
   | ResumedFrame
@@ -541,6 +557,8 @@ export interface StreamEvents {
   reasoning: string;
   /** A part of a tool call (after its frame's text): the call it joined, and the text it added. */
   toolCall: { call: ToolCall; arguments: string };
+  /** One choice of a request for several (`n`) ended. */
+  choiceDone: ChoiceDoneFrame;
   done: DoneFrame;
   error: WsError;
   /** The server accepted the resume: the text after `afterSeq` follows. */
@@ -687,6 +705,10 @@ export declare class GenerationStream
   readonly reasoning: string;
   /** The model's tool calls, in order, joined from their parts so far. */
   readonly toolCalls: ToolCall[];
+  /** A request for several choices (`n`): each choice's text by index (`text` has them all). */
+  readonly choiceTexts: string[];
+  /** A request for several choices: the `choice_done` of each ended choice. */
+  readonly choiceEnds: ChoiceDoneFrame[];
   /** True after `done` or a failure. */
   readonly finished: boolean;
   /** True after `cancel()`, `restart()` or leaving the loop early. */

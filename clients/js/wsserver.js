@@ -348,6 +348,14 @@ export class GenerationStream extends Emitter {
     this.text = "";
     /** All reasoning received (a think block the server kept apart from the text). */
     this.reasoning = "";
+    /**
+     * A request for several choices (`n`): each choice's text by index (`text`
+     * has them all, as they came); its `choice_done` frames in `choiceEnds`.
+     * @type {string[]}
+     */
+    this.choiceTexts = [];
+    /** @type {import("./wsserver.d.ts").ChoiceDoneFrame[]} */
+    this.choiceEnds = [];
     /** The model's tool calls, in order, joined from their parts so far. @type {ToolCall[]} */
     this.toolCalls = [];
     /** The connection epoch the request was sent on (internal). @type {number} */
@@ -578,6 +586,9 @@ export class GenerationStream extends Emitter {
           this.reasoning += frame.reasoning;
           this.emit("reasoning", frame.reasoning);
         }
+        if (typeof frame.choice === "number") {
+          this.choiceTexts[frame.choice] = (this.choiceTexts[frame.choice] ?? "") + frame.text;
+        }
         if (frame.text) {
           this.text += frame.text;
           this.#chunks.push(frame.text);
@@ -585,6 +596,10 @@ export class GenerationStream extends Emitter {
           this.emit("delta", frame.text);
         }
         for (const part of frame.tool_calls ?? []) this.#joinCall(part);
+        return;
+      case "choice_done":
+        this.choiceEnds.push(frame);
+        this.emit("choiceDone", frame);
         return;
       case "done":
         this._finishDone(frame);
@@ -922,7 +937,9 @@ export class WsClient extends Emitter {
    */
   generate(params, options = {}) {
     const input = clean(params);
-    if (this.resumable && !("resumable" in input)) input.resumable = true;
+    // A request for several choices (`n`) is not resumable.
+    const several = typeof input.n === "number" && input.n > 1;
+    if (this.resumable && !("resumable" in input) && !several) input.resumable = true;
     const id = this.#takeId(options.id);
     const frame = { type: "generate", id, ...input };
     return this.#submit(new GenerationStream(this, id, frame, input), options);

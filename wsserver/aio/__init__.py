@@ -11,7 +11,8 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     ├── http, web      plain HTTP on the same port (HttpContext), the chat page
     ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
     │   ├── pull_requests  its pull requests: progress frames, cancel, the model added
-    │   └── embed_requests its embed requests: one embed_done each, cancel by id
+    │   ├── embed_requests its embed requests: one embed_done each, cancel by id
+    │   └── choice_requests its requests for several choices (n): a driver each, one done
     ├── socket_connection  one WebSocket connection, either dialect: receive loop,
     │   │                  frame rate, one table of requests, closing, memory held
     │   ├── sender         messages to the socket, drain-watched
@@ -27,6 +28,7 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │       │   └── ollama_pull    one /api/pull's answer: its progress, then success
     │       ├── embedding_routes  /v1/embeddings, /v1/rerank and /rerank
     │       └── exchange       one HTTP exchange, every dialect: model, driver, cancel, the end
+    │           ├── choices        n > 1: a driver per choice, their frames merged into one answer
     │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
     │           └── http_answer    one HTTP answer: streamed (head, keep-alive, drain) or whole

@@ -9,7 +9,8 @@ socket (receive loop, frame rate, sender, drain, closing):
   handed to the connection's one :class:`~wsserver.aio.driver.RequestDriver`
   (one request at a time, ``cancel``, ``restart``, ``resume``), or to its
   ``pull`` and ``embed`` requests (:mod:`wsserver.aio.pull_requests`,
-  :mod:`wsserver.aio.embed_requests`), which run beside;
+  :mod:`wsserver.aio.embed_requests`) and its requests for several choices
+  (``n`` > 1: :mod:`wsserver.aio.choice_requests`), which run beside;
 * what the driver gives back is written as it is: the frame serialized;
 * a refusal is an ``error`` frame, through the driver (counted, logged).
 
@@ -34,6 +35,7 @@ from ..core.protocol import (
 )
 from ..core.session import Session
 from ..errors import ProtocolError
+from .choice_requests import ConnectionChoices
 from .driver import RequestDriver
 from .embed_requests import ConnectionEmbeds
 from .peer import resume_tail_bytes
@@ -87,9 +89,23 @@ class ProtocolDialect:
                 session.state_of(request_id) is not None or pulls.knows(request_id)
             ),
         )
+        #: Its requests for several choices (``n`` > 1), a driver per choice.
+        embeds = self.embeds
+        self.choices = ConnectionChoices(
+            socket,
+            write=_frame_writer(socket.sender),
+            log=self._log,
+            id_taken=lambda request_id: (
+                session.state_of(request_id) is not None
+                or pulls.knows(request_id)
+                or embeds.knows(request_id)
+            ),
+        )
 
     def drivers(self) -> tuple[RequestDriver, ...]:
-        return self._drivers
+        if len(self.choices) == 0:
+            return self._drivers
+        return (*self._drivers, *self.choices.drivers())
 
     async def greet(self) -> None:
         services = self._services
@@ -129,13 +145,29 @@ class ProtocolDialect:
         if isinstance(frame, Cancel) and self.embeds.owns(frame.id):
             await self.embeds.cancel(frame.id)
             return
+        if isinstance(frame, Cancel) and self.choices.owns(frame.id):
+            self.choices.cancel(frame.id)
+            return
         new_id = frame.new_id if isinstance(frame, Restart) else frame.id
         if isinstance(frame, Generate | Restart) and (
-            self.pulls.knows(new_id) or self.embeds.knows(new_id)
+            self.pulls.knows(new_id) or self.embeds.knows(new_id) or self.choices.knows(new_id)
         ):
             await self.driver.refuse(
                 ProtocolError("duplicate_id", f"id {new_id!r} was already used", new_id)
             )
+            return
+        try:
+            if isinstance(frame, Generate) and frame.n > 1:
+                await self.choices.receive(frame)
+                return
+            if isinstance(frame, Restart) and (
+                frame.overrides.get("n", 1) > 1 or self.choices.knows(frame.id)
+            ):
+                raise ProtocolError(
+                    "bad_request", "'restart' is not available with 'n' > 1", new_id
+                )
+        except ProtocolError as exc:
+            await self.driver.refuse(exc)
             return
         await self.driver.receive(frame)
 
@@ -143,7 +175,7 @@ class ProtocolDialect:
         await self.driver.refuse(exc)
 
     def busy(self) -> bool:
-        return len(self.pulls) > 0 or len(self.embeds) > 0
+        return len(self.pulls) > 0 or len(self.embeds) > 0 or len(self.choices) > 0
 
     def stall(self) -> None:
         self.driver.stall()
@@ -151,6 +183,7 @@ class ProtocolDialect:
     async def close(self) -> None:
         await self.pulls.close()
         await self.embeds.close()
+        await self.choices.close()
 
     # ------------------------------------------------------------ the driver's dialect
 

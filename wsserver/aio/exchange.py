@@ -59,6 +59,7 @@ from ..core.session import Session
 from ..dialects.api_errors import ApiError
 from ..dialects.exchange import SHUTTING_DOWN, Renderer, ending
 from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
+from .choices import ChoiceMerge, check_choices, choice_frames
 from .driver import RequestDriver
 from .embed_run import EmbedRun
 from .http_answer import HttpAnswer
@@ -91,7 +92,8 @@ class Exchange:
         self._services = services
         self._renderer = Renderer()
         self._answer: HttpAnswer | None = None
-        self._driver: RequestDriver | None = None
+        #: The request's driver; one per choice of a request for several.
+        self._drivers: list[RequestDriver] = []
         #: The server's shutdown came before the driver had the request.
         self._cancelled = False
         #: An embedding request's engine side (:meth:`run_embed`).
@@ -120,22 +122,38 @@ class Exchange:
         answer = self._answer = HttpAnswer(
             route.out, route.headers, keepalive=renderer.keepalive, media_type=renderer.media_type
         )
-        driver = self._driver = RequestDriver(
-            self._services,
-            dialect=self,
-            log=route.log,
-            session=Session(restart_bytes=0),
-            generations=route.generations,
-            on_gone=route.on_gone,
-            on_prompt=self._prompt_counted,
-        )
+        frames = [generate]
+        merge = None
+        if generate.n > 1:  # several choices: a driver each (wsserver.aio.choices)
+            check_choices(generate.n, model.backend.slots)
+            frames = choice_frames(generate)
+            merge = ChoiceMerge(generate.n, write=self.write, finish=self._choice_done)
+        drivers = self._drivers = [
+            RequestDriver(
+                self._services,
+                dialect=self if merge is None else merge.dialect(frame.choice),
+                log=route.log,
+                session=Session(restart_bytes=0),
+                generations=route.generations,
+                on_gone=route.on_gone,
+                on_prompt=self._prompt_counted if frame.choice == 0 else None,
+            )
+            for frame in frames
+        ]
+        if merge is not None:
+            merge.drivers = drivers
         route.begin(self)
         try:
-            await driver.receive(generate, model=model)
-            if route.out.lost:
-                driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
-            elif self._cancelled:
-                await driver.cancel_active()  # the shutdown came meanwhile
+            for driver, frame in zip(drivers, frames, strict=True):
+                await driver.receive(frame, model=model)
+                if merge is not None and merge.over:
+                    merge.cancel_all()  # a choice failed: the rest would run for nobody
+                    break
+            for driver in drivers:
+                if route.out.lost:
+                    driver.cancel_soon(CLIENT_GONE)  # went while the request was being set up
+                elif self._cancelled:
+                    await driver.cancel_active()  # the shutdown came meanwhile
             await answer.finished
         finally:
             answer.stop_keepalive()
@@ -193,24 +211,24 @@ class Exchange:
     # ------------------------------------------------------------ the connection's calls
 
     def client_gone(self) -> None:
-        """The client disconnected: that is a cancel."""
-        if self._driver is not None:
-            self._driver.cancel_soon(CLIENT_GONE)
+        """The client disconnected: that is a cancel (of every choice)."""
+        for driver in self._drivers:
+            driver.cancel_soon(CLIENT_GONE)
         if self._embedding is not None:
             self._embedding.cancel()
 
     def cancel(self) -> None:
         """Server shutdown: end the request as cancelled (the client is told)."""
         self._cancelled = True
-        if self._driver is not None:
-            self._driver.cancel_soon()
+        for driver in self._drivers:
+            driver.cancel_soon()
         if self._embedding is not None:
             self._embedding.cancel()
 
     def stall(self) -> None:
         """The client read nothing for the stall timeout (see the driver's rule)."""
-        if self._driver is not None:
-            self._driver.stall()
+        for driver in self._drivers:
+            driver.stall()
 
     # ------------------------------------------------------------ the driver's dialect
 
@@ -246,6 +264,13 @@ class Exchange:
                 answer.write_last(end.data)
             else:
                 answer.respond(end.status, end.data)
+
+    async def _choice_done(self, done: Done, index: int) -> None:
+        """One of several choices ran to its end: its finish chunk, if streamed."""
+        data = self._renderer.choice_done(done, index)
+        if data and self._answer is not None:
+            self._answer.head()
+            await self._answer.write(data)
 
     def _prompt_counted(self, event: PromptCounted) -> None:
         self._renderer.prompt_counted(event.prompt_tokens, event.cached_tokens)

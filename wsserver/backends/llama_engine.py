@@ -60,6 +60,7 @@ from ..core.logprobs import TokenLogprob
 from ..errors import BackendError
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
 from .llama_batching import Batcher, decoding, prefilling, verify
+from .llama_choices import Choices
 from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
@@ -168,6 +169,8 @@ class BatchEngine:
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)
         self._incoming: list[Job] = []
+        #: A prompt's several choices share its cells (:mod:`.llama_choices`).
+        self.choices = Choices(self.intake, self._cond, self._fail, self.stats)
         self._jobs: list[Job] = []  # admitted, in admission order
         self._stopping = False
         #: Seconds spent in ``llama_decode`` and in sampling + text, for the benchmark.
@@ -198,8 +201,7 @@ class BatchEngine:
         return job.submission
 
     def attach_embedder(self, embedder: Embedder) -> None:
-        """Run ``embedder``'s work on this thread, in each step after the
-        streams' decode, within the prefill budget's room (:mod:`.llama_embed`)."""
+        """Run ``embedder``'s work on this thread after each step's decode (:mod:`.llama_embed`)."""
         embedder.bind(self._cond)
         with self._cond:
             self.embedder = embedder
@@ -218,10 +220,9 @@ class BatchEngine:
             self._cond.notify()
 
     def close(self, timeout: float | None = None) -> bool:
-        """Stop the step loop and free what it holds. False: the engine thread
-        did not end within ``timeout`` (stuck in a native call), or a grammar
-        call given up on still runs — nothing native was freed then, and the
-        model must not be either (it is leaked until the process exits)."""
+        """Stop the step loop and free what it holds. False: the engine thread did
+        not end within ``timeout`` (stuck in a native call), or a grammar call given up
+        on still runs — nothing native was freed, nor may the model be (leaked till exit)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -252,9 +253,8 @@ class BatchEngine:
         return self.watch.seconds()
 
     def stalled(self) -> str | None:
-        """Why the engine counts as stalled — a step has run for ``stall_s``
-        or more — or None. The first time in a stall it is logged at ERROR
-        with what the engine is doing (any thread may ask: the probe does)."""
+        """Why the engine counts as stalled (a step has run ``stall_s`` or more),
+        or None; logged at ERROR the first time (any thread may ask: the probe does)."""
         return self.watch.stalled(self._jobs)
 
     # ------------------------------------------------------------ the loop
@@ -299,7 +299,7 @@ class BatchEngine:
                     job.request.id,
                 )
                 try:
-                    self.intake.start(job)
+                    self.choices.admit(job)
                 except BackendError as exc:
                     self._fail(job, str(exc), code=exc.code)
                     continue
@@ -316,8 +316,7 @@ class BatchEngine:
             self._embed_step()
 
     def _embed_step(self) -> None:
-        """The embedding work's part of the step (:mod:`.llama_embed`): only its
-        cancels while a prompt is prefilled, else inputs within the budget's room."""
+        """The embedding work's part of the step (:mod:`.llama_embed`): its cancels, inputs in room."""
         assert self.embedder is not None
         if prefilling(self._jobs):
             self.embedder.step(None, decode=False)  # its cancels still go at once
@@ -379,15 +378,17 @@ class BatchEngine:
                 if job.fed == len(job.prompt) and not job.cancelled:
                     job.sink.prompt_processed(len(job.prompt), job.stats.reused)
             if index >= 0:  # (a cancelled job's draft cells go, nothing sampled)
+                forks = [] if job.cancelled else self.choices.fork(job, self._jobs, self._incoming)
                 verify(job, index, self._sample, self.cache.rollback, self.stats)
+                for each in forks:  # its choices: the same logits, their own samplers
+                    self._sample(each, index)
         ended = time.perf_counter()
         self.seconds["sample"] += ended - decoded
         # The budget sizes what the decoding sequences wait for: the whole step.
         self.batcher.observe(step, ended - begun)
 
     def _image_part(self) -> int | None:
-        """The oldest due image's part of a step (:mod:`.llama_vision`): encoded
-        once, then up to a prompt share of its embeddings decoded: how many (None: none due)."""
+        """The oldest due image's embeddings decoded, a prompt share (:mod:`.llama_vision`): how many."""
         job = next((j for j in self._jobs if not j.cancelled and j.image_at()), None)
         span = job.image_at() if job is not None else None
         if self.images is None or job is None or job.seq is None or span is None:
@@ -495,4 +496,5 @@ class BatchEngine:
             job.seq.job = None
         if job in self._jobs:
             self._jobs.remove(job)
+        self.choices.left(job)
         job.submission.complete()

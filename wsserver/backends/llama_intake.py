@@ -26,7 +26,7 @@ from ..shaping.reasoning import ReasoningBudget
 from .base import GenerationRequest
 from .llama_grammar import GrammarCache
 from .llama_samplers import Samplers
-from .llama_sequences import Job, PromptCache
+from .llama_sequences import Job, PromptCache, SequenceState
 from .llama_speculation import Drafter
 
 __all__ = ["Intake", "Prepare"]
@@ -69,10 +69,12 @@ class Intake:
         #: gives (tests: a cancel then). Quick, must not raise.
         self.on_restore: Callable[[str, int], None] | None = None
 
-    def start(self, job: Job) -> None:
+    def start(self, job: Job, source: SequenceState | None = None, upto: int = 0) -> None:
         """Give ``job`` its prompt, sequence, samplers and text stream, or
         raise ``BackendError``: the request ends with its message and code
-        (a grammar already instantiated stays on the job, for its end to free)."""
+        (a grammar already instantiated stays on the job, for its end to free).
+        ``source``: a sibling choice's sequence (:mod:`.llama_choices`) whose
+        first ``upto`` cells, the same prompt's, are copied instead of decoded."""
         request = job.request
         try:
             prompt, stops = self._prepare(request)
@@ -94,7 +96,11 @@ class Intake:
                 code="too_large",
             )
         hook = self.on_restore
-        claimed = self._cache.claim(
+        copied = None
+        if source is not None and source.tokens[:upto] == prompt[:upto]:
+            copied = self._cache.copy(source, upto)
+        claimed = (copied, upto, 0) if copied is not None else None
+        claimed = claimed or self._cache.claim(
             prompt, before_restore=None if hook is None else functools.partial(hook, request.id)
         )
         if claimed is None:  # the scheduler grants at most `parallel` slots

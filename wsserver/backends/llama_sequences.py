@@ -325,6 +325,22 @@ class PromptCache:
         if self.host is not None and seq.tokens and 2 * keep < len(seq.tokens):
             self.host.save(seq.index, seq.tokens)
 
+    def copy(self, source: SequenceState, upto: int) -> SequenceState | None:
+        """A free sequence holding the cells of ``source``'s first ``upto``
+        positions, copied within the context (not recomputed); None: none is
+        free. With one KV stream per sequence llama.cpp copies whole
+        streams only: everything is copied, then the rest cut off."""
+        free = [s for s in self.sequences if s.job is None]
+        if not free or upto > len(source.tokens):
+            return None
+        seq = free[0]
+        self._save(seq, 0)
+        llama_cpp.llama_memory_seq_rm(self._memory, seq.index, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self._memory, source.index, seq.index, 0, -1)
+        llama_cpp.llama_memory_seq_rm(self._memory, seq.index, upto, -1)
+        seq.tokens = source.tokens[:upto]
+        return seq
+
     def rollback(self, seq: SequenceState) -> None:
         """Remove the cells a failed or aborted decode may have left beyond
         the sequence's committed tokens (llama.cpp keeps the micro-batches
@@ -365,4 +381,6 @@ def engine_counters() -> dict[str, int]:
         # Speculative decoding: draft tokens decoded, and those accepted.
         "draft_tokens": 0,
         "draft_tokens_accepted": 0,
+        # Choices (n > 1) whose first token came from a sibling's prompt (llama_choices).
+        "choices_forked": 0,
     }

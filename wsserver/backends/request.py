@@ -54,6 +54,13 @@ class GenerationRequest:
     #: What :meth:`Backend.prepare` worked out off the loop (the engine's own
     #: type: a rendered and tokenized prompt); None until then.
     prepared: object | None = None
+    #: One of several choices for one prompt (``n`` > 1: docs/openai-api.md,
+    #: "Several choices"): which one (0 to ``choices - 1``), and the key its
+    #: siblings share — an engine that can shares the prompt's work among
+    #: them (the llama engine: :mod:`.llama_choices`). ``group`` None: alone.
+    choice: int = 0
+    choices: int = 1
+    group: str | None = None
 
     @classmethod
     def from_frame(
@@ -83,6 +90,9 @@ class GenerationRequest:
             logprobs=(frame.top_logprobs or 0) if frame.logprobs else None,
             model=frame.model,
             speculative=frame.speculative != "off",
+            choice=frame.choice,
+            choices=frame.n,
+            group=f"{conn_id}/{frame.choice_of}" if frame.n > 1 else None,
         )
 
 

@@ -31,6 +31,7 @@ from .chat_input import (
 from .embedding import EmbedInput, EmbedInputError, parse_inputs
 from .fields import ID_PATTERN, ID_RE, check_keys, is_int, parse_float, parse_id
 from .sampling import (
+    MAX_CHOICES,
     MAX_TOP_LOGPROBS,
     SAMPLING_FIELDS,
     STRUCTURE_FIELDS,
@@ -149,6 +150,10 @@ class Generate:
     #: ``auto`` | ``off``: n-gram drafts where they pay, or none for this
     #: request (for speed only: speculation never changes the output). None: ``auto``.
     speculative: str | None = None
+    #: Choices asked for (``n``), the one this frame runs, the request's own id.
+    n: int = 1
+    choice: int = 0
+    choice_of: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +298,7 @@ _GENERATE_FIELDS: Final = frozenset(
         "model",
         "keep_alive",
         "speculative",
+        "n",
         *SAMPLING_FIELDS,
         *STRUCTURE_FIELDS,
     }
@@ -398,19 +404,20 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         out["seed"] = value
     if "stop" in obj:
         out["stop"] = _parse_stop(obj["stop"], fail)
-    if "resumable" in obj:
-        if not isinstance(obj["resumable"], bool):
-            raise fail("'resumable' must be true or false")
-        out["resumable"] = obj["resumable"]
-    if "logprobs" in obj:
-        if not isinstance(obj["logprobs"], bool):
-            raise fail("'logprobs' must be true or false")
-        out["logprobs"] = obj["logprobs"]
+    for name in ("resumable", "logprobs"):
+        if name in obj:
+            if not isinstance(obj[name], bool):
+                raise fail(f"'{name}' must be true or false")
+            out[name] = obj[name]
     if "top_logprobs" in obj:
         value = obj["top_logprobs"]
         if not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
             raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
         out["top_logprobs"] = value
+    if "n" in obj:
+        if not is_int(obj["n"]) or not 1 <= obj["n"] <= MAX_CHOICES:
+            raise fail(f"'n' must be an integer from 1 to {MAX_CHOICES}")
+        out["n"] = obj["n"]
     if "model" in obj:
         value = obj["model"]
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:

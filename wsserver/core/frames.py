@@ -20,6 +20,7 @@ from .models import ModelInfo
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "ChoiceDone",
     "Delta",
     "Done",
     "DoneReason",
@@ -104,6 +105,8 @@ class Delta:
     #: a call's first part has its ``id`` and ``name``, later ones more
     #: ``arguments`` text.
     tool_calls: tuple[CallPart, ...] | None = None
+    #: Which of a request's ``n`` choices it belongs to (None: it asked one).
+    choice: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,19 @@ class Done:
     stop_sequence: str | None = None
     #: The model that answered (the one it asked for, or the default).
     model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDone:
+    """One choice of a request for several (``n``) ended; not terminal: the
+    request's one ``done`` follows the last choice's."""
+
+    id: str
+    choice: int
+    reason: DoneReason
+    #: The choice's own completion (and reasoning) tokens; the prompt's are the ``done``'s.
+    usage: Usage
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,5 +214,15 @@ class EmbedDone:
 
 
 ServerFrame = (
-    Hello | Queued | Started | Delta | Done | Error | Resumed | Pulling | PullDone | EmbedDone
+    Hello
+    | Queued
+    | Started
+    | Delta
+    | ChoiceDone
+    | Done
+    | Error
+    | Resumed
+    | Pulling
+    | PullDone
+    | EmbedDone
 )

@@ -51,6 +51,7 @@ from .client_frames import (
 )
 from .frames import (
     PROTOCOL_VERSION,
+    ChoiceDone,
     Delta,
     Done,
     DoneReason,
@@ -90,6 +91,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CallPart",
     "Cancel",
+    "ChoiceDone",
     "ClientFrame",
     "Delta",
     "Done",
@@ -159,6 +161,22 @@ _WIRE: Final = (
         Optional("reasoning"),
         Logprobs("logprobs"),
         ToolCalls("tool_calls"),
+        Optional("choice"),
+    ),
+    _Frame(
+        "choice_done",
+        ChoiceDone,
+        "id",
+        "choice",
+        "reason",
+        # The choice's own tokens: the prompt's are the request's (its done).
+        Object(
+            "usage",
+            Usage,
+            omit_zero=("prompt_tokens", "reasoning_tokens", "cached_tokens"),
+            extensible=True,
+        ),
+        Optional("stop_sequence"),
     ),
     _Frame(
         "done",
@@ -211,6 +229,7 @@ def serialize(frame: ServerFrame) -> bytes:
         and frame.reasoning is None
         and frame.logprobs is None
         and frame.tool_calls is None
+        and frame.choice is None
     ):
         return orjson.dumps({"type": "delta", "id": frame.id, "seq": frame.seq, "text": frame.text})
     return orjson.dumps(_to_wire(frame))

@@ -34,6 +34,7 @@ from ..errors import ProtocolError
 __all__ = [
     "DEFAULT_DRY_BREAKERS",
     "LOGIT_BIAS_MAX",
+    "MAX_CHOICES",
     "MAX_DRY_BREAKERS",
     "MAX_LOGIT_BIAS",
     "MAX_TOP_LOGPROBS",
@@ -55,6 +56,9 @@ MAX_DRY_BREAKER_CHARS: Final = 64
 DEFAULT_DRY_BREAKERS: Final = ("\n", ":", '"', "*")
 #: The most alternatives ``top_logprobs`` may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS: Final = 20
+#: The most choices (``n``) one request may ask for (OpenAI's bound); a
+#: model's ``parallel`` bounds them too (docs/openai-api.md, "Several choices").
+MAX_CHOICES: Final = 128
 #: Window sizes (``repeat_last_n``, ``dry_penalty_last_n``) are capped here.
 _MAX_WINDOW: Final = 1 << 20
 

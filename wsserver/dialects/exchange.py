@@ -207,6 +207,11 @@ class Renderer:
         ``b""``: nothing to write for it yet (a dialect that sends a call whole)."""
         raise NotImplementedError
 
+    def choice_done(self, done: Done, index: int) -> bytes:
+        """Choice ``index`` of a request for several (``n``: only OpenAI's
+        dialect has it) ran to its end: what its stream writes now (b"": nothing)."""
+        return b""
+
     def last(self, done: Done) -> bytes:
         """The stream's last bytes, for a request that ran to its end."""
         raise NotImplementedError

@@ -112,6 +112,25 @@ test("streams a request's text and its done frame", { timeout: TIMEOUT }, async 
   }
 });
 
+test("several choices (n): each choice's text, a choice_done each, one done", { timeout: TIMEOUT }, async () => {
+  const client = new WsClient(SERVER, { resumable: true });
+  try {
+    const stream = client.generate({ prompt: "hello node", max_tokens: 8, seed: 3, n: 2 });
+    const ends = [];
+    stream.on("choiceDone", (frame) => ends.push(frame.choice));
+    const done = await stream.done;
+    assert.equal(done.usage.completion_tokens, 16);
+    assert.deepEqual(stream.choiceTexts, [
+      await expectedText("hello node", 8, 3),
+      await expectedText("hello node", 8, 4),
+    ]);
+    assert.deepEqual(ends.sort(), [0, 1]);
+    assert.equal(stream.choiceEnds.length, 2);
+  } finally {
+    client.close();
+  }
+});
+
 test("a request names its model: done says which answered; an unknown one is refused", { timeout: TIMEOUT }, async () => {
   const client = new WsClient(SERVER);
   try {

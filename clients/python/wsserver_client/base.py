@@ -134,7 +134,7 @@ class ClientBase(Generic[S]):
             "reasoning_budget_tokens": reasoning_budget_tokens,
         }
         params.update({k: v for k, v in chat_options.items() if v is not None})
-        if self.resumable:
+        if self.resumable and params.get("n", 1) == 1:  # several choices are not resumable
             params.setdefault("resumable", True)
         model = model if model is not None else self.model
         if model is not None:

@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 
 from wsserver.core.embedding import floats_of
 from wsserver.core.protocol import (
+    ChoiceDone,
     Delta,
     Done,
     EmbedDone,
@@ -239,6 +240,8 @@ class Request:
         self.positions: list[int] = []
         #: The deltas received before the request ended or was abandoned.
         self.deltas: list[Delta] = []
+        #: The ``choice_done`` of each ended choice (a request for several: ``n``).
+        self.choice_ends: list[ChoiceDone] = []
         self.sent = False
         #: Set by ``started`` for a resumable request: what a resume presents.
         self.resume_token: str | None = None
@@ -265,8 +268,18 @@ class Request:
 
     @property
     def text(self) -> str:
-        """All text received (the caller may not have read all of it)."""
+        """All text received (the caller may not have read all of it); of a
+        request for several choices (``n``), every choice's, as it came."""
         return "".join(d.text for d in self.deltas)
+
+    def choice_texts(self) -> list[str]:
+        """Each choice's text so far, by index, of a request for several
+        choices (``generate(..., n=3)``; docs/protocol.md, "Several choices");
+        ``choice_ends`` has each ended choice's ``choice_done``."""
+        texts: dict[int, list[str]] = {}
+        for delta in self.deltas:
+            texts.setdefault(delta.choice or 0, []).append(delta.text)
+        return ["".join(texts.get(k, ())) for k in range(max(texts, default=-1) + 1)]
 
     @property
     def reasoning(self) -> str:
@@ -383,6 +396,8 @@ class Request:
             self.resuming = False
             self.suspended = False
             self.resume_attempts = 0
+        elif isinstance(frame, ChoiceDone):
+            self.choice_ends.append(frame)
         elif isinstance(frame, Done):
             self.done = frame
             self.changed()

@@ -11,7 +11,9 @@ meets the same limits, with the same messages, as a WebSocket one. What the
 protocol does not know is dealt with here: OpenAI's names
 (``max_completion_tokens``), content given as a list of text parts, the
 ``developer`` role, an assistant's ``reasoning_content`` (the frame's
-``reasoning``), ``n`` (1 only), ``stream`` and ``stream_options``,
+``reasoning``), ``n`` (several choices: the frame's ``n``, at most
+:data:`~wsserver.core.sampling.MAX_CHOICES` and the model's ``parallel`` at the exchange),
+``stream`` and ``stream_options``,
 completions' legacy ``logprobs`` (a count; chat's ``logprobs`` and
 ``top_logprobs`` are the frame's own). The
 sampler options (``presence_penalty``, ``frequency_penalty``, ``logit_bias``
@@ -37,7 +39,7 @@ import orjson
 from ...core.images import IMAGE_MARKER, ImageBudget, with_images
 from ...core.models import ModelInfo
 from ...core.protocol import Generate, Limits, parse_client_frame
-from ...core.sampling import MAX_TOP_LOGPROBS, SAMPLING_FIELDS
+from ...core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SAMPLING_FIELDS
 from ...errors import ProtocolError
 from ..api_errors import ApiError, error_body, parse_json, status_of
 
@@ -102,6 +104,11 @@ class ApiRequest:
     #: The ``model`` asked for (the server resolves it: docs/openai-api.md).
     model: str | None = None
 
+    @property
+    def n(self) -> int:
+        """How many choices it asks for."""
+        return self.generate.n
+
 
 #: OpenAI fields that would change the answer and that nothing here
 #: implements, with the value that asks for nothing (``None``: none does).
@@ -131,8 +138,8 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
     obj = parse_json(body)
     given = {key: value for key, value in obj.items() if value is not None}
     n = given.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise _bad("only n=1 is supported: one model generates one choice at a time", "n")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise _bad(f"'n' must be an integer from 1 to {MAX_CHOICES}", "n")
     for name, neutral in _UNSUPPORTED.items():
         if name in given and given[name] != neutral:
             raise ApiError(
@@ -208,6 +215,8 @@ def parse_request(kind: Kind, body: bytes, request_id: str, limits: Limits) -> A
             generate = dataclasses.replace(generate, messages=messages)
     except ProtocolError as exc:
         raise ApiError.from_protocol(exc) from None
+    if n > 1:
+        generate = dataclasses.replace(generate, n=n, choice_of=generate.id)
     return ApiRequest(kind, generate, stream, include_usage, model)
 
 
@@ -275,7 +284,9 @@ def _prompt(value: Any) -> Any:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         return value[0]
     if isinstance(value, list):
-        raise _bad("only one prompt per request is supported (n=1, no batch)", "prompt")
+        raise _bad(
+            "only one prompt per request is supported (no batch; several choices: n)", "prompt"
+        )
     return value
 
 

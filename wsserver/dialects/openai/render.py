@@ -46,7 +46,15 @@ class Reply:
     """The chunks and bodies of one completion: the same ``id``, ``created``
     and ``model`` on every one, in the shape of its kind."""
 
-    __slots__ = ("_chunk_object", "_first", "_head", "_offset", "include_usage", "kind", "logprobs")
+    __slots__ = (
+        "_chunk_object",
+        "_head",
+        "_offsets",
+        "_started",
+        "include_usage",
+        "kind",
+        "logprobs",
+    )
 
     def __init__(
         self,
@@ -62,12 +70,13 @@ class Reply:
         self.include_usage = include_usage
         #: The request asked for log-probabilities: every choice carries its tokens'.
         self.logprobs = logprobs
-        #: Completions' ``text_offset``: the length of the tokens' text so far.
-        self._offset = 0
+        #: Completions' ``text_offset`` of each choice: its tokens' text so far.
+        self._offsets: dict[int, int] = {}
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self._head = {"id": prefix + request_id, "created": created, "model": model}
         self._chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        self._first = True
+        #: The choices whose first chunk went out (it names the role).
+        self._started: set[int] = set()
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         obj: dict[str, Any] = {**self._head, "object": self._chunk_object, "choices": [choice]}
@@ -81,14 +90,15 @@ class Reply:
         reasoning: str | None = None,
         logprobs: Sequence[TokenLogprob] | None = None,
         tool_calls: Sequence[CallPart] | None = None,
+        index: int = 0,
     ) -> bytes:
-        """One SSE event with this text (the first one also names the role);
-        reasoning goes first, as ``reasoning_content`` (llama-server's name),
-        tool call parts last (wsserver.dialects.openai.tools); and, if asked for, its
-        tokens' log-probabilities."""
+        """One SSE event with this text of choice ``index`` (the choice's first
+        one also names the role); reasoning goes first, as ``reasoning_content``
+        (llama-server's name), tool call parts last (wsserver.dialects.openai.tools);
+        and, if asked for, its tokens' log-probabilities."""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
-            if self._first:
+            if index not in self._started:
                 delta["role"] = "assistant"
             if reasoning:
                 delta["reasoning_content"] = reasoning
@@ -96,43 +106,47 @@ class Reply:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = chunk_tool_calls(tool_calls)
-            self._first = False
+            self._started.add(index)
             return self._chunk(
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
-                    "logprobs": self._logprobs(logprobs or ()),
+                    "logprobs": self._logprobs(logprobs or (), index),
                     "finish_reason": None,
                 }
             )
         return self._chunk(
             {
-                "index": 0,
+                "index": index,
                 "text": text,
-                "logprobs": self._logprobs(logprobs or ()),
+                "logprobs": self._logprobs(logprobs or (), index),
                 "finish_reason": None,
             }
         )
 
-    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         """A choice's ``logprobs``: OpenAI's chat object, or the legacy one."""
         if not self.logprobs:
             return None
         if self.kind == "chat":
             return {"content": [entry.to_wire() for entry in entries], "refusal": None}
-        legacy = legacy_logprobs(entries, self._offset)
-        self._offset += sum(len(entry.token) for entry in entries)
-        return legacy
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(entry.token) for entry in entries)
+        return legacy_logprobs(entries, offset)
 
-    def final_chunks(self, done: Done) -> bytes:
-        """The finish chunk, the usage chunk if asked for, and ``[DONE]``."""
-        reason = _finish_reason(done)
+    def finish_chunk(self, done: Done, index: int = 0) -> bytes:
+        """The chunk that ends choice ``index``, with its ``finish_reason``."""
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None}
-        choice["finish_reason"] = reason
-        out = self._chunk(choice)
+            choice = {"index": index, "text": "", "logprobs": None}
+        choice["finish_reason"] = _finish_reason(done)
+        return self._chunk(choice)
+
+    def final_chunks(self, done: Done, *, finish: bool = True) -> bytes:
+        """The finish chunk (``finish``: not sent yet, choice by choice), the
+        usage chunk if asked for, and ``[DONE]``."""
+        out = self.finish_chunk(done) if finish else b""
         if self.include_usage:
             obj = {
                 **self._head,
@@ -152,6 +166,25 @@ class Reply:
         tool_calls: Sequence[CallPart] = (),
     ) -> bytes:
         """The whole answer of a request without ``stream``."""
+        return self.body_of([self.choice(text, done, reasoning, logprobs, tool_calls)], done)
+
+    def body_of(self, choices: list[dict[str, Any]], done: Done) -> bytes:
+        """The whole answer with these ``choices`` (:meth:`choice`), ``done``'s usage."""
+        kind = "chat.completion" if self.kind == "chat" else "text_completion"
+        return orjson.dumps(
+            {**self._head, "object": kind, "choices": choices, "usage": _usage(done)}
+        )
+
+    def choice(
+        self,
+        text: str,
+        done: Done,
+        reasoning: str = "",
+        logprobs: Sequence[TokenLogprob] | None = None,
+        tool_calls: Sequence[CallPart] = (),
+        index: int = 0,
+    ) -> dict[str, Any]:
+        """One choice of a whole answer."""
         reason = _finish_reason(done)
         if self.kind == "chat":
             content = text if text or not tool_calls else None
@@ -160,24 +193,18 @@ class Reply:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = message_tool_calls(tool_calls)
-            choice: dict[str, Any] = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": message,
-                "logprobs": self._logprobs(logprobs or ()),
+                "logprobs": self._logprobs(logprobs or (), index),
                 "finish_reason": reason,
             }
-            kind = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self._logprobs(logprobs or ()),
-                "finish_reason": reason,
-            }
-            kind = "text_completion"
-        return orjson.dumps(
-            {**self._head, "object": kind, "choices": [choice], "usage": _usage(done)}
-        )
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(logprobs or (), index),
+            "finish_reason": reason,
+        }
 
 
 def _finish_reason(done: Done) -> str:
@@ -212,32 +239,67 @@ class CompletionAnswer(Renderer):
             include_usage=request.include_usage,
             logprobs=bool(generate.logprobs),
         )
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._tool_calls: list[CallPart] = []
+        #: How many choices (``n``); each one's text gathered, and how it ended.
+        self.n = request.n
+        self._gathered = [_Gathered() for _ in range(request.n)]
+        self._ends: dict[int, Done] = {}
 
     def chunk(self, delta: Delta) -> bytes:
-        return self.reply.text_chunk(delta.text, delta.reasoning, delta.logprobs, delta.tool_calls)
+        return self.reply.text_chunk(
+            delta.text, delta.reasoning, delta.logprobs, delta.tool_calls, delta.choice or 0
+        )
+
+    def choice_done(self, done: Done, index: int) -> bytes:
+        """Choice ``index`` of several ended (``done``): its finish chunk when
+        streamed; kept for the whole body otherwise."""
+        self._ends[index] = done
+        return self.reply.finish_chunk(done, index) if self.stream else b""
 
     def last(self, done: Done) -> bytes:
-        return self.reply.final_chunks(done)
+        return self.reply.final_chunks(done, finish=self.n == 1)
 
     def error_event(self, failure: Failure) -> bytes:
         return error_event(failure.status, failure.message, failure.code)
 
     def gather(self, delta: Delta) -> None:
-        self._text.append(delta.text)
-        if delta.reasoning:
-            self._reasoning.append(delta.reasoning)
-        if delta.logprobs:
-            self._logprobs.extend(delta.logprobs)
-        if delta.tool_calls:
-            self._tool_calls.extend(delta.tool_calls)
+        self._gathered[delta.choice or 0].add(delta)
 
     def body(self, done: Done) -> bytes:
-        text, reasoning = "".join(self._text), "".join(self._reasoning)
-        return self.reply.body(text, done, reasoning, self._logprobs, self._tool_calls)
+        """The whole answer; with several choices, ``done`` carries their
+        summed usage and each choice its own end (:meth:`choice_done`)."""
+        choices = [
+            self.reply.choice(
+                "".join(g.text),
+                self._ends.get(index, done),
+                "".join(g.reasoning),
+                g.logprobs,
+                g.tool_calls,
+                index,
+            )
+            for index, g in enumerate(self._gathered)
+        ]
+        return self.reply.body_of(choices, done)
 
     def error_body(self, failure: Failure) -> tuple[int, bytes]:
         return failure.status, error_body(failure.status, failure.message, failure.code)
+
+
+class _Gathered:
+    """One choice's parts, gathered for the whole body."""
+
+    __slots__ = ("logprobs", "reasoning", "text", "tool_calls")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[CallPart] = []
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.tool_calls:
+            self.tool_calls.extend(delta.tool_calls)
