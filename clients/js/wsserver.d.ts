@@ -132,6 +132,12 @@ export interface Limits {
   max_messages: number;
   max_tokens: number;
   default_max_tokens: number;
+  /**
+   * Bytes of image uploads (binary frames) the connection may hold until its
+   * next request; 0 (or absent, from a server before uploads): none taken,
+   * and the client sends images as base64 inside the frame.
+   */
+  max_upload_bytes: number;
 }
 
 export interface HelloFrame {

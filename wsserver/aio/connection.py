@@ -5,7 +5,10 @@ This is what the WebSocket protocol (docs/protocol.md) says its own way on a
 socket (receive loop, frame rate, sender, drain, closing):
 
 * ``hello`` first;
-* each message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
+* a binary message is a piece of an image upload, kept
+  (:class:`~wsserver.core.uploads.Uploads`, bounded) for the next
+  ``generate`` or ``restart``, which takes them all;
+* each text message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
   handed to the connection's one :class:`~wsserver.aio.driver.RequestDriver`
   (one request at a time, ``cancel``, ``restart``, ``resume``), or to its
   ``pull`` and ``embed`` requests (:mod:`wsserver.aio.pull_requests`,
@@ -33,6 +36,7 @@ from ..core.protocol import (
     serialize,
 )
 from ..core.session import Session
+from ..core.uploads import Uploads, parse_upload
 from ..errors import ProtocolError
 from .driver import RequestDriver
 from .embed_requests import ConnectionEmbeds
@@ -65,6 +69,8 @@ class ProtocolDialect:
             resumes=resumes,
         )
         self._drivers = (self.driver,)
+        #: Images sent in binary frames, until the next request takes them.
+        self.uploads = Uploads(config.limits.max_upload_bytes)
         #: Its ``pull`` requests, beside its generations (docs/models.md).
         # Given the sender and the session, not this dialect's methods: no
         # reference cycle back to it (it is freed when the connection closes,
@@ -105,7 +111,10 @@ class ProtocolDialect:
 
     async def receive(self, message: str | bytes) -> None:
         try:
-            frame = parse_client_frame(message, self._services.wire_limits)
+            if isinstance(message, bytes):
+                self.uploads.add(parse_upload(message))
+                return
+            frame = parse_client_frame(message, self._services.wire_limits, self.uploads)
         except ProtocolError as exc:
             self._log.debug(
                 "refused frame: %s %s",
@@ -142,6 +151,9 @@ class ProtocolDialect:
     async def refuse(self, exc: ProtocolError) -> None:
         await self.driver.refuse(exc)
 
+    def upload_bytes(self) -> int:
+        return self.uploads.bytes
+
     def busy(self) -> bool:
         return len(self.pulls) > 0 or len(self.embeds) > 0
 
@@ -149,6 +161,7 @@ class ProtocolDialect:
         self.driver.stall()
 
     async def close(self) -> None:
+        self.uploads.clear()
         await self.pulls.close()
         await self.embeds.close()
 

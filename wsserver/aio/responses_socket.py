@@ -280,6 +280,9 @@ class ResponsesDialect:
 
     # ------------------------------------------------------------ the connection's hooks
 
+    def upload_bytes(self) -> int:
+        return 0  # the Responses API takes its images inside its JSON
+
     def busy(self) -> bool:
         return len(self._lanes) > 0
 

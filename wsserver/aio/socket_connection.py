@@ -77,6 +77,9 @@ class SocketDialect(Protocol):
         """Whether it runs something besides the requests in the connection's
         table (pulls, a lane's waiting requests): the connection is not idle."""
 
+    def upload_bytes(self) -> int:
+        """Bytes of image uploads it holds for the client's next request (0: none)."""
+
     def stall(self) -> None:
         """The client read nothing for ``stream.stall_timeout_s``: its stall rule."""
 
@@ -288,4 +291,5 @@ class SocketConnection:
             "receive": receive,
             "restart": sum(session.restart_bytes for session in sessions),
             "resume": sum(session.resume_bytes for session in sessions),
+            "upload": self.dialect.upload_bytes(),
         }
