@@ -196,3 +196,33 @@ def test_messages_without_images_are_as_before() -> None:
     frame = parse(text)
     assert isinstance(frame, Generate) and frame.messages is not None
     assert frame.messages[0].content == IMAGE_MARKER and frame.messages[0].images == ()
+
+
+def test_the_python_clients_packing_round_trips_through_the_servers_core() -> None:
+    from wsserver_client.images import pack_images
+
+    ids = iter(f"img-{n}" for n in range(10))
+    limits = Limits(max_frame_bytes=100, max_upload_bytes=1 << 20)
+    given = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "Look", "images": [RED, bytearray(BLUE), {"base64": "AAAA"}]},
+    ]
+    messages, frames = pack_images(given, limits, lambda: next(ids))
+    assert messages is not None and given[1]["images"][0] == RED  # not changed in place
+    assert messages[1]["images"] == [{"upload": "img-0"}, {"upload": "img-1"}, "AAAA"]
+    assert all(len(frame) <= 100 for frame in frames) and len(frames) > 2
+    uploads = Uploads(1 << 20)
+    for frame in frames:
+        uploads.add(parse_upload(frame))
+    messages[1]["images"].pop()  # (AAAA is no image)
+    parsed = parse(json.dumps({"type": "generate", "id": "g", "messages": messages}), uploads)
+    assert isinstance(parsed, Generate) and parsed.messages is not None
+    assert parsed.messages[1].images == (RED, BLUE)
+    # Without uploads (a server before them, or uploads off): base64.
+    messages, frames = pack_images(given, Limits(), lambda: next(ids))
+    assert frames == [] and messages is not None
+    assert messages[1]["images"][:2] == [
+        base64.b64encode(RED).decode(),
+        base64.b64encode(BLUE).decode(),
+    ]
+    assert pack_images(None, limits, lambda: "x") == (None, [])

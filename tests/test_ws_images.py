@@ -10,6 +10,7 @@ and dropped by the next request.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,80 @@ async def test_a_4_mib_image_on_the_wire_each_way(tiny_gguf: Path, mmproj: Path)
         print(f"{how:<9} {sent:>15} {received:>15}  ({sent / size:.3f}x the image)")
     sent = {how: sent for how, sent, _ in rows}
     assert sent["upload"] < size * 1.01 < sent["base64"]  # base64 costs a third more
+
+
+# ---------------------------------------------------------------- the Python clients
+
+
+def openai_text(image: bytes | None) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = []
+    if image is not None:
+        parts.append(
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(image)}}
+        )
+    parts.append({"type": "text", "text": "Look at"})
+    return {
+        "model": "seer",
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": parts}],
+    }
+
+
+async def test_the_python_clients_send_paths_and_bytes(
+    tiny_gguf: Path, mmproj: Path, tmp_path: Path
+) -> None:
+    from wsserver_client import Client
+    from wsserver_client.sync import Client as SyncClient
+
+    red_file = tmp_path / "red.png"
+    red_file.write_bytes(RED)
+    options = {"model": "seer", "max_tokens": 12, "temperature": 0}
+
+    def asking(*images: Any) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "Look at", "images": list(images)}]
+
+    async with running_server(seer(tiny_gguf, mmproj)) as server:
+        status, openai = await post(server, "/v1/chat/completions", openai_text(RED))
+        assert status == 200, openai
+        expected = openai["choices"][0]["message"]["content"]
+        async with Client(server.url) as client:
+            by_path = await client.generate(messages=asking(red_file), **options).result()
+            by_bytes = await client.generate(messages=asking(RED), **options).result()
+            by_str = await client.generate(messages=asking(str(red_file)), **options).result()
+            # A regenerate runs the kept input again, its image with it.
+            again = await client.restart(by_bytes.done.id, temperature=0).result()  # type: ignore[union-attr]
+            with pytest.raises(Exception) as caught:
+                await client.generate(messages=asking(b"not an image"), **options).result()
+            assert "image 0 (messages[0].images[0])" in str(caught.value)
+        assert by_path.text == by_bytes.text == by_str.text == again.text == expected
+        assert by_path.done is not None
+        assert by_path.done.usage.prompt_tokens == openai["usage"]["prompt_tokens"]
+
+        def sync_side() -> str:
+            with SyncClient(server.url) as client:
+                return client.generate(messages=asking(red_file), **options).result().text
+
+        assert await asyncio.to_thread(sync_side) == expected
+
+
+async def test_the_python_client_sends_base64_to_a_server_without_uploads(
+    tiny_gguf: Path, mmproj: Path
+) -> None:
+    from wsserver_client import Client
+
+    async with running_server(seer(tiny_gguf, mmproj, limits__max_upload_bytes=0)) as server:
+        async with Client(server.url) as client:
+            assert client.hello is not None and client.hello.limits.max_upload_bytes == 0
+            stream = client.generate(
+                messages=[{"role": "user", "content": "Look at", "images": [RED]}],
+                model="seer",
+                max_tokens=12,
+                temperature=0,
+            )
+            assert stream.uploads == []
+            assert stream.frame["messages"][0]["images"] == [b64(RED)]
+            result = await stream.result()
+        status, openai = await post(server, "/v1/chat/completions", openai_text(RED))
+    assert status == 200, openai
+    assert result.text == openai["choices"][0]["message"]["content"]
