@@ -346,3 +346,29 @@ async def test_the_python_client_sends_base64_to_a_server_without_uploads(
         status, openai = await post(server, "/v1/chat/completions", openai_text(RED))
     assert status == 200, openai
     assert result.text == openai["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------- the JS client
+
+
+async def test_the_js_client_sends_blobs_and_bytes(tiny_gguf: Path, mmproj: Path) -> None:
+    """clients/js/test/images.test.js under Node, against the tiny vision model."""
+    from test_js_node import ControlledServer, assert_all_passed, node_command, run_node_tests
+
+    command = node_command()
+    async with ControlledServer(
+        backend__kind="llama",
+        backend__llama__model=str(tiny_gguf),
+        backend__llama__n_threads=1,
+        backend__llama__parallel=1,
+        backend__llama__n_ctx=512,
+        backend__llama__models=[{"name": "seer", "model": str(tiny_gguf), "mmproj": str(mmproj)}],
+    ) as server:
+        returncode, output = await run_node_tests(
+            command,
+            server,
+            "images.test.js",
+            WSSERVER_RED=b64(RED),
+            WSSERVER_GRADIENT=b64(GRADIENT),
+        )
+    assert_all_passed(returncode, output)

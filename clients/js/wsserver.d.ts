@@ -30,7 +30,20 @@ export interface ChatMessage {
    * does for the messages after the last user message).
    */
   reasoning?: string | null;
+  /**
+   * A user message's images (a model served with a vision projector), read
+   * before its text in order. Bytes (`Blob`, `File`, `ArrayBuffer`, a typed
+   * array) go ahead of the request as uploads in binary frames when the
+   * server takes them (`hello.limits.max_upload_bytes` > 0), else as base64;
+   * a `Blob` needs uploads (the client cannot read it at once). A string is
+   * base64 or a `data:` URL, sent as is; `{upload}` names an upload the
+   * caller sent itself (docs/protocol.md, "Images").
+   */
+  images?: ImageInput[];
 }
+
+/** An image of a message's `images`. */
+export type ImageInput = Blob | ArrayBuffer | ArrayBufferView | string | { upload: string };
 
 /** OpenAI's function tool: `parameters` is a JSON Schema of an object. */
 export interface Tool {
