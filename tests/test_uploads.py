@@ -226,3 +226,14 @@ def test_the_python_clients_packing_round_trips_through_the_servers_core() -> No
         base64.b64encode(BLUE).decode(),
     ]
     assert pack_images(None, limits, lambda: "x") == (None, [])
+
+
+def test_an_upload_that_lost_a_piece_elsewhere_is_dropped_and_named() -> None:
+    uploads = Uploads(1 << 20)
+    upload(uploads, "a", RED, pieces=2)
+    uploads.fail("a", "a piece of it was refused (rate_limited)")
+    assert uploads.bytes == 0 and len(uploads) == 0
+    upload(uploads, "a", RED)  # its later pieces: dropped
+    assert uploads.bytes == 0
+    refused = refusal(generate({"upload": "a"}), uploads)
+    assert "it was refused: a piece of it was refused (rate_limited)" in refused.message

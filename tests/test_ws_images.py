@@ -372,3 +372,25 @@ async def test_the_js_client_sends_blobs_and_bytes(tiny_gguf: Path, mmproj: Path
             WSSERVER_GRADIENT=b64(GRADIENT),
         )
     assert_all_passed(returncode, output)
+
+
+async def test_a_piece_of_an_upload_lost_to_the_frame_rate_drops_the_upload() -> None:
+    """The receive loop refuses a frame over the rate before the dialect reads
+    it; for a binary frame the dialect still drops that upload (its image
+    would be cut), so a request naming it is refused saying why."""
+    from wsserver.aio.connection import ProtocolDialect
+    from wsserver.errors import ProtocolError
+
+    async with running_server() as server, wire(server) as client:
+        (connection,) = server.connections.values()
+        dialect = connection.dialect
+        assert isinstance(dialect, ProtocolDialect)
+        await upload(client, "a", RED[:50])
+        await client.send({"type": "cancel", "id": "nothing"})  # answered after the upload
+        assert (await client.recv())["code"] == "unknown_id"
+        assert dialect.uploads.bytes == 50
+        await dialect.refuse(ProtocolError("rate_limited", "too many frames"), b"a\n" + RED[50:])
+        assert (await client.recv())["code"] == "rate_limited"
+        assert dialect.uploads.bytes == 0
+        error = await refused(client, look("g", {"upload": "a"}))
+        assert "no upload 'a'" in error["message"] and "rate_limited" in error["message"]

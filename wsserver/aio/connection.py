@@ -22,6 +22,7 @@ the server's :class:`~wsserver.aio.resume.Resumes` instead of stopping it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from ..core.protocol import (
@@ -148,7 +149,13 @@ class ProtocolDialect:
             return
         await self.driver.receive(frame)
 
-    async def refuse(self, exc: ProtocolError) -> None:
+    async def refuse(self, exc: ProtocolError, message: str | bytes | None = None) -> None:
+        if isinstance(message, bytes):
+            # A piece of an upload lost to the frame rate: the image would be
+            # cut, so the upload is dropped, and a request naming it refused.
+            with contextlib.suppress(ProtocolError):
+                chunk = parse_upload(message)
+                self.uploads.fail(chunk.id, f"a piece of it was refused ({exc.code})")
         await self.driver.refuse(exc)
 
     def upload_bytes(self) -> int:

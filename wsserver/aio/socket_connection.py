@@ -69,9 +69,9 @@ class SocketDialect(Protocol):
     async def receive(self, message: str | bytes) -> None:
         """One message from the client, within the frame rate."""
 
-    async def refuse(self, exc: ProtocolError) -> None:
-        """A message refused before it was read (over the frame rate): counted,
-        logged and answered in the dialect's shape."""
+    async def refuse(self, exc: ProtocolError, message: str | bytes | None = None) -> None:
+        """``message`` refused before it was read (over the frame rate):
+        counted, logged and answered in the dialect's shape."""
 
     def busy(self) -> bool:
         """Whether it runs something besides the requests in the connection's
@@ -196,7 +196,7 @@ class SocketConnection:
                     await self.dialect.receive(message)
                 elif verdict == "limited":
                     await self.dialect.refuse(
-                        ProtocolError("rate_limited", "too many frames; slow down")
+                        ProtocolError("rate_limited", "too many frames; slow down"), message
                     )
                 else:
                     self.log.warning("kept sending over the frame rate limit; closing")

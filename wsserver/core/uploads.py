@@ -116,10 +116,15 @@ class Uploads:
         self._refused = {}
         self.bytes = 0
 
-    def _refuse(self, upload_id: str, why: str) -> None:
+    def fail(self, upload_id: str, why: str) -> None:
+        """Drop an upload (a piece of it was refused elsewhere: over the frame
+        rate) and remember why, as a refusal here would."""
         dropped = self._parts.pop(upload_id, None)
         if dropped is not None:
             self.bytes -= sum(len(part) for part in dropped)
         if len(self._refused) < MAX_IMAGES:
             self._refused[upload_id] = why
+
+    def _refuse(self, upload_id: str, why: str) -> None:
+        self.fail(upload_id, why)
         raise ProtocolError("too_large", f"upload {upload_id!r} refused: {why}", upload_id)
