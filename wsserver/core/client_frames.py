@@ -5,6 +5,9 @@ every public name here (import them from there); the frames the server sends
 are described in that module. docs/protocol.md is the specification and
 docs/protocol.schema.json its machine-checkable form.
 
+A user message's ``images`` (base64, or uploads sent in binary frames) are
+read into bytes by :mod:`wsserver.core.frame_images`, checked as every wire's.
+
 Parsing is strict. Every way a frame can be wrong maps to a
 :class:`~wsserver.errors.ProtocolError` with a wire code, so the connection
 layer only has to turn that error into an ``error`` frame and carry on.
