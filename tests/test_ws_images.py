@@ -394,3 +394,32 @@ async def test_a_piece_of_an_upload_lost_to_the_frame_rate_drops_the_upload() ->
         assert dialect.uploads.bytes == 0
         error = await refused(client, look("g", {"upload": "a"}))
         assert "no upload 'a'" in error["message"] and "rate_limited" in error["message"]
+
+
+async def test_wsserver_chat_sends_an_image_file_with_the_next_message(
+    tiny_gguf: Path, mmproj: Path, tmp_path: Path
+) -> None:
+    import io
+
+    from wsserver_client import Client
+    from wsserver_client.cli import Chat
+
+    red_file = tmp_path / "red.png"
+    red_file.write_bytes(RED)
+    async with running_server(seer(tiny_gguf, mmproj)) as server:
+        status, openai = await post(server, "/v1/chat/completions", openai_text(RED))
+        assert status == 200, openai
+        async with Client(server.url) as client:
+            out = io.StringIO()
+            chat = Chat(
+                client, out=out, options={"model": "seer", "max_tokens": 12, "temperature": 0}
+            )
+            assert await chat.handle(f"/image {tmp_path / 'nothing.png'}\n")
+            assert "[no file" in out.getvalue()
+            assert await chat.handle(f"/image {red_file}\n")
+            assert "red.png goes with your next message" in out.getvalue()
+            before = len(out.getvalue())
+            assert await chat.handle("Look at\n")
+            assert chat.images == []
+    answer = out.getvalue()[before:]
+    assert answer.startswith(openai["choices"][0]["message"]["content"] + "\n["), answer
