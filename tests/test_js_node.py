@@ -171,7 +171,7 @@ async def test_the_js_client_types_reasoning_and_tool_calls() -> None:
 
 
 async def run_node_tests(
-    command: list[str], server: ControlledServer, name: str
+    command: list[str], server: ControlledServer, name: str, **more_env: str
 ) -> tuple[int | None, str]:
     """``node --test`` on clients/js/test/``name`` against ``server``."""
     env = {
@@ -179,6 +179,7 @@ async def run_node_tests(
         "WSSERVER_URL": server.url,
         "WSSERVER_CONTROL": server.control_url,
         "WSSERVER_TEST_UNIT": str(timeout(1.0)),
+        **more_env,
     }
     node = await asyncio.create_subprocess_exec(
         *command,

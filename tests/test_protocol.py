@@ -268,13 +268,13 @@ def test_server_frames_match_the_schema_and_round_trip(frame: object) -> None:
 WIRE_BYTES = [
     (
         Hello(model="fake", server="wsserver/0.1.0", limits=Limits()),
-        '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"fake","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256}}',
+        '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"fake","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256,"max_upload_bytes":0}}',
     ),
     (
         Hello(
             model="m", server="wsserver/0.1.0", limits=Limits(), honours=("json_schema", "min_p")
         ),
-        '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"m","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256},"honours":["json_schema","min_p"]}',
+        '{"type":"hello","protocol":1,"server":"wsserver/0.1.0","model":"m","limits":{"max_frame_bytes":1048576,"max_prompt_chars":100000,"max_messages":256,"max_tokens":4096,"default_max_tokens":256,"max_upload_bytes":0},"honours":["json_schema","min_p"]}',
     ),
     (
         Queued(id="a", position=2),
@@ -390,6 +390,7 @@ def test_hello_lists_every_limit() -> None:
         "max_messages",
         "max_tokens",
         "default_max_tokens",
+        "max_upload_bytes",
     }
 
 

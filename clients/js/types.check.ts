@@ -12,6 +12,7 @@ import {
   type ChatMessage,
   type DoneFrame,
   type HelloFrame,
+  type ImageInput,
   type Tool,
 } from "./wsserver.js";
 
@@ -26,6 +27,13 @@ export async function documentedUsage(output: { append(text: string): void }): P
   const hello: HelloFrame = await client.ready();
   const protocol: number = hello.protocol === PROTOCOL_VERSION ? hello.protocol : 0;
   void protocol;
+
+  const picture: ImageInput = new Blob([new Uint8Array([137, 80, 78, 71])], { type: "image/png" });
+  const looked = client.generate({
+    model: "llava",
+    messages: [{ role: "user", content: "What is in this picture?", images: [picture, new Uint8Array(4)] }],
+  });
+  void looked;
 
   const stream = client.generate({ prompt: "Once upon a time", max_tokens: 200, temperature: 0.8 });
   stream.on("queued", ({ position }) => void position);

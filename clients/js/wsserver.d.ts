@@ -30,7 +30,20 @@ export interface ChatMessage {
    * does for the messages after the last user message).
    */
   reasoning?: string | null;
+  /**
+   * A user message's images (a model served with a vision projector), read
+   * before its text in order. Bytes (`Blob`, `File`, `ArrayBuffer`, a typed
+   * array) go ahead of the request as uploads in binary frames when the
+   * server takes them (`hello.limits.max_upload_bytes` > 0), else as base64;
+   * a `Blob` needs uploads (the client cannot read it at once). A string is
+   * base64 or a `data:` URL, sent as is; `{upload}` names an upload the
+   * caller sent itself (docs/protocol.md, "Images").
+   */
+  images?: ImageInput[];
 }
+
+/** An image of a message's `images`. */
+export type ImageInput = Blob | ArrayBuffer | ArrayBufferView | string | { upload: string };
 
 /** OpenAI's function tool: `parameters` is a JSON Schema of an object. */
 export interface Tool {
@@ -141,6 +154,12 @@ export interface Limits {
   max_messages: number;
   max_tokens: number;
   default_max_tokens: number;
+  /**
+   * Bytes of image uploads (binary frames) the connection may hold until its
+   * next request; 0 (or absent, from a server before uploads): none taken,
+   * and the client sends images as base64 inside the frame.
+   */
+  max_upload_bytes: number;
 }
 
 export interface HelloFrame {

@@ -85,6 +85,7 @@ const TOKEN_RE = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 const RECENT_LIMIT = 64;
 
 /** @typedef {import("./wsserver.d.ts").GenerateParams} GenerateParams */
+/** @typedef {import("./wsserver.d.ts").ImageInput} ImageInput */
 /** @typedef {import("./wsserver.d.ts").RequestOptions} RequestOptions */
 /** @typedef {import("./wsserver.d.ts").ClientOptions} ClientOptions */
 /** @typedef {import("./wsserver.d.ts").ReconnectOptions} ReconnectOptions */
@@ -1322,8 +1323,20 @@ export class WsClient extends Emitter {
       this.#resumeStream(stream);
       return;
     }
+    /** @type {{ frame: Record<string, unknown>, uploads: (Blob | Uint8Array)[] }} */
+    let packed;
+    try {
+      packed = packImages(stream.frame, this.#hello?.limits, () => `img-${this.newId()}`);
+    } catch (error) {
+      const message = error instanceof Error ? error.message : String(error);
+      queueMicrotask(() => this.#finish(stream, new WsError("bad_request", message, { requestId: stream.id })));
+      return;
+    }
     stream._markSent(this.#epoch);
-    this.#send(stream.frame);
+    // The uploads, then the frame that names them, with nothing between: the
+    // server's next generate or restart takes every upload.
+    for (const data of packed.uploads) this.#ws?.send(data);
+    this.#send(packed.frame);
   }
 
   /** @param {Record<string, unknown>} frame */
@@ -1601,6 +1614,82 @@ function clean(params) {
     if (value !== undefined && value !== null) out[key] = value;
   }
   return out;
+}
+
+/**
+ * `frame` with its messages' images in the wire's shape, and the binary
+ * frames to send before it (docs/protocol.md, "Images"): each image's bytes
+ * as uploads — `<id>\n<bytes>` in pieces that fit `max_frame_bytes` — when
+ * the server takes them, else base64 (a `Blob` then cannot be read at once:
+ * refused). Strings (base64, data URLs) and `{upload}` go as they are.
+ *
+ * @param {Record<string, unknown>} frame
+ * @param {HelloFrame["limits"] | undefined} limits
+ * @param {() => string} newId
+ * @returns {{ frame: Record<string, unknown>, uploads: (Blob | Uint8Array)[] }}
+ */
+function packImages(frame, limits, newId) {
+  /** @type {(Blob | Uint8Array)[]} */
+  const uploads = [];
+  const messages = frame.messages;
+  if (!Array.isArray(messages) || !messages.some((m) => m && Array.isArray(m.images) && m.images.length)) {
+    return { frame, uploads };
+  }
+  const upload = (limits?.max_upload_bytes ?? 0) > 0;
+  const piece = Math.max(1, (limits?.max_frame_bytes ?? 1 << 20) - 65);
+  const encoder = new TextEncoder();
+  const packedMessages = messages.map((message, index) => {
+    if (!message || !Array.isArray(message.images) || !message.images.length) return message;
+    const images = message.images.map((/** @type {ImageInput} */ image, /** @type {number} */ k) => {
+      if (typeof image === "string" || (image && typeof image === "object" && "upload" in image)) return image;
+      const isBlob = typeof Blob !== "undefined" && image instanceof Blob;
+      /** @type {Uint8Array | null} */
+      let bytes = null;
+      if (image instanceof ArrayBuffer) bytes = new Uint8Array(image);
+      else if (ArrayBuffer.isView(image)) bytes = new Uint8Array(image.buffer, image.byteOffset, image.byteLength);
+      else if (!isBlob) {
+        throw new TypeError(`messages[${index}].images[${k}]: an image is a Blob, bytes, a base64 string or {upload}`);
+      }
+      if (!upload) {
+        if (!bytes) {
+          throw new TypeError(
+            `messages[${index}].images[${k}]: this server takes no uploads; give the image as bytes or base64, not a Blob`,
+          );
+        }
+        return toBase64(bytes);
+      }
+      const id = newId();
+      const head = encoder.encode(`${id}\n`);
+      const size = bytes ? bytes.byteLength : /** @type {Blob} */ (image).size;
+      for (let at = 0; at < size || at === 0; at += piece) {
+        if (bytes) {
+          const part = bytes.subarray(at, at + piece);
+          const data = new Uint8Array(head.byteLength + part.byteLength);
+          data.set(head);
+          data.set(part, head.byteLength);
+          uploads.push(data);
+        } else {
+          uploads.push(new Blob([head, /** @type {Blob} */ (image).slice(at, at + piece)]));
+        }
+        if (size === 0) break;
+      }
+      return { upload: id };
+    });
+    return { ...message, images };
+  });
+  return { frame: { ...frame, messages: packedMessages }, uploads };
+}
+
+/**
+ * @param {Uint8Array} bytes
+ * @returns {string}
+ */
+function toBase64(bytes) {
+  let text = "";
+  for (let at = 0; at < bytes.byteLength; at += 0x8000) {
+    text += String.fromCharCode(...bytes.subarray(at, at + 0x8000));
+  }
+  return btoa(text);
 }
 
 /** @param {WebSocket} ws */

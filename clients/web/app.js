@@ -45,6 +45,7 @@ import { DEFAULTS, RANGES, loadSettings, requestOptions, saveSettings, unhonoure
 import { appendMessage as appendTo, copy, markLastUser as markLastUserIn, showHistory as showHistoryIn } from "/log.js";
 import { loadTools, parseTools, saveTools, setThinking, showToolCalls, storedCalls, thinkingBlock } from "/tools.js";
 import { describeProgress, setupPulls } from "/pulls.js";
+import { Attachments, dataUrlBytes, imageFiles, showImages } from "/attach.js";
 
 /** @typedef {import("/wsserver.js").GenerationStream} GenerationStream */
 /** @typedef {import("/wsserver.js").DoneFrame} DoneFrame */
@@ -90,6 +91,10 @@ const ui = {
   history: $("history"),
   editing: $("editing"),
   cancelEdit: /** @type {HTMLButtonElement} */ ($("cancel-edit")),
+  attach: /** @type {HTMLButtonElement} */ ($("attach")),
+  imageInput: /** @type {HTMLInputElement} */ ($("image-input")),
+  attachments: $("attachments"),
+  attachNote: $("attach-note"),
 };
 
 /** How answers are shown: markdown, or plain text with `?render=plain`. */
@@ -101,6 +106,8 @@ const settings = loadSettings();
 let toolsSetting = parseTools(loadTools());
 /** Index in the conversation of the user message being edited, if any. @type {number | null} */
 let editing = null;
+/** The images the next message carries (attach.js). */
+const attachments = new Attachments(ui.attachments, ui.attachNote, () => updateControls());
 
 /** Live statistics are refreshed at most this often, so they stay readable. */
 const STATS_INTERVAL_MS = 250;
@@ -504,7 +511,7 @@ function conversation() {
 
 function send() {
   const content = ui.prompt.value;
-  if (!content.trim() || !canSend()) return;
+  if ((!content.trim() && attachments.size === 0) || attachments.reading > 0 || !canSend()) return;
   const chat = conversation();
   if (editing !== null) {
     // Edit and resend: the edited message replaces the old one and its answer.
@@ -514,12 +521,13 @@ function send() {
     showConversation();
   }
   ui.prompt.value = "";
-  chat.messages.push({ role: "user", content });
+  const images = attachments.take();
+  chat.messages.push(images.length ? { role: "user", content, images } : { role: "user", content });
   const messages = fitHistory(chat.messages);
   const record = /** @type {import("/store.js").StoredMessage} */ ({ role: "assistant", content: "" });
   chat.messages.push(record);
   store.touch(true);
-  appendMessage("user", content);
+  showImages(appendMessage("user", content), images);
   const article = appendMessage("assistant", "");
   markLastUser();
   showHistory();
@@ -596,6 +604,9 @@ function editLast() {
   current?.stop();
   editing = index;
   ui.prompt.value = chat.messages[index].content;
+  // Its images come back to the composer too (removable there).
+  attachments.images = [...(chat.messages[index].images ?? [])];
+  attachments.render();
   ui.app.dataset.editing = "true";
   ui.editing.hidden = false;
   ui.prompt.focus();
@@ -664,8 +675,11 @@ function messageChars(message) {
  * @param {import("/store.js").StoredMessage} message
  * @returns {ChatMessage}
  */
-function historyMessage({ role, content, tool_calls }) {
+function historyMessage({ role, content, tool_calls, images }) {
   const calls = storedCalls(tool_calls);
+  // A user message's images go again every turn (the model reads the whole
+  // conversation); the client uploads their bytes in binary frames.
+  if (role === "user" && images?.length) return { role, content, images: images.map(dataUrlBytes) };
   if (role !== "assistant" || calls.length === 0) return { role, content };
   return {
     role,
@@ -863,6 +877,7 @@ function showConversation() {
   const chat = store.current;
   for (const message of chat?.messages ?? []) {
     const article = appendMessage(message.role, message.content);
+    if (message.role === "user") showImages(article, message.images);
     if (message.role === "assistant") {
       const view = new View(/** @type {HTMLElement} */ (article.querySelector(".text")));
       view.append(message.content);
@@ -917,7 +932,7 @@ function canSend() {
 function updateControls() {
   const busy = ui.app.dataset.state !== "idle";
   const hadFocus = document.activeElement;
-  ui.send.disabled = !canSend() || !ui.prompt.value.trim();
+  ui.send.disabled = !canSend() || (!ui.prompt.value.trim() && attachments.size === 0) || attachments.reading > 0;
   ui.send.textContent = editing === null ? "Send" : "Resend";
   ui.stop.disabled = !busy;
   const lastMessage = store.current?.messages.at(-1);
@@ -958,12 +973,38 @@ ui.prompt.addEventListener("keydown", (event) => {
 });
 
 ui.prompt.addEventListener("input", updateControls);
+ui.attach.addEventListener("click", () => ui.imageInput.click());
+ui.imageInput.addEventListener("change", () => {
+  const files = Array.from(ui.imageInput.files ?? []);
+  ui.imageInput.value = ""; // picking the same file again is a change too
+  void attachments.add(files);
+});
+ui.prompt.addEventListener("paste", (event) => {
+  const files = imageFiles(event.clipboardData);
+  if (files.length === 0) return; // text: pasted as always
+  event.preventDefault();
+  void attachments.add(files);
+});
+ui.composer.addEventListener("dragover", (event) => {
+  if (!event.dataTransfer?.types.includes("Files")) return;
+  event.preventDefault();
+  ui.composer.classList.add("dropping");
+});
+ui.composer.addEventListener("dragleave", () => ui.composer.classList.remove("dropping"));
+ui.composer.addEventListener("drop", (event) => {
+  ui.composer.classList.remove("dropping");
+  const files = imageFiles(event.dataTransfer);
+  if (files.length === 0) return;
+  event.preventDefault();
+  void attachments.add(files);
+});
 ui.stop.addEventListener("click", stop);
 ui.regenerate.addEventListener("click", regenerate);
 ui.newChat.addEventListener("click", newChat);
 ui.cancelEdit.addEventListener("click", () => {
   stopEditing();
   ui.prompt.value = "";
+  attachments.take(); // the edited message's images, put back by editLast
   updateControls();
 });
 

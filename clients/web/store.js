@@ -16,8 +16,9 @@ const VERSION = 1;
 const SAVE_INTERVAL_MS = 1000;
 
 /**
- * @typedef {{role: "user" | "assistant", content: string, meta?: string, reasoning?: string, tool_calls?: import("/tools.js").StoredCall[]}} StoredMessage
- *   an answer's `reasoning` and `tool_calls` (tools.js) are kept beside its text
+ * @typedef {{role: "user" | "assistant", content: string, meta?: string, reasoning?: string, tool_calls?: import("/tools.js").StoredCall[], images?: string[]}} StoredMessage
+ *   an answer's `reasoning` and `tool_calls` (tools.js) are kept beside its text; a
+ *   user message's `images` as data URLs (attach.js: at most 2 MiB each)
  * @typedef {{id: string, title: string, updated: number, messages: StoredMessage[], model?: string}} Conversation
  * (``model``: the one picked for it; absent: the server's default)
  */

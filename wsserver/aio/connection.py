@@ -5,7 +5,10 @@ This is what the WebSocket protocol (docs/protocol.md) says its own way on a
 socket (receive loop, frame rate, sender, drain, closing):
 
 * ``hello`` first;
-* each message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
+* a binary message is a piece of an image upload, kept
+  (:class:`~wsserver.core.uploads.Uploads`, bounded) for the next
+  ``generate`` or ``restart``, which takes them all;
+* each text message is parsed (:func:`~wsserver.core.protocol.parse_client_frame`) and
   handed to the connection's one :class:`~wsserver.aio.driver.RequestDriver`
   (one request at a time, ``cancel``, ``restart``, ``resume``), or to its
   ``pull`` and ``embed`` requests (:mod:`wsserver.aio.pull_requests`,
@@ -20,6 +23,7 @@ the server's :class:`~wsserver.aio.resume.Resumes` instead of stopping it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from ..core.protocol import (
@@ -34,6 +38,7 @@ from ..core.protocol import (
     serialize,
 )
 from ..core.session import Session
+from ..core.uploads import Uploads, parse_upload
 from ..errors import ProtocolError
 from .choice_requests import ConnectionChoices
 from .driver import RequestDriver
@@ -67,6 +72,8 @@ class ProtocolDialect:
             resumes=resumes,
         )
         self._drivers = (self.driver,)
+        #: Images sent in binary frames, until the next request takes them.
+        self.uploads = Uploads(config.limits.max_upload_bytes)
         #: Its ``pull`` requests, beside its generations (docs/models.md).
         # Given the sender and the session, not this dialect's methods: no
         # reference cycle back to it (it is freed when the connection closes,
@@ -121,7 +128,10 @@ class ProtocolDialect:
 
     async def receive(self, message: str | bytes) -> None:
         try:
-            frame = parse_client_frame(message, self._services.wire_limits)
+            if isinstance(message, bytes):
+                self.uploads.add(parse_upload(message))
+                return
+            frame = parse_client_frame(message, self._services.wire_limits, self.uploads)
         except ProtocolError as exc:
             self._log.debug(
                 "refused frame: %s %s",
@@ -171,8 +181,17 @@ class ProtocolDialect:
             return
         await self.driver.receive(frame)
 
-    async def refuse(self, exc: ProtocolError) -> None:
+    async def refuse(self, exc: ProtocolError, message: str | bytes | None = None) -> None:
+        if isinstance(message, bytes):
+            # A piece of an upload lost to the frame rate: the image would be
+            # cut, so the upload is dropped, and a request naming it refused.
+            with contextlib.suppress(ProtocolError):
+                chunk = parse_upload(message)
+                self.uploads.fail(chunk.id, f"a piece of it was refused ({exc.code})")
         await self.driver.refuse(exc)
+
+    def upload_bytes(self) -> int:
+        return self.uploads.bytes
 
     def busy(self) -> bool:
         return len(self.pulls) > 0 or len(self.embeds) > 0 or len(self.choices) > 0
@@ -181,6 +200,7 @@ class ProtocolDialect:
         self.driver.stall()
 
     async def close(self) -> None:
+        self.uploads.clear()
         await self.pulls.close()
         await self.embeds.close()
         await self.choices.close()

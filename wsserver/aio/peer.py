@@ -17,6 +17,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Response
 
 from ..config import Config
+from ..core.image_check import MAX_IMAGE_BYTES
 from ..core.logprobs import MAX_ENTRY_BYTES
 from ..core.pacing import FRAME_LOGPROB_TOKENS, FRAME_TEXT_CHARS
 
@@ -204,7 +205,12 @@ def memory_bound(config: Config) -> dict[str, int]:
     * restart: the inputs kept for ``restart`` — the budget, or one maximal
       input (4 bytes a character) if that is larger;
     * resume: a resumable request's replay tail (:func:`resume_tail_bytes`),
-      which any client may ask for.
+      which any client may ask for;
+    * upload: image uploads (binary frames) waiting for the next request,
+      ``limits.max_upload_bytes``.
+
+    A maximal input kept for ``restart`` carries a request's images too
+    (:data:`~wsserver.core.image_check.MAX_IMAGE_BYTES`).
     """
     server, stream, limits = config.server, config.stream, config.limits
     ceiling = max(server.max_output_bytes, server.write_limit)
@@ -215,8 +221,11 @@ def memory_bound(config: Config) -> dict[str, int]:
         + 4 * FRAME_TEXT_CHARS
         + FRAME_LOGPROB_TOKENS * MAX_ENTRY_BYTES,
         "receive": (server.max_queue + 3) * server.max_frame_bytes + READ_CHUNK_BYTES,
-        "restart": max(limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096),
+        "restart": max(
+            limits.restart_memory_bytes, 4 * limits.max_prompt_chars + 4096 + MAX_IMAGE_BYTES
+        ),
         "resume": resume_tail_bytes(config),
+        "upload": limits.max_upload_bytes,
     }
 
 

@@ -164,7 +164,7 @@ class ResponsesDialect:
             stream_id = event.get("stream_id") if event is not None else None
             await self._refuse(exc, stream_id if isinstance(stream_id, str) else None)
 
-    async def refuse(self, exc: ProtocolError) -> None:
+    async def refuse(self, exc: ProtocolError, message: str | bytes | None = None) -> None:
         await self._refuse(ApiError.from_protocol(exc), None)
 
     def _enqueue(self, request: ResponsesRequest) -> None:
@@ -279,6 +279,9 @@ class ResponsesDialect:
             await self.sender.send(orjson.dumps(event))
 
     # ------------------------------------------------------------ the connection's hooks
+
+    def upload_bytes(self) -> int:
+        return 0  # the Responses API takes its images inside its JSON
 
     def busy(self) -> bool:
         return len(self._lanes) > 0

@@ -97,6 +97,7 @@ class Server:
             max_messages=limits.max_messages,
             max_tokens=limits.max_tokens,
             default_max_tokens=limits.default_max_tokens,
+            max_upload_bytes=limits.max_upload_bytes,
         )
         self.scheduler = self.models.default.scheduler
         #: Every WebSocket connection, whatever its dialect.

@@ -69,13 +69,16 @@ class SocketDialect(Protocol):
     async def receive(self, message: str | bytes) -> None:
         """One message from the client, within the frame rate."""
 
-    async def refuse(self, exc: ProtocolError) -> None:
-        """A message refused before it was read (over the frame rate): counted,
-        logged and answered in the dialect's shape."""
+    async def refuse(self, exc: ProtocolError, message: str | bytes | None = None) -> None:
+        """``message`` refused before it was read (over the frame rate):
+        counted, logged and answered in the dialect's shape."""
 
     def busy(self) -> bool:
         """Whether it runs something besides the requests in the connection's
         table (pulls, a lane's waiting requests): the connection is not idle."""
+
+    def upload_bytes(self) -> int:
+        """Bytes of image uploads it holds for the client's next request (0: none)."""
 
     def stall(self) -> None:
         """The client read nothing for ``stream.stall_timeout_s``: its stall rule."""
@@ -193,7 +196,7 @@ class SocketConnection:
                     await self.dialect.receive(message)
                 elif verdict == "limited":
                     await self.dialect.refuse(
-                        ProtocolError("rate_limited", "too many frames; slow down")
+                        ProtocolError("rate_limited", "too many frames; slow down"), message
                     )
                 else:
                     self.log.warning("kept sending over the frame rate limit; closing")
@@ -288,4 +291,5 @@ class SocketConnection:
             "receive": receive,
             "restart": sum(session.restart_bytes for session in sessions),
             "resume": sum(session.resume_bytes for session in sessions),
+            "upload": self.dialect.upload_bytes(),
         }

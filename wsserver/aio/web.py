@@ -49,6 +49,7 @@ _ASSETS: Final = {
     "/sampling.js": _Asset(CLIENTS_DIR / "web" / "sampling.js", "text/javascript; charset=utf-8"),
     "/tools.js": _Asset(CLIENTS_DIR / "web" / "tools.js", "text/javascript; charset=utf-8"),
     "/pulls.js": _Asset(CLIENTS_DIR / "web" / "pulls.js", "text/javascript; charset=utf-8"),
+    "/attach.js": _Asset(CLIENTS_DIR / "web" / "attach.js", "text/javascript; charset=utf-8"),
     "/style.css": _Asset(CLIENTS_DIR / "web" / "style.css", "text/css; charset=utf-8"),
     "/wsserver.js": _Asset(CLIENTS_DIR / "js" / "wsserver.js", "text/javascript; charset=utf-8"),
     # The page's markdown parser and sanitizer, vendored (clients/web/vendor/README.md).

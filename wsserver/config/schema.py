@@ -117,6 +117,9 @@ class LimitsConfig:
     #: Memory for the inputs a connection keeps for ``restart`` (the newest is
     #: always kept, whatever its size), bytes.
     restart_memory_bytes: int = _key(1 << 19, low=0, high=1 << 30)
+    #: WebSocket protocol: bytes of image uploads (binary frames) a connection
+    #: may hold until its next request takes them (0 = no uploads).
+    max_upload_bytes: int = _key(20 << 20, low=0, high=1 << 30)
     #: Responses API: bytes of responses kept server-wide for ``previous_response_id``
     #: and ``GET /v1/responses/{id}`` over HTTP (oldest forgotten first; 0 = none kept).
     responses_store_bytes: int = _key(16 << 20, low=0, high=1 << 34)

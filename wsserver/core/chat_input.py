@@ -31,6 +31,7 @@ import orjson
 from ..errors import ProtocolError
 
 __all__ = [
+    "IMAGE_MARKER",
     "MAX_TOOLS",
     "RESERVED_TEMPLATE_NAMES",
     "ROLES",
@@ -42,6 +43,9 @@ __all__ = [
     "parse_tools",
 ]
 
+#: Where an image goes in a message's text: libmtmd's default media marker.
+#: A client's own text may not contain it (it would claim an image).
+IMAGE_MARKER: Final = "<__media__>"
 ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 #: At most this many tools per request (OpenAI's limit).
 MAX_TOOLS: Final = 128
@@ -62,6 +66,8 @@ RESERVED_TEMPLATE_NAMES: Final = frozenset(
 )
 
 Fail = Callable[[str], ProtocolError]
+#: Reads a message's ``images`` (the value and where it stands) into their bytes.
+ReadImages = Callable[[Any, str], tuple[bytes, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +137,39 @@ _MESSAGE_KEYS: Final = frozenset(
 )
 
 
-def parse_messages(value: Any, *, max_messages: int, fail: Fail) -> tuple[Message, ...]:
-    """Validate a ``messages`` list (the caller checks the total size)."""
+def parse_messages(
+    value: Any, *, max_messages: int, fail: Fail, images: ReadImages | None = None
+) -> tuple[Message, ...]:
+    """Validate a ``messages`` list (the caller checks the total size).
+
+    With ``images``, a user message may carry ``images`` (the WebSocket
+    protocol's): each goes before the message's text, in order (Ollama's
+    place), at an :data:`IMAGE_MARKER`; a text that holds the marker itself
+    is refused, in any message of a request with images."""
     if not isinstance(value, list) or not value:
         raise fail("'messages' must be a non-empty list")
     if len(value) > max_messages:
         raise fail(f"'messages' has more than {max_messages} entries")
-    return tuple(_message(item, f"messages[{index}]", fail) for index, item in enumerate(value))
+    messages = tuple(
+        _message(item, f"messages[{index}]", fail, images) for index, item in enumerate(value)
+    )
+    if any(m.images for m in messages):
+        for index, message in enumerate(messages):
+            if message.content.count(IMAGE_MARKER) != len(message.images):
+                raise fail(
+                    f"messages[{index}]: its text contains {IMAGE_MARKER!r}, which marks an "
+                    "image's place here; remove it"
+                )
+    return messages
 
 
-def _message(item: Any, where: str, fail: Fail) -> Message:
-    if not isinstance(item, dict) or "role" not in item or not set(item) <= _MESSAGE_KEYS:
+def _message(item: Any, where: str, fail: Fail, images: ReadImages | None) -> Message:
+    allowed = _MESSAGE_KEYS if images is None else _MESSAGE_KEYS | {"images"}
+    if not isinstance(item, dict) or "role" not in item or not set(item) <= allowed:
         raise fail(
             f"{where} must be an object with 'role' and 'content' "
-            "(and, as OpenAI's, 'tool_calls', 'tool_call_id', 'name'; 'reasoning')"
+            "(and, as OpenAI's, 'tool_calls', 'tool_call_id', 'name'; 'reasoning'"
+            + ("; a user message's 'images')" if images is not None else ")")
         )
     role = item["role"]
     # isinstance first: ``in`` on a frozenset hashes, and a list is unhashable.
@@ -175,8 +200,14 @@ def _message(item: Any, where: str, fail: Fail) -> Message:
             raise fail(f"{where}.reasoning: only an assistant message carries reasoning")
         if not isinstance(reasoning, str):
             raise fail(f"{where}.reasoning must be a string")
+    read: tuple[bytes, ...] = ()
+    if images is not None and item.get("images") is not None:
+        if role != "user":
+            raise fail(f"{where}.images: only a user message carries images")
+        read = images(item["images"], f"{where}.images")
+    text = IMAGE_MARKER * len(read) + (content or "")
     # "" is no reasoning: a template would show an empty think block for it.
-    return Message(role, content or "", calls, call_id, name, reasoning or None)
+    return Message(role, text, calls, call_id, name, reasoning or None, read)
 
 
 def _tool_calls(value: Any, where: str, fail: Fail) -> tuple[ToolCall, ...]:

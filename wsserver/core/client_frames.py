@@ -5,6 +5,9 @@ every public name here (import them from there); the frames the server sends
 are described in that module. docs/protocol.md is the specification and
 docs/protocol.schema.json its machine-checkable form.
 
+A user message's ``images`` (base64, or uploads sent in binary frames) are
+read into bytes by :mod:`wsserver.core.frame_images`, checked as every wire's.
+
 Parsing is strict. Every way a frame can be wrong maps to a
 :class:`~wsserver.errors.ProtocolError` with a wire code, so the connection
 layer only has to turn that error into an ``error`` frame and carry on.
@@ -29,7 +32,20 @@ from .chat_input import (
     parse_tools,
 )
 from .embedding import EmbedInput, EmbedInputError, parse_inputs
-from .fields import ID_PATTERN, ID_RE, check_keys, is_int, parse_float, parse_id
+from .fields import (
+    ID_PATTERN,
+    ID_RE,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    check_keys,
+    is_int,
+    parse_float,
+    parse_id,
+    parse_keep_alive,
+    parse_stop,
+)
+from .frame_images import FrameImages
+from .image_check import ImageBudget
 from .sampling import (
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
@@ -38,6 +54,7 @@ from .sampling import (
     LogitBias,
     parse_sampling_fields,
 )
+from .uploads import Pending, Uploads
 
 __all__ = [
     "ID_PATTERN",
@@ -57,13 +74,8 @@ __all__ = [
     "parse_client_frame",
 ]
 
-#: The longest ``keep_alive`` a request may give, seconds (a year).
-MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
 #: The longest model name a request may give (names are configured; longer ones cannot exist).
 MAX_MODEL_CHARS: Final = 128
-#: Stop strings a request may give, and their length (copied like the ID rule).
-MAX_STOP_STRINGS: Final = 4
-MAX_STOP_CHARS: Final = 128
 #: The longest ``resume_token`` accepted (the server issues 32 characters).
 MAX_TOKEN_CHARS: Final = 128
 
@@ -77,6 +89,10 @@ class Limits:
     max_messages: int = 256
     max_tokens: int = 4096
     default_max_tokens: int = 256
+    #: Bytes of image uploads (binary frames) a connection may hold until
+    #: its next request takes them; 0: none taken (and what a client reads
+    #: from a server before uploads, which does not say it).
+    max_upload_bytes: int = 0
 
     def to_wire(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -231,15 +247,21 @@ ClientFrame = Generate | Cancel | Restart | Resume | Pull | EmbedFrame
 # ---------------------------------------------------------------- parsing
 
 
-def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
-    """Parse one WebSocket message into a client frame.
+def parse_client_frame(
+    data: str | bytes, limits: Limits, uploads: Uploads | None = None
+) -> ClientFrame:
+    """Parse one WebSocket text message into a client frame.
 
     Raises :class:`ProtocolError` for anything that is not a valid v1 frame.
     The error carries the frame's ``id`` when one could be read, so that the
-    client can tell which of its requests was refused.
+    client can tell which of its requests was refused. A ``generate`` or
+    ``restart`` takes every one of ``uploads`` (the connection's binary
+    frames: :mod:`wsserver.core.uploads`), accepted or refused.
     """
     if isinstance(data, bytes):
-        raise ProtocolError("bad_json", "binary frames are not accepted; send JSON text frames")
+        raise ProtocolError(
+            "bad_json", "binary frames are image uploads only; send JSON text frames"
+        )
     if len(data) > limits.max_frame_bytes:
         # The transport enforces the byte limit; this guards direct callers.
         raise ProtocolError("too_large", f"frame exceeds {limits.max_frame_bytes} bytes")
@@ -253,16 +275,19 @@ def parse_client_frame(data: str | bytes, limits: Limits) -> ClientFrame:
     request_id = raw_id if isinstance(raw_id, str) and ID_RE.fullmatch(raw_id) else None
     kind = obj.get("type")
     try:
-        if kind == "generate":
-            return _parse_generate(obj, limits)
+        if kind in ("generate", "restart"):
+            # Taken whatever becomes of the frame: an upload lives until the
+            # next request, never longer (wsserver.core.uploads).
+            pending = uploads.take() if uploads is not None else None
+            if kind == "generate":
+                return _parse_generate(obj, limits, pending)
+            return _parse_restart(obj, limits, pending)
         if kind == "cancel":
             check_keys(obj, {"type", "id", "resume_token"})
             token = _parse_token(obj) if "resume_token" in obj else None
             return Cancel(id=parse_id(obj, "id"), resume_token=token)
         if kind == "resume":
             return _parse_resume(obj)
-        if kind == "restart":
-            return _parse_restart(obj, limits)
         if kind == "pull":
             return _parse_pull(obj)
         if kind == "embed":
@@ -305,10 +330,10 @@ _GENERATE_FIELDS: Final = frozenset(
 )
 
 
-def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
+def _parse_generate(obj: dict[str, Any], limits: Limits, pending: Pending | None) -> Generate:
     check_keys(obj, {"type", "id"} | _GENERATE_FIELDS)
     request_id = parse_id(obj, "id")
-    options = _parse_generate_fields(obj, limits, request_id)
+    options = _parse_generate_fields(obj, limits, request_id, pending)
     has_prompt = "prompt" in options
     has_messages = "messages" in options
     if has_prompt == has_messages:
@@ -325,18 +350,21 @@ def _parse_generate(obj: dict[str, Any], limits: Limits) -> Generate:
     return Generate(id=request_id, **options)
 
 
-def _parse_restart(obj: dict[str, Any], limits: Limits) -> Restart:
+def _parse_restart(obj: dict[str, Any], limits: Limits, pending: Pending | None) -> Restart:
     check_keys(obj, {"type", "id", "new_id"} | _GENERATE_FIELDS)
     old_id = parse_id(obj, "id")
     new_id = parse_id(obj, "new_id")
-    options = _parse_generate_fields(obj, limits, new_id)
+    options = _parse_generate_fields(obj, limits, new_id, pending)
     if "prompt" in options and "messages" in options:
         raise ProtocolError("bad_request", "give at most one of 'prompt' and 'messages'", new_id)
     return Restart(id=old_id, new_id=new_id, overrides=options)
 
 
-def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str) -> dict[str, Any]:
-    """Validate the optional generate fields present in ``obj``."""
+def _parse_generate_fields(
+    obj: dict[str, Any], limits: Limits, request_id: str, pending: Pending | None = None
+) -> dict[str, Any]:
+    """Validate the optional generate fields present in ``obj`` (a user
+    message's ``images`` read from the frame or ``pending`` uploads)."""
     out: dict[str, Any] = {}
 
     def fail(message: str) -> ProtocolError:
@@ -353,7 +381,10 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
         out["prompt"] = prompt
     if "messages" in obj:
         out["messages"] = parse_messages(
-            obj["messages"], max_messages=limits.max_messages, fail=fail
+            obj["messages"],
+            max_messages=limits.max_messages,
+            fail=fail,
+            images=FrameImages(ImageBudget(fail), pending),
         )
     if "tools" in obj:
         out["tools"] = parse_tools(obj["tools"], fail)
@@ -403,7 +434,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
             raise fail("'seed' must be an integer in [0, 2**32)")
         out["seed"] = value
     if "stop" in obj:
-        out["stop"] = _parse_stop(obj["stop"], fail)
+        out["stop"] = parse_stop(obj["stop"], fail)
     for name in ("resumable", "logprobs"):
         if name in obj:
             if not isinstance(obj[name], bool):
@@ -424,20 +455,7 @@ def _parse_generate_fields(obj: dict[str, Any], limits: Limits, request_id: str)
             raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
         out["model"] = value
     if "keep_alive" in obj:
-        value = obj["keep_alive"]
-        if value == -1 and not isinstance(value, bool):
-            out["keep_alive"] = -1.0
-        elif (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not 0 <= value <= MAX_KEEP_ALIVE_S  # (NaN fails this too)
-        ):
-            raise fail(
-                f"'keep_alive' must be seconds from 0 to {MAX_KEEP_ALIVE_S:.0f}, "
-                "or -1 (until its memory is needed)"
-            )
-        else:
-            out["keep_alive"] = float(value)
+        out["keep_alive"] = parse_keep_alive(obj["keep_alive"], fail)
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))
     return out
 
@@ -495,13 +513,3 @@ def _parse_token(obj: dict[str, Any]) -> str:
             "bad_request", f"'resume_token' must be a string of 1 to {MAX_TOKEN_CHARS} characters"
         )
     return value
-
-
-def _parse_stop(value: Any, fail: Any) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
-        raise fail(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings")
-    for item in items:
-        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
-            raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
-    return tuple(items)

@@ -13,12 +13,29 @@ from typing import Any, Final
 
 from ..errors import ProtocolError
 
-__all__ = ["ID_PATTERN", "ID_RE", "check_keys", "is_int", "parse_float", "parse_id"]
+__all__ = [
+    "ID_PATTERN",
+    "ID_RE",
+    "MAX_KEEP_ALIVE_S",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "check_keys",
+    "is_int",
+    "parse_float",
+    "parse_id",
+    "parse_keep_alive",
+    "parse_stop",
+]
 
 #: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
 #: docs/protocol.schema.json; tests/test_wire_copies.py checks the copies match.
 ID_PATTERN: Final = r"[A-Za-z0-9_.:-]{1,64}"
 ID_RE: Final = re.compile(ID_PATTERN)
+#: The longest ``keep_alive`` a request may give, seconds (a year).
+MAX_KEEP_ALIVE_S: Final = 365 * 86400.0
+#: Stop strings a request may give, and their length (copied like the ID rule).
+MAX_STOP_STRINGS: Final = 4
+MAX_STOP_CHARS: Final = 128
 # JSON integers outside this range are refused: llama.cpp takes 32-bit seeds
 # and nothing else in the protocol needs more.
 _INT_MAX: Final = 2**63 - 1
@@ -57,3 +74,30 @@ def check_keys(obj: dict[str, Any], allowed: frozenset[str] | set[str]) -> None:
     if unknown:
         names = ", ".join(sorted(repr(k[:40]) for k in unknown)[:5])
         raise ProtocolError("bad_request", f"unknown field(s): {names}")
+
+
+def parse_keep_alive(value: Any, fail: Callable[[str], Exception]) -> float:
+    """A ``keep_alive``: seconds from 0 to a year, or -1 (until its memory is needed)."""
+    if value == -1 and not isinstance(value, bool):
+        return -1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_KEEP_ALIVE_S  # (NaN fails this too)
+    ):
+        raise fail(
+            f"'keep_alive' must be seconds from 0 to {MAX_KEEP_ALIVE_S:.0f}, "
+            "or -1 (until its memory is needed)"
+        )
+    return float(value)
+
+
+def parse_stop(value: Any, fail: Callable[[str], Exception]) -> tuple[str, ...]:
+    """``stop``: a string or a list of strings, within the bounds above."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or len(items) > MAX_STOP_STRINGS:
+        raise fail(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    for item in items:
+        if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
+            raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
+    return tuple(items)

@@ -122,7 +122,8 @@ WAITING, RUNNING, DONE = RequestState.WAITING, RequestState.RUNNING, RequestStat
 
 
 def input_size(request: Generate) -> int:
-    """The memory a request's input holds: its strings as Python stores them.
+    """The memory a request's input holds: its strings as Python stores them,
+    and its images' bytes.
     (Also what decides whether the engine's check runs off the loop: a large
     grammar or schema takes its bounds' parse and llama.cpp's with it.)"""
     # A grammar or schema: its text, counted at the widest (two bytes a character).
@@ -133,9 +134,12 @@ def input_size(request: Generate) -> int:
     chat = sum(sys.getsizeof(m.content) + sys.getsizeof(m.role) for m in messages)
     # Tool calls and tools: their text, counted at the widest (two bytes a character).
     calls = sum(m.size() - len(m.content) for m in messages)
+    # Images: their encoded bytes (a running request and its kept input share them).
+    images = sum(len(image) for m in messages for image in m.images)
     return (
         chat
         + constraint
+        + images
         + 2 * (calls + len(request.tools or "") + len(request.chat_template_kwargs or ""))
     )
 

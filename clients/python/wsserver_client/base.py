@@ -17,6 +17,7 @@ from typing import Any, Generic, Literal, Self, TypeVar
 from wsserver.core.protocol import Error, Hello
 
 from .core import EmbedRequest, PullRequest, Request, RequestTable
+from .images import pack_images
 from .reconnect import ReconnectPolicy
 
 __all__ = ["ClientBase"]
@@ -125,6 +126,11 @@ class ClientBase(Generic[S]):
         ``model``: one of ``hello.models``' names (default: the client's
         ``model``, else the server's default model); ``done.model`` says which
         answered.
+
+        A user message may carry ``images``: file paths or the images' bytes
+        (PNG, JPEG, GIF, BMP), read before the message's text
+        (:mod:`wsserver_client.images`); they go ahead of the request as
+        uploads in binary frames when the server takes them, else as base64.
         """
         chat_options = {
             "tools": tools,
@@ -140,15 +146,28 @@ class ClientBase(Generic[S]):
         if model is not None:
             params["model"] = model
         request_id, frame = self.requests.generate_frame(prompt, messages, id, params)
-        return self.requests.add(self._stream(request_id, frame))
+        return self.requests.add(self._with_images(self._stream(request_id, frame)))
 
     def restart(self, old: str | S, *, new_id: str | None = None, **overrides: Any) -> S:
         """Regenerate: cancel ``old`` (a stream or its ID) if it runs, then run
-        its input again with ``overrides`` (on its model, unless they give ``model``)."""
+        its input again with ``overrides`` (on its model, unless they give
+        ``model``; ``messages`` may carry images, as :meth:`generate`'s)."""
         if self.resumable:
             overrides.setdefault("resumable", True)
         request_id, frame = self.requests.restart_frame(old, new_id, overrides)
-        return self.requests.add(self._stream(request_id, frame))
+        return self.requests.add(self._with_images(self._stream(request_id, frame)))
+
+    def _with_images(self, stream: S) -> S:
+        """``stream``'s messages with their images in the wire's shape, and
+        its uploads to send before its frame."""
+        frame = stream.frame
+        if frame.get("messages"):
+            hello = self.requests.hello
+            messages, stream.uploads = pack_images(
+                frame["messages"], hello.limits if hello else None, self.requests.new_upload_id
+            )
+            frame["messages"] = messages
+        return stream
 
     def pull(self, reference: str, *, id: str | None = None) -> Any:
         """Download a model from the Hugging Face Hub onto the server, where it

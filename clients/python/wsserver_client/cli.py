@@ -5,8 +5,9 @@ an answer streams cancels it *in-band* (a ``cancel`` frame; the connection
 stays open); Ctrl-C or Ctrl-D at the prompt quits. ``/regen`` restarts the
 last request (a ``restart`` frame), ``/set key=value`` changes a sampling
 option (max_tokens, temperature, top_p, top_k, seed) or the model
-(``/set model=NAME``; ``--model`` at start), ``/quit`` exits. Each
-answer ends with its timings.
+(``/set model=NAME``; ``--model`` at start), ``/image PATH`` sends an
+image file with the next message (a model that reads images: it then goes
+as a chat message), ``/quit`` exits. Each answer ends with its timings.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from .client import Client, GenerationError, Stream
@@ -57,6 +59,8 @@ class Chat:
         self.options: dict[str, Any] = dict(options or {})
         self.current: Stream | None = None
         self.last_id: str | None = None
+        #: Image files the next message carries (``/image PATH``).
+        self.images: list[Path] = []
 
     def interrupt(self) -> bool:
         """Ctrl-C: cancel the running answer in-band. False if nothing runs."""
@@ -106,6 +110,19 @@ class Chat:
                 self.options[key] = _OPTION_TYPES[key](value.strip())
             except ValueError:
                 self.out.write(f"[bad value for {key}]\n")
+            return True
+        if line.startswith("/image "):
+            path = Path(line[7:].strip()).expanduser()
+            if not path.is_file():
+                self.out.write(f"[no file {str(path)!r}]\n")
+                return True
+            self.images.append(path)
+            self.out.write(f"[{path.name} goes with your next message]\n")
+            return True
+        if self.images:
+            images, self.images = self.images, []
+            message = {"role": "user", "content": line, "images": images}
+            await self.stream(self.client.generate(messages=[message], **self.options))
             return True
         await self.stream(self.client.generate(line, **self.options))
         return True

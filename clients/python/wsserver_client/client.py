@@ -71,10 +71,12 @@ class Stream(Request):
         self._wake.set()
 
     async def send(self) -> Stream:
-        """Send the request frame (iteration does this by itself)."""
+        """Send the request frame (iteration does this by itself), after its
+        images' uploads."""
         if not self.sent:
             self.sent = True
-            await self.client._send(self.frame)
+            uploads, self.uploads = self.uploads, []
+            await self.client._send_request(self.frame, uploads)
         return self
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -185,6 +187,9 @@ class Client(ClientBase[Stream]):
         self._tasks: set[asyncio.Task[None]] = set()
         #: Clear while reconnecting: sends wait for the new connection.
         self._connected = asyncio.Event()
+        #: A request's uploads and its frame go out together: the server's
+        #: next generate or restart takes every upload before it.
+        self._requesting = asyncio.Lock()
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -266,6 +271,15 @@ class Client(ClientBase[Stream]):
         await self._connected.wait()  # while reconnecting, for the new connection
         assert self.ws is not None
         await self.ws.send(orjson.dumps(frame), text=True)
+
+    async def _send_request(self, frame: dict[str, Any], uploads: list[bytes]) -> None:
+        """A ``generate`` or ``restart`` frame, its uploads first (binary frames)."""
+        async with self._requesting:
+            for data in uploads:
+                await self._connected.wait()
+                assert self.ws is not None
+                await self.ws.send(data)
+            await self._send(frame)
 
     async def _read(self) -> None:
         reason = "connection closed"

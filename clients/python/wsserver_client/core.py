@@ -231,6 +231,8 @@ class Request:
         self.id = request_id
         #: The frame that starts the request (``generate`` or ``restart``).
         self.frame = frame
+        #: Binary frames to send before it: its images' uploads (emptied once sent).
+        self.uploads: list[bytes] = []
         #: The server's ``done`` frame, once it arrived.
         self.done: Done | None = None
         #: Why the request ended without a ``done`` (refused, connection lost).
@@ -604,6 +606,10 @@ class RequestTable(Generic[R]):
 
     def new_id(self) -> str:
         return f"r{self._prefix}-{next(self._ids)}"
+
+    def new_upload_id(self) -> str:
+        """An upload's id (its own namespace on the server; distinct anyway)."""
+        return f"img{self._prefix}-{next(self._ids)}"
 
     def hello_from(self, message: str | bytes) -> Hello:
         """The connection's first frame, which must be ``hello``."""

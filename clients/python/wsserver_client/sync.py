@@ -97,10 +97,12 @@ class Stream(Request):
         self.client = client
 
     def send(self) -> Stream:
-        """Send the request frame (iteration does this by itself)."""
+        """Send the request frame (iteration does this by itself), after its
+        images' uploads."""
         if not self.sent:
             self.sent = True
-            self.client._send(self.frame)
+            uploads, self.uploads = self.uploads, []
+            self.client._send_request(self.frame, uploads)
         return self
 
     def __iter__(self) -> Iterator[str]:
@@ -296,6 +298,19 @@ class Client(ClientBase[Stream]):
     def pull(self, reference: str, *, id: str | None = None) -> Pull:
         pull: Pull = super().pull(reference, id=id)
         return pull
+
+    def _send_request(self, frame: dict[str, Any], uploads: list[bytes]) -> None:
+        """A ``generate`` or ``restart`` frame, its uploads first (binary frames)."""
+        assert self.ws is not None, "call connect() first"
+        for data in uploads:
+            if self._lost is not None:
+                raise GenerationError("connection_lost", self._lost, frame.get("id"))
+            try:
+                self.ws.send(data)
+            except ConnectionClosed as exc:
+                self._connection_lost(exc)
+                raise GenerationError("connection_lost", str(exc), frame.get("id")) from None
+        self._send(frame)
 
     def _send(self, frame: dict[str, Any]) -> None:
         assert self.ws is not None, "call connect() first"

@@ -1,0 +1,162 @@
+"""An image's bytes judged from their header, and a request's images bounded (sans-I/O).
+
+Every wire's images end here (:class:`ImageBudget`): the bytes decoded from
+base64 (or taken as they came, from a WebSocket upload), then judged **from
+the header alone**, before any decoder sees them; :mod:`wsserver.core.images`
+says what is refused and why. Apart from it so that the frame parser
+(:mod:`wsserver.core.client_frames`) can use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Callable
+from typing import Final
+
+from ..errors import ProtocolError
+
+__all__ = [
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "Fail",
+    "ImageBudget",
+    "image_size",
+]
+
+#: Images per request, and their encoded bytes together.
+MAX_IMAGES: Final = 8
+MAX_IMAGE_BYTES: Final = 20 << 20
+#: What a request's images' headers may claim together: 33.5 megapixels
+#: (8192 x 4096; ~100 MB decoded as RGB), and no side over 16384.
+MAX_IMAGE_PIXELS: Final = 8192 * 4096
+MAX_IMAGE_SIDE: Final = 16384
+
+Fail = Callable[[str], ProtocolError]
+
+_PNG: Final = b"\x89PNG\r\n\x1a\n"
+#: JPEG's start-of-frame markers (the frame header holds the size); C4, C8
+#: and CC are other segments.
+_JPEG_SOF: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            at += 2
+            continue
+        (length,) = struct.unpack(">H", data[at + 2 : at + 4])
+        if marker in _JPEG_SOF:
+            if at + 9 > len(data):
+                return None
+            height, width = struct.unpack(">HH", data[at + 5 : at + 9])
+            return width, height
+        at += 2 + length
+    return None
+
+
+def image_size(data: bytes) -> tuple[str, int, int] | None:
+    """The format and the size an image's header claims; ``None``: not a
+    PNG, JPEG, GIF or BMP, or a header cut short."""
+    if data.startswith(_PNG) and len(data) >= 24 and data[12:16] == b"IHDR":
+        width, height = struct.unpack(">II", data[16:24])
+        return "png", width, height
+    if data.startswith(b"\xff\xd8"):
+        size = _jpeg_size(data)
+        return ("jpeg", *size) if size is not None else None
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        width, height = struct.unpack("<HH", data[6:10])
+        return "gif", width, height
+    if data.startswith(b"BM") and len(data) >= 26:
+        width, height = struct.unpack("<ii", data[18:26])
+        return "bmp", abs(width), abs(height)
+    return None
+
+
+class ImageBudget:
+    """A request's images as they are read, in order: each checked, the
+    request's count and bytes bounded. ``fail`` makes the wire's error."""
+
+    def __init__(self, fail: Fail) -> None:
+        self.fail = fail
+        self.count = 0
+        self.bytes = 0
+        self.pixels = 0
+
+    def from_base64(self, text: object, where: str) -> bytes:
+        """An image given as base64 text (``where`` names its field)."""
+        index = self.count
+        if not isinstance(text, str):
+            raise self.fail(f"image {index} ({where}): base64 data must be a string")
+        self._room(index, len(text) * 3 // 4)
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise self.fail(f"image {index} ({where}): not valid base64") from None
+        return self.take(data, where)
+
+    def from_url(self, url: object, where: str) -> bytes:
+        """An image given as a URL: only ``data:image/…;base64,`` URLs."""
+        index = self.count
+        if not isinstance(url, str):
+            raise self.fail(f"image {index} ({where}): the URL must be a string")
+        if url.startswith(("http://", "https://")):
+            raise self.fail(
+                f"image {index} ({where}): http(s) image URLs are not fetched by this "
+                "server (a server-side request forgery risk); send the image as a "
+                "data: URL (data:image/png;base64,...)"
+            )
+        head, comma, payload = url.partition(",")
+        if not comma or not head.startswith("data:") or not head.endswith(";base64"):
+            raise self.fail(
+                f"image {index} ({where}): expected a data URL (data:image/png;base64,...)"
+            )
+        return self.from_base64(payload, where)
+
+    def take(self, data: bytes, where: str) -> bytes:
+        """An image's bytes: counted, checked from their header."""
+        index = self.count
+        self._room(index, len(data))
+        if not data:
+            raise self.fail(f"image {index} ({where}): the image is empty")
+        claimed = image_size(data)
+        if claimed is None:
+            raise self.fail(
+                f"image {index} ({where}): not a PNG, JPEG, GIF or BMP image "
+                "(or its header is cut short)"
+            )
+        kind, width, height = claimed
+        if width == 0 or height == 0:
+            raise self.fail(f"image {index} ({where}): a {kind} of {width}x{height} pixels")
+        if width > MAX_IMAGE_SIDE or height > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
+            raise self.fail(
+                f"image {index} ({where}): its {kind} header claims {width}x{height} pixels; "
+                f"at most {MAX_IMAGE_PIXELS} pixels and {MAX_IMAGE_SIDE} a side are decoded"
+            )
+        if self.pixels + width * height > MAX_IMAGE_PIXELS:
+            raise self.fail(
+                f"image {index} ({where}): the request's images claim more than "
+                f"{MAX_IMAGE_PIXELS} pixels together"
+            )
+        self.count += 1
+        self.bytes += len(data)
+        self.pixels += width * height
+        return data
+
+    def _room(self, index: int, size: int) -> None:
+        if index >= MAX_IMAGES:
+            raise self.fail(f"image {index}: at most {MAX_IMAGES} images per request")
+        if self.bytes + size > MAX_IMAGE_BYTES:
+            raise self.fail(
+                f"image {index}: the request's images exceed {MAX_IMAGE_BYTES} bytes together"
+            )
