@@ -41,8 +41,11 @@ from .fields import (
     is_int,
     parse_float,
     parse_id,
+    parse_ints,
     parse_keep_alive,
     parse_stop,
+    parse_string,
+    parse_word,
 )
 from .frame_images import FrameImages
 from .image_check import ImageBudget
@@ -360,6 +363,13 @@ def _parse_restart(obj: dict[str, Any], limits: Limits, pending: Pending | None)
     return Restart(id=old_id, new_id=new_id, overrides=options)
 
 
+#: The generate fields that are integers within bounds (``top_k`` 0: no limit).
+_INT_FIELDS = {
+    **{"top_k": (0, 2**31 - 1), "top_logprobs": (0, MAX_TOP_LOGPROBS)},
+    **{"n": (1, MAX_CHOICES), "seed": (0, 2**32 - 1)},
+}
+
+
 def _parse_generate_fields(
     obj: dict[str, Any], limits: Limits, request_id: str, pending: Pending | None = None
 ) -> dict[str, Any]:
@@ -399,10 +409,7 @@ def _parse_generate_fields(
             raise fail("'reasoning_budget_tokens' must be an integer >= 0 (-1: no budget)")
         # -1 is llama-server's "unrestricted": the same as leaving it out.
         out["reasoning_budget_tokens"] = None if value == -1 else value
-    if "speculative" in obj:
-        if obj["speculative"] not in ("auto", "off"):
-            raise fail('\'speculative\' must be "auto" or "off"')
-        out["speculative"] = obj["speculative"]
+    out.update(parse_word(obj, "speculative", ("auto", "off"), fail))
     if "chat_template_kwargs" in obj:
         out["chat_template_kwargs"] = parse_template_kwargs(obj["chat_template_kwargs"], fail)
     chat_chars = sum(m.size() for m in out.get("messages", ())) + len(out.get("tools", ""))
@@ -423,16 +430,6 @@ def _parse_generate_fields(
         out["temperature"] = parse_float(obj["temperature"], "temperature", 0.0, 100.0, fail)
     if "top_p" in obj:
         out["top_p"] = parse_float(obj["top_p"], "top_p", 0.0, 1.0, fail)
-    if "top_k" in obj:
-        value = obj["top_k"]
-        if not is_int(value) or value < 0:
-            raise fail("'top_k' must be an integer >= 0 (0 = no limit)")
-        out["top_k"] = value
-    if "seed" in obj:
-        value = obj["seed"]
-        if not is_int(value) or not 0 <= value < 2**32:
-            raise fail("'seed' must be an integer in [0, 2**32)")
-        out["seed"] = value
     if "stop" in obj:
         out["stop"] = parse_stop(obj["stop"], fail)
     for name in ("resumable", "logprobs"):
@@ -440,20 +437,8 @@ def _parse_generate_fields(
             if not isinstance(obj[name], bool):
                 raise fail(f"'{name}' must be true or false")
             out[name] = obj[name]
-    if "top_logprobs" in obj:
-        value = obj["top_logprobs"]
-        if not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise fail(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
-        out["top_logprobs"] = value
-    if "n" in obj:
-        if not is_int(obj["n"]) or not 1 <= obj["n"] <= MAX_CHOICES:
-            raise fail(f"'n' must be an integer from 1 to {MAX_CHOICES}")
-        out["n"] = obj["n"]
-    if "model" in obj:
-        value = obj["model"]
-        if not isinstance(value, str) or not 1 <= len(value) <= MAX_MODEL_CHARS:
-            raise fail(f"'model' must be a string of 1 to {MAX_MODEL_CHARS} characters")
-        out["model"] = value
+    out.update(parse_ints(obj, _INT_FIELDS, fail))
+    out.update(parse_string(obj, "model", MAX_MODEL_CHARS, fail))
     if "keep_alive" in obj:
         out["keep_alive"] = parse_keep_alive(obj["keep_alive"], fail)
     out.update(parse_sampling_fields(obj, fail, limits.max_prompt_chars))

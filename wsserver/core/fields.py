@@ -23,8 +23,11 @@ __all__ = [
     "is_int",
     "parse_float",
     "parse_id",
+    "parse_ints",
     "parse_keep_alive",
     "parse_stop",
+    "parse_string",
+    "parse_word",
 ]
 
 #: The request-id rule. Copied into clients/js (wsserver.js, wsserver.d.ts) and
@@ -101,3 +104,39 @@ def parse_stop(value: Any, fail: Callable[[str], Exception]) -> tuple[str, ...]:
         if not isinstance(item, str) or not 1 <= len(item) <= MAX_STOP_CHARS:
             raise fail(f"each stop string must be a string of 1 to {MAX_STOP_CHARS} characters")
     return tuple(items)
+
+
+def parse_ints(
+    obj: dict[str, Any], bounds: dict[str, tuple[int, int]], fail: Callable[[str], Exception]
+) -> dict[str, int]:
+    """Each of ``bounds``' fields ``obj`` gives: an integer from low to high."""
+    out: dict[str, int] = {}
+    for name, (low, high) in bounds.items():
+        if name in obj:
+            if not is_int(obj[name]) or not low <= obj[name] <= high:
+                raise fail(f"'{name}' must be an integer from {low} to {high}")
+            out[name] = obj[name]
+    return out
+
+
+def parse_word(
+    obj: dict[str, Any], name: str, words: tuple[str, ...], fail: Callable[[str], Exception]
+) -> dict[str, str]:
+    """``obj``'s ``name`` if it gives it: one of ``words``."""
+    if name not in obj:
+        return {}
+    if obj[name] not in words:
+        raise fail(f"'{name}' must be " + " or ".join(f'"{w}"' for w in words))
+    return {name: obj[name]}
+
+
+def parse_string(
+    obj: dict[str, Any], name: str, most: int, fail: Callable[[str], Exception]
+) -> dict[str, str]:
+    """``obj``'s ``name`` if it gives it: a string of 1 to ``most`` characters."""
+    if name not in obj:
+        return {}
+    value = obj[name]
+    if not isinstance(value, str) or not 1 <= len(value) <= most:
+        raise fail(f"'{name}' must be a string of 1 to {most} characters")
+    return {name: value}
