@@ -287,7 +287,10 @@ async def test_over_the_websocket_the_switch_and_the_metrics(tiny_gguf: Path) ->
     ``"speculative": "off"``: the same text, drafts for the first only, and
     ``/metrics`` counts them."""
     frame = {"type": "generate", "prompt": "Hello", "max_tokens": 40, "temperature": 0}
-    async with llama_server(tiny_gguf) as server, wire(server) as client:
+    async with (
+        llama_server(tiny_gguf, backend__llama__speculative="auto") as server,
+        wire(server) as client,
+    ):
         await client.send({**frame, "id": "auto", "logit_bias": {"17": 100}})
         text, _ = await client.done("auto")
         await client.send({**frame, "id": "off", "logit_bias": {"17": 100}, "speculative": "off"})

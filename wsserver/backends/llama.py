@@ -122,7 +122,7 @@ class LlamaBackend(Backend):
         template_bounds: TemplateBounds | None = None,
         name: str = "",
         embed_batch: int = 512,
-        speculative: str = "auto",
+        speculative: str = "off",
         draft_max: int = 16,
     ) -> None:
         if abort_check not in ("native", "python"):

@@ -295,8 +295,10 @@ class LlamaConfig:
     prompt_cache_bytes: int = _key(-1, low=-1, high=1 << 50)
     #: Speculative decoding with n-gram drafts from a sequence's own prompt
     #: and output (docs/llama.md, "Speculative decoding"): "auto" drafts where
-    #: an n-gram matched and backs off where drafts are rejected; "off" never.
-    speculative: str = _key("auto", choices=("auto", "off"))
+    #: an n-gram matched and backs off where drafts are rejected; "off" (the
+    #: default until it pays on prose and keeps the default model's greedy
+    #: text: docs/llama.md, "Speculative decoding", measured) never.
+    speculative: str = _key("off", choices=("auto", "off"))
     #: The most draft tokens a sequence decodes in one step (the batch has room for them).
     draft_max: int = _key(16, low=1, high=256)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
