@@ -12,7 +12,8 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     ├── connection     the WebSocket protocol's dialect: hello, its frames in and out
     │   ├── pull_requests  its pull requests: progress frames, cancel, the model added
     │   ├── embed_requests its embed requests: one embed_done each, cancel by id
-    │   └── choice_requests its requests for several choices (n): a driver each, one done
+    │   ├── choice_requests its requests for several choices (n): a driver each, one done
+    │   └── side_requests  the id book of both: running by id, ids used, the count
     ├── socket_connection  one WebSocket connection, either dialect: receive loop,
     │   │                  frame rate, one table of requests, closing, memory held
     │   ├── sender         messages to the socket, drain-watched

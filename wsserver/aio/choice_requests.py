@@ -36,6 +36,7 @@ from ..errors import ProtocolError
 from ..logs import ConnectionLog
 from .choices import ChoiceMerge, choice_frames
 from .driver import RequestDriver
+from .side_requests import SideRequests
 from .socket_connection import SocketContext
 
 __all__ = ["MAX_CHOICE_REQUESTS", "ConnectionChoices"]
@@ -44,7 +45,7 @@ __all__ = ["MAX_CHOICE_REQUESTS", "ConnectionChoices"]
 MAX_CHOICE_REQUESTS = 1
 
 
-class ConnectionChoices:
+class ConnectionChoices(SideRequests[ChoiceMerge]):
     """The requests for several choices of one connection (see the module docstring)."""
 
     def __init__(
@@ -55,23 +56,10 @@ class ConnectionChoices:
         log: ConnectionLog,
         id_taken: Callable[[str], bool],
     ) -> None:
+        super().__init__(id_taken)
         self._socket = socket
         self._write = write
         self._log = log
-        self._id_taken = id_taken
-        self._running: dict[str, ChoiceMerge] = {}
-        self._used: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._running)
-
-    def owns(self, request_id: str) -> bool:
-        """Whether ``request_id`` runs here (its ``cancel`` is ours)."""
-        return request_id in self._running
-
-    def knows(self, request_id: str) -> bool:
-        """Whether a request for several choices used ``request_id``."""
-        return request_id in self._used
 
     def drivers(self) -> list[RequestDriver]:
         """The running choices' drivers (the connection stalls, closes and counts them)."""
@@ -80,18 +68,14 @@ class ConnectionChoices:
     async def receive(self, frame: Generate) -> None:
         """Start ``frame``'s choices; raises :class:`ProtocolError` for one refused."""
         request_id = frame.id
-        if request_id in self._used or self._id_taken(request_id):
-            raise ProtocolError("duplicate_id", f"id {request_id!r} was already used", request_id)
+        self.check_new(
+            request_id,
+            MAX_CHOICE_REQUESTS,
+            f"at most {MAX_CHOICE_REQUESTS} request for several choices at a time per connection",
+        )
         if frame.resumable:
             raise ProtocolError(
                 "bad_request", "'resumable' is not available with 'n' > 1", request_id
-            )
-        if len(self._running) >= MAX_CHOICE_REQUESTS:
-            raise ProtocolError(
-                "busy",
-                f"at most {MAX_CHOICE_REQUESTS} request for several choices at a time "
-                "per connection",
-                request_id,
             )
         services = self._socket.services
         generate, model = services.models.for_api(frame, frame.model)

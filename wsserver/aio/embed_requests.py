@@ -34,6 +34,7 @@ from ..errors import CONTEXT_LENGTH_EXCEEDED, ProtocolError
 from ..logs import ConnectionLog
 from .embed_run import EmbedRun
 from .services import Services
+from .side_requests import SideRequests
 
 __all__ = ["MAX_EMBEDS", "ConnectionEmbeds"]
 
@@ -42,7 +43,7 @@ __all__ = ["MAX_EMBEDS", "ConnectionEmbeds"]
 MAX_EMBEDS: Final = 4
 
 
-class ConnectionEmbeds:
+class ConnectionEmbeds(SideRequests[tuple[EmbedRun, "asyncio.Task[None]"]]):
     """Serves one connection's ``embed`` requests (see the module docstring)."""
 
     def __init__(
@@ -53,35 +54,18 @@ class ConnectionEmbeds:
         log: ConnectionLog,
         id_taken: Callable[[str], bool],
     ) -> None:
+        super().__init__(id_taken)
         self._services = services
         self._write = write
         self._log = log
-        self._id_taken = id_taken
-        #: The running embeds, by id, and every id an embed used.
-        self._running: dict[str, tuple[EmbedRun, asyncio.Task[None]]] = {}
-        self._used: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._running)
-
-    def owns(self, request_id: str) -> bool:
-        """Whether ``request_id`` is a running embed (a ``cancel`` of it is ours)."""
-        return request_id in self._running
-
-    def knows(self, request_id: str) -> bool:
-        """Whether an embed used ``request_id`` (a generation may not)."""
-        return request_id in self._used
 
     async def receive(self, frame: EmbedFrame) -> None:
         try:
-            if frame.id in self._used or self._id_taken(frame.id):
-                raise ProtocolError("duplicate_id", f"id {frame.id!r} was already used", frame.id)
-            if len(self._running) >= MAX_EMBEDS:
-                raise ProtocolError(
-                    "busy",
-                    f"{MAX_EMBEDS} embeds already run on this connection: wait for one to end",
-                    frame.id,
-                )
+            self.check_new(
+                frame.id,
+                MAX_EMBEDS,
+                f"{MAX_EMBEDS} embeds already run on this connection: wait for one to end",
+            )
             model, name = self._services.models.lookup(frame.model, frame.id)
         except ProtocolError as exc:
             self._log.request(frame.id).info(
