@@ -18,7 +18,14 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import FAKE_MODEL, expected_fake_text, make_config, running_server, timeout
+from conftest import (
+    FAKE_MODEL,
+    expected_fake_text,
+    make_config,
+    producers_joined,
+    running_server,
+    timeout,
+)
 from test_openai_http import MESSAGES, requests_ended, sdk, sync_sdk
 
 from wsserver.aio import Server
@@ -233,6 +240,7 @@ async def test_a_choice_that_fails_ends_the_answer_and_cancels_the_others() -> N
             await client.completions.create(model=FAKE_MODEL, prompt="b", max_tokens=1000, n=2)
         assert info.value.status_code == 503
         await first.close()
+        await producers_joined()  # the closed stream's request has let its slot go
         # Both slots come free: the first choice was cancelled, not left to run.
         reply = await client.completions.create(model=FAKE_MODEL, prompt="c", max_tokens=2, n=2)
         assert [c.finish_reason for c in reply.choices] == ["length", "length"]
