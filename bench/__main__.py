@@ -2,16 +2,24 @@
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
                     upstream batched resume structured responses models freeze
-                    templates conversations]
+                    templates conversations embeddings speculation]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
-                    [--baseline REF]
+                    [--baseline REF] [--drop-hand-text]
 
 Writes the Markdown report to ``--out``, the raw figures next to it (same
 name, ``.json``) and the plots into ``bench/`` beside it, and prints the
 summary table. Sections that cannot run here (no llama backend, no model) are
 reported as skipped; a section that fails is reported as failed and the exit
 status is 1. With ``--merge`` the sections measured replace theirs in the
-existing JSON and the report keeps the others (and says when each was measured).
+existing JSON and the report keeps the others (and says when each was
+measured); a section skipped or failed keeps its earlier figures.
+
+The report is written from the JSON alone, so a line written into it by hand
+would be lost by the next run: before measuring anything the harness renders
+the JSON beside ``--out`` again and stops (exit status 2), naming the lines it
+would lose, unless ``--drop-hand-text``. Text measured outside the harness
+belongs in the JSON as a recorded section (``analysis.recorded``) or a
+``--note``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from .analysis import BY_KEY, SECTIONS, summary
 from .common import Skip, loadavg
 from .lineup import LlamaLineup
 from .options import Options
-from .report import measured, merge, write
+from .report import hand_text, measured, merge, write
 
 ALIASES = {section.number: section.key for section in SECTIONS}
 
@@ -79,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="TEXT",
         help="a paragraph to print under the summary (kept in the JSON; repeatable)",
+    )
+    parser.add_argument(
+        "--drop-hand-text",
+        action="store_true",
+        help="write the report even if it loses lines written into it by hand",
     )
     return parser
 
@@ -154,6 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
     )
     sections = _sections(args.sections)
+    lost = [] if args.drop_hand_text else hand_text(opts)
+    if lost:
+        shown = "\n".join(f"  {line[:160]}" for line in lost[:20])
+        more = f"\n  … and {len(lost) - 20} more" if len(lost) > 20 else ""
+        print(
+            f"{opts.out} has {len(lost)} line(s) that its JSON does not give, which this run "
+            f"would lose:\n{shown}{more}\nPut that text into {opts.out.with_suffix('.json').name} "
+            "(a recorded section, or --note), or pass --drop-hand-text.",
+            file=sys.stderr,
+        )
+        return 2
     if args.render_only:
         data = json.loads(opts.out.with_suffix(".json").read_text())
         data["meta"]["notes"] = [*data["meta"].get("notes", []), *args.note]
@@ -163,14 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.UTC)
     load = loadavg()
     results = asyncio.run(run(opts, sections))
+    failed = any(r.get("status") == "failed" for r in results.values())
     meta = {**measured(argv, opts, sections, started, load), "notes": list(args.note)}
     if args.merge and opts.out.with_suffix(".json").exists():
         old = json.loads(opts.out.with_suffix(".json").read_text())
-        results, meta = merge(results, meta, old)
+        results, meta, kept = merge(results, meta, old)
+        for key in kept:
+            print(f"section {key} was not measured: its earlier figures are kept", file=sys.stderr)
     paths = write(results, meta, opts)
     print("\n".join(summary(results)))
     print(f"\nwrote {paths['markdown']}, {paths['json']} and plots in {paths['plots']}/")
-    return 1 if any(r.get("status") == "failed" for r in results.values()) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ early as that allows), as before issue 40 (``prefill_gap_ms = 80``: twice the
 decode step bounds the step, 80 ms at least), and ``llama-server -np 4`` as a
 user runs it (its defaults: flash attention ``auto``; ``scripts/llama-tools``
 builds it; without it its rows read "not measured"). Section 15's earlier
-rows (a fixed 64-token chunk, flash attention off) are in docs/benchmarks.md.
+rows (a fixed 64-token chunk, flash attention off) are quoted in docs/llama.md
+and were in docs/benchmarks.md until 7aeb6db re-measured the section.
 """
 
 from __future__ import annotations

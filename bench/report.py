@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +16,29 @@ from .options import Options
 
 
 def write_plots(results: dict[str, Any], out_dir: Path) -> dict[str, list[str]]:
+    """Each section's plots (file names in ``out_dir``), drawn from its result.
+
+    A result keeps the names of the plots drawn from it (``plots``): without
+    matplotlib those are the plots, already in ``out_dir`` from the run that
+    measured it (a re-measured section's result has none until it is drawn)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {}
+        return {
+            section.key: list(results[section.key]["plots"])
+            for section in analysis.SECTIONS
+            if analysis.ok(results.get(section.key)) and results[section.key].get("plots")
+        }
     out_dir.mkdir(parents=True, exist_ok=True)
     made: dict[str, list[str]] = {}
     for section in analysis.SECTIONS:
         result = results.get(section.key)
         if analysis.ok(result) and hasattr(section.module, "plot"):
             made[section.key] = section.module.plot(result, plt, out_dir)
+            result["plots"] = made[section.key]  # type: ignore[index]
     return made
 
 
@@ -93,6 +105,10 @@ def markdown(
         if result is None:
             continue
         lines += [f"## {section.title}", ""]
+        if analysis.recorded(result):
+            preface = analysis.recorded_preface(section.key, result)
+            lines += [preface, "", result["markdown"].rstrip(), ""]
+            continue
         if result.get("status") != "ok":
             lines += [f"Not measured in this run: {result.get('reason', 'unknown reason')}.", ""]
             continue
@@ -143,9 +159,54 @@ def measured(
 
 def merge(
     results: dict[str, Any], meta: dict[str, Any], old: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """This run's sections in place of theirs in an earlier run's JSON (``--merge``);
-    the meta stays the first run's, with this one listed under ``merged``."""
-    keys = ("date", "commit", "command", "sections", "loadavg_before", "loadavg_after")
-    merged = [*old["meta"].get("merged", []), {k: meta[k] for k in keys}]
-    return {**old["results"], **results}, {**old["meta"], "merged": merged}
+    the meta stays the first run's, with this one listed under ``merged``.
+
+    A section this run could not measure (skipped, failed) does not replace
+    figures or recorded text the JSON has for it: those are kept, and named
+    in the third value."""
+    before = old["results"]
+    kept = [
+        key
+        for key, result in results.items()
+        if not analysis.ok(result)
+        and (analysis.ok(before.get(key)) or analysis.recorded(before.get(key)))
+    ]
+    replaced = {key: result for key, result in results.items() if key not in kept}
+    merged = list(old["meta"].get("merged", []))
+    if replaced:
+        keys = ("date", "commit", "command", "loadavg_before", "loadavg_after")
+        sections = [key for key in meta["sections"] if key in replaced]
+        merged.append({**{k: meta[k] for k in keys}, "sections": sections})
+    return {**before, **replaced}, {**old["meta"], "merged": merged}, kept
+
+
+def _shape(line: str) -> str:
+    """A line with its numbers masked: what a re-measurement may change."""
+    return re.sub(r"\d+", "#", line.strip())
+
+
+def hand_text(opts: Options) -> list[str]:
+    """The lines of the report at ``opts.out`` that the harness would not write
+    again: hand-written text that the next report would lose.
+
+    The JSON beside the report is rendered again (with this checkout's
+    sections, the plots into a scratch folder); a line of the report that is
+    not among the lines rendered, numbers aside, is hand text. Numbers are set
+    aside because the text of a section not re-measured may still quote a
+    figure read from the code (section 7's memory bound). Without a JSON
+    beside it, every line of the report counts."""
+    if not opts.out.exists():
+        return []
+    existing = [line for line in opts.out.read_text(encoding="utf-8").splitlines() if line.strip()]
+    json_path = opts.out.with_suffix(".json")
+    if not json_path.exists():
+        return existing
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    again = Options(quick=bool(data["meta"].get("quick")), out=opts.out)
+    with tempfile.TemporaryDirectory(prefix="bench-plots-") as scratch:
+        plots = write_plots(data["results"], Path(scratch))
+    text = markdown(data["results"], data["meta"], again, plots, "bench")
+    rendered = {_shape(line) for line in text.splitlines()}
+    return [line for line in existing if _shape(line) not in rendered]

@@ -297,6 +297,69 @@ def test_quick_conversations_bench_restores_returning_conversations(
 
 
 @pytest.mark.timeout(int(150 * UNIT))
+def test_quick_embeddings_and_speculation_benches_run(
+    tmp_path: Path, bench_model: str | None
+) -> None:
+    """Sections 18 and 19 on the tiny model (llama-server is left out in quick
+    mode): every workload was embedded, three streams went on beside the
+    request, and both wsserver contenders streamed both prompts."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    results, text = _quick(
+        tmp_path, "18", "19", "--model", str(bench_model), "--threads", "1", timeout=140
+    )
+    embeddings = results["embeddings"]
+    assert embeddings["status"] == "ok", embeddings
+    assert [r["workload"] for r in embeddings["rows"]] == [
+        "1 short",
+        "8 short",
+        "32 short",
+        "2 long",
+    ]
+    for row in embeddings["rows"]:
+        assert row["ours"]["tokens"] >= row["inputs"] and row["ours"]["inputs_s"] > 0, row
+        assert row["peer"] is None and row["ratio"] is None, row
+    (gaps,) = embeddings["gaps"]
+    assert gaps["inputs"] == 32 and gaps["worst_gap_ms"] is not None, gaps  # timing-ok: measured
+    assert "## 18. Embeddings beside llama-server" in text
+    spec = results["speculation"]
+    assert spec["status"] == "ok", spec
+    rows = {(r["contender"], r["kind"]): r for r in spec["rows"] if r["measured"]}
+    assert {c for c, _ in rows} == {
+        'wsserver, `speculative = "auto"`',
+        'wsserver, `speculative = "off"` (default)',
+    }
+    for row in rows.values():
+        assert row["tokens"] == 48 and row["same_text"] is not None, row
+        assert 0 <= row["accepted"] <= row["drafted"], row
+    assert "## 19. Speculative decoding" in text
+    assert "| speculative decoding, n-gram drafts (section 19) |" in text
+
+
+@pytest.mark.timeout(int(60 * UNIT))
+async def test_the_speculation_bench_counts_a_requests_drafts(bench_model: str | None) -> None:
+    """Section 19 reads a request's draft tokens from /metrics: a run of one
+    token (a huge bias on it) is drafted, and every draft accepted."""
+    if bench_model is None:
+        pytest.skip("the llama backend or the tiny model is not available")
+    import aiohttp
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.servers import llama_wsserver
+    from bench.speculation import complete_ours
+
+    settings = {"backend.llama.speculative": "auto"}
+    server = llama_wsserver(bench_model, threads=1, parallel=1, n_ctx=1024, **settings)
+    async with server, aiohttp.ClientSession() as session:
+        base = server.http.rstrip("/")
+        got = await complete_ours(session, base, "Once upon a time", 60, logit_bias={"17": 100})
+        plain = await complete_ours(session, base, "Once upon a time", 20)
+    assert got["tokens"] == 60 and got["accepted"] >= 30 and got["accepted"] == got["drafted"]
+    assert (plain["drafted"], plain["accepted"]) == (0, 0)
+
+
+@pytest.mark.timeout(int(150 * UNIT))
 def test_quick_resume_bench_keeps_detached_requests_within_the_bound(tmp_path: Path) -> None:
     """Section 11: a detached request held no more than its stated bound (a
     memory figure, not a time), and the resume latencies were measured."""
