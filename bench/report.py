@@ -204,9 +204,13 @@ def hand_text(opts: Options) -> list[str]:
     if not json_path.exists():
         return existing
     data = json.loads(json_path.read_text(encoding="utf-8"))
-    again = Options(quick=bool(data["meta"].get("quick")), out=opts.out)
     with tempfile.TemporaryDirectory(prefix="bench-plots-") as scratch:
         plots = write_plots(data["results"], Path(scratch))
-    text = markdown(data["results"], data["meta"], again, plots, "bench")
-    rendered = {_shape(line) for line in text.splitlines()}
+    rendered: set[str] = set()
+    # The header says "quick mode" after the run that wrote it, which a
+    # --merge does not record in the JSON's meta: either header is the harness's.
+    for quick in (False, True):
+        again = Options(quick=quick, out=opts.out)
+        text = markdown(data["results"], data["meta"], again, plots, "bench")
+        rendered |= {_shape(line) for line in text.splitlines()}
     return [line for line in existing if _shape(line) not in rendered]
