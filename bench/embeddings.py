@@ -42,10 +42,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
 
+from .contenders import SseContender
 from .figures import TIMES, fmt, target, target_rows
 from .options import Options
 from .servers import llama_model, llama_server, llama_wsserver, tools_for
@@ -103,25 +105,18 @@ async def embed(session: aiohttp.ClientSession, base: str, inputs: list[str]) ->
     }
 
 
-async def _stream(
-    session: aiohttp.ClientSession, base: str, arrivals: list[float], started: asyncio.Event
-) -> None:
+async def _stream(port: int, arrivals: list[float], started: asyncio.Event) -> None:
     """A greedy completion streamed over SSE, each piece's arrival kept;
     ``started`` is set after 20 pieces (or when the stream ends early)."""
-    body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "stream": True}
+    stream = await SseContender("wsserver", port, usage=False).open(PROMPT, 1000)
     try:
-        async with session.post(base + "/v1/completions", json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"{base}: {response.status} {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    arrivals.append(time.perf_counter())
-                    if len(arrivals) == 20:
-                        started.set()
+        async for event in stream.events():
+            if any(choice.get("text") for choice in event.get("choices") or []):
+                arrivals.append(time.perf_counter())
+                if len(arrivals) == 20:
+                    started.set()
     finally:
+        await stream.close()
         started.set()  # also a stream that ended early: the others go on
 
 
@@ -129,12 +124,13 @@ async def gaps_beside(base: str, inputs: list[str]) -> dict[str, Any]:
     """Three streams on ``base``; once each has 20 pieces, ``inputs`` embedded
     there; the streams' worst gap during the request and their median gap
     before it (None where a stream had no gap on one side)."""
+    port = urlsplit(base).port
+    assert port is not None, base
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
         arrivals: list[list[float]] = [[], [], []]
         ready = [asyncio.Event() for _ in arrivals]
         tasks = [
-            asyncio.create_task(_stream(session, base, a, e))
-            for a, e in zip(arrivals, ready, strict=True)
+            asyncio.create_task(_stream(port, a, e)) for a, e in zip(arrivals, ready, strict=True)
         ]
         await asyncio.gather(*(e.wait() for e in ready))
         begin = time.perf_counter()

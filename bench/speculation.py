@@ -35,14 +35,14 @@ import asyncio
 import json
 import re
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from .contenders import llama_completion
+from .contenders import SseContender, llama_completion
 from .figures import TIMES, fmt, target, target_rows
 from .options import Options
 from .servers import llama_model, llama_server, llama_wsserver, tools_for
@@ -118,37 +118,16 @@ async def complete_ours(
     session: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int, **extra: Any
 ) -> dict[str, Any]:
     """One streamed ``/v1/completions`` on wsserver (``extra``: more of its body),
-    its drafts from ``/metrics``."""
-    body = {
-        **extra,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    its drafts from ``/metrics`` before and after."""
     drafted, accepted = await _drafts(session, base)
-    first = last = None
-    tokens = 0
-    text = []
-    async with session.post(base + "/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{base}: {response.status} {await response.text()}")
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-                text.append(chunk["choices"][0]["text"])
-            if chunk.get("usage"):
-                tokens = int(chunk["usage"]["completion_tokens"])
+    port = urlsplit(base).port
+    assert port is not None, base
+    run = await SseContender("wsserver", port, extra).complete(prompt, max_tokens)
     after = await _drafts(session, base)
     return {
-        "tok_s": _rate(tokens, first, last),
-        "tokens": tokens,
-        "text": "".join(text),
+        "tok_s": _rate(run.tokens, run.first, run.last),
+        "tokens": run.tokens,
+        "text": run.text,
         "drafted": after[0] - drafted,
         "accepted": after[1] - accepted,
     }
