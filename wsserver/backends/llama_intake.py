@@ -27,9 +27,9 @@ from .base import GenerationRequest
 from .llama_grammar import GrammarCache
 from .llama_samplers import Samplers
 from .llama_sequences import Job, PromptCache, SequenceState
-from .llama_speculation import Drafter
+from .llama_speculation import Drafting
 
-__all__ = ["Intake", "Prepare"]
+__all__ = ["Drafting", "Intake", "Prepare"]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -52,11 +52,11 @@ class Intake:
         reasoning_close: tuple[int, ...],
         opens_reasoning: Callable[[GenerationRequest], bool] | None,
         stats: dict[str, int],
-        draft_max: int = 0,
+        drafting: Drafting | None = None,
     ) -> None:
         self._prepare = prepare
-        #: The longest n-gram draft (0: no request speculates; :mod:`.llama_speculation`).
-        self._draft_max = draft_max
+        #: Speculation's settings (None: no request speculates; :mod:`.llama_speculation`).
+        self._drafting = drafting if drafting is not None and drafting.draft_max > 0 else None
         self._n_ctx = n_ctx
         self._cache = cache
         self._grammars = grammars
@@ -118,8 +118,8 @@ class Intake:
         job.max_tokens = min(request.max_tokens, self._n_ctx - len(prompt))
         self._samplers.attach(job, prompt, bias)
         job.assembler = TextAssembler(stops)
-        if self._draft_max > 0 and request.speculative:
-            job.drafter = Drafter(self._draft_max)
+        if self._drafting is not None and request.speculative:
+            job.drafter = self._drafting.drafter()
         if request.reasoning_budget is not None and self._reasoning_close:
             opened = self._opens_reasoning is not None and self._opens_reasoning(request)
             job.budget = ReasoningBudget(request.reasoning_budget, opened=opened)

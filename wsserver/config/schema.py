@@ -215,6 +215,7 @@ MODEL_OVERRIDES = (
     "prompt_cache_bytes",
     "speculative",
     "draft_max",
+    "draft_ngram",
 )
 #: What a model's name (and an alias) may be.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
@@ -300,7 +301,9 @@ class LlamaConfig:
     #: text: docs/llama.md, "Speculative decoding", measured) never.
     speculative: str = _key("off", choices=("auto", "off"))
     #: The most draft tokens a sequence decodes in one step (the batch has room for them).
-    draft_max: int = _key(16, low=1, high=256)
+    draft_max: int = _key(32, low=1, high=256)
+    #: The shortest match of a sequence's last tokens that drafts (12 is looked up first).
+    draft_ngram: int = _key(8, low=2, high=12)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).
