@@ -220,8 +220,19 @@ async def test_an_allowed_url_is_read_as_its_data_url_on_every_wire_that_takes_u
                         }
                     ],
                 )
-                answers.append((response.output_text, response.usage))
-            assert answers[0] == answers[1]
+                answers.append((response.output_text, response.usage, response.id))
+            assert answers[0][:2] == answers[1][:2]
+            # Stored with the fetched bytes: the next turn does not fetch again.
+            fetches = len(host.seen)
+            follow_up = await client.responses.create(
+                model="seer",
+                max_output_tokens=4,
+                previous_response_id=answers[0][2],
+                input="and now?",
+            )
+            assert follow_up.usage is not None and answers[0][1] is not None
+            assert follow_up.usage.input_tokens > answers[0][1].input_tokens
+            assert len(host.seen) == fetches
             # Anthropic's url source.
             messages = anthropic.AsyncAnthropic(
                 base_url=f"http://127.0.0.1:{server.port}", api_key="k", max_retries=0

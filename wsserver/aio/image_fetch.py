@@ -140,7 +140,7 @@ async def fetch_for_route(
     fetching = _Fetching(task)
     route.begin(fetching)
     try:
-        return await task
+        fetched = await task
     except asyncio.CancelledError:
         if fetching.why is None:
             raise  # our own caller was cancelled
@@ -151,7 +151,13 @@ async def fetch_for_route(
     except ProtocolError as exc:
         error = ApiError.from_protocol(exc)
         error.param = urls[0].where.partition("[")[0] or None
+        route.log.request(route.request_id).info("image URL refused: %s", exc.message)
         raise error from None
+    size = sum(len(data) for data in fetched.values())
+    route.log.request(route.request_id).info(
+        "fetched %d image URL(s), %d bytes", len(fetched), size
+    )
+    return fetched
 
 
 async def fetched_generate(
