@@ -17,6 +17,7 @@ __all__ = [
     "BackendConfig",
     "Config",
     "FakeConfig",
+    "ImagesConfig",
     "LimitsConfig",
     "LlamaConfig",
     "LlamaModelConfig",
@@ -150,6 +151,26 @@ class SecurityConfig:
     allowed_origins: list[str] = _key([])  # noqa: RUF009 - a default_factory
     #: Host names accepted in the Host header besides IP literals, localhost and server.host.
     allowed_hosts: list[str] = _key([])  # noqa: RUF009 - a default_factory
+
+
+@dataclass(frozen=True, slots=True)
+class ImagesConfig:
+    """Fetching http(s) image URLs on a client's behalf (docs/images.md, "Fetching")."""
+
+    #: Hosts whose image URLs the server fetches: ``host``, ``*.example.com``
+    #: (any name under it, not itself), each with an optional ``:port`` (without
+    #: one, only the scheme's default port). Empty: nothing is fetched.
+    fetch_hosts: list[str] = _key([])  # noqa: RUF009 - a default_factory
+    #: Plain ``http://`` URLs too (else ``https://`` only).
+    fetch_http: bool = _key(False)
+    #: Hosts that resolve to private, loopback, link-local, shared or reserved
+    #: addresses (else refused whatever the allow-list says).
+    fetch_private: bool = _key(False)
+    #: The most bytes one fetched image may have (the request's images together:
+    #: 20 MiB, whatever this says).
+    fetch_max_bytes: int = _key(20 << 20, low=1, high=20 << 20)
+    #: One image's fetch, from resolving its name to its last byte.
+    fetch_timeout_s: float = _key(10.0, low=0.01, high=600.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,5 +397,6 @@ class Config:
     stream: StreamConfig = field(default_factory=StreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
