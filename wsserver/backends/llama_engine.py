@@ -163,8 +163,8 @@ class BatchEngine:
             drafting=drafting,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
-        #: A vision model's image encoder and embeddings' decoder (None: text only).
-        self.images = images
+        #: A vision model's image encoder and decoder (None: text only), counting encodes.
+        self.images = images.counting(self.stats) if images is not None else None
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)

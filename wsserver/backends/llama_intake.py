@@ -96,12 +96,18 @@ class Intake:
                 code="too_large",
             )
         hook = self.on_restore
+        # The images the backend's prepare placed (their positions are negative).
+        job.media = getattr(request.prepared, "media", ())
+        if not job.media and min(prompt) < 0:
+            raise BackendError("the prompt's images were not prepared", code="internal")
         copied = None
         if source is not None and source.tokens[:upto] == prompt[:upto]:
             copied = self._cache.copy(source, upto)
         claimed = (copied, upto, 0) if copied is not None else None
         claimed = claimed or self._cache.claim(
-            prompt, before_restore=None if hook is None else functools.partial(hook, request.id)
+            prompt,
+            before_restore=None if hook is None else functools.partial(hook, request.id),
+            media=job.media,
         )
         if claimed is None:  # the scheduler grants at most `parallel` slots
             raise BackendError("no free sequence")
@@ -110,10 +116,6 @@ class Intake:
         job.seq = seq
         job.prompt = prompt
         job.fed = keep
-        # The images the backend's prepare placed (their positions are negative).
-        job.media = getattr(request.prepared, "media", ())
-        if not job.media and min(prompt) < 0:
-            raise BackendError("the prompt's images were not prepared", code="internal")
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self._n_ctx - len(prompt))
         self._samplers.attach(job, prompt, bias)
@@ -126,16 +128,21 @@ class Intake:
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
         job.stats.restored = restored
+        # Images wholly in the reused prefix: not encoded, not decoded.
+        job.stats.images_reused = sum(s.start + s.n_tokens <= keep for s in job.media)
         job.stats.sequence = seq.index
         self._stats["requests"] += 1
         self._stats["prompt_tokens_reused"] += keep
         self._stats["prompt_tokens_restored"] += restored
+        self._stats["images_reused"] += job.stats.images_reused
         log.debug(
-            "id=%s sequence %d: %d prompt tokens, %d from the cache (%d restored from host memory)",
+            "id=%s sequence %d: %d prompt tokens, %d from the cache (%d restored from host "
+            "memory, %d image(s) whole)",
             request.id,
             seq.index,
             len(prompt),
             keep,
             restored,
+            job.stats.images_reused,
             extra=context(request.conn_id, request.id),
         )
