@@ -21,6 +21,11 @@ output width is the text model's. Two sizes (:data:`PAIRS`):
 
 Both text models carry one ChatML template, so that the two servers render
 the same prompt (each one's fallback for a model without one differs).
+llama-server still counts one token more: it adds the vocabulary's BOS to a
+template's prompt (``add_bos_token`` is true here), where wsserver leaves
+the BOS to the template, which writes none (checked: a text-only message,
+an image alone, text and an image each differ by exactly one; the image's
+16 tokens are the same on both).
 
 Contenders, one server at a time, alternating round by round (the order
 flips each round): wsserver at its defaults (the freeze bound
