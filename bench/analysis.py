@@ -22,6 +22,7 @@ from . import (
     conversations,
     freeze,
     idle,
+    images,
     models,
     openai_sse,
     page,
@@ -138,12 +139,19 @@ SECTIONS = (
         "llama",
         "six conversations on two slots, the prompt cache in host memory (issue 40)",
     ),
+    Section(
+        "images",
+        "20. Images: an image's encode and first token, three streams beside it (issue 39)",
+        images,
+        "llama",
+        "an image's encode and first token, three streams beside it (issue 39)",
+    ),
 )
 BY_KEY = {section.key: section for section in SECTIONS}
 #: The summary table's rows come in this order (section 11's after 14's).
 HEADLINES = (
     "throughput", "cancel", "ceiling", "slow", "idle", "page", "openai", "upstream",
-    "batched", "structured", "responses", "models", "resume",
+    "batched", "structured", "responses", "models", "resume", "images",
 )  # fmt: skip
 
 
