@@ -2,7 +2,7 @@
 
     python -m bench [--quick] [--sections throughput cancel ceiling slow idle page adversaries openai
                     upstream batched resume structured responses models freeze
-                    templates conversations embeddings speculation]
+                    templates conversations embeddings speculation images]
                     [--out docs/benchmarks.md] [--model PATH] [--threads N] [--merge]
                     [--baseline REF] [--drop-hand-text]
 

@@ -23,6 +23,7 @@ from . import (
     embeddings,
     freeze,
     idle,
+    images,
     models,
     openai_sse,
     page,
@@ -153,6 +154,13 @@ SECTIONS = (
         speculation,
         "llama",
         "n-gram drafts on copying and on prose, beside llama-server's (issue 40)",
+    ),
+    Section(
+        "images",
+        "20. Images: an image's encode and first token, three streams beside it (issue 39)",
+        images,
+        "llama",
+        "an image's encode and first token, three streams beside it (issue 39)",
     ),
 )
 BY_KEY = {section.key: section for section in SECTIONS}

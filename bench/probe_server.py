@@ -22,6 +22,9 @@ the model is loaded, then answers each command line with one JSON line:
 * ``{"cmd": "stats", "reset": true}`` — lag percentiles, RSS, sampler figures,
   connection count since the last reset (and reset them);
 * ``{"cmd": "sample", "on": true}`` — start or stop the sampler;
+* ``{"cmd": "images", "reset": true}`` — the llama engine's images since the
+  last reset, each its encode and its embeddings' decode in ms (section 20;
+  timed around ``ImageDecoder.encode``/``decode`` when the backend is llama);
 * ``{"cmd": "quit"}`` — stop the server and exit.
 """
 
@@ -144,6 +147,50 @@ class Probe:
         return out
 
 
+class ImageTimes:
+    """The llama engine's image work, timed: each ``ImageDecoder.encode`` call
+    starts an image, the ``decode`` calls after it (its embeddings, a prompt
+    share at a time) add to it. Wrapped at the class, in this process only."""
+
+    def __init__(self) -> None:
+        self.images: list[dict[str, float]] = []
+        self.installed = False
+
+    def install(self) -> None:
+        from wsserver.backends.llama_vision import ImageDecoder
+
+        encode, decode = ImageDecoder.encode, ImageDecoder.decode
+        images = self.images
+
+        def timed_encode(decoder: ImageDecoder, span: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return encode(decoder, span)
+            finally:
+                took = (time.perf_counter() - started) * 1000.0
+                images.append({"encode_ms": took, "decode_ms": 0.0})
+
+        def timed_decode(decoder: ImageDecoder, *args: Any) -> int:
+            started = time.perf_counter()
+            try:
+                return decode(decoder, *args)
+            finally:
+                if images:
+                    images[-1]["decode_ms"] += (time.perf_counter() - started) * 1000.0
+
+        ImageDecoder.encode = timed_encode  # type: ignore[method-assign,assignment]
+        ImageDecoder.decode = timed_decode  # type: ignore[method-assign,assignment]
+        self.installed = True
+
+    def take(self, reset: bool) -> dict[str, Any]:
+        if not self.installed:
+            return {"error": "images are timed on the llama backend only"}
+        out = {"images": [dict(image) for image in self.images]}
+        if reset:
+            self.images.clear()
+        return out
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
 
@@ -177,6 +224,9 @@ async def main(overrides: dict[str, Any]) -> None:
     values.update(overrides)
     config = load_config(env={}, overrides=values).config
     setup_logging(level=config.server.log_level, fmt=config.server.log_format)
+    image_times = ImageTimes()
+    if config.backend.kind == "llama":  # its engine imports llama_vision anyway
+        image_times.install()
     server = Server(config)
     await server.start()
     await server.wait_ready()
@@ -208,6 +258,8 @@ async def main(overrides: dict[str, Any]) -> None:
                             bool(command.get("reset", False)), bool(command.get("series", False))
                         )
                     )
+                elif command["cmd"] == "images":
+                    _emit(image_times.take(bool(command.get("reset", False))))
                 elif command["cmd"] == "sample":
                     probe.sampling = bool(command.get("on", True))
                     _emit({"sampling": probe.sampling})

@@ -116,12 +116,16 @@ def test_an_image_changes_the_answer_and_the_same_image_gives_the_same(
 
 
 def test_two_images_are_both_read(vision: LlamaBackend) -> None:
-    one, _ = answer(vision, looking_at(RED))
-    two, _ = answer(vision, looking_at(RED, BLUE))
+    one, _ = answer(vision, looking_at(RED, words="Read both"))
+    before = vision.stats()
+    two, _ = answer(vision, looking_at(RED, BLUE, words="Read both"))
+    after = vision.stats()
     # The second image's tokens, and the text " and" between the two.
     assert two.prompt_tokens - one.prompt_tokens >= IMAGE_TOKENS
-    encoded = vision.engine.images.encoded if vision.engine and vision.engine.images else 0
-    assert encoded >= 3
+    # The first image is the first request's (the prompt cache holds it);
+    # the second is encoded.
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["images_reused"] - before["images_reused"] == 1
 
 
 def test_pixels_that_do_not_decode_are_refused_naming_the_image(vision: LlamaBackend) -> None:
@@ -149,7 +153,9 @@ def test_a_cancel_during_an_images_encode_lands_before_its_embeddings_are_decode
 
     monkeypatch.setattr(images, "encode", cancelled_meanwhile)
     encoded, decoded = images.encoded, engine.stats["prompt_tokens_decoded"]
-    prepared = vision.prepare(request(None, messages=looking_at(GRADIENT), max_tokens=4))
+    # (Words no other test uses before the image: the prompt cache holds none of it.)
+    messages = looking_at(GRADIENT, words="Cancel the encode of")
+    prepared = vision.prepare(request(None, messages=messages, max_tokens=4))
     outcome, _ = run(vision, prepared, cancel=cancel)
     assert outcome is None  # cancelled: no end from the engine
     assert images.encoded == encoded + 1
@@ -176,13 +182,14 @@ def test_a_cancel_during_an_images_decode_aborts_it_and_the_engine_serves_on(
 
     monkeypatch.setattr(images, "decode", cancelled_meanwhile)
     aborts = engine.stats["aborts"]
-    prepared = vision.prepare(request(None, messages=looking_at(BLUE), max_tokens=4))
+    messages = looking_at(BLUE, words="Cancel the decode of")
+    prepared = vision.prepare(request(None, messages=messages, max_tokens=4))
     outcome, _ = run(vision, prepared, cancel=cancel)
     assert outcome is None
     assert statuses == [2] and engine.stats["aborts"] == aborts + 1
     monkeypatch.undo()
-    _, blue = answer(vision, looking_at(BLUE))
-    _, blue_again = answer(vision, looking_at(BLUE))
+    _, blue = answer(vision, messages)
+    _, blue_again = answer(vision, messages)
     assert blue == blue_again  # no half-written cells reused
 
 

@@ -230,6 +230,8 @@ def test_only_the_llama_backend_imports_llama_cpp() -> None:
 
 
 def test_only_the_openai_backend_imports_aiohttp() -> None:
+    # The image fetch (wsserver/aio/image_fetch.py) uses it too, imported on
+    # its first fetch: a server that fetches nothing does not load it.
     code = (
         "import sys, wsserver.aio, wsserver.cli, wsserver.backends.fake; "
         "print('aiohttp' in sys.modules)"

@@ -131,8 +131,8 @@ def test_a_prompt_ingested_in_chunks_while_others_decode_gives_the_same_text(
     n_prompt = prompt_tokens(batched, long)
     assert stats is not None and n_prompt is not None
     assert stats.reused + stats.decoded == n_prompt
-    assert sum(p for _, p, _, _ in steps) == stats.decoded  # the log covers the ingestion
-    mixed = [(d, p, share) for d, p, share, _ in steps if p and d]
+    assert sum(p for _, p, *_ in steps) == stats.decoded  # the log covers the ingestion
+    mixed = [(d, p, share) for d, p, share, *_ in steps if p and d]
     # Every step of the ingestion while the short stream decoded carried its
     # token beside a chunk no larger than the budget's share at that step.
     assert mixed and all(p <= share for _, p, share in mixed)
@@ -162,7 +162,7 @@ def test_a_fixed_prefill_chunk_when_the_budget_is_off(tiny_gguf: Path) -> None:
         first.wait()
         stats = b.request_stats("long")
         assert stats is not None
-        chunks = [p for d, p, _, _ in engine.batcher.step_log if p and d]
+        chunks = [p for d, p, *_ in engine.batcher.step_log if p and d]
         assert sum(chunks) == stats.decoded > 24
         assert chunks[:-1] == [24] * (len(chunks) - 1) and 0 < chunks[-1] <= 24
 

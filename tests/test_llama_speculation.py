@@ -14,6 +14,7 @@ draft token's cell is left behind.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from conftest import wire  # noqa: E402
+from conftest import timeout, wire  # noqa: E402
 from test_llama_backend import (  # noqa: E402
     RecordingSink,
     Running,
@@ -66,7 +67,7 @@ def gemma() -> Path:
 
 @pytest.fixture(scope="module")
 def spec(gemma: Path) -> Iterator[LlamaBackend]:
-    with loaded(gemma, parallel=2, speculative="auto", draft_max=16) as b:
+    with loaded(gemma, parallel=2, speculative="auto") as b:
         yield b
 
 
@@ -178,7 +179,9 @@ def test_off_per_request_drafts_nothing(spec: LlamaBackend, plain: LlamaBackend)
 
 @pytest.fixture(scope="module")
 def tiny_spec(tiny_gguf: Path) -> Iterator[LlamaBackend]:
-    with loaded(tiny_gguf, parallel=3, speculative="auto", draft_max=8) as b:
+    # Short matches: the tiny model's repeats are short (the default model's
+    # tests use the defaults).
+    with loaded(tiny_gguf, parallel=3, speculative="auto", draft_max=8, draft_ngram=3) as b:
         yield b
 
 
@@ -258,6 +261,29 @@ def test_a_grammar_sees_each_drafted_token_in_turn(
     assert all(drafted(tiny_spec, r.id)[1] > 0 for r in reqs)
     for r in reqs:
         committed(tiny_spec, r.id)
+
+
+def test_no_drafts_in_the_steps_that_take_a_prompt_beside_them(tiny_gguf: Path) -> None:
+    """A prompt ingested while a sequence speculates: the steps that carry its
+    chunks carry no draft (a chunk is sized to fill the step's time), the
+    steps between them do, and neither text changes."""
+    loop = repeating("Once upon a time", id="loop", max_tokens=400)
+    long = request("world hello " * 300, id="long", max_tokens=8, speculative=False)
+    with loaded(tiny_gguf, parallel=1, n_ctx=2048, speculative="off") as alone:
+        expected = [run(alone, r)[1].pieces for r in (loop, long)]
+    with loaded(tiny_gguf, parallel=2, n_ctx=2048, speculative="auto", draft_max=8) as b:
+        started = threading.Event()
+        sink = RecordingSink(lambda s: started.set() if s.tokens == 30 else None)
+        first = Running(b, loop, sink=sink)
+        assert started.wait(timeout(10))
+        assert b.engine is not None
+        b.engine.batcher.step_log.clear()
+        second = Running(b, long)
+        assert [first.wait()[1].pieces, second.wait()[1].pieces] == expected
+        steps = list(b.engine.batcher.step_log)
+    mixed = [drafts for decoding, prompt, _, _, drafts in steps if prompt and decoding]
+    assert mixed and not any(mixed)
+    assert any(drafts for *_, drafts in steps)
 
 
 def test_cancel_mid_stream_stops_at_once_and_leaves_exact_cells(tiny_spec: LlamaBackend) -> None:

@@ -193,3 +193,20 @@ def test_the_gap_bound_holds_while_the_prompt_grows_dearer() -> None:
         if step >= 3:  # after the first steps' estimate settles
             assert seconds <= 200 * MS * 1.02, (step, share, seconds)
     assert shares[-1] < shares[5]
+
+
+def test_drafts_beside_others_fit_in_the_gap_and_one_stream_drafts_freely() -> None:
+    """Speculative drafts (backends/llama_speculation.py) in a decode-only
+    step: one sequence alone is bounded by its drafter only; beside others,
+    every draft token together fits in what the gap leaves, each at a
+    decoding sequence's cost a token; none until that step is measured."""
+    budget = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    assert budget.draft_rows(1) is None
+    assert budget.draft_rows(3) == 0  # not measured yet
+    budget.observe(3, 0, 45 * MS)
+    # 200 - 45 = 155 ms of room at 15 ms a token (45 ms for three).
+    assert budget.draft_rows(3) == 10
+    budget.observe(4, 0, 80 * MS)
+    assert budget.draft_rows(4) == 6  # 120 ms at 20 ms a token
+    # The budget off (a fixed chunk a step): no time bound on drafts either.
+    assert PrefillBudget(0.0, n_batch=512).draft_rows(3) is None

@@ -6,33 +6,37 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from wsserver.backends.llama_speculation import FIRST_DRAFT, MAX_PAUSE, Drafter
+from wsserver.backends.llama_speculation import MAX_PAUSE, NGRAM_SIZES, Drafter
 from wsserver.backends.request import GenerationRequest
 from wsserver.core.protocol import Generate, Limits, parse_client_frame
 from wsserver.dialects.openai.api import ApiError, parse_request
 from wsserver.errors import ProtocolError
 
+#: Short n-grams keep these histories short; the defaults are checked apart.
+SHORT = (4, 3)
+
 
 def test_it_proposes_what_followed_the_latest_earlier_occurrence() -> None:
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     history = [1, 2, 3, 4, 5, 6, 7, 9, 2, 3, 4, 8, 1, 2]
     # The last tokens are (..., 1, 2) + 3: "2 3" and "1 2 3" occurred; the
-    # longest match, "1 2 3" at the start, is followed by 4, 5, 6, 7.
-    assert drafter.propose(history, 3, limit=8) == [4, 5, 6, 7][:FIRST_DRAFT]
+    # longest match, "1 2 3" at the start, is followed by 4, 5, 6, 7, 9, ...
+    # (the whole draft at once: a short one costs nearly as much).
+    assert drafter.propose(history, 3, limit=8) == [4, 5, 6, 7, 9, 2, 3, 4]
     # Only "0 2 3" matches; its latest occurrence was followed by 4, 8, 1, 2.
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     assert drafter.propose([0, 2, 3, 6, 0, 2, 3, 4, 8, 1, 0, 2], 3, limit=4) == [4, 8, 1, 0]
 
 
 def test_the_longest_ngram_wins_over_a_later_shorter_one() -> None:
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     # "7 1 2 3" occurs at the start (then 40); "1 2 3" alone later (then 50).
     history = [7, 1, 2, 3, 40, 41, 9, 1, 2, 3, 50, 51, 7, 1, 2]
     assert drafter.propose(history, 3, limit=2) == [40, 41]
 
 
 def test_no_match_no_draft_and_two_tokens_are_too_few() -> None:
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     assert drafter.propose([1, 2, 3, 4], 5, limit=8) == []
     # "5 3" occurred before, but two tokens match by chance too often.
     assert drafter.propose([5, 3, 9, 1, 2, 4, 5], 3, limit=8) == []
@@ -40,7 +44,7 @@ def test_no_match_no_draft_and_two_tokens_are_too_few() -> None:
 
 
 def test_a_repeating_run_is_drafted_on_up_to_the_limit() -> None:
-    drafter = Drafter(16)
+    drafter = Drafter(16, SHORT)
     drafter.length = 16
     # A run of one token: "7 7 7" matched one position back; the draft
     # reaches the token being decoded, and repeats the run after it.
@@ -48,48 +52,67 @@ def test_a_repeating_run_is_drafted_on_up_to_the_limit() -> None:
     assert drafter.propose([5, 6, 5, 6, 5], 6, limit=5) == [5, 6, 5, 6, 5]
     assert drafter.propose([5, 6, 5, 6, 5], 6, limit=1) == [5]
     assert drafter.propose([5, 6, 5, 6, 5], 6, limit=0) == []
-    drafter = Drafter(16)
+    drafter = Drafter(16, SHORT)
     drafter.length = 3  # the drafter's own length bounds it too
     assert drafter.propose([1, 2, 3, 1, 2], 3, limit=16) == [1, 2, 3]
 
 
 def test_image_positions_are_never_matched_nor_drafted() -> None:
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     drafter.length = 8
     # Image positions are negative ids: the draft stops before one ...
     assert drafter.propose([1, 2, 3, -1, -1, 9, 1, 2], 3, limit=8) == []
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     drafter.length = 8
     assert drafter.propose([0, 1, 2, 4, 5, -1, -1, 9, 0, 1], 2, limit=8) == [4, 5]
     # ... and an n-gram across one is not a key.
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     assert drafter.propose([7, -1, 4, 5, 9, 7, -1], 4, limit=8) == []
 
 
 def test_the_index_grows_with_the_history() -> None:
-    drafter = Drafter(8)
+    drafter = Drafter(8, SHORT)
     history = [1, 2, 3, 4]
     assert drafter.propose(history, 9, limit=8) == []
     history += [9, 1, 2]
-    assert drafter.propose(history, 3, limit=8) == [4, 9, 1, 2]
+    assert drafter.propose(history, 3, limit=4) == [4, 9, 1, 2]
 
 
-def test_accepted_drafts_grow_to_draft_max() -> None:
-    drafter = Drafter(16)
-    assert drafter.length == FIRST_DRAFT
-    drafter.verified(4, 4)
+def test_drafts_start_whole_and_grow_back_to_draft_max_once_accepted() -> None:
+    drafter = Drafter(16, SHORT)
+    assert drafter.length == 16
+    drafter.verified(16, 3)  # did not pay: halved
     assert drafter.length == 8
+    drafter.pause = 0
     drafter.verified(8, 8)
-    drafter.verified(16, 16)
     assert drafter.length == 16
     drafter.verified(16, 9)  # paid (more than half), not all: the length stays
     assert (drafter.length, drafter.pause, drafter.misses) == (16, 0, 0)
-    assert (drafter.drafted, drafter.accepted) == (44, 37)
+    assert (drafter.drafted, drafter.accepted) == (40, 20)
     assert Drafter(2).length == 2
 
 
+def test_by_default_only_long_matches_draft() -> None:
+    """Chance matches of a few tokens draft nothing (a draft costs a step
+    whole on a large vocabulary); eight tokens seen before do."""
+    assert NGRAM_SIZES == (12, 8)
+    passage = list(range(100, 140))
+    # "... 1 2 3" + 4: a 4-gram seen before, no longer one.
+    assert Drafter(16).propose([1, 2, 3, 4, 50, 51, 9, 1, 2, 3], 4, limit=16) == []
+    # The passage's first 8 tokens again: its continuation, whole.
+    history = [7, *passage, 8, 9, *passage[:7]]
+    assert Drafter(16).propose(history, passage[7], limit=16) == passage[8:24]
+    # 12 tokens win over a later 8: the passage, then its first 8 tokens
+    # followed by something else, then its first 12 again.
+    history = [*passage, *passage[:8], 1, 2, 3, 5, *passage[:11]]
+    assert Drafter(4).propose(history, passage[11], limit=4) == passage[12:16]
+    # ... and with only 8 tokens matching, the later occurrence's continuation.
+    history = [*passage, *passage[:8], 1, 2, 3, 5, 6, *passage[:7]]
+    assert Drafter(4).propose(history, passage[7], limit=4) == [1, 2, 3, 5]
+
+
 def test_rejected_drafts_shrink_and_pause_for_longer_each_time() -> None:
-    drafter = Drafter(16)
+    drafter = Drafter(16, SHORT)
     history = [1, 2, 3, 4, 5, 1, 2]
     pauses = []
     for _ in range(9):

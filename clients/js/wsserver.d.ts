@@ -197,6 +197,8 @@ export interface ModelInfo {
    * which continues text rather than answering. Absent when not known.
    */
   chat_template?: boolean;
+  /** What the loaded model takes in: `["text"]`, or `["text", "image"]`. Absent when not known (not loaded). */
+  input_modalities?: string[];
 }
 
 export interface QueuedFrame {

@@ -512,6 +512,7 @@ function conversation() {
 function send() {
   const content = ui.prompt.value;
   if ((!content.trim() && attachments.size === 0) || attachments.reading > 0 || !canSend()) return;
+  if (attachments.size > 0 && attachments.refusal) return; // the model reads no images: said under the composer
   const chat = conversation();
   if (editing !== null) {
     // Edit and resend: the edited message replaces the old one and its answer.
@@ -838,6 +839,7 @@ function showModels() {
   pulls.update();
   ui.modelPicker.hidden = models.length < 2;
   ui.model.hidden = !ui.modelPicker.hidden;
+  showImageControls();
   if (models.length < 2 || !hello) return;
   ui.modelPicker.replaceChildren(
     ...models.map((m) => {
@@ -854,7 +856,27 @@ ui.modelPicker.addEventListener("change", () => {
   conversation().model = ui.modelPicker.value;
   store.saveNow(); // kept with it, without moving it up the history
   pulls.update();
+  showImageControls();
 });
+
+/**
+ * Whether the current model reads images: what `hello` says of a loaded
+ * model (`input_modalities`); undefined before it loads (not said).
+ * @returns {boolean | undefined}
+ */
+function readsImages() {
+  const name = chosenModel() ?? client.hello?.model;
+  const modalities = servedModels().find((m) => m.name === name)?.input_modalities;
+  return modalities ? modalities.includes("image") : undefined;
+}
+
+/** The Image button for a model that reads images; a refusal for one that does not. */
+function showImageControls() {
+  const reads = readsImages();
+  ui.attach.hidden = reads === false;
+  const name = chosenModel() ?? client.hello?.model ?? "This model";
+  attachments.refuse(reads === false ? `${name} does not read images: pick a model that does` : "");
+}
 
 /** The base-model notice and the "Get a model" dialog (pulls.js). */
 const pulls = setupPulls({
@@ -932,7 +954,11 @@ function canSend() {
 function updateControls() {
   const busy = ui.app.dataset.state !== "idle";
   const hadFocus = document.activeElement;
-  ui.send.disabled = !canSend() || (!ui.prompt.value.trim() && attachments.size === 0) || attachments.reading > 0;
+  ui.send.disabled =
+    !canSend() ||
+    (!ui.prompt.value.trim() && attachments.size === 0) ||
+    attachments.reading > 0 ||
+    (attachments.size > 0 && attachments.refusal !== "");
   ui.send.textContent = editing === null ? "Send" : "Resend";
   ui.stop.disabled = !busy;
   const lastMessage = store.current?.messages.at(-1);

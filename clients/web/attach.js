@@ -10,6 +10,11 @@
  * each turn. Hence the page's limit, **2 MiB an image** (MAX_IMAGE_BYTES),
  * and PNG, JPEG, GIF or BMP only (what the server's decoder reads); anything
  * else is refused here with a note, before the server sees it.
+ *
+ * A model that says it reads no images (`hello.models`' `input_modalities`
+ * without "image") takes none: the page hides the Image button and a paste
+ * or drop is refused with a note (`refusal`); a model not loaded yet does not
+ * say, and the server refuses then if it must.
  */
 
 /** The largest image the page takes (it is stored with the conversation). */
@@ -31,6 +36,27 @@ export class Attachments {
     this.images = [];
     /** Reads not finished yet. */
     this.reading = 0;
+    /** Why the current model takes no images ("": it may). */
+    this.refusal = "";
+  }
+
+  /**
+   * The current model changed: say why it takes no images (or "" if it may).
+   * Images already in the composer stay (another model may take them), with the note.
+   * @param {string} refusal
+   */
+  refuse(refusal) {
+    const said = this.refusal;
+    this.refusal = refusal;
+    if (refusal && this.images.length > 0) this.say(refusal);
+    else if (said && this.note.textContent === said) this.say("");
+    this.changed();
+  }
+
+  /** @param {string} text a note under the composer ("": none) */
+  say(text) {
+    this.note.textContent = text;
+    this.note.hidden = !text;
   }
 
   get size() {
@@ -43,6 +69,10 @@ export class Attachments {
    * @returns {Promise<void>}
    */
   async add(files) {
+    if (this.refusal) {
+      this.say(this.refusal);
+      return;
+    }
     /** @type {string[]} */
     const refused = [];
     const reads = [];
@@ -52,8 +82,7 @@ export class Attachments {
       else if (file.size > MAX_IMAGE_BYTES) refused.push(`${name}: over ${MAX_IMAGE_BYTES >> 20} MiB`);
       else reads.push(readAsDataUrl(file));
     }
-    this.note.textContent = refused.join("; ");
-    this.note.hidden = refused.length === 0;
+    this.say(refused.join("; "));
     this.reading += reads.length;
     this.changed();
     try {

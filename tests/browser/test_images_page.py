@@ -189,3 +189,56 @@ def openai_answer(server: Any, images: list[bytes], text: str) -> str:
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         return str(json.load(response)["choices"][0]["message"]["content"])
+
+
+def test_the_image_button_is_there_only_for_a_model_that_reads_images(
+    page: Any, live_server_factory: Any, vision_files: tuple[Path, Path]
+) -> None:
+    """``hello`` says what each loaded model takes in: the text-only default
+    model hides the Image button and refuses a paste or a drop with a note;
+    the vision model (preloaded, so ``hello`` says it) shows it and takes them."""
+    model, mmproj = vision_files
+    server = live_server_factory(
+        **{
+            "backend.kind": "llama",
+            "backend.llama.model": str(model),
+            "backend.llama.n_threads": 1,
+            "backend.llama.parallel": 1,
+            "backend.llama.n_ctx": 512,
+            "backend.llama.models": [
+                {"name": "seer", "model": str(model), "mmproj": str(mmproj), "preload": True}
+            ],
+        }
+    )
+    page.goto(server.http_url)
+    expect(page.locator("#app")).to_have_attribute("data-connection", "open")
+    button, note = page.locator("#attach"), page.locator("#attach-note")
+    thumbnails = page.locator("#attachments img.thumbnail")
+    default = page.evaluate("() => window.chat.client.hello.model")
+    assert default != "seer"
+
+    # The text-only default model: no button; a paste and a drop are refused, said.
+    expect(button).to_be_hidden()
+    paste_image(page, RED, "red.png")
+    expect(note).to_be_visible()
+    expect(note).to_have_text(f"{default} does not read images: pick a model that does")
+    drop_image(page, RED, "red.png")
+    expect(thumbnails).to_have_count(0)
+
+    # The vision model: the button, and the images are taken.
+    page.locator("#model-picker").select_option("seer")
+    expect(button).to_be_visible()
+    expect(note).to_be_hidden()
+    paste_image(page, RED, "red.png")
+    expect(thumbnails).to_have_count(1)
+
+    # Back to the text-only model with an image in the composer: kept, but
+    # said, and not sent (Send disabled, Enter does nothing).
+    page.locator("#model-picker").select_option(default)
+    expect(button).to_be_hidden()
+    expect(note).to_contain_text("does not read images")
+    page.fill("#prompt", "Look at")
+    expect(page.locator("#send")).to_be_disabled()
+    page.press("#prompt", "Enter")
+    expect(page.locator(".message.user")).to_have_count(0)
+    expect(thumbnails).to_have_count(1)

@@ -32,6 +32,7 @@ package drives the core (:mod:`wsserver.core.protocol`, :mod:`wsserver.core.sess
     │           ├── choices        n > 1: a driver per choice, their frames merged into one answer
     │           ├── embed_run      an embedding request's engine side: acquire → prepare → embed
     │           ├── http_route     the seam to the routes: Responder, Running, RouteRequest
+    │           ├── image_fetch    image URLs fetched before the request runs: allow-list, pinned, capped
     │           └── http_answer    one HTTP answer: streamed (head, keep-alive, drain) or whole
     ├── responses_socket the Responses API's WebSocket mode: lanes, a driver per lane, response.cancel
     ├── responses_run  one response's frames rendered as Responses events (WebSocket mode)

@@ -41,6 +41,7 @@ from ..errors import ProtocolError
 from .exchange import Exchange, resolve
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest, no_route, not_allowed
+from .image_fetch import fetched_generate
 from .services import Services
 
 __all__ = ["COUNT_TOKENS", "PREFIX", "MessagesRoute"]
@@ -82,6 +83,10 @@ class MessagesRoute:
         services = self._services
         generate = to_generate(body, route.request_id, services.wire_limits)
         generate, model = resolve(services, generate, body.model)
+        fetched = await fetched_generate(route, services.config.images, generate)
+        if fetched is None:
+            return  # the client went while its image URLs were fetched
+        generate = fetched
         backend = model.backend
         request = GenerationRequest.from_frame(
             generate, default_max_tokens=services.wire_limits.default_max_tokens

@@ -18,12 +18,17 @@
   in the server's :class:`~wsserver.dialects.responses.store.ResponseStore` (when
   ``store`` was not false), bounded by bytes and by age.
 
+An ``input_image``'s ``http(s)`` URL is fetched before the request runs
+(:mod:`wsserver.aio.image_fetch`; off unless the operator allows hosts) and
+kept in the input as base64, as a ``data:`` URL's image is.
+
 A disconnect is a cancel, as for every HTTP request (the exchange's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from http import HTTPStatus
 from typing import Any
@@ -32,11 +37,13 @@ import orjson
 
 from ..dialects.api_errors import ApiError, parse_json
 from ..dialects.responses.api import ResponsesRequest, parse_body, to_generate
+from ..dialects.responses.items import input_urls, with_fetched
 from ..dialects.responses.render import Keep, ResponseAnswer, ResponseRender
 from ..dialects.responses.store import ResponseStore, StoredResponse
 from .exchange import Exchange
 from .http_answer import HttpAnswer
 from .http_route import RouteRequest, no_route, not_allowed
+from .image_fetch import fetch_for_route
 from .services import Services
 
 __all__ = ["PREFIX", "ResponsesRoute", "new_response_id", "not_found"]
@@ -92,6 +99,17 @@ class ResponsesRoute:
 
     async def _create(self, route: RouteRequest) -> None:
         request = parse_body(parse_json(route.body))
+        urls = input_urls(request.input)
+        if urls:
+            # Fetched before anything else, and kept as base64 in the input
+            # (a stored conversation holds the bytes, not the URL).
+            images = [i for m in request.input for i in m.get("images", ()) if isinstance(i, str)]
+            held = sum(len(image) * 3 // 4 for image in images)
+            config = self._services.config.images
+            fetched = await fetch_for_route(route, config, urls, held)
+            if fetched is None:
+                return  # the client went while they were fetched
+            request = dataclasses.replace(request, input=with_fetched(request.input, fetched))
         loop = asyncio.get_running_loop()
         history: tuple[Any, ...] = ()
         if request.previous_response_id is not None:

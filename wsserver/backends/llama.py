@@ -65,6 +65,7 @@ from .llama_engine import BatchEngine, RequestStats
 from .llama_host_cache import CacheCounters
 from .llama_memory import default_model_path, memory_parts
 from .llama_prompt import render_prompt
+from .llama_speculation import Drafting
 from .llama_template_pool import TemplateBounds, TemplatePool
 from .llama_vision import Vision, load_vision
 from .llama_vocab import Vocabulary
@@ -77,7 +78,7 @@ _CONFIG_KEYS: Final = (
     *("prefill_chunk", "prefill_budget", "prefill_gap_ms", "max_waiting"),
     *("chat_template_file", "n_gpu_layers", "flash_attn", "cache_type_k", "cache_type_v"),
     *("use_mmap", "use_mlock", "grammar_deadline_ms", "engine_stall_s", "embed_batch"),
-    *("prompt_cache_bytes", "speculative", "draft_max"),
+    *("prompt_cache_bytes", "speculative", "draft_max", "draft_ngram"),
 )
 
 log = logging.getLogger("wsserver.llama")
@@ -123,7 +124,8 @@ class LlamaBackend(Backend):
         name: str = "",
         embed_batch: int = 512,
         speculative: str = "off",
-        draft_max: int = 16,
+        draft_max: int = 32,
+        draft_ngram: int = 8,
     ) -> None:
         if abort_check not in ("native", "python"):
             raise ValueError(f"abort_check must be 'native' or 'python', not {abort_check!r}")
@@ -136,10 +138,8 @@ class LlamaBackend(Backend):
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self.n_batch, self.prefill_chunk = n_batch, prefill_chunk
         self.prefill_budget, self.prefill_gap_ms = prefill_budget, prefill_gap_ms
-        self.parallel = parallel
-        self.slots = parallel
-        self.max_waiting = max_waiting
-        self.abort_check = abort_check
+        self.parallel = self.slots = parallel
+        self.max_waiting, self.abort_check = max_waiting, abort_check
         #: A Jinja file that replaces the model's own chat template ("": the model's).
         self.chat_template_file = chat_template_file
         #: What compiling and rendering the chat template may take (its worker processes).
@@ -162,8 +162,8 @@ class LlamaBackend(Backend):
         self.embedder: Embedder | None = None
         #: Host memory for prompt states beyond the slots (-1: the KV cache's size; 0: none).
         self.prompt_cache_bytes = prompt_cache_bytes
-        #: The longest n-gram draft of a sequence (0: none; :mod:`.llama_speculation`).
-        self.draft_max = draft_max if speculative == "auto" else 0
+        #: Speculation's drafts (``draft_max`` 0: none; :mod:`.llama_speculation`).
+        self.drafting = Drafting(draft_max if speculative == "auto" else 0, draft_ngram)
         self.cache_counters = CacheCounters()  # kept across loads
         if name:
             self.model_name = name
@@ -244,7 +244,7 @@ class LlamaBackend(Backend):
                 self._model.model,
                 n_ctx_seq=self.n_ctx,
                 n_seq_max=self.parallel,
-                n_batch=self.n_batch + self.parallel * (1 + self.draft_max),
+                n_batch=self.n_batch + self.parallel * (1 + self.drafting.draft_max),
                 n_ubatch=self.n_ubatch,
                 n_threads=self.n_threads,
                 flash_attn=self.flash_attn,
@@ -279,7 +279,7 @@ class LlamaBackend(Backend):
             prompt_cache_bytes=self._memory_parts(path)[1],
             cache_counters=self.cache_counters,
             images=self.vision.decoder(self._ctx, self.n_batch) if self.vision else None,
-            draft_max=self.draft_max,
+            drafting=self.drafting,
         )
         self.engine.on_prefill = lambda request_id, n: (
             None if self.on_prefill is None else self.on_prefill(request_id, n)

@@ -11,8 +11,11 @@ decoding, what fits in a time budget (a step lasts at most
 refused) has no part in it. A decoding sequence that speculates adds its
 n-gram draft after its next token, each with logits
 (:mod:`.llama_speculation`); :func:`verify` samples them after the decode.
-Draft tokens are part of the decoding sequences' share of the step: the
-budget learns their decode-only steps with the drafts in them.
+Drafts go only in steps without prompt tokens (a prompt's chunk is sized to
+fill the step's time; drafts would overrun it), and while other sequences
+wait for the step, all drafts together fit in the room the gap bound leaves
+(:meth:`.PrefillBudget.draft_rows`); the budget learns from steps without
+drafts.
 
 The batch holds the tokens in sequence order, not admission order: with one
 KV stream per sequence llama.cpp keeps tokens in one micro-batch only while
@@ -67,15 +70,18 @@ def decoding(jobs: list[Job]) -> int:
     return sum(1 for j in jobs if j.next_token is not None and not j.waiting_room)
 
 
-def draft_for(job: Job) -> list[int]:
+def draft_for(job: Job, room: int | None = None) -> list[int]:
     """The draft ``job`` decodes beside its next token this step (empty: none):
-    none while close-tag tokens are due (they are written, not sampled), and
-    none past what ``max_tokens`` lets it emit (the context is within it)."""
+    none while close-tag tokens are due (they are written, not sampled), none
+    past what ``max_tokens`` lets it emit (the context is within it), and at
+    most ``room`` tokens (None: no bound but the drafter's)."""
     if job.drafter is None or job.next_token is None or job.forced or job.seq is None:
         return []
     if job.budget is not None and job.budget.exhausted():
         return []
     limit = job.max_tokens - job.produced - 1
+    if room is not None:
+        limit = min(limit, room)
     return job.drafter.propose(job.seq.tokens, job.next_token, limit)
 
 
@@ -118,12 +124,18 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 
     parts.sort(key=lambda part: part[0].seq.index if part[0].seq is not None else -1)
     placed: list[tuple[Job, int, int]] = []
     drafted = 0
+    # Drafts only in a step without prompt tokens (the prompt's share is
+    # sized by time; drafts would take it), and while others wait for the
+    # step, at most what fits in the gap, shared out.
+    mixed = used > 0 or any(job.fed < len(job.prompt) for job, _ in parts)
+    rows = None if mixed else budget.draft_rows(len(decoding))
+    each = None if rows is None else rows // max(1, len(decoding))
     for job, take in parts:
         assert job.seq is not None
         start = len(job.seq.tokens)
         if job.fed >= len(job.prompt):
             assert job.next_token is not None
-            job.draft = draft_for(job)
+            job.draft = [] if mixed else draft_for(job, each)
             placed.append((job, 1, batch.add(job.next_token, start, job.seq.index, True)))
             for k, token in enumerate(job.draft, 1):
                 batch.add(token, start + k, job.seq.index, True)
@@ -202,8 +214,9 @@ class Batcher:
         #: token with its draft (``draft_max``: the longest; 0, none).
         self.batch = Batch(n_batch + parallel * (1 + draft_max))
         #: The latest steps, oldest first: (decoding sequences, prompt tokens,
-        #: the prompt's share, the step's seconds) — for tests and the bench.
-        self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=log_size)
+        #: the prompt's share, the step's seconds, draft tokens) — for tests
+        #: and the bench.
+        self.step_log: deque[tuple[int, int, int, float, int]] = deque(maxlen=log_size)
 
     def plan(self, jobs: list[Job], used: int = 0) -> StepPlan:
         """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
@@ -211,10 +224,13 @@ class Batcher:
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its
-        last sampled: what the decoding sequences waited (the budget learns it)."""
+        last sampled: what the decoding sequences waited (the budget learns it
+        from steps without drafts: a draft's tokens cost more than a prompt's,
+        and its steps would make the decode-only step look longer than it is)."""
         prompt_tokens = self.batch.n - len(step.decoding) - step.drafted
-        self.budget.observe(len(step.decoding), prompt_tokens, seconds)
-        self.step_log.append((len(step.decoding), prompt_tokens, step.share, seconds))
+        if not step.drafted:
+            self.budget.observe(len(step.decoding), prompt_tokens, seconds)
+        self.step_log.append((len(step.decoding), prompt_tokens, step.share, seconds, step.drafted))
 
     def free(self) -> None:
         self.batch.free()

@@ -133,6 +133,20 @@ class PrefillBudget:
         room = max(self.factor * decode, self.gap_s) - decode
         return max(room - MARGIN * self.miss_s, MIN_ROOM * room)
 
+    def draft_rows(self, decoding: int) -> int | None:
+        """Draft tokens a decode-only step of ``decoding`` sequences may carry
+        in all (:mod:`.llama_speculation`). None, no bound, when one sequence
+        decodes (it alone waits for the step, and the drafts are its gain) or
+        the budget is off; with others waiting, what fits in the room the gap
+        leaves, at a decoding sequence's own cost a token (a draft token
+        computes its output row as it does); 0 until that step is measured."""
+        if decoding <= 1 or self.off:
+            return None
+        decode = self.decode_time(decoding)
+        if decode is None or decode <= 0:
+            return 0
+        return int(self.room(decoding) / (decode / decoding))
+
     def output_tokens(self, decoding: int) -> int:
         """Prompt tokens a prompt's last token is worth beside ``decoding``
         sequences: it computes the logits and samples, as a decoding sequence

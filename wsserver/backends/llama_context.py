@@ -410,5 +410,9 @@ def describe_load(backend: Any, path: Path) -> str:
         f"{backend.n_batch} (micro-batch {backend.n_ubatch}), prefill {prefill}, flash "
         f"attention {backend.flash_attn}, KV cache {backend.cache_type_k}/"
         f"{backend.cache_type_v}, GPU layers {backend.n_gpu_layers}, n-gram drafts "
-        f"{f'up to {backend.draft_max} tokens' if backend.draft_max else 'off'}"
+        + (
+            f"up to {d.draft_max} tokens from {d.ngram}-token matches"
+            if (d := backend.drafting).draft_max
+            else "off"
+        )
     )

@@ -65,7 +65,7 @@ from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
 from .llama_grammar import GrammarCache
 from .llama_host_cache import CacheCounters, HostCache
-from .llama_intake import Intake, Prepare
+from .llama_intake import Drafting, Intake, Prepare
 from .llama_liveness import StepWatch
 from .llama_logprobs import LogprobReader
 from .llama_samplers import GivenUp, Samplers
@@ -106,7 +106,7 @@ class BatchEngine:
         prompt_cache_bytes: int = 0,
         cache_counters: CacheCounters | None = None,
         images: ImageDecoder | None = None,
-        draft_max: int = 0,
+        drafting: Drafting | None = None,
     ) -> None:
         self.ctx = ctx
         self._vocab = vocab
@@ -121,7 +121,7 @@ class BatchEngine:
             prefill_budget=prefill_budget,
             prefill_gap_ms=prefill_gap_ms,
             log_size=4 * _STATS_KEPT,
-            draft_max=draft_max,
+            draft_max=drafting.draft_max if drafting is not None else 0,
         )
         self._piece = piece
         #: The tokens that close a think block whose budget is spent, and
@@ -160,11 +160,11 @@ class BatchEngine:
             reasoning_close=reasoning_close,
             opens_reasoning=opens_reasoning,
             stats=self.stats,
-            draft_max=draft_max,
+            drafting=drafting,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
-        #: A vision model's image encoder and embeddings' decoder (None: text only).
-        self.images = images
+        #: A vision model's image encoder and decoder (None: text only), counting encodes.
+        self.images = images.counting(self.stats) if images is not None else None
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)

@@ -27,9 +27,9 @@ from .base import GenerationRequest
 from .llama_grammar import GrammarCache
 from .llama_samplers import Samplers
 from .llama_sequences import Job, PromptCache, SequenceState
-from .llama_speculation import Drafter
+from .llama_speculation import Drafting
 
-__all__ = ["Intake", "Prepare"]
+__all__ = ["Drafting", "Intake", "Prepare"]
 
 log = logging.getLogger("wsserver.llama")
 
@@ -52,11 +52,11 @@ class Intake:
         reasoning_close: tuple[int, ...],
         opens_reasoning: Callable[[GenerationRequest], bool] | None,
         stats: dict[str, int],
-        draft_max: int = 0,
+        drafting: Drafting | None = None,
     ) -> None:
         self._prepare = prepare
-        #: The longest n-gram draft (0: no request speculates; :mod:`.llama_speculation`).
-        self._draft_max = draft_max
+        #: Speculation's settings (None: no request speculates; :mod:`.llama_speculation`).
+        self._drafting = drafting if drafting is not None and drafting.draft_max > 0 else None
         self._n_ctx = n_ctx
         self._cache = cache
         self._grammars = grammars
@@ -96,12 +96,18 @@ class Intake:
                 code="too_large",
             )
         hook = self.on_restore
+        # The images the backend's prepare placed (their positions are negative).
+        job.media = getattr(request.prepared, "media", ())
+        if not job.media and min(prompt) < 0:
+            raise BackendError("the prompt's images were not prepared", code="internal")
         copied = None
         if source is not None and source.tokens[:upto] == prompt[:upto]:
             copied = self._cache.copy(source, upto)
         claimed = (copied, upto, 0) if copied is not None else None
         claimed = claimed or self._cache.claim(
-            prompt, before_restore=None if hook is None else functools.partial(hook, request.id)
+            prompt,
+            before_restore=None if hook is None else functools.partial(hook, request.id),
+            media=job.media,
         )
         if claimed is None:  # the scheduler grants at most `parallel` slots
             raise BackendError("no free sequence")
@@ -110,32 +116,33 @@ class Intake:
         job.seq = seq
         job.prompt = prompt
         job.fed = keep
-        # The images the backend's prepare placed (their positions are negative).
-        job.media = getattr(request.prepared, "media", ())
-        if not job.media and min(prompt) < 0:
-            raise BackendError("the prompt's images were not prepared", code="internal")
         # As llama-cpp-python does: the completion gets what room is left.
         job.max_tokens = min(request.max_tokens, self._n_ctx - len(prompt))
         self._samplers.attach(job, prompt, bias)
         job.assembler = TextAssembler(stops)
-        if self._draft_max > 0 and request.speculative:
-            job.drafter = Drafter(self._draft_max)
+        if self._drafting is not None and request.speculative:
+            job.drafter = self._drafting.drafter()
         if request.reasoning_budget is not None and self._reasoning_close:
             opened = self._opens_reasoning is not None and self._opens_reasoning(request)
             job.budget = ReasoningBudget(request.reasoning_budget, opened=opened)
         job.stats.prompt_tokens = len(prompt)
         job.stats.reused = keep
         job.stats.restored = restored
+        # Images wholly in the reused prefix: not encoded, not decoded.
+        job.stats.images_reused = sum(s.start + s.n_tokens <= keep for s in job.media)
         job.stats.sequence = seq.index
         self._stats["requests"] += 1
         self._stats["prompt_tokens_reused"] += keep
         self._stats["prompt_tokens_restored"] += restored
+        self._stats["images_reused"] += job.stats.images_reused
         log.debug(
-            "id=%s sequence %d: %d prompt tokens, %d from the cache (%d restored from host memory)",
+            "id=%s sequence %d: %d prompt tokens, %d from the cache (%d restored from host "
+            "memory, %d image(s) whole)",
             request.id,
             seq.index,
             len(prompt),
             keep,
             restored,
+            job.stats.images_reused,
             extra=context(request.conn_id, request.id),
         )

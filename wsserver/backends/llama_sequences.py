@@ -23,13 +23,25 @@ Beyond the slots, the cells of a sequence about to be given to another
 conversation are kept in host memory (:mod:`.llama_host_cache`), and a
 prompt that extends a kept state further than any free sequence does has it
 restored into the lowest free sequence (:meth:`PromptCache.claim`).
+
+Images
+------
+An image's positions hold a number derived from its pixels
+(:func:`.llama_vision.image_key`), so a prefix that covers an image wholly
+is reused like text: the image is neither encoded nor decoded again (the job
+starts after it). A prefix that ends *inside* an image's span — the cells a
+request cancelled halfway through the image's decode left — is cut back to
+the image's start (:func:`whole_images`): its rest would need the whole
+image encoded again anyway (the encode, not the decode, is an image's cost),
+and with a projector whose image attends to itself non-causally (Gemma 3's)
+half an image's cells are not what the whole image makes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +67,7 @@ __all__ = [
     "SequenceState",
     "common_prefix",
     "engine_counters",
+    "whole_images",
 ]
 
 log = logging.getLogger("wsserver.llama")
@@ -79,6 +92,8 @@ class RequestStats:
     reused: int = 0
     #: Of those, tokens restored from host memory (:mod:`.llama_host_cache`).
     restored: int = 0
+    #: Images the reused prefix held wholly: neither encoded nor decoded for it.
+    images_reused: int = 0
     #: Prompt tokens decoded for it (re-runs after an abort included).
     decoded: int = 0
     sequence: int = -1
@@ -229,6 +244,15 @@ class Job:
         )
 
 
+def whole_images(keep: int, media: Sequence[ImageSpan]) -> int:
+    """``keep`` prompt positions, cut back to the start of the image they end
+    inside, if they do (see the module docstring)."""
+    for span in media:
+        if span.start < keep < span.start + span.n_tokens:
+            return span.start
+    return keep
+
+
 class PromptCache:
     """The context's sequences and the KV cells each holds (see the module
     docstring), and the states kept beyond them in host memory (``host``;
@@ -242,23 +266,27 @@ class PromptCache:
         self._n_swa = max(1, int(llama_cpp.llama_model_n_swa(llama_cpp.llama_get_model(ctx))))
 
     def claim(
-        self, prompt: list[int], before_restore: Callable[[int], None] | None = None
+        self,
+        prompt: list[int],
+        before_restore: Callable[[int], None] | None = None,
+        media: Sequence[ImageSpan] = (),
     ) -> tuple[SequenceState, int, int] | None:
         """A free sequence for ``prompt`` (None: none is free), cut back to
         the prefix of ``prompt`` it holds, that prefix's length — the prompt
         tokens it need not decode again — and how many of them were restored
         from host memory. ``before_restore`` is called with that count just
-        before a restore (tests)."""
+        before a restore (tests). ``media``: the prompt's images, which a
+        kept prefix holds wholly or not at all (:func:`whole_images`)."""
         free = [s for s in self.sequences if s.job is None]
         if not free:
             return None
         seq = self._choose(prompt, free)
-        keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
-        restored = self._restore(prompt, free[0], keep, before_restore)
+        keep = self._usable(seq, self._kept(seq.tokens, prompt, media))
+        restored = self._restore(prompt, free[0], keep, before_restore, media)
         if restored:
             seq, keep = free[0], restored
         else:  # (a refused restore emptied free[0], which may be ``seq``)
-            keep = self._usable(seq, min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
+            keep = self._usable(seq, self._kept(seq.tokens, prompt, media))
             self._save(seq, keep)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq.index, keep, -1):
             keep = restored = 0  # a memory that cannot cut a sequence short
@@ -266,12 +294,20 @@ class PromptCache:
         del seq.tokens[keep:]
         return seq, keep, restored
 
+    @staticmethod
+    def _kept(tokens: list[int], prompt: list[int], media: Sequence[ImageSpan]) -> int:
+        """How much of ``prompt`` cells holding ``tokens`` can give: their
+        common prefix, short of the prompt's last token (whose logits start
+        the answer), cut back to an image's start."""
+        return whole_images(min(common_prefix(tokens, prompt), len(prompt) - 1), media)
+
     def _restore(
         self,
         prompt: list[int],
         target: SequenceState,
         keep: int,
         before_restore: Callable[[int], None] | None,
+        media: Sequence[ImageSpan],
     ) -> int:
         """Restore into ``target`` the host state that extends ``prompt``
         furthest, if it gives at least :data:`RESTORE_MIN_GAIN` tokens more
@@ -280,8 +316,8 @@ class PromptCache:
         found = self.host.best(prompt) if self.host is not None else None
         if found is None:
             return 0
-        entry, common = found
-        common = min(common, len(prompt) - 1)
+        entry, _ = found
+        common = self._kept(entry.tokens, prompt, media)
         if common < keep + RESTORE_MIN_GAIN or common / len(prompt) <= PREFIX_SIMILARITY:
             return 0
         if common < min(entry.least, len(entry.tokens)):
@@ -370,6 +406,10 @@ def engine_counters() -> dict[str, int]:
         # Of those, restored from host memory (the prompt cache beyond the slots).
         "prompt_tokens_restored": 0,
         "prompt_tokens_decoded": 0,
+        # Images encoded (llama_vision), and images a reused prefix held
+        # wholly (neither encoded nor decoded again).
+        "images_encoded": 0,
+        "images_reused": 0,
         "max_batch_sequences": 0,
         # Constrained sequences: sampled tokens the grammar rejected, and
         # the tokens it was then asked about (the whole vocabulary each

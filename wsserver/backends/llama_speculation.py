@@ -3,13 +3,14 @@
 Theory of operation
 -------------------
 A decoding sequence that repeats text it has seen — a code listing it is
-asked to edit, a quote, an extraction — can often be predicted from its own
-context. :class:`Drafter` looks up the last few tokens (the token about to be
-decoded and the ones before it: :data:`NGRAM_SIZES`, the longest that
-matched) at their latest earlier occurrence in the sequence's prompt and
-output, and proposes the tokens that followed there (a match just before
-the end is a repeating run, and the draft repeats it). No second model: the
-drafts cost a dictionary look-up.
+asked to edit, a quote, an extraction, a greedy model's prose falling into a
+loop — can often be predicted from its own context. :class:`Drafter` looks
+up the last tokens (the token about to be decoded and the ones before it:
+:data:`NGRAM_SIZES`, 12 then 8, the longest that matched) at their latest
+earlier occurrence in the sequence's prompt and output, and proposes the
+tokens that followed there (a match just before the end is a repeating run,
+and the draft repeats it). No second model: the drafts cost a dictionary
+look-up.
 
 The engine decodes a sequence's next token and its draft in the same step
 as everyone else's tokens, with logits at each position
@@ -27,27 +28,32 @@ chain draws once per emitted token, as without drafts — given the same
 logits, which quantized weights' multi-row kernels do not quite give
 (docs/llama.md, "Speculative decoding").
 
-A draft costs the step its tokens (the output row over the whole vocabulary
-most of all), so drafting is automatic where it pays (docs/llama.md,
-"Speculative decoding"): only when an n-gram matched; a sequence's draft
-grows while it is accepted and shrinks when it is not; a draft that did not
-pay (fewer than half of its tokens accepted) pauses the sequence's drafting
-for 1, 3, 7, ... steps (up to :data:`MAX_PAUSE`), so ordinary prose drafts
-rarely. Sans-I/O.
+A draft costs the step its tokens, and a draft token's output row over the
+vocabulary most of all: measured on the default model (2 threads, 262,144
+tokens of vocabulary), a step of one token took 16 ms, with 1 draft token
+39 ms, with 8 99 ms, with 16 148 ms, with 48 322 ms — a short draft loses
+even when every token is accepted, a long one pays only when most of it is.
+So drafts come only from long matches (8 tokens or more: chance matches
+of 3 or 4 tokens, frequent in prose, cost a step each and were rejected),
+whole (up to ``draft_max``) from the first; a draft that did not pay (fewer
+than half of its tokens accepted) halves the next one and pauses the
+sequence's drafting for 1, 3, 7, ... steps (up to :data:`MAX_PAUSE`).
+docs/llama.md, "Speculative decoding". Sans-I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["FIRST_DRAFT", "MAX_PAUSE", "NGRAM_SIZES", "Drafter"]
+__all__ = ["MAX_PAUSE", "NGRAM_SIZES", "Drafter", "Drafting"]
 
 #: The n-gram sizes looked up, longest first: a longer match is more likely
-#: the same passage; 3 re-aligns a copy three tokens after an edit; 2-grams
-#: matched by chance in prose (docs/llama.md, "Speculative decoding").
-NGRAM_SIZES = (4, 3)
-#: A sequence's first draft (then doubled while accepted, up to ``draft_max``).
-FIRST_DRAFT = 4
+#: the same passage (llama-server's ``ngram-simple`` looks up 12); 8 re-aligns
+#: a copy eight tokens after an edit. Shorter ones (4, 3) matched by chance in
+#: prose often enough to cost more than they won (docs/llama.md,
+#: "Speculative decoding").
+NGRAM_SIZES = (12, 8)
 #: The longest pause (steps without drafting) after drafts that did not pay.
 MAX_PAUSE = 64
 #: Token ids fit in this many bits (llama.cpp's are int32): n-gram keys are
@@ -55,19 +61,38 @@ MAX_PAUSE = 64
 _BITS = 32
 
 
+@dataclass(frozen=True, slots=True)
+class Drafting:
+    """A model's speculation: drafts of at most ``draft_max`` tokens (0: no
+    request speculates) from matches of ``ngram`` tokens or more (12 looked
+    up first: :data:`NGRAM_SIZES`; ``backend.llama.draft_ngram``)."""
+
+    draft_max: int = 0
+    ngram: int = NGRAM_SIZES[-1]
+
+    def drafter(self) -> Drafter:
+        """A new sequence's drafter."""
+        longest = NGRAM_SIZES[0]
+        return Drafter(
+            self.draft_max, (longest, self.ngram) if self.ngram < longest else (self.ngram,)
+        )
+
+
 class Drafter:
     """One sequence's n-gram index, its drafts and how well they did (see the
-    module docstring). ``draft_max``: the most tokens one draft proposes."""
+    module docstring). ``draft_max``: the most tokens one draft proposes;
+    ``sizes``: the n-gram sizes looked up, longest first."""
 
-    def __init__(self, draft_max: int) -> None:
+    def __init__(self, draft_max: int, sizes: Sequence[int] = NGRAM_SIZES) -> None:
         self.draft_max = draft_max
-        #: For each size in :data:`NGRAM_SIZES`: n-gram key -> the position
-        #: after its latest occurrence (where its continuation starts).
-        self._after: dict[int, dict[int, int]] = {n: {} for n in NGRAM_SIZES}
+        self.sizes = tuple(sorted(set(sizes), reverse=True))
+        #: For each size: n-gram key -> the position after its latest
+        #: occurrence (where its continuation starts).
+        self._after: dict[int, dict[int, int]] = {n: {} for n in self.sizes}
         #: History positions indexed so far (the history only grows).
         self._indexed = 0
         #: The next draft's length, and the pause before it (steps).
-        self.length = min(draft_max, FIRST_DRAFT)
+        self.length = draft_max
         self.pause = 0
         #: Drafts in a row that did not pay (the pause doubles with each).
         self.misses = 0
@@ -120,7 +145,7 @@ class Drafter:
     def _index(self, history: Sequence[int]) -> None:
         """Index the n-grams ending at each history position not indexed yet:
         each maps to the position after it (the latest occurrence wins)."""
-        longest = NGRAM_SIZES[0]
+        longest = self.sizes[0]
         for end in range(self._indexed, len(history)):
             key = 0
             for n in range(1, min(longest, end + 1) + 1):
@@ -138,14 +163,14 @@ class Drafter:
         starts at its latest earlier occurrence (None: no n-gram matched)."""
         keys: dict[int, int] = {}
         key, n = last, 1
-        while n < NGRAM_SIZES[0] and n <= len(history):
+        while n < self.sizes[0] and n <= len(history):
             token = history[-n]
             if token < 0:
                 break
             key = (key << _BITS) | token
             n += 1
             keys[n] = key
-        for size in NGRAM_SIZES:
+        for size in self.sizes:
             if size in keys and (at := self._after[size].get(keys[size])) is not None:
                 return at
         return None

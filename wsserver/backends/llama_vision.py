@@ -12,11 +12,24 @@ image is decoded from its bytes (``mtmd_helper_bitmap_init_from_buf``:
 stb_image), then ``mtmd_tokenize`` splits the rendered prompt at its
 markers into text chunks (their tokens, as the engine's) and image chunks
 (preprocessed pixels). An image's chunk stands in the prompt as
-``n_tokens`` positions holding one *negative* number, unique to that image
-and request: no vocabulary token, so the prompt cache never takes another
-request's cells for them (a cache keyed by the image's content is not built
-yet), the samplers' history skips them, and the batcher never puts them in a
-token batch (:meth:`.Job.text_end`).
+``n_tokens`` positions holding one *negative* number derived from the
+image's content (:func:`image_key`): no vocabulary token, so the samplers'
+history skips them and the batcher never puts them in a token batch
+(:meth:`.Job.text_end`).
+
+The key is the image's prefix-cache key. It is a hash of the *decoded*
+bitmap — its width, height and RGB bytes, what the chunk's pixels are made
+from — not of the file (libmtmd's helper sets the sha256 of the encoded
+bytes as the bitmap's id; two encodings of the same pixels would differ):
+:func:`bitmap_key` replaces that id, libmtmd carries it to the image's chunk
+(``mtmd_input_chunk_get_id``), and :func:`image_key` keeps 62 bits of it,
+negated. The same pixels through the same projector (one per loaded model,
+whose cache dies with its context) thus stand as the same positions, and
+the prompt cache (:meth:`.PromptCache.claim`, in a slot or from host
+memory) reuses an image's cells like text's: a follow-up question about the
+same picture after the same conversation is neither encoded nor decoded
+again. A match that ends inside an image is cut back to its start
+(:func:`.llama_sequences.whole_images`).
 
 In the engine (:class:`ImageDecoder`, on its thread): when a sequence's
 prompt reaches an image, that step first encodes the image
@@ -30,7 +43,7 @@ its encode, and inside the embeddings' decode ggml's graph node.
 from __future__ import annotations
 
 import ctypes
-import itertools
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -45,10 +58,35 @@ from ..errors import BackendError, ModelLoadError
 from .llama_context import log_bridge
 from .mmproj_check import Projector, ProjectorError, check_projector
 
-__all__ = ["ImageChunk", "ImageDecoder", "ImageSpan", "Vision", "load_vision"]
+__all__ = [
+    "ImageChunk",
+    "ImageDecoder",
+    "ImageSpan",
+    "Vision",
+    "bitmap_key",
+    "image_key",
+    "load_vision",
+]
 
-#: Each image's positions hold the next of these (negated): unique per image.
-_IMAGE_IDS = itertools.count(1)
+
+def bitmap_key(bitmap: Any) -> bytes:
+    """A decoded bitmap's content key (hex sha256 of its size and pixels):
+    the id :meth:`Vision.tokenize` gives it, which libmtmd copies to its chunk."""
+    nx, ny = mtmd.mtmd_bitmap_get_nx(bitmap), mtmd.mtmd_bitmap_get_ny(bitmap)
+    size = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
+    digest = hashlib.sha256(b"%d x %d pixels, %d bytes:" % (nx, ny, size))
+    data = mtmd.mtmd_bitmap_get_data(bitmap)
+    if size and data:  # read in place (hashlib lets the GIL go for large buffers)
+        digest.update(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8 * size)).contents)
+    return digest.hexdigest().encode()
+
+
+def image_key(chunk_id: bytes) -> int:
+    """The number an image's positions hold, from its chunk's id (a hex
+    :func:`bitmap_key`): 62 of its bits, negated, so from -1 to -2**62 —
+    never a vocabulary token, and two images meet on it with a chance of
+    2**-62."""
+    return -1 - (int(chunk_id[:16], 16) >> 2)
 
 
 class ImageChunk:
@@ -112,6 +150,7 @@ class Vision:
                         f"image {index}: its pixels could not be decoded", code="bad_request"
                     )
                 bitmaps.append(bitmap)
+                mtmd.mtmd_bitmap_set_id(bitmap, bitmap_key(bitmap))
             given = mtmd.mtmd_input_text()
             encoded = text.encode("utf-8")
             given.text, given.text_len = encoded, len(encoded)
@@ -170,9 +209,12 @@ def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
         # One position per embedding: what the checked (llava) projectors
         # make; M-RoPE models (Qwen2-VL) would differ and are not let through.
         assert mtmd.mtmd_input_chunk_get_n_pos(chunk) == n_tokens
+        key = mtmd.mtmd_input_chunk_get_id(chunk)
+        if not key:  # a libmtmd that does not carry the bitmap's id to its chunk
+            raise BackendError("libmtmd gave an image's chunk no id", code="internal")
         owned = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk))
         spans.append(ImageSpan(len(tokens), n_tokens, owned))
-        tokens.extend([-next(_IMAGE_IDS)] * n_tokens)
+        tokens.extend([image_key(key)] * n_tokens)
     if spans and spans[-1].start + spans[-1].n_tokens == len(tokens):
         # The last position's logits start the answer: a prompt's end is text.
         raise BackendError("the prompt ends with an image; add text after it", code="bad_request")
@@ -189,8 +231,15 @@ class ImageDecoder:
         self.n_batch = n_batch
         self.n_embd = llama_cpp.llama_model_n_embd(llama_cpp.llama_get_model(ctx))
         self.batch = llama_cpp.llama_batch_init(n_batch, self.n_embd, 1)
-        #: Images encoded (tests, metrics).
+        #: Images encoded (tests), also counted in the engine's counters
+        #: (``images_encoded``) once :meth:`counting` them.
         self.encoded = 0
+        self._counters: dict[str, int] | None = None
+
+    def counting(self, counters: dict[str, int]) -> ImageDecoder:
+        """This decoder, its encodes counted in ``counters`` (the engine's)."""
+        self._counters = counters
+        return self
 
     def encode(self, span: ImageSpan) -> Any:
         """The image's embeddings (``n_tokens`` x ``n_embd`` floats), copied
@@ -203,6 +252,8 @@ class ImageDecoder:
             embeddings = (ctypes.c_float * size)()
             ctypes.memmove(embeddings, out, size * ctypes.sizeof(ctypes.c_float))
         self.encoded += 1
+        if self._counters is not None:
+            self._counters["images_encoded"] += 1
         return embeddings
 
     def decode(self, embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:

@@ -265,6 +265,7 @@ def load_config(
             f"models.endpoint (from {sources[('models', 'endpoint')]}): {endpoint!r} is not "
             "an http(s) URL"
         )
+    _check_fetch_hosts(config.images.fetch_hosts, sources[("images", "fetch_hosts")])
     llama = config.backend.llama
     if llama.cache_type_v != "f16" and llama.flash_attn == "off":
         raise ConfigError(
@@ -285,6 +286,22 @@ def _check_urls(urls: list[str], source: str) -> None:
             )
 
 
+def _check_fetch_hosts(hosts: list[str], source: str) -> None:
+    for host in hosts:
+        match = _FETCH_HOST_RE.fullmatch(host)
+        port = (match[1] or match[2]) if match is not None else None
+        if match is None or (port is not None and not 0 < int(port) < 65536):
+            raise ConfigError(
+                f"images.fetch_hosts (from {source}): {host!r} is not a host name, "
+                "'*.' and a domain, or an IP address, with an optional ':port'"
+            )
+
+
+#: A fetch_hosts entry: a name, ``*.`` + a domain, an IPv4 or [IPv6] address; a port.
+_FETCH_HOST_RE = re.compile(
+    r"(?:\*\.)?(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)*[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+    r"(?::(\d{1,5}))?|\[[0-9A-Fa-f:.]+\](?::(\d{1,5}))?"
+)
 _UPSTREAM_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?/v1")
 _ENDPOINT_RE = re.compile(r"https?://[^\s/?#@]+(/[^\s?#]*)?")
 

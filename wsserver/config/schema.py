@@ -17,6 +17,7 @@ __all__ = [
     "BackendConfig",
     "Config",
     "FakeConfig",
+    "ImagesConfig",
     "LimitsConfig",
     "LlamaConfig",
     "LlamaModelConfig",
@@ -153,6 +154,26 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ImagesConfig:
+    """Fetching http(s) image URLs on a client's behalf (docs/images.md, "Fetching")."""
+
+    #: Hosts whose image URLs the server fetches: ``host``, ``*.example.com``
+    #: (any name under it, not itself), each with an optional ``:port`` (without
+    #: one, only the scheme's default port). Empty: nothing is fetched.
+    fetch_hosts: list[str] = _key([])  # noqa: RUF009 - a default_factory
+    #: Plain ``http://`` URLs too (else ``https://`` only).
+    fetch_http: bool = _key(False)
+    #: Hosts that resolve to private, loopback, link-local, shared or reserved
+    #: addresses (else refused whatever the allow-list says).
+    fetch_private: bool = _key(False)
+    #: The most bytes one fetched image may have (the request's images together:
+    #: 20 MiB, whatever this says).
+    fetch_max_bytes: int = _key(20 << 20, low=1, high=20 << 20)
+    #: One image's fetch, from resolving its name to its last byte.
+    fetch_timeout_s: float = _key(10.0, low=0.01, high=600.0)
+
+
+@dataclass(frozen=True, slots=True)
 class FakeConfig:
     tokens_per_s: float = _key(50.0, low=0.0, high=1e7)
     prefill_ms_per_token: float = _key(0.0, low=0.0, high=10000.0)
@@ -215,6 +236,7 @@ MODEL_OVERRIDES = (
     "prompt_cache_bytes",
     "speculative",
     "draft_max",
+    "draft_ngram",
 )
 #: What a model's name (and an alias) may be.
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+/-]{0,127}")
@@ -300,7 +322,9 @@ class LlamaConfig:
     #: text: docs/llama.md, "Speculative decoding", measured) never.
     speculative: str = _key("off", choices=("auto", "off"))
     #: The most draft tokens a sequence decodes in one step (the batch has room for them).
-    draft_max: int = _key(16, low=1, high=256)
+    draft_max: int = _key(32, low=1, high=256)
+    #: The shortest match of a sequence's last tokens that drafts (12 is looked up first).
+    draft_ngram: int = _key(8, low=2, high=12)
     #: More models, each a ``[[backend.llama.models]]`` table (docs/operations.md).
     models: tuple[LlamaModelConfig, ...] = _key(())
     #: A directory whose ``*.gguf`` files are models too, named by file stem ("" = none).
@@ -373,5 +397,6 @@ class Config:
     stream: StreamConfig = field(default_factory=StreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)

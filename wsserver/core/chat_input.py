@@ -29,6 +29,7 @@ from typing import Any, Final
 import orjson
 
 from ..errors import ProtocolError
+from .image_check import ImageUrl
 
 __all__ = [
     "IMAGE_MARKER",
@@ -95,6 +96,10 @@ class Message:
     #: The images of a user message, encoded (PNG, JPEG, GIF, BMP: checked,
     #: :mod:`.images`), each at an :data:`~.images.IMAGE_MARKER` in ``content``.
     images: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
+    #: The ``http(s)`` image URLs among them, in order: each one's image is
+    #: ``b""`` (no image is empty: that is refused) until the asyncio layer
+    #: fetches it (:func:`~.images.fill_images`); never given to an engine.
+    fetch: tuple[ImageUrl, ...] = ()
 
     def to_openai(self) -> dict[str, Any]:
         """The message in OpenAI's shape (what templates and upstreams read):

@@ -5,6 +5,14 @@ base64 (or taken as they came, from a WebSocket upload), then judged **from
 the header alone**, before any decoder sees them; :mod:`wsserver.core.images`
 says what is refused and why. Apart from it so that the frame parser
 (:mod:`wsserver.core.client_frames`) can use it without an import cycle.
+
+An ``http(s)`` URL in a wire that may fetch (OpenAI's chat ``image_url``,
+Anthropic's ``url`` source, the Responses API's ``input_image``) is an
+:class:`ImageUrl`: counted as an image, its bytes not known. The parsers stay
+sans-I/O; the asyncio layer fetches it before the request is submitted
+(:mod:`wsserver.aio.image_fetch`, behind the operator's ``[images]``
+allow-list: off by default, refused then with :func:`not_fetched`), and the
+bytes go through :meth:`ImageBudget.take` as a data URL's do.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import base64
 import binascii
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 from ..errors import ProtocolError
@@ -22,9 +31,12 @@ __all__ = [
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
     "MAX_IMAGE_SIDE",
+    "MAX_URL_CHARS",
     "Fail",
     "ImageBudget",
+    "ImageUrl",
     "image_size",
+    "not_fetched",
 ]
 
 #: Images per request, and their encoded bytes together.
@@ -35,7 +47,34 @@ MAX_IMAGE_BYTES: Final = 20 << 20
 MAX_IMAGE_PIXELS: Final = 8192 * 4096
 MAX_IMAGE_SIDE: Final = 16384
 
+#: The longest image URL taken (as browsers and most servers bound a URL).
+MAX_URL_CHARS: Final = 8192
+
 Fail = Callable[[str], ProtocolError]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageUrl:
+    """An ``http(s)`` image URL a request gave: fetched before the request
+    runs, or refused (the image's ``index`` in the request, ``where`` its field)."""
+
+    url: str
+    index: int
+    where: str
+
+    def refusal(self, why: str) -> str:
+        """A refusal of this image, naming it as every image refusal does."""
+        return f"image {self.index} ({self.where}): {why}"
+
+
+def not_fetched(image: ImageUrl) -> str:
+    """The refusal of an image URL on a server that fetches none."""
+    return image.refusal(
+        "http(s) image URLs are not fetched by this server (a server-side request "
+        "forgery risk; an operator may allow hosts: [images] fetch_hosts); send the "
+        "image as a data: URL (data:image/png;base64,...)"
+    )
+
 
 _PNG: Final = b"\x89PNG\r\n\x1a\n"
 #: JPEG's start-of-frame markers (the frame header holds the size); C4, C8
@@ -122,6 +161,22 @@ class ImageBudget:
                 f"image {index} ({where}): expected a data URL (data:image/png;base64,...)"
             )
         return self.from_base64(payload, where)
+
+    def url_or_data(self, url: object, where: str) -> bytes | ImageUrl:
+        """An image given as a URL on a wire that may fetch: a ``data:`` URL's
+        bytes, or an ``http(s)`` URL to fetch (counted as an image now)."""
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            return self.later(url, where)
+        return self.from_url(url, where)
+
+    def later(self, url: str, where: str) -> ImageUrl:
+        """An ``http(s)`` image URL: counted; its bytes are checked once fetched."""
+        index = self.count
+        self._room(index, 0)
+        if len(url) > MAX_URL_CHARS:
+            raise self.fail(f"image {index} ({where}): the URL is over {MAX_URL_CHARS} characters")
+        self.count += 1
+        return ImageUrl(url, index, where)
 
     def take(self, data: bytes, where: str) -> bytes:
         """An image's bytes: counted, checked from their header."""

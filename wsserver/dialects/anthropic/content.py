@@ -22,8 +22,9 @@ other and checks every block, naming it Anthropic's way
   context and leaves earlier turns' out; earlier turns' are accepted and
   dropped. ``redacted_thinking`` (encrypted, unreadable here) is always
   dropped; nothing checks a ``signature``;
-* ``image`` (user) — an image, its ``source`` ``base64`` (``url`` sources
-  are refused: this server does not fetch), checked from its header
+* ``image`` (user) — an image, its ``source`` ``base64``, or ``url`` (an
+  ``http(s)`` URL is fetched behind the operator's allow-list, off by
+  default: docs/images.md), checked from its header
   (:mod:`wsserver.core.images`: refusals name the image's index in the
   request), in the text at its place;
 * anything else (documents, server tools' blocks) is refused.
@@ -50,7 +51,7 @@ from typing import Any, Final
 import orjson
 
 from ...core.chat_input import MAX_TOOLS, Message, ToolCall
-from ...core.images import IMAGE_MARKER, ImageBudget
+from ...core.images import IMAGE_MARKER, ImageBudget, ImageUrl, with_urls
 from ...errors import ProtocolError
 from ..api_errors import ApiError
 
@@ -100,7 +101,7 @@ class _Turn:
     calls: list[ToolCall] = field(default_factory=list)
     results: list[Message] = field(default_factory=list)
     thinking: list[str] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
+    images: list[bytes | ImageUrl] = field(default_factory=list)
 
     def messages(self, *, keep_thinking: bool) -> list[Message]:
         text = "\n\n".join(self.texts)
@@ -108,7 +109,7 @@ class _Turn:
             reasoning = "\n\n".join(self.thinking) if keep_thinking else ""
             return [Message("assistant", text, tuple(self.calls), reasoning=reasoning or None)]
         tail = (
-            [Message("user", text, images=tuple(self.images))]
+            [with_urls(Message("user", text), self.images)]
             if self.texts or not self.results
             else []
         )
@@ -199,13 +200,15 @@ def _unsupported_block(kind: Any, at: str, param: str) -> ApiError:
     )
 
 
-def _image(block: dict[str, Any], at: str, images: ImageBudget) -> bytes:
-    """An ``image`` block's bytes: a ``base64`` source only (no fetching)."""
+def _image(block: dict[str, Any], at: str, images: ImageBudget) -> bytes | ImageUrl:
+    """An ``image`` block's bytes (a ``base64`` source), or its ``url`` source's
+    URL: an ``http(s)`` one is fetched before the request runs, behind the
+    operator's allow-list (:mod:`wsserver.aio.image_fetch`)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     try:
         if kind == "url" and isinstance(source, dict):
-            return images.from_url(source.get("url"), f"{at}.source")
+            return images.url_or_data(source.get("url"), f"{at}.source")
         if kind != "base64" or not isinstance(source, dict):
             raise images.fail(
                 f"image {images.count} ({at}.source): give a base64 source "

@@ -36,7 +36,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from ...core.images import IMAGE_MARKER, ImageBudget, with_images
+from ...core.images import IMAGE_MARKER, ImageBudget, ImageUrl, with_images
 from ...core.models import ModelInfo
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...core.sampling import MAX_CHOICES, MAX_TOP_LOGPROBS, SAMPLING_FIELDS
@@ -295,7 +295,8 @@ class _Images:
     """A request's images as its messages are read: checked, by message index."""
 
     budget: ImageBudget
-    by_message: dict[int, list[bytes]] = field(default_factory=dict)
+    #: An ``http(s)`` URL is an :class:`ImageUrl`: fetched before the request runs.
+    by_message: dict[int, list[bytes | ImageUrl]] = field(default_factory=dict)
 
     def part(self, part: dict[str, Any], index: int) -> str:
         """An ``image_url`` part: its image kept, its marker for the text."""
@@ -303,7 +304,7 @@ class _Images:
         url = spec.get("url") if isinstance(spec, dict) else spec
         where = f"messages[{index}].content"
         try:
-            data = self.budget.from_url(url, where)
+            data = self.budget.url_or_data(url, where)
         except ProtocolError as exc:
             raise _bad(exc.message, "messages") from None
         self.by_message.setdefault(index, []).append(data)

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import orjson
 
-from ...core.images import ImageBudget, with_images
+from ...core.images import ImageBudget, ImageUrl, with_images
 from ...core.protocol import Generate, Limits, parse_client_frame
 from ...errors import ProtocolError
 
@@ -361,6 +361,10 @@ def _images(messages: Sequence[Message]) -> dict[int, list[bytes]]:
     try:
         for index, message in enumerate(messages):
             for image in message.get("images", ()):
+                if isinstance(image, ImageUrl):  # the WebSocket mode: nothing is fetched
+                    why = "http(s) image URLs are fetched over HTTP only (when the operator"
+                    why += " allows their host), not in the WebSocket mode; send a data: URL"
+                    raise bad_request(image.refusal(why), "input")
                 where = f"the conversation's messages[{index}]"
                 found.setdefault(index, []).append(budget.take(base64.b64decode(image), where))
     except ProtocolError as exc:

@@ -2,10 +2,12 @@
 
 **Items in.** Messages with ``input_text`` and ``input_image`` parts (or,
 for the assistant, ``output_text``) — an image given as a ``data:`` URL in
-``image_url`` (no ``file_id``, no fetching), checked from its header
+``image_url`` (no ``file_id``), checked from its header
 (:mod:`wsserver.core.images`), kept in its message as base64 under
 ``images`` (a stored conversation's size counts it) and its place in the
-text marked; ``function_call`` items (a call the model made: the
+text marked — an ``http(s)`` URL is an :class:`~wsserver.core.images.ImageUrl`
+there until the asyncio layer fetches it (behind the operator's allow-list)
+and :func:`with_fetched` puts its bytes, as base64, in its place; ``function_call`` items (a call the model made: the
 assistant message's ``tool_calls``, consecutive calls joined into one
 message) and ``function_call_output`` items (its result: a ``tool`` message
 naming the ``call_id``); a ``reasoning`` item's text (its ``content``
@@ -32,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, Final
 
-from ...core.images import IMAGE_MARKER, ImageBudget
+from ...core.images import IMAGE_MARKER, ImageBudget, ImageUrl
 from ...errors import ProtocolError
 from ..api_errors import ApiError
 
@@ -41,9 +43,11 @@ __all__ = [
     "bad_request",
     "chat_tools",
     "check_outputs",
+    "input_urls",
     "parse_choice",
     "parse_function_tools",
     "parse_input",
+    "with_fetched",
 ]
 
 #: One message of a conversation, as the protocol's ``generate`` takes it
@@ -168,19 +172,50 @@ def _message(item: Mapping[str, Any], where: str, images: ImageBudget) -> dict[s
         raise bad_request(
             f"{where}.role must be one of user, system, developer, assistant", "input"
         )
-    kept: list[str] = []
+    kept: list[str | ImageUrl] = []
     message: dict[str, Any] = {
         "role": mapped,
         "content": _content(item.get("content"), where, mapped, kept),
     }
-    if kept:
-        message["images"] = kept
-    for image in kept:  # checked here, in order: a refusal names the image's index
+    for at, image in enumerate(kept):  # checked here, in order: a refusal names its index
         try:
-            images.take(base64.b64decode(image), f"{where}.content")
+            if isinstance(image, ImageUrl):  # counted; checked once fetched
+                kept[at] = images.later(image.url, image.where)
+            else:
+                images.take(base64.b64decode(image), f"{where}.content")
         except ProtocolError as exc:
             raise bad_request(exc.message, "input") from None
+    if kept:
+        message["images"] = kept
     return message
+
+
+def input_urls(messages: Sequence[Message]) -> list[ImageUrl]:
+    """The ``http(s)`` image URLs of parsed input items, in order (to fetch)."""
+    return [
+        image
+        for message in messages
+        for image in message.get("images", ())
+        if isinstance(image, ImageUrl)
+    ]
+
+
+def with_fetched(messages: Sequence[Message], fetched: Mapping[int, bytes]) -> tuple[Message, ...]:
+    """Parsed input items with each URL's image (``fetched``: bytes by image
+    index) in its place as base64, as a ``data:`` URL's is kept."""
+    out = []
+    for message in messages:
+        images = message.get("images")
+        if images and any(isinstance(image, ImageUrl) for image in images):
+            message = dict(message)
+            message["images"] = [
+                base64.b64encode(fetched[image.index]).decode()
+                if isinstance(image, ImageUrl)
+                else image
+                for image in images
+            ]
+        out.append(message)
+    return tuple(out)
 
 
 def _text_field(item: Mapping[str, Any], where: str, name: str) -> str:
@@ -248,7 +283,7 @@ def parse_function_tools(value: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(value)
 
 
-def _content(value: Any, where: str, role: str, images: list[str]) -> str:
+def _content(value: Any, where: str, role: str, images: list[str | ImageUrl]) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -274,17 +309,15 @@ def _content(value: Any, where: str, role: str, images: list[str]) -> str:
     return "".join(texts)
 
 
-def _image_url(url: Any, where: str) -> str:
-    """An ``input_image``'s base64 (checked with its message, in order)."""
+def _image_url(url: Any, where: str) -> str | ImageUrl:
+    """An ``input_image``'s base64, or its ``http(s)`` URL (to fetch; its
+    index is given when its message counts it, in order)."""
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        return ImageUrl(url, -1, f"{where}.image_url")
     if not isinstance(url, str) or not url.startswith("data:"):
-        said = "http(s) image URLs are not fetched by this server (a server-side request "
         raise bad_request(
-            f"{where}.image_url: "
-            + (
-                said + "forgery risk); send a data: URL"
-                if isinstance(url, str) and url.startswith(("http://", "https://"))
-                else "give a data: URL (data:image/png;base64,...); file_id is not supported"
-            ),
+            f"{where}.image_url: give a data: URL (data:image/png;base64,...) or an"
+            " http(s) URL; file_id is not supported",
             "input",
         )
     head, _, payload = url.partition(",")
