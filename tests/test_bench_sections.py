@@ -259,7 +259,8 @@ def test_a_recorded_section_renders_its_text_marked_and_its_summary_row() -> Non
 
 def test_a_registered_section_without_results_renders_nothing() -> None:
     assert "speculation" in analysis.BY_KEY and "embeddings" in analysis.BY_KEY
-    assert [s.number for s in analysis.SECTIONS][-2:] == ["18", "19"]
+    numbers = [s.number for s in analysis.SECTIONS]
+    assert "18" in numbers and "19" in numbers
     text = report.markdown({}, meta(), Options(), {}, "bench")
     assert "## 18." not in text and "## 19." not in text and "section 19" not in text
 
