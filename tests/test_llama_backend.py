@@ -907,7 +907,11 @@ async def test_server_slow_reader_loses_nothing(tiny_gguf: Path) -> None:
                 await connection.ws.writing_paused.wait()
             blocked = await asyncio.to_thread(channel.blocked.wait, timeout(30))
             assert blocked, "the producer never felt the backpressure"
-            assert connection.ws.writing_paused.is_set()
+            # ... with the socket's writes paused: they may resume for a
+            # moment while the kernel's buffers take what they still can
+            # (seen with two CPU hogs beside the suite), then pause for good.
+            async with asyncio.timeout(timeout(30)):
+                await connection.ws.writing_paused.wait()
             assert channel.tokens < SLOW_READER["max_tokens"], "it did not pause short of the end"
             # It reads again, at full speed: through the 1 KiB window it
             # stopped with, TCP would take minutes for these ~300 KB.
