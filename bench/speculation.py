@@ -81,7 +81,7 @@ MAX_TOKENS = 300
 N_CTX = 4096
 
 AUTO = 'wsserver, `speculative = "auto"`'
-OFF = 'wsserver, `speculative = "off"` (default)'
+OFF = 'wsserver, `speculative = "off"`'
 PEER = "llama-server, none"
 #: name → wsserver's settings, or llama-server's extra arguments (a tuple).
 CONTENDERS: dict[str, dict[str, Any] | tuple[str, ...]] = {

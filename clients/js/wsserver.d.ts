@@ -142,8 +142,8 @@ export interface GenerateParams {
   keep_alive?: number;
   /**
    * Speculative decoding with n-gram drafts (the llama engine), on a server
-   * whose backend.llama.speculative is "auto" (off by default: then nothing
-   * drafts): "auto" where it pays, "off" never for this request. Meant for
+   * whose backend.llama.speculative is "auto" (the default; with "off"
+   * nothing drafts): "auto" where it pays, "off" never for this request. Meant for
    * speed only; on quantized weights a greedy answer can part at a near tie.
    */
   speculative?: "auto" | "off";

@@ -123,7 +123,7 @@ class LlamaBackend(Backend):
         template_bounds: TemplateBounds | None = None,
         name: str = "",
         embed_batch: int = 512,
-        speculative: str = "off",
+        speculative: str = "auto",
         draft_max: int = 32,
         draft_ngram: int = 8,
     ) -> None:

@@ -35,9 +35,11 @@ tokens of vocabulary), a step of one token took 16 ms, with 1 draft token
 even when every token is accepted, a long one pays only when most of it is.
 So drafts come only from long matches (8 tokens or more: chance matches
 of 3 or 4 tokens, frequent in prose, cost a step each and were rejected),
-whole (up to ``draft_max``) from the first; a draft that did not pay (fewer
-than half of its tokens accepted) halves the next one and pauses the
-sequence's drafting for 1, 3, 7, ... steps (up to :data:`MAX_PAUSE`).
+and are never shorter than :data:`MIN_DRAFT`: the first is that long, a
+draft accepted whole doubles the next (up to ``draft_max``), and a draft
+that did not pay (fewer than half of its tokens accepted) halves the next
+one (not below :data:`MIN_DRAFT`) and pauses the sequence's drafting for 1,
+3, 7, ... steps (up to :data:`MAX_PAUSE`).
 docs/llama.md, "Speculative decoding". Sans-I/O.
 """
 
@@ -46,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_PAUSE", "NGRAM_SIZES", "Drafter", "Drafting"]
+__all__ = ["MAX_PAUSE", "MIN_DRAFT", "NGRAM_SIZES", "Drafter", "Drafting"]
 
 #: The n-gram sizes looked up, longest first: a longer match is more likely
 #: the same passage (llama-server's ``ngram-simple`` looks up 12); 8 re-aligns
@@ -56,6 +58,11 @@ __all__ = ["MAX_PAUSE", "NGRAM_SIZES", "Drafter", "Drafting"]
 NGRAM_SIZES = (12, 8)
 #: The longest pause (steps without drafting) after drafts that did not pay.
 MAX_PAUSE = 64
+#: The shortest draft proposed (the first one's length, then doubled while
+#: accepted whole, halved not below it when not paid): on a large vocabulary
+#: a shorter draft costs about as many steps as it can save (docs/llama.md,
+#: "Speculative decoding": 1 + 4 tokens took 75 to 81 ms against 16 ms a step).
+MIN_DRAFT = 8
 #: Token ids fit in this many bits (llama.cpp's are int32): n-gram keys are
 #: their tokens packed into one integer.
 _BITS = 32
@@ -81,10 +88,14 @@ class Drafting:
 class Drafter:
     """One sequence's n-gram index, its drafts and how well they did (see the
     module docstring). ``draft_max``: the most tokens one draft proposes;
-    ``sizes``: the n-gram sizes looked up, longest first."""
+    ``sizes``: the n-gram sizes looked up, longest first; ``shortest``: the
+    shortest draft proposed (:data:`MIN_DRAFT`, at most ``draft_max``)."""
 
-    def __init__(self, draft_max: int, sizes: Sequence[int] = NGRAM_SIZES) -> None:
+    def __init__(
+        self, draft_max: int, sizes: Sequence[int] = NGRAM_SIZES, shortest: int = MIN_DRAFT
+    ) -> None:
         self.draft_max = draft_max
+        self.shortest = max(1, min(shortest, draft_max))
         self.sizes = tuple(sorted(set(sizes), reverse=True))
         #: For each size: n-gram key -> the position after its latest
         #: occurrence (where its continuation starts).
@@ -92,7 +103,7 @@ class Drafter:
         #: History positions indexed so far (the history only grows).
         self._indexed = 0
         #: The next draft's length, and the pause before it (steps).
-        self.length = draft_max
+        self.length = self.shortest
         self.pause = 0
         #: Drafts in a row that did not pay (the pause doubles with each).
         self.misses = 0
@@ -104,12 +115,13 @@ class Drafter:
         """A draft of at most ``limit`` tokens to follow ``last`` — the token
         about to be decoded after ``history``, the sequence's committed
         tokens (prompt and output; negative ids are image positions, never
-        matched nor drafted). Empty: no match, or drafting paused."""
+        matched nor drafted). Empty: no match, drafting paused, or room for
+        less than the shortest draft."""
         if self.pause > 0:
             self.pause -= 1
             return []
         limit = min(limit, self.length)
-        if limit <= 0 or last < 0:
+        if limit < self.shortest or last < 0:
             return []
         self._index(history)
         at = self._match(history, last)
@@ -126,7 +138,7 @@ class Drafter:
             if token < 0:
                 break
             draft.append(token)
-        return draft
+        return draft if len(draft) >= self.shortest else []
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens had its first ``accepted`` accepted:
@@ -139,7 +151,7 @@ class Drafter:
                 self.length = min(self.draft_max, 2 * self.length)
             return
         self.misses += 1
-        self.length = max(min(self.draft_max, 2), self.length // 2)
+        self.length = max(self.shortest, self.length // 2)
         self.pause = min(MAX_PAUSE, (1 << self.misses) - 1)
 
     def _index(self, history: Sequence[int]) -> None:

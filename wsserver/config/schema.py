@@ -316,11 +316,10 @@ class LlamaConfig:
     #: ``models_memory_bytes``. -1 = the size of the model's KV cache; 0 = none.
     prompt_cache_bytes: int = _key(-1, low=-1, high=1 << 50)
     #: Speculative decoding with n-gram drafts from a sequence's own prompt
-    #: and output (docs/llama.md, "Speculative decoding"): "auto" drafts where
-    #: an n-gram matched and backs off where drafts are rejected; "off" (the
-    #: default until it pays on prose and keeps the default model's greedy
-    #: text: docs/llama.md, "Speculative decoding", measured) never.
-    speculative: str = _key("off", choices=("auto", "off"))
+    #: and output (docs/llama.md, "Speculative decoding"): "auto" (the default)
+    #: drafts where a long n-gram matched and backs off where drafts are
+    #: rejected; "off" never.
+    speculative: str = _key("auto", choices=("auto", "off"))
     #: The most draft tokens a sequence decodes in one step (the batch has room for them).
     draft_max: int = _key(32, low=1, high=256)
     #: The shortest match of a sequence's last tokens that drafts (12 is looked up first).
