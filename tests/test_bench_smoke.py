@@ -327,7 +327,7 @@ def test_quick_embeddings_and_speculation_benches_run(
     rows = {(r["contender"], r["kind"]): r for r in spec["rows"] if r["measured"]}
     assert {c for c, _ in rows} == {
         'wsserver, `speculative = "auto"`',
-        'wsserver, `speculative = "off"` (default)',
+        'wsserver, `speculative = "off"`',
     }
     for row in rows.values():
         assert row["tokens"] == 48 and row["same_text"] is not None, row
