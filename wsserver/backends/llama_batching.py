@@ -11,8 +11,9 @@ decoding, what fits in a time budget (a step lasts at most
 refused) has no part in it. A decoding sequence that speculates adds its
 n-gram draft after its next token, each with logits
 (:mod:`.llama_speculation`); :func:`verify` samples them after the decode.
-Drafts go only in steps without prompt tokens (a prompt's chunk is sized to
-fill the step's time; drafts would overrun it), and while other sequences
+Drafts go only in steps without prompt tokens and while no embedding work
+waits (a prompt's chunk and an embedding piece are sized to fill the step's
+time; drafts would overrun it), and while other sequences
 wait for the step, all drafts together fit in the room the gap bound leaves
 (:meth:`.PrefillBudget.draft_rows`); the budget learns from steps without
 drafts.
@@ -85,10 +86,14 @@ def draft_for(job: Job, room: int | None = None) -> list[int]:
     return job.drafter.propose(job.seq.tokens, job.next_token, limit)
 
 
-def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0) -> StepPlan:
+def plan_step(
+    jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0, drafts: bool = True
+) -> StepPlan:
     """Choose each of ``jobs``' part of the next step and put it in ``batch``
     (cleared first); ``jobs`` in admission order; ``used``: prompt positions
-    the step already took (an image's embeddings), out of its share. A job with prompt tokens
+    the step already took (an image's embeddings), out of its share;
+    ``drafts``: whether speculating sequences may draft (not while embedding
+    work waits to take the step's room). A job with prompt tokens
     in the step is marked ``in_flight`` (a cancel then aborts the decode).
     Called under the engine's condition: cancels change ``jobs`` meanwhile."""
     batch.clear()
@@ -127,7 +132,7 @@ def plan_step(jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 
     # Drafts only in a step without prompt tokens (the prompt's share is
     # sized by time; drafts would take it), and while others wait for the
     # step, at most what fits in the gap, shared out.
-    mixed = used > 0 or any(job.fed < len(job.prompt) for job, _ in parts)
+    mixed = not drafts or used > 0 or any(job.fed < len(job.prompt) for job, _ in parts)
     rows = None if mixed else budget.draft_rows(len(decoding))
     each = None if rows is None else rows // max(1, len(decoding))
     for job, take in parts:
@@ -218,9 +223,9 @@ class Batcher:
         #: and the bench.
         self.step_log: deque[tuple[int, int, int, float, int]] = deque(maxlen=log_size)
 
-    def plan(self, jobs: list[Job], used: int = 0) -> StepPlan:
+    def plan(self, jobs: list[Job], used: int = 0, drafts: bool = True) -> StepPlan:
         """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
-        return plan_step(jobs, self.budget, self.batch, used)
+        return plan_step(jobs, self.budget, self.batch, used, drafts)
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its

@@ -304,9 +304,8 @@ class BatchEngine:
                     self._fail(job, str(exc), code=exc.code)
                     continue
                 self._jobs.append(job)
-        # A step as the decoding sequences see it: the last step's tokens go
-        # out, the next batch is built, decoded and sampled. Admission (a new
-        # prompt's tokenization) happens once, not every step: left out.
+        # A step as the decoding sequences see it: the last step's tokens go out, the
+        # next batch is built, decoded and sampled (admission, once a request: not).
         begun = time.perf_counter()
         for job in list(self._jobs):
             if (job.outbox or job.ending) and not job.waiting_room:
@@ -334,7 +333,8 @@ class BatchEngine:
             begun = time.perf_counter()
         with self._cond:
             self.flag.lower()
-            step = self.batcher.plan(self._jobs, image or 0)
+            embedding = self.embedder is not None and self.embedder.runnable()  # takes the room
+            step = self.batcher.plan(self._jobs, image or 0, not embedding)  # drafts would
         plan = step.parts
         if not plan:
             return
