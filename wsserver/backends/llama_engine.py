@@ -243,7 +243,6 @@ class BatchEngine:
         return True
 
     # ------------------------------------------------------------ liveness
-
     def grammar_calls_running(self) -> int:
         """Grammar calls given up on whose native call still runs (a core each)."""
         return self.samplers.calls_running()
@@ -253,8 +252,7 @@ class BatchEngine:
         return self.watch.seconds()
 
     def stalled(self) -> str | None:
-        """Why the engine counts as stalled (a step has run ``stall_s`` or more),
-        or None; logged at ERROR the first time (any thread may ask: the probe does)."""
+        """Why the engine is stalled (a step ran ``stall_s`` or more), or None; logged at ERROR once."""
         return self.watch.stalled(self._jobs)
 
     # ------------------------------------------------------------ the loop
@@ -312,17 +310,19 @@ class BatchEngine:
                 self._deliver(job)
         self._decode_step(begun)
         if self.embedder is not None:
-            self._embed_step()
+            self._embed_step(time.perf_counter() - begun)
 
-    def _embed_step(self) -> None:
-        """The embedding work's part of the step (:mod:`.llama_embed`): its cancels, inputs in room."""
+    def _embed_step(self, spent: float) -> None:
+        """Embedding work (:mod:`.llama_embed`): cancels, inputs in the room ``spent`` left."""
         assert self.embedder is not None
-        if prefilling(self._jobs):
+        n, budget = decoding(self._jobs), self.batcher.budget
+        room = budget.room(n) if n else 0.0  # (0: unmeasured, the smallest piece)
+        left = room - max(0.0, spent - (budget.decode_time(n) or spent))
+        if prefilling(self._jobs) or (room > 0 and left <= 0):
             self.embedder.step(None, decode=False)  # its cancels still go at once
             return
-        n = decoding(self._jobs)
         self.watch.doing = ("embedding inputs", "")
-        self.embedder.step(self.batcher.budget.room(n) if n else None)
+        self.embedder.step(max(left, 0.0) if n else None)
 
     # ------------------------------------------------------------ one step
 
