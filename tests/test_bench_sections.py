@@ -356,7 +356,9 @@ def test_the_committed_report_has_no_text_its_json_does_not_give() -> None:
     (numbers aside): the next ``--merge`` loses nothing."""
     assert report.hand_text(Options(out=DOCS)) == []
     data = json.loads(DOCS.with_suffix(".json").read_text())
-    assert analysis.recorded(data["results"]["embeddings"])
+    assert data["results"]["embeddings"]["status"] == "ok" or analysis.recorded(
+        data["results"]["embeddings"]
+    )
     assert "## 18. Embeddings beside llama-server `--embeddings` (issue 37)" in DOCS.read_text()
 
 
