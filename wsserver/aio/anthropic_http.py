@@ -83,7 +83,7 @@ class MessagesRoute:
         services = self._services
         generate = to_generate(body, route.request_id, services.wire_limits)
         generate, model = resolve(services, generate, body.model)
-        fetched = await fetched_generate(route, services.config.images, generate)
+        fetched = await fetched_generate(route, services.config.images, generate, model)
         if fetched is None:
             return  # the client went while its image URLs were fetched
         generate = fetched

@@ -54,7 +54,6 @@ from typing import Final
 
 from ..core.embedding import Embed, Embedded
 from ..core.events import PromptCounted
-from ..core.images import image_urls
 from ..core.protocol import Delta, Done, Error, Generate, Queued, ServerFrame, Started
 from ..core.session import Session
 from ..dialects.api_errors import ApiError
@@ -84,15 +83,6 @@ def resolve(services: Services, generate: Generate, asked: str | None) -> tuple[
         return services.models.for_api(generate, asked)
     except ProtocolError as exc:
         raise ApiError.from_protocol(exc) from None
-
-
-def _takes_images(model: Model) -> bool:
-    """Whether ``model`` may read images: not known before it loads; a loaded
-    text-only model's engine refuses a request's images itself (nothing is
-    fetched for it)."""
-    if model.state != "loaded":
-        return True
-    return "image" in (model.backend.input_modalities() or ())
 
 
 class Exchange:
@@ -125,13 +115,11 @@ class Exchange:
         (Ollama's ``:latest``), ``generate.model`` the name it is served under."""
         if model is None:
             generate, model = resolve(self._services, generate, asked)
-        if image_urls(generate.messages) and _takes_images(model):
-            # Image URLs fetched (or refused) before the request is submitted.
-            config = self._services.config.images
-            fetched = await fetched_generate(self._route, config, generate)
-            if fetched is None:
-                return  # the client went while they were fetched
-            generate = fetched
+        # Image URLs fetched (or refused) before the request is submitted.
+        fetched = await fetched_generate(self._route, self._services.config.images, generate, model)
+        if fetched is None:
+            return  # the client went while they were fetched
+        generate = fetched
         # The name it is served under: an alias's model's, or (an engine that
         # picks among its upstreams' models) the name asked for.
         assert generate.model is not None

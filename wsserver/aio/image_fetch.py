@@ -37,7 +37,8 @@ Fetching a URL a client names lets any client make the server send requests
   shutdown, cancels the fetch (:func:`fetch_for_route`).
 
 aiohttp (already the openai backend's client) is imported on the first
-fetch, so that a server that fetches nothing does not load it.
+fetch (on a worker thread: an import that takes a while must not stall the
+event loop), so that a server that fetches nothing does not load it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib
 import ipaddress
 import socket
+import sys
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -58,6 +61,7 @@ from ..dialects.api_errors import ApiError
 from ..dialects.exchange import SHUTTING_DOWN
 from ..errors import ProtocolError
 from .http_route import RouteRequest
+from .models import Model
 
 if TYPE_CHECKING:
     from aiohttp.abc import AbstractResolver
@@ -160,14 +164,24 @@ async def fetch_for_route(
     return fetched
 
 
+def _takes_images(model: Model) -> bool:
+    """Whether ``model`` may read images: not known before it loads; a loaded
+    text-only model's engine refuses a request's images itself (nothing is
+    fetched for it)."""
+    if model.state != "loaded":
+        return True
+    return "image" in (model.backend.input_modalities() or ())
+
+
 async def fetched_generate(
-    route: RouteRequest, config: ImagesConfig, generate: Generate
+    route: RouteRequest, config: ImagesConfig, generate: Generate, model: Model
 ) -> Generate | None:
-    """``generate`` with its image URLs' bytes in place, every image checked
-    again as one request's (:func:`~wsserver.core.images.fill_images`);
-    ``generate`` itself when it has none; ``None``: the client went meanwhile."""
+    """``generate`` (for ``model``) with its image URLs' bytes in place, every
+    image checked again as one request's (:func:`~wsserver.core.images.fill_images`);
+    ``generate`` itself when it has none or ``model`` is loaded and reads no
+    images (its refusal is the engine's); ``None``: the client went meanwhile."""
     urls = image_urls(generate.messages)
-    if not urls or generate.messages is None:
+    if not urls or generate.messages is None or not _takes_images(model):
         return generate
     held = sum(len(image) for message in generate.messages for image in message.images)
     fetched = await fetch_for_route(route, config, urls, held)
@@ -187,6 +201,8 @@ async def fetched_generate(
 
 
 async def _fetch(config: ImagesConfig, text: str, room: int) -> bytes:
+    if "aiohttp" not in sys.modules:  # its first import takes a while: not on the loop
+        await asyncio.to_thread(importlib.import_module, "aiohttp")
     import aiohttp
     from yarl import URL
 
