@@ -152,13 +152,13 @@ def test_a_cancel_during_an_images_encode_lands_before_its_embeddings_are_decode
         return encode(span)
 
     monkeypatch.setattr(images, "encode", cancelled_meanwhile)
-    encoded, decoded = images.encoded, engine.stats["prompt_tokens_decoded"]
+    encoded, decoded = engine.stats["images_encoded"], engine.stats["prompt_tokens_decoded"]
     # (Words no other test uses before the image: the prompt cache holds none of it.)
     messages = looking_at(GRADIENT, words="Cancel the encode of")
     prepared = vision.prepare(request(None, messages=messages, max_tokens=4))
     outcome, _ = run(vision, prepared, cancel=cancel)
     assert outcome is None  # cancelled: no end from the engine
-    assert images.encoded == encoded + 1
+    assert engine.stats["images_encoded"] == encoded + 1
     # Only the text before the image was decoded (the prompt's first part).
     assert engine.stats["prompt_tokens_decoded"] - decoded < IMAGE_TOKENS
     monkeypatch.undo()

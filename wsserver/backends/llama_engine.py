@@ -163,8 +163,7 @@ class BatchEngine:
             drafting=drafting,
         )
         self.flag = AbortFlag(ctx, native=native_abort)
-        #: A vision model's image encoder and decoder (None: text only), counting encodes.
-        self.images = images.counting(self.stats) if images is not None else None
+        self.images = images  # a vision model's image encoder and decoder (None: text only)
         #: Liveness: when the running step began, what it is doing now, and
         #: after how long a step counts as stalled.
         self.watch = StepWatch(stall_s)
@@ -399,6 +398,7 @@ class BatchEngine:
             if job.embeddings is None:
                 self._fail(job, "the image could not be encoded")
                 return 0
+            self.stats["images_encoded"] += 1
         offset = job.fed - span.start
         share = min(self.batcher.budget.share(decoding(self._jobs)), self.images.n_batch)
         count = min(span.n_tokens - offset, share)

@@ -231,15 +231,6 @@ class ImageDecoder:
         self.n_batch = n_batch
         self.n_embd = llama_cpp.llama_model_n_embd(llama_cpp.llama_get_model(ctx))
         self.batch = llama_cpp.llama_batch_init(n_batch, self.n_embd, 1)
-        #: Images encoded (tests), also counted in the engine's counters
-        #: (``images_encoded``) once :meth:`counting` them.
-        self.encoded = 0
-        self._counters: dict[str, int] | None = None
-
-    def counting(self, counters: dict[str, int]) -> ImageDecoder:
-        """This decoder, its encodes counted in ``counters`` (the engine's)."""
-        self._counters = counters
-        return self
 
     def encode(self, span: ImageSpan) -> Any:
         """The image's embeddings (``n_tokens`` x ``n_embd`` floats), copied
@@ -251,9 +242,6 @@ class ImageDecoder:
             out = mtmd.mtmd_get_output_embd(self.vision.ctx)
             embeddings = (ctypes.c_float * size)()
             ctypes.memmove(embeddings, out, size * ctypes.sizeof(ctypes.c_float))
-        self.encoded += 1
-        if self._counters is not None:
-            self._counters["images_encoded"] += 1
         return embeddings
 
     def decode(self, embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:
