@@ -259,27 +259,29 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 40's speculation targets, and greedy text that drafts do not change."""
     same = _same(result)
     measured = [v for v in same.values() if v is not None]
-    return [
-        target(
-            f"speculation, copy: >= 1.5{TIMES} our own decode without speculation",
-            _vs_off(result, AUTO, "copy"),
-            lambda v: v >= 1.5,
-            f"{{:,.2f}}{TIMES}",
-            missing="not measured",
-        ),
-        target(
-            f"speculation, copy: >= 1.0{TIMES} llama-server's best n-gram mode",
+    bounds = (
+        ("copy: >= 1.5{x} our own decode without speculation", _vs_off(result, AUTO, "copy"), 1.5),
+        (
+            "copy: >= 1.0{x} llama-server's best n-gram mode",
             ratio(_row(result, AUTO, "copy").get("tok_s"), _best_peer(result, "copy")[1]),
-            lambda v: v >= 1.0,
-            f"{{:,.2f}}{TIMES}",
-            missing="not measured",
+            1.0,
         ),
-        target(
-            f"speculation, prose: >= 0.97{TIMES} our own decode without speculation",
+        (
+            "prose: >= 0.97{x} our own decode without speculation",
             _vs_off(result, AUTO, "prose"),
-            lambda v: v >= 0.97,
-            f"{{:,.2f}}{TIMES}",
-            missing="not measured",
+            0.97,
+        ),
+    )
+    return [
+        *(
+            target(
+                "speculation, " + name.format(x=TIMES),
+                value,
+                lambda v, bound=bound: v >= bound,
+                f"{{:,.2f}}{TIMES}",
+                missing="not measured",
+            )
+            for name, value, bound in bounds
         ),
         {
             "name": "speculation: the greedy text with drafts equals the text without",

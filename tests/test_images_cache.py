@@ -24,7 +24,7 @@ pytest.importorskip("llama_cpp.mtmd_cpp")
 
 import openai
 from conftest import running_server, timeout
-from test_images_llama import data_url, image_part
+from test_images_llama import data_url, four_a_step, image_part
 from test_llama_backend import (
     RecordingSink,
     Running,
@@ -223,15 +223,7 @@ def test_a_prefix_ending_inside_an_image_is_cut_back_to_its_start(
     # image goes in 4 parts; a cancel during the third leaves the sequence
     # holding 8 of its 16 positions. The same prompt again reuses the text
     # before the image, not half of it: the image is encoded again.
-    with loaded(
-        tiny_gguf,
-        mmproj=str(mmproj),
-        n_ctx=512,
-        parallel=2,
-        prefill_budget=0,
-        prefill_gap_ms=0,
-        prefill_chunk=4,
-    ) as backend:
+    with four_a_step(tiny_gguf, mmproj) as backend:
         engine = backend.engine
         assert engine is not None and engine.images is not None
         images = engine.images

@@ -193,13 +193,11 @@ def test_a_cancel_during_an_images_decode_aborts_it_and_the_engine_serves_on(
     assert blue == blue_again  # no half-written cells reused
 
 
-def test_an_images_embeddings_go_in_a_prompt_share_at_a_time_beside_a_decoding_stream(
-    tiny_gguf: Path, mmproj: Path
-) -> None:
-    # A fixed share of 4 prompt tokens a step while another sequence decodes
-    # (prefill_budget 0): the image's 16 embeddings go in 4 steps of 4, and
-    # the stream beside it gets a token every step meanwhile.
-    with loaded(
+def four_a_step(tiny_gguf: Path, mmproj: Path) -> Any:
+    """The tiny vision pair on two sequences, a fixed share of 4 prompt
+    positions a step beside a decoding one (the budget off): an image's 16
+    embeddings go in 4 parts."""
+    return loaded(
         tiny_gguf,
         mmproj=str(mmproj),
         n_ctx=512,
@@ -207,7 +205,16 @@ def test_an_images_embeddings_go_in_a_prompt_share_at_a_time_beside_a_decoding_s
         prefill_budget=0,
         prefill_gap_ms=0,
         prefill_chunk=4,
-    ) as backend:
+    )
+
+
+def test_an_images_embeddings_go_in_a_prompt_share_at_a_time_beside_a_decoding_stream(
+    tiny_gguf: Path, mmproj: Path
+) -> None:
+    # A fixed share of 4 prompt tokens a step while another sequence decodes
+    # (prefill_budget 0): the image's 16 embeddings go in 4 steps of 4, and
+    # the stream beside it gets a token every step meanwhile.
+    with four_a_step(tiny_gguf, mmproj) as backend:
         engine = backend.engine
         assert engine is not None and engine.images is not None
         images = engine.images
