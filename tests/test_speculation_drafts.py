@@ -6,7 +6,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from wsserver.backends.llama_speculation import MAX_PAUSE, MIN_DRAFT, NGRAM_SIZES, Drafter
+from wsserver.backends.llama_speculation import (
+    INDEX_STEP,
+    MAX_PAUSE,
+    MIN_DRAFT,
+    NGRAM_SIZES,
+    Drafter,
+)
 from wsserver.backends.request import GenerationRequest
 from wsserver.core.protocol import Generate, Limits, parse_client_frame
 from wsserver.dialects.openai.api import ApiError, parse_request
@@ -163,3 +169,18 @@ def test_speculative_on_a_generate_and_an_openai_body() -> None:
     body["speculative"] = "fast"
     with pytest.raises(ApiError, match="speculative"):
         parse_request("chat", orjson.dumps(body), "r1", limits)
+
+
+def test_a_long_history_is_indexed_a_bounded_part_a_step() -> None:
+    """A long prompt is not indexed in one stall of the engine thread: at
+    most INDEX_STEP positions a call, no draft until all are, then the
+    latest occurrence's continuation as if indexed at once."""
+    passage = list(range(1000, 1040))
+    history = [*passage, *[7] * (2 * INDEX_STEP), *passage[:10]]
+    drafter = Drafter(16)
+    calls = 0
+    while (draft := drafter.propose(history, passage[10], limit=16)) == []:
+        calls += 1
+        assert calls < 10
+    assert calls == len(history) // INDEX_STEP
+    assert draft == passage[11:19]

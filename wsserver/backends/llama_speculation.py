@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_PAUSE", "MIN_DRAFT", "NGRAM_SIZES", "Drafter", "Drafting"]
+__all__ = ["INDEX_STEP", "MAX_PAUSE", "MIN_DRAFT", "NGRAM_SIZES", "Drafter", "Drafting"]
 
 #: The n-gram sizes looked up, longest first: a longer match is more likely
 #: the same passage (llama-server's ``ngram-simple`` looks up 12); 8 re-aligns
@@ -63,6 +63,10 @@ MAX_PAUSE = 64
 #: a shorter draft costs about as many steps as it can save (docs/llama.md,
 #: "Speculative decoding": 1 + 4 tokens took 75 to 81 ms against 16 ms a step).
 MIN_DRAFT = 8
+#: History positions indexed in one step at most: ~3 ms of Python on the
+#: engine thread here (a 32,768-token prompt at once took 91 ms, a stall of
+#: every stream beside it); a longer prompt drafts a few steps later.
+INDEX_STEP = 2048
 #: Token ids fit in this many bits (llama.cpp's are int32): n-gram keys are
 #: their tokens packed into one integer.
 _BITS = 32
@@ -123,7 +127,8 @@ class Drafter:
         limit = min(limit, self.length)
         if limit < self.shortest or last < 0:
             return []
-        self._index(history)
+        if not self._index(history):
+            return []  # the rest next step
         at = self._match(history, last)
         if at is None:
             return []
@@ -154,11 +159,14 @@ class Drafter:
         self.length = max(self.shortest, self.length // 2)
         self.pause = min(MAX_PAUSE, (1 << self.misses) - 1)
 
-    def _index(self, history: Sequence[int]) -> None:
-        """Index the n-grams ending at each history position not indexed yet:
-        each maps to the position after it (the latest occurrence wins)."""
+    def _index(self, history: Sequence[int]) -> bool:
+        """Index the n-grams ending at the next history positions not indexed
+        yet, at most :data:`INDEX_STEP` of them (a long prompt is indexed over
+        several steps, not in one stall of the engine thread): each maps to the
+        position after it (the latest occurrence wins). Whether all are."""
         longest = self.sizes[0]
-        for end in range(self._indexed, len(history)):
+        stop = min(len(history), self._indexed + INDEX_STEP)
+        for end in range(self._indexed, stop):
             key = 0
             for n in range(1, min(longest, end + 1) + 1):
                 token = history[end - n + 1]
@@ -168,7 +176,8 @@ class Drafter:
                 table = self._after.get(n)
                 if table is not None:
                     table[key] = end + 1
-        self._indexed = len(history)
+        self._indexed = stop
+        return stop == len(history)
 
     def _match(self, history: Sequence[int], last: int) -> int | None:
         """Where the continuation of the longest n-gram ending in ``last``
