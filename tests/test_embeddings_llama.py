@@ -279,11 +279,11 @@ async def test_beside_a_stream_each_decode_is_priced_within_the_steps_room(
         assert isinstance(embedder, ChunkedEmbedder)
         beside = [entry for entry in embedder.step_log if entry[2] >= 0]
         assert beside, "no embedding decode ran beside the stream"
-        for inputs, tokens, room, per_token, _seconds in beside:
-            if per_token < 0:  # the first, unmeasured: one input's first piece
+        for inputs, tokens, room, priced, _seconds in beside:
+            if priced < 0:  # the first, unmeasured: one input's first piece
                 assert inputs == 1 and tokens <= 16
             else:  # the room's worth of tokens at the measured price, at least one
-                assert tokens == 1 or tokens * per_token <= room + 1e-12
+                assert tokens == 1 or priced <= room + 1e-12
 
 
 async def test_two_requests_share_the_models_slots(pooled_ggufs: dict[str, Path]) -> None:

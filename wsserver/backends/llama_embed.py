@@ -35,9 +35,10 @@ thread, in the engine's step, *after* the streams' decode
 (:meth:`Embedder.step`): while sequences decode it takes whole inputs worth
 at most the step's **room** — the time the prefill budget leaves beside their
 decode (:meth:`~.llama_budget.PrefillBudget.room`), priced by this
-context's own measured cost per token (a generative model computes its
-vocabulary head for every token here: ~4x a prompt token on the default
-model) — and at least one input, so it always moves; the streams' gap is
+context's own measured cost, a fixed part and a part a token, less a margin
+for the overruns of the last decodes (:mod:`.llama_embed_cost`; a generative
+model computes its vocabulary head for every token here: ~2x a prompt token
+on the default model) — and at least one input, so it always moves; the streams' gap is
 their decode plus that room, as beside a prompt. While a prompt is being
 prefilled the step is the prompt's (its first token is someone's wait;
 embedding is batch work). With nothing decoding it takes what one decode
@@ -74,6 +75,7 @@ from ..logs import context
 from .base import CancelEvent
 from .embed_door import EmbedDoor, EmbedSubmission
 from .llama_context import AbortFlag
+from .llama_embed_cost import EmbedCost
 from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
 
 if TYPE_CHECKING:
@@ -85,8 +87,6 @@ log = logging.getLogger("wsserver.llama")
 
 #: Inputs in one decode at most (llama.cpp allows 256 sequences).
 MAX_SEQUENCES: Final = 64
-#: Weight of the newest decode in the moving average of a token's cost.
-_COST_WEIGHT: Final = 0.5
 
 
 @dataclass(eq=False)
@@ -141,12 +141,12 @@ class Embedder(EmbedDoor):
         #: Decodes to run one input each (after a NaN in a decode of several).
         self._solo = 0
         self._flag: AbortFlag | None = None
-        #: Seconds one token costs in this context (None: not measured yet).
-        self.token_s: float | None = None
+        #: What a decode of this context costs (:mod:`.llama_embed_cost`).
+        self.cost = EmbedCost()
         #: Decodes, inputs and tokens embedded, aborted decodes (tests, the bench).
         self.stats: dict[str, int] = {"decodes": 0, "inputs": 0, "tokens": 0, "aborts": 0}
         #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
-        #: decoding beside it), a token's cost it was priced by or -1, seconds).
+        #: decoding beside it), the seconds it was priced at or -1, seconds).
         self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
@@ -239,15 +239,14 @@ class Embedder(EmbedDoor):
 
     def _work(self, room_s: float | None) -> None:
         """One decode of whole inputs (see :meth:`step`)."""
-        priced_by = self.token_s
-        picked = self._pick(room_s)
-        self._decode(picked, room_s, priced_by)
+        self._decode(self._pick(room_s), room_s)
 
     def _pick(self, room_s: float | None) -> list[tuple[EmbedJob, int]]:
         """The inputs of this decode, oldest request first: (job, input index)."""
         picked: list[tuple[EmbedJob, int]] = []
         tokens = 0
-        per_token = self.token_s
+        # Unmeasured beside streams: one input prices the decodes after it.
+        fits = None if room_s is None else self.cost.tokens_within(room_s, self.batch_tokens)
         # A reranker's pairs one a decode: llama.cpp's rank pooling gave other
         # scores for a pair batched with others (docs/embeddings.md).
         rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
@@ -258,17 +257,13 @@ class Embedder(EmbedDoor):
                 if picked:
                     if len(picked) >= most or tokens + n > self.batch_tokens:
                         return picked
-                    if room_s is not None and (
-                        per_token is None or (tokens + n) * per_token > room_s
-                    ):
+                    if room_s is not None and (fits is None or tokens + n > fits):
                         return picked
                 picked.append((job, index))
                 tokens += n
         return picked
 
-    def _decode(
-        self, picked: list[tuple[EmbedJob, int]], room_s: float | None, priced_by: float | None
-    ) -> None:
+    def _decode(self, picked: list[tuple[EmbedJob, int]], room_s: float | None) -> None:
         ctx = self._ctx
         flag = self._flag
         assert ctx is not None and flag is not None
@@ -285,7 +280,7 @@ class Embedder(EmbedDoor):
         batch.n_tokens = n
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         jobs = [job for job, _ in picked]
-        if not self._run_decode(jobs, len(picked), n, room_s, priced_by):
+        if not self._run_decode(jobs, len(picked), n, room_s):
             return
         rank = self.pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
         width = 1 if rank else self.n_embd
@@ -328,7 +323,6 @@ class Embedder(EmbedDoor):
         inputs: int,
         n: int,
         room_s: float | None,
-        priced_by: float | None,
     ) -> bool:
         """Decode the batch (``n`` tokens of ``inputs`` inputs of ``jobs``)
         under the abort flag, and account for it: True once it succeeded."""
@@ -340,6 +334,7 @@ class Embedder(EmbedDoor):
                 job.in_flight = True
         if self.on_decode is not None:
             self.on_decode([job.request.id for job in jobs])
+        priced = None if room_s is None else self.cost.price(n)
         started = time.perf_counter()
         status = llama_cpp.llama_decode(ctx, self._batch)
         seconds = time.perf_counter() - started
@@ -357,18 +352,14 @@ class Embedder(EmbedDoor):
             for job in set(jobs):
                 self._fail(job, "internal", "the model failed while embedding")
             return False
-        self.token_s = (
-            seconds / n
-            if self.token_s is None
-            else self.token_s + _COST_WEIGHT * (seconds / n - self.token_s)
-        )
+        self.cost.observe(n, seconds, priced)
         self.stats["tokens"] += n
         self.step_log.append(
             (
                 inputs,
                 n,
                 -1.0 if room_s is None else room_s,
-                -1.0 if priced_by is None else priced_by,
+                -1.0 if priced is None else priced,
                 seconds,
             )
         )

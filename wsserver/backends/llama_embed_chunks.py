@@ -98,9 +98,8 @@ class ChunkedEmbedder(Embedder):
         return int(llama_cpp.LLAMA_POOLING_TYPE_NONE)
 
     def _work(self, room_s: float | None) -> None:
-        priced_by = self.token_s
-        # Unmeasured beside streams: one input's first piece prices a token.
-        unmeasured = room_s is not None and self.token_s is None
+        # Unmeasured beside streams: one input's first piece prices the decodes.
+        unmeasured = room_s is not None and not self.cost.measured
         most = 1 if self._solo > 0 or unmeasured else MAX_SEQUENCES
         pieces = self._pieces(self._budget(room_s), most)
         if not pieces:
@@ -126,7 +125,7 @@ class ChunkedEmbedder(Embedder):
                 n += 1
         batch.n_tokens = n
         jobs = [piece.job for piece in pieces]
-        if not self._run_decode(jobs, len(pieces), n, room_s, priced_by):
+        if not self._run_decode(jobs, len(pieces), n, room_s):
             self._undo(pieces)
             return
         rows = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(ctx), shape=(n, self.n_embd))
@@ -150,9 +149,8 @@ class ChunkedEmbedder(Embedder):
         """Tokens this decode takes: what one holds, or the room's worth."""
         if room_s is None:
             return self.decode_tokens()
-        if self.token_s is None:
-            return _FIRST_PIECE
-        return max(1, min(self.decode_tokens(), int(room_s / self.token_s)))
+        fits = self.cost.tokens_within(room_s, self.decode_tokens())
+        return _FIRST_PIECE if fits is None else fits
 
     def _pieces(self, budget: int, most: int) -> list[_Piece]:
         """The carried input's next piece first, then whole inputs in order,
