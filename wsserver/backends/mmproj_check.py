@@ -11,12 +11,17 @@ header alone (:func:`.gguf_meta.read_header`, no tensor data), and checked
 against what its projector type's graph needs; what is missing or of the
 wrong shape is refused with every name at once.
 
-Only the projector types whose needs are written down here are let through:
-today LLaVA's ``mlp`` (and its ``mlp_norm`` variant, which libmtmd picks when
-``mm.3.weight`` exists), read off llama.cpp's ``tools/mtmd/clip.cpp``
-(``load_hparams``, ``load_tensors``) and ``models/llava.cpp`` (the graph).
+Only the projector types whose needs are written down are let through
+(:data:`CHECKED_TYPES`): LLaVA's ``mlp`` here (and its ``mlp_norm`` variant,
+which libmtmd picks when ``mm.3.weight`` exists), read off llama.cpp's
+``tools/mtmd/clip.cpp`` (``load_hparams``, ``load_tensors``) and
+``models/llava.cpp`` (the graph); Gemma 3's ``gemma3`` and SmolVLM's
+``idefics3`` in :mod:`.mmproj_siglip`. What the checks share (the findings,
+the vision metadata, a ViT layer, the ggml types) is :mod:`.mmproj_needs`.
 Any other type is refused by name: libmtmd knows some 60, and a type we have
-not read is one whose missing tensor we cannot rule out.
+not read is one whose missing tensor we cannot rule out. The M-RoPE types
+(Qwen2-VL and its kin) are refused saying why: the engine writes one
+position a token, not their grid of positions.
 """
 
 from __future__ import annotations

@@ -204,11 +204,10 @@ def vit_layer(needs: Needs, prefix: str, width: int, runs: bool) -> None:
     needs.optional(f"{prefix}.ffn_gate.bias", (hidden,))
 
 
-def tensor_types(needs: Needs, *, floats_only: tuple[str, ...] = ()) -> None:
-    """Every tensor's ggml type, by what the graph does with it (above);
-    ``floats_only``: matrices the graph transposes or convolves as well."""
+def tensor_types(needs: Needs) -> None:
+    """Every tensor's ggml type, by what the graph does with it (above)."""
     for name, info in needs.tensors.items():
-        if name == "v.patch_embd.weight" or name in floats_only:
+        if name == "v.patch_embd.weight":
             allowed = FLOAT_TYPES
         elif len(info.shape) == 1:
             allowed = _VECTOR_TYPES
