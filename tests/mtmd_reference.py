@@ -12,9 +12,10 @@ sequences; its greedy tokens must equal these, token for token.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ class HelperRun:
 
     prompt_tokens: int  # text and image tokens together
     tokens: list[int]  # the greedy continuation
+    logprobs: list[float] = field(default_factory=list)  # each token's log-probability
 
 
 @contextmanager
@@ -96,13 +98,16 @@ def helper_greedy(
             vocab = llama_cpp.llama_model_get_vocab(model)
             n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
             tokens: list[int] = []
+            logprobs: list[float] = []
             for _ in range(n):
                 logits = llama_cpp.llama_get_logits_ith(lctx, -1)
                 best = max(range(n_vocab), key=lambda j: logits[j])
                 tokens.append(best)
+                total = sum(math.exp(logits[j] - logits[best]) for j in range(n_vocab))
+                logprobs.append(-math.log(total))
                 batch = llama_cpp.llama_batch_get_one((llama_cpp.llama_token * 1)(best), 1)
                 assert llama_cpp.llama_decode(lctx, batch) == 0
-            return HelperRun(prompt_tokens=prompt_tokens, tokens=tokens)
+            return HelperRun(prompt_tokens=prompt_tokens, tokens=tokens, logprobs=logprobs)
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:

@@ -79,8 +79,8 @@ def test_a_layer_the_graph_does_not_run_may_lack_its_attention(tmp_path: Path) -
 
 
 def test_an_unknown_type_a_wrong_width_and_a_text_model_are_refused(tmp_path: Path) -> None:
-    other = write_tiny_mmproj(tmp_path / "g.gguf", projector_type="gemma3")
-    with pytest.raises(ProjectorError, match="projector type 'gemma3' is not one wsserver checks"):
+    other = write_tiny_mmproj(tmp_path / "g.gguf", projector_type="pixtral")
+    with pytest.raises(ProjectorError, match="projector type 'pixtral' is not one wsserver checks"):
         check_projector(other)
     good = write_tiny_mmproj(tmp_path / "p.gguf")
     with pytest.raises(ProjectorError, match=r"output width 64 is not .* width 128"):

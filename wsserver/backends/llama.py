@@ -252,7 +252,7 @@ class LlamaBackend(Backend):
                 cache_type_v=self.cache_type_v,
             )
             if self.mmproj:  # checked from its header before libmtmd reads it
-                self.vision = load_vision(self.mmproj, self._model.model, self.n_threads)
+                self.vision = load_vision(self.mmproj, self._ctx, self.n_threads)
         except Exception as exc:
             self.close()
             raise ModelLoadError(f"cannot load model {path}: {exc}") from exc

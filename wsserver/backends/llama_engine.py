@@ -400,7 +400,7 @@ class BatchEngine:
                 return 0
             self.stats["images_encoded"] += 1
         offset = job.fed - span.start
-        share = min(self.batcher.budget.share(decoding(self._jobs)), self.images.n_batch)
+        share = self.images.piece(span, self.batcher.budget.share(decoding(self._jobs)))
         count = min(span.n_tokens - offset, share)
         with self._cond:
             if job.cancelled:

@@ -38,6 +38,17 @@ reaches) and then decodes its embeddings into the sequence's positions with
 ``llama_decode`` on an embeddings batch, under the context's abort flag like
 any prompt chunk — so the finest cancel point during an image is the end of
 its encode, and inside the embeddings' decode ggml's graph node.
+
+Most projectors' embeddings are decoded like prompt tokens, causally, a
+prompt share a step. Gemma 3's are not (``mtmd_decode_use_non_causal``): an
+image's tokens attend to each other both ways, so all of them go in **one**
+``llama_decode`` with the context's causal attention off (and back on after,
+whatever the decode returned) — in one micro-batch, which llama.cpp asserts
+(a process abort) for non-causal attention: :func:`load_vision` refuses a
+context whose ``n_ubatch`` cannot hold one image, and :meth:`Vision.tokenize`
+an image bigger than that. A model that places images at M-RoPE positions
+(``mtmd_decode_use_mrope``: Qwen2-VL's) is refused at load: the engine
+writes one position a token.
 """
 
 from __future__ import annotations
@@ -123,6 +134,9 @@ class Vision:
         self.ctx = ctx
         self.projector = projector
         self.path = path
+        #: Its images are decoded non-causally, each in one micro-batch of at
+        #: most ``most`` tokens (the context's ``n_ubatch``): :func:`load_vision`.
+        self.whole, self.most = False, 0
         #: libmtmd's context is not thread-safe: tokenizing (a worker thread)
         #: and encoding (the engine) take turns.
         self.lock = threading.Lock()
@@ -130,7 +144,7 @@ class Vision:
 
     def decoder(self, ctx: Any, n_batch: int) -> ImageDecoder:
         """The engine's decoder of this projector's images into ``ctx`` (freed with it)."""
-        self._decoder = ImageDecoder(self, ctx, n_batch)
+        self._decoder = ImageDecoder(self, ctx, max(n_batch, self.most) if self.whole else n_batch)
         return self._decoder
 
     def tokenize(
@@ -166,11 +180,19 @@ class Vision:
                     f"{status}; did the chat template drop a message with an image?)",
                     code="bad_request",
                 )
-            return _flatten(chunks)
+            tokens, spans = _flatten(chunks)
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             for bitmap in bitmaps:
                 mtmd.mtmd_bitmap_free(bitmap)
+        for span in spans if self.whole else ():
+            if span.n_tokens > self.most:
+                raise BackendError(
+                    f"an image is {span.n_tokens} tokens, decoded in one micro-batch here "
+                    f"(non-causal attention) of at most {self.most} (n_ubatch)",
+                    code="bad_request",
+                )
+        return tokens, spans
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -201,7 +223,16 @@ def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
         if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
             count = ctypes.c_size_t(0)
             text = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
-            tokens.extend(text[k] for k in range(count.value))
+            pieces = [text[k] for k in range(count.value)]
+            if any(token < 0 for token in pieces):
+                # libmtmd looks an image's marker text up in the vocabulary
+                # (Idefics3's <fake_token_around_image>) and puts -1 where it is not.
+                raise BackendError(
+                    "libmtmd placed a token the text model's vocabulary lacks around an "
+                    "image (the projector's image markers: is this its text model?)",
+                    code="internal",
+                )
+            tokens.extend(pieces)
             continue
         if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
             raise BackendError("only images are taken, not audio", code="bad_request")
@@ -229,6 +260,8 @@ class ImageDecoder:
         self.vision = vision
         self.ctx = ctx
         self.n_batch = n_batch
+        #: An image's embeddings go in one decode, attention non-causal.
+        self.whole = vision.whole
         self.n_embd = llama_cpp.llama_model_n_embd(llama_cpp.llama_get_model(ctx))
         self.batch = llama_cpp.llama_batch_init(n_batch, self.n_embd, 1)
 
@@ -244,10 +277,27 @@ class ImageDecoder:
             ctypes.memmove(embeddings, out, size * ctypes.sizeof(ctypes.c_float))
         return embeddings
 
+    def piece(self, span: ImageSpan, share: int) -> int:
+        """How many of ``span``'s embeddings a step decodes at most, given
+        the step's prompt ``share``: the whole image where its attention is
+        non-causal (half an image's cells are not what the whole makes)."""
+        return span.n_tokens if self.whole else min(share, self.n_batch)
+
     def decode(self, embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:
         """Embeddings ``offset`` to ``offset + count`` (at most ``n_batch``)
         into sequence ``seq`` from position ``pos``: ``llama_decode``'s
-        status (2: aborted by the context's abort flag)."""
+        status (2: aborted by the context's abort flag). A non-causal
+        projector's image goes whole, causal attention off meanwhile."""
+        if not self.whole:
+            return self._decode(embeddings, offset, count, seq, pos)
+        causal = llama_cpp.llama_get_causal_attn(self.ctx)
+        llama_cpp.llama_set_causal_attn(self.ctx, False)
+        try:
+            return self._decode(embeddings, offset, count, seq, pos)
+        finally:  # also when aborted, failed or raised
+            llama_cpp.llama_set_causal_attn(self.ctx, causal)
+
+    def _decode(self, embeddings: Any, offset: int, count: int, seq: int, pos: int) -> int:
         b, width = self.batch, self.n_embd
         size = ctypes.sizeof(ctypes.c_float) * width
         ctypes.memmove(b.embd, ctypes.byref(embeddings, offset * size), count * size)
@@ -263,10 +313,11 @@ class ImageDecoder:
         llama_cpp.llama_batch_free(self.batch)
 
 
-def load_vision(path: str | Path, model: Any, n_threads: int) -> Vision:
-    """Check the projector at ``path`` and load it for ``model`` (a
-    ``llama_model`` pointer), on the CPU. Blocking; :class:`ModelLoadError`
-    on refusal."""
+def load_vision(path: str | Path, context: Any, n_threads: int) -> Vision:
+    """Check the projector at ``path`` and load it for ``context``'s model
+    (a ``llama_context`` pointer), on the CPU. Blocking;
+    :class:`ModelLoadError` on refusal."""
+    model = llama_cpp.llama_get_model(context)
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"projector file not found: {path}")
@@ -283,11 +334,62 @@ def load_vision(path: str | Path, model: Any, n_threads: int) -> Vision:
     ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
     if not ctx:
         raise ModelLoadError(f"projector {path}: libmtmd could not load it (see the log)")
+    try:
+        vision = _fitted(Vision(ctx, projector, path), context)
+    except BaseException:
+        mtmd.mtmd_free(ctx)
+        raise
     log.info(
-        "projector %s (%s): %d-pixel images, %d tokens each",
+        "projector %s (%s): %d-pixel images, %d tokens each%s",
         path,
         projector.projector_type,
         projector.image_size,
         projector.image_tokens,
+        ", decoded whole (non-causal)" if vision.whole else "",
     )
-    return Vision(ctx, projector, path)
+    return vision
+
+
+def _fitted(vision: Vision, context: Any) -> Vision:
+    """``vision``, its decode fitted to ``context``, or :class:`ModelLoadError`:
+    M-RoPE positions, a vocabulary without the projector's image markers, or
+    a non-causal image no micro-batch of the context holds."""
+    where = f"projector {vision.path}"
+    if mtmd.mtmd_decode_use_mrope(vision.ctx):
+        raise ModelLoadError(
+            f"{where}: its text model places images at M-RoPE positions (Qwen2-VL, "
+            "Qwen2.5-VL and the like), which the engine does not write"
+        )
+    # One blank image through libmtmd's own preprocessing and tokenizer: the
+    # markers it puts around an image are in the vocabulary, and how many
+    # tokens its largest chunk takes (Gemma 3: every image alike).
+    pixels = (ctypes.c_uint8 * 3)()
+    bitmap = mtmd.mtmd_bitmap_init(1, 1, pixels)
+    mtmd.mtmd_bitmap_set_id(bitmap, bitmap_key(bitmap))
+    chunks = mtmd.mtmd_input_chunks_init()
+    given = mtmd.mtmd_input_text()
+    text = f"x{mtmd.mtmd_default_marker().decode()}x".encode()
+    given.text, given.text_len = text, len(text)
+    given.add_special, given.parse_special = False, True
+    try:
+        array = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        if mtmd.mtmd_tokenize(vision.ctx, chunks, ctypes.byref(given), array, 1) != 0:
+            raise ModelLoadError(f"{where}: libmtmd could not place an image in a prompt")
+        _, spans = _flatten(chunks)
+    except BackendError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+    if not mtmd.mtmd_decode_use_non_causal(vision.ctx, None):
+        return vision
+    tokens = max(span.n_tokens for span in spans)
+    most = min(llama_cpp.llama_n_ubatch(context), llama_cpp.llama_n_batch(context))
+    if tokens > most:
+        raise ModelLoadError(
+            f"{where}: an image is {tokens} tokens, decoded non-causally in one micro-batch, "
+            f"but the context's n_ubatch is {most}: set backend.llama n_ubatch and n_batch "
+            f"to at least {tokens}"
+        )
+    vision.whole, vision.most = True, most
+    return vision
