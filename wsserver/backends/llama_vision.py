@@ -54,8 +54,10 @@ from typing import Any
 import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
 
+from ..core.audio_check import MAX_AUDIO_SECONDS, is_audio
 from ..errors import BackendError, ModelLoadError
 from .llama_context import log_bridge
+from .mmproj_audio import check_audio
 from .mmproj_check import Projector, ProjectorError, check_projector
 
 __all__ = [
@@ -70,11 +72,15 @@ __all__ = [
 
 
 def bitmap_key(bitmap: Any) -> bytes:
-    """A decoded bitmap's content key (hex sha256 of its size and pixels):
-    the id :meth:`Vision.tokenize` gives it, which libmtmd copies to its chunk."""
+    """A decoded bitmap's content key (hex sha256 of its size and pixels, or
+    of a sound's count of samples and its float PCM samples): the id
+    :meth:`Vision.tokenize` gives it, which libmtmd copies to its chunks."""
     nx, ny = mtmd.mtmd_bitmap_get_nx(bitmap), mtmd.mtmd_bitmap_get_ny(bitmap)
     size = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
-    digest = hashlib.sha256(b"%d x %d pixels, %d bytes:" % (nx, ny, size))
+    if mtmd.mtmd_bitmap_is_audio(bitmap):
+        digest = hashlib.sha256(b"%d audio samples, %d bytes:" % (nx, size))
+    else:
+        digest = hashlib.sha256(b"%d x %d pixels, %d bytes:" % (nx, ny, size))
     data = mtmd.mtmd_bitmap_get_data(bitmap)
     if size and data:  # read in place (hashlib lets the GIL go for large buffers)
         digest.update(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8 * size)).contents)
@@ -106,11 +112,14 @@ class ImageChunk:
 
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
-    """An image in a prompt: its first position and how many it takes."""
+    """An image (or a sound's 30 s window) in a prompt: its first position
+    and how many it takes."""
 
     start: int
     n_tokens: int
     chunk: ImageChunk
+    #: "image", or "sound" (an audio chunk), for what the engine says it does.
+    kind: str = "image"
 
 
 log = logging.getLogger("wsserver.llama.vision")
@@ -127,6 +136,8 @@ class Vision:
         #: and encoding (the engine) take turns.
         self.lock = threading.Lock()
         self._decoder: ImageDecoder | None = None
+        #: The rate libmtmd resamples sound to (Hz; 0: no audio encoder).
+        self.sample_rate = max(1, mtmd.mtmd_get_audio_sample_rate(ctx)) if projector.audio else 0
 
     def decoder(self, ctx: Any, n_batch: int) -> ImageDecoder:
         """The engine's decoder of this projector's images into ``ctx`` (freed with it)."""
@@ -141,15 +152,39 @@ class Vision:
         does not decode, or a prompt whose markers do not match its images."""
         bitmaps: list[Any] = []
         chunks = mtmd.mtmd_input_chunks_init()
+        counts, seconds = {"image": 0, "audio": 0}, 0.0
         try:
-            for index, data in enumerate(images):
+            for data in images:
+                kind = "audio" if is_audio(data) else "image"
+                name = f"{kind} {counts[kind]}"
+                counts[kind] += 1
+                if not (self.projector.audio if kind == "audio" else self.projector.vision):
+                    what = "audio" if kind == "audio" else "images"
+                    raise BackendError(
+                        f"{name}: this model takes no {what} (its projector has no "
+                        f"{'audio' if kind == 'audio' else 'vision'} encoder)",
+                        code="bad_request",
+                    )
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
                 if not bitmap:
-                    raise BackendError(
-                        f"image {index}: its pixels could not be decoded", code="bad_request"
+                    why = (
+                        "its sound could not be decoded"
+                        if kind == "audio"
+                        else ("its pixels could not be decoded")
                     )
+                    raise BackendError(f"{name}: {why}", code="bad_request")
                 bitmaps.append(bitmap)
+                if kind == "audio":
+                    # The header's claim was bounded (core.audio_check); what
+                    # miniaudio made of the bytes is bounded again.
+                    seconds += mtmd.mtmd_bitmap_get_nx(bitmap) / self.sample_rate
+                    if seconds > MAX_AUDIO_SECONDS + 1:
+                        raise BackendError(
+                            f"{name}: the request's audio decodes to {seconds:.1f} s, over "
+                            f"{MAX_AUDIO_SECONDS} s",
+                            code="bad_request",
+                        )
                 mtmd.mtmd_bitmap_set_id(bitmap, bitmap_key(bitmap))
             given = mtmd.mtmd_input_text()
             encoded = text.encode("utf-8")
@@ -162,8 +197,8 @@ class Vision:
                 )
             if status != 0:
                 raise BackendError(
-                    f"the prompt's {len(images)} image(s) could not be placed (libmtmd: "
-                    f"{status}; did the chat template drop a message with an image?)",
+                    f"the prompt's {len(images)} image(s) and sound(s) could not be placed "
+                    f"(libmtmd: {status}; did the chat template drop a message with one?)",
                     code="bad_request",
                 )
             return _flatten(chunks)
@@ -203,21 +238,23 @@ def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
             text = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
             tokens.extend(text[k] for k in range(count.value))
             continue
-        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-            raise BackendError("only images are taken, not audio", code="bad_request")
         n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-        # One position per embedding: what the checked (llava) projectors
-        # make; M-RoPE models (Qwen2-VL) would differ and are not let through.
+        # One position per embedding: what the checked projectors make (an
+        # audio chunk always: libmtmd's n_pos is its n_tokens); M-RoPE models
+        # (Qwen2-VL) would differ and are not let through.
         assert mtmd.mtmd_input_chunk_get_n_pos(chunk) == n_tokens
         key = mtmd.mtmd_input_chunk_get_id(chunk)
         if not key:  # a libmtmd that does not carry the bitmap's id to its chunk
             raise BackendError("libmtmd gave an image's chunk no id", code="internal")
         owned = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk))
-        spans.append(ImageSpan(len(tokens), n_tokens, owned))
+        sound = kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO
+        spans.append(ImageSpan(len(tokens), n_tokens, owned, "sound" if sound else "image"))
         tokens.extend([image_key(key)] * n_tokens)
     if spans and spans[-1].start + spans[-1].n_tokens == len(tokens):
         # The last position's logits start the answer: a prompt's end is text.
-        raise BackendError("the prompt ends with an image; add text after it", code="bad_request")
+        raise BackendError(
+            "the prompt ends with an image or a sound; add text after it", code="bad_request"
+        )
     return tokens, tuple(spans)
 
 
@@ -272,7 +309,7 @@ def load_vision(path: str | Path, model: Any, n_threads: int) -> Vision:
         raise ModelLoadError(f"projector file not found: {path}")
     text_width = llama_cpp.llama_model_n_embd(model)
     try:
-        projector = check_projector(path, text_width=text_width)
+        projector = check_projector(path, text_width=text_width, audio=check_audio)
     except ProjectorError as exc:
         raise ModelLoadError(f"projector {path} refused: {exc}") from None
     mtmd.mtmd_log_set(log_bridge(), ctypes.c_void_p(0))
@@ -284,10 +321,16 @@ def load_vision(path: str | Path, model: Any, n_threads: int) -> Vision:
     if not ctx:
         raise ModelLoadError(f"projector {path}: libmtmd could not load it (see the log)")
     log.info(
-        "projector %s (%s): %d-pixel images, %d tokens each",
+        "projector %s (%s): %s",
         path,
         projector.projector_type,
-        projector.image_size,
-        projector.image_tokens,
+        ", ".join(
+            (
+                [f"{projector.image_size}-pixel images, {projector.image_tokens} tokens each"]
+                if projector.vision
+                else []
+            )
+            + (["audio"] if projector.audio else [])
+        ),
     )
     return Vision(ctx, projector, path)

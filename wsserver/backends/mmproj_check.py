@@ -16,18 +16,30 @@ today LLaVA's ``mlp`` (and its ``mlp_norm`` variant, which libmtmd picks when
 ``mm.3.weight`` exists), read off llama.cpp's ``tools/mtmd/clip.cpp``
 (``load_hparams``, ``load_tensors``) and ``models/llava.cpp`` (the graph).
 Any other type is refused by name: libmtmd knows some 60, and a type we have
-not read is one whose missing tensor we cannot rule out.
+not read is one whose missing tensor we cannot rule out. A file's audio
+encoder (``clip.has_audio_encoder``) is checked by :mod:`.mmproj_audio`,
+handed in by the loader (it builds on :class:`_Needs` here); a projector may
+have either encoder or both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .gguf_meta import GgufHeader, read_header
 
-__all__ = ["CHECKED_TYPES", "MAX_PATCHES", "Projector", "ProjectorError", "check_projector"]
+__all__ = [
+    "CHECKED_TYPES",
+    "MAX_PATCHES",
+    "AudioCheck",
+    "Projector",
+    "ProjectorError",
+    "check_projector",
+]
 
 #: The projector types whose graph's needs this module checks.
 CHECKED_TYPES = ("mlp",)
@@ -67,7 +79,7 @@ class Projector:
     """What a checked projector is and takes."""
 
     projector_type: str
-    #: The modalities it encodes (an audio projector is not let through yet).
+    #: The modalities it encodes.
     vision: bool
     audio: bool
     #: The square side an image is resized to, and its patches' side.
@@ -78,8 +90,8 @@ class Projector:
 
     @property
     def image_tokens(self) -> int:
-        """The embeddings one image becomes (one slice: no tiling)."""
-        return (self.image_size // self.patch_size) ** 2
+        """The embeddings one image becomes (one slice: no tiling); 0 without vision."""
+        return (self.image_size // self.patch_size) ** 2 if self.patch_size else 0
 
 
 class _Needs:
@@ -269,18 +281,26 @@ def _refused(needs: _Needs) -> Projector:
 
 
 def _projector_type(meta: dict[str, Any]) -> str:
-    for key in ("clip.projector_type", "clip.vision.projector_type", "clip.audio.projector_type"):
+    for key in ("clip.projector_type", "clip.vision.projector_type"):
         value = meta.get(key)
         if isinstance(value, str) and value:
             return value
     raise ProjectorError("no clip.projector_type in its metadata")
 
 
-def check_projector(path: str | Path, *, text_width: int | None = None) -> Projector:
+#: Checks a file's audio encoder (:func:`.mmproj_audio.check_audio`, handed
+#: in by the loader: it builds on this module): its type and output width.
+AudioCheck = Callable[[GgufHeader, "int | None"], tuple[str, int]]
+
+
+def check_projector(
+    path: str | Path, *, text_width: int | None = None, audio: AudioCheck | None = None
+) -> Projector:
     """Check the projector at ``path`` (for a text model of ``text_width``).
 
     Raises :class:`ProjectorError` naming what is wrong: not a projector, a
     type not checked here (by name), or every missing or misshapen piece.
+    A file's audio encoder is checked by ``audio`` (without it, refused).
     Blocking (reads the file's header).
     """
     try:
@@ -293,14 +313,19 @@ def check_projector(path: str | Path, *, text_width: int | None = None) -> Proje
     if meta.get("general.architecture") != "clip":
         arch = meta.get("general.architecture")
         raise ProjectorError(f"not a projector (general.architecture is {arch!r}, not 'clip')")
+    has_audio = meta.get("clip.has_audio_encoder") is True
+    if has_audio and audio is None:
+        raise ProjectorError("it has an audio encoder: audio projectors are not checked here")
+    heard = audio(header, text_width) if audio is not None and has_audio else None
+    if meta.get("clip.has_vision_encoder") is not True:
+        if heard is not None:
+            return Projector(heard[0], False, True, 0, 0, heard[1])
+        raise ProjectorError("metadata clip.has_vision_encoder is not true")
     kind = _projector_type(meta)
     if kind not in CHECKED_TYPES:
         raise ProjectorError(
             f"projector type {kind!r} is not one wsserver checks before loading "
             f"(it checks: {', '.join(CHECKED_TYPES)})"
         )
-    if meta.get("clip.has_audio_encoder") is True:
-        raise ProjectorError("it has an audio encoder: audio projectors are not checked yet")
-    if meta.get("clip.has_vision_encoder") is not True:
-        raise ProjectorError("metadata clip.has_vision_encoder is not true")
-    return _llava(_Needs(header), text_width)
+    projector = _llava(_Needs(header), text_width)
+    return dataclasses.replace(projector, audio=has_audio)
