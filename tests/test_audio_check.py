@@ -25,10 +25,18 @@ def fail(message: str) -> ProtocolError:
     return ProtocolError("bad_request", message)
 
 
-def wav(frames: int, *, rate: int = 16000, tag: int = 1, held: int | None = None) -> bytes:
+def wav(
+    frames: int,
+    *,
+    rate: int = 16000,
+    tag: int = 1,
+    held: int | None = None,
+    bits: int = 16,
+    align: int = 2,
+) -> bytes:
     size = frames * 2
     body = b"\x00" * (size if held is None else held)
-    fmt = struct.pack("<HHIIHH", tag, 1, rate, rate * 2, 2, 16)
+    fmt = struct.pack("<HHIIHH", tag, 1, rate, rate * 2, align, bits)
     return (
         b"RIFF"
         + struct.pack("<I", 36 + len(body))
@@ -41,9 +49,9 @@ def wav(frames: int, *, rate: int = 16000, tag: int = 1, held: int | None = None
     )
 
 
-def flac(rate: int, total: int) -> bytes:
+def flac(rate: int, total: int, block: int = 4096) -> bytes:
     packed = rate << 44 | 0 << 41 | 15 << 36 | total
-    info = struct.pack(">HH", 4096, 4096) + b"\x00" * 6 + packed.to_bytes(8, "big") + b"\x00" * 16
+    info = struct.pack(">HH", block, block) + b"\x00" * 6 + packed.to_bytes(8, "big") + b"\x00" * 16
     return b"fLaC" + bytes([0x80]) + len(info).to_bytes(3, "big") + info
 
 
@@ -69,7 +77,10 @@ def test_the_formats_and_their_lengths() -> None:
     [
         (wav(100, tag=2), "a WAV of format 2"),
         (wav(100, held=50), "claims 200 bytes and holds 50"),
-        (wav(0, rate=0), "0 Hz"),
+        (wav(0, rate=0), "at 0 Hz"),
+        (wav(10, bits=0), "of 0-bit samples"),
+        (wav(10, align=4), "frames are 4 bytes, not 2"),
+        (flac(16000, 100, block=1), "blocks of 1 to 1 samples"),
         (b"RIFF\x04\x00\x00\x00WAVE", "without a data chunk"),
         (flac(0, 100), "does not say its sample rate and length"),
         (flac(16000, 0), "does not say its sample rate and length"),

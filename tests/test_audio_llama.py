@@ -38,6 +38,12 @@ from wsserver.core.images import IMAGE_MARKER
 
 LOW = sine_wav(220.0)
 HIGH = sine_wav(1760.0)
+#: A silent MP3 built by hand (no encoder here): MPEG-1 layer III frames,
+#: 128 kbit/s at 44.1 kHz, all side information zero — minimp3 decodes each
+#: to 1,152 samples of silence.
+MP3_FRAME = bytes([0xFF, 0xFB, 0x90, 0x00]) + b"\x00" * 413
+#: MPEG-2.5 layer III at 8 kbit/s, 8 kHz: 72 bytes for 72 ms.
+SMALL_MP3_FRAME = bytes([0xFF, 0xE3, 0x18, 0x00]) + b"\x00" * 68
 WINDOW = AUDIO_TOKENS["ultravox"]
 
 
@@ -129,6 +135,18 @@ def test_a_sound_that_does_not_decode_is_refused_naming_it(hearing: LlamaBackend
     assert outcome.reason == "error" and outcome.error_code == "bad_request"
     assert "audio 1: its sound could not be decoded" in (outcome.error_message or "")
     assert answer(hearing, hearing_(LOW))[0].reason == "length"  # serving on
+
+
+def test_an_mp3_is_decoded_as_its_frames_say(
+    hearing: LlamaBackend, tiny_gguf: Path, mmproj: Path
+) -> None:
+    # 1,300 frames: 33.96 s, two 30 s windows (libmtmd pads 30 s of silence).
+    silence = MP3_FRAME * 1300
+    messages = hearing_(silence)
+    outcome, text = answer(hearing, messages)
+    prompt_tokens, expected = helper_answer(tiny_gguf, mmproj, messages)
+    assert outcome.reason == "length" and text == expected
+    assert outcome.prompt_tokens == prompt_tokens > 2 * WINDOW
 
 
 def test_qwen2a_loads_and_matches_the_helper(tiny_gguf: Path, tmp_path: Path) -> None:
@@ -247,6 +265,7 @@ REFUSALS = {
     "ogg": (audio_part(LOW, "ogg"), "format must be one of wav, mp3, flac"),
     "cut short": (audio_part(LOW[:-100]), "claims 32000 bytes and holds 31900"),
     "too long": (audio_part(wav_header_claiming(301, rate=2)), "claims 301.0 s"),
+    "mp3 too long": (audio_part(SMALL_MP3_FRAME * 4200, "mp3"), "mp3 header claims over 299.0 s"),
     "no frame": (
         audio_part(b"ID3\x03\x00\x00\x00\x00\x00\x00" + b"\x00" * 32, "mp3"),
         "without a frame",
@@ -287,3 +306,29 @@ async def test_audio_to_a_text_or_vision_model_is_refused_naming_the_part(
         status, answer_ = await post(server, "/v1/chat/completions", chat_body(image))
         assert status == 400 and "image 0" in answer_["error"]["message"], answer_
         assert "takes no images" in answer_["error"]["message"]
+
+
+async def test_the_responses_and_anthropic_wires_refuse_audio_saying_so(
+    listener_config: Any,
+) -> None:
+    data = base64.b64encode(LOW).decode()
+    responses = {
+        "model": "listener",
+        "max_output_tokens": 8,
+        "input": [{"role": "user", "content": [audio_part(LOW)]}],
+    }
+    anthropic = {
+        "model": "listener",
+        "max_tokens": 8,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "audio", "source": {"type": "base64", "data": data}}],
+            }
+        ],
+    }
+    async with running_server(listener_config) as server:
+        status, answer_ = await post(server, "/v1/responses", responses)
+        assert status == 400 and "'input_audio' are not supported" in str(answer_), answer_
+        status, answer_ = await post(server, "/v1/messages", anthropic)
+        assert status == 400 and "blocks of type 'audio' are not supported" in str(answer_)

@@ -46,7 +46,8 @@ PCM_BYTES_PER_SECOND: Final = 16000 * 4
 
 #: Bytes an MP3 walk may skip outside frames (ID3v1/APE tags, junk).
 _MAX_SKIP: Final = 64 << 10
-_WAV_FORMATS: Final = {1: "PCM", 3: "float", 6: "A-law", 7: "mu-law"}
+#: WAV format tags taken, and the sample sizes (bits) each is taken with.
+_WAV_FORMATS: Final = {1: (8, 16, 24, 32), 3: (32, 64), 6: (8,), 7: (8,)}
 
 
 def is_audio(data: bytes) -> bool:
@@ -84,18 +85,23 @@ def _wav(data: bytes) -> tuple[str, float] | str:
         chunk, size = data[at : at + 4], struct.unpack("<I", data[at + 4 : at + 8])[0]
         body = data[at + 8 : at + 8 + size]
         if chunk == b"fmt " and len(body) >= 16:
-            tag, channels, rate, _, align, _bits = struct.unpack("<HHIIHH", body[:16])
+            tag, channels, rate, _, align, bits = struct.unpack("<HHIIHH", body[:16])
             if tag == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: its sub-format
                 tag = struct.unpack("<H", body[24:26])[0]
-            fmt = (tag, channels, rate, align)
+            fmt = (tag, channels, rate, align, bits)
         elif chunk == b"data":
             if fmt is None:
                 return "a WAV whose data comes before its fmt chunk"
-            tag, channels, rate, align = fmt
+            tag, channels, rate, align, bits = fmt
             if tag not in _WAV_FORMATS:
                 return f"a WAV of format {tag} (PCM, float, A-law or mu-law are taken)"
-            if not channels or not rate or not align:
-                return "a WAV of 0 channels, 0 Hz or 0-byte frames"
+            # A header a WAV decoder would refuse is refused here: miniaudio
+            # would go on to try the bytes as FLAC and MP3, whose length this
+            # check did not read.
+            if bits not in _WAV_FORMATS[tag] or not 1 <= channels <= 8 or not rate:
+                return f"a WAV of {channels} channels of {bits}-bit samples at {rate} Hz"
+            if align != channels * bits // 8:
+                return f"a WAV whose frames are {align} bytes, not {channels * bits // 8}"
             if len(body) < size:
                 return f"a WAV whose data chunk claims {size} bytes and holds {len(body)}"
             return "wav", size // align / rate
@@ -108,10 +114,15 @@ def _flac(data: bytes) -> tuple[str, float] | str:
     # (6), then 20 bits of rate, 3 of channels, 5 of depth, 36 of samples.
     if len(data) < 8 + 18 or data[4] & 0x7F != 0:
         return "a FLAC without its STREAMINFO block"
+    smallest, largest = struct.unpack(">HH", data[8:12])
     packed = int.from_bytes(data[18:26], "big")
     rate, total = packed >> 44, packed & ((1 << 36) - 1)
+    bits = (packed >> 36 & 0x1F) + 1
     if not rate or not total:
         return "a FLAC that does not say its sample rate and length"
+    # What a FLAC decoder refuses is refused here (see _wav).
+    if smallest < 16 or largest < smallest or bits < 4:
+        return f"a FLAC of blocks of {smallest} to {largest} samples of {bits} bits"
     return "flac", total / rate
 
 

@@ -252,9 +252,11 @@ class ImageBudget:
             raise self.fail(f"audio {index} ({where}): {length}")
         kind, seconds = length
         if seconds > left:
+            # (An MP3's frames are counted until they pass what is left.)
+            claim = f"over {left:.1f} s" if kind == "mp3" else f"{seconds:.1f} s"
             raise self.fail(
-                f"audio {index} ({where}): its {kind} header claims {seconds:.1f} s; a "
-                f"request's audio is at most {MAX_AUDIO_SECONDS} s together"
+                f"audio {index} ({where}): its {kind} header claims {claim}; a "
+                f"request's audio is at most {MAX_AUDIO_SECONDS} s together ({left:.1f} s left)"
             )
         decoded = self.pixels * 3 + (self.seconds + seconds) * PCM_BYTES_PER_SECOND
         if decoded > MAX_DECODED_BYTES:
