@@ -393,10 +393,7 @@ class BatchEngine:
         if self.images is None or job is None or job.seq is None or span is None:
             return None
         if job.embeddings is None:
-            self.watch.doing = (
-                f"encoding {span.kind} ({span.n_tokens} embeddings)",
-                job.request.id,
-            )
+            self.watch.doing = (f"encoding {span.kind} ({span.n_tokens} embeds)", job.request.id)
             job.embeddings = self.images.encode(span)
             if job.embeddings is None:
                 self._fail(job, f"the {span.kind} could not be encoded")

@@ -31,6 +31,14 @@ same picture after the same conversation is neither encoded nor decoded
 again. A match that ends inside an image is cut back to its start
 (:func:`.llama_sequences.whole_images`).
 
+A sound (a WAV, MP3 or FLAC file among a message's ``images``, told apart by
+its bytes as libmtmd's helper tells them: :func:`.audio_check.is_audio`) is
+decoded by miniaudio into 16 kHz samples — its length was bounded from its
+header first, and is again once decoded — and ``mtmd_tokenize`` makes a
+chunk of every 30 s window of its log-mel spectrogram, one position per
+embedding; its key hashes the decoded PCM samples, and every window of it
+carries that key. From there a window is an image to the engine.
+
 In the engine (:class:`ImageDecoder`, on its thread): when a sequence's
 prompt reaches an image, that step first encodes the image
 (``mtmd_encode_chunk``: the projector's graph, one native call no cancel
@@ -168,12 +176,10 @@ class Vision:
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
                 if not bitmap:
-                    why = (
-                        "its sound could not be decoded"
-                        if kind == "audio"
-                        else ("its pixels could not be decoded")
+                    what = "sound" if kind == "audio" else "pixels"
+                    raise BackendError(
+                        f"{name}: its {what} could not be decoded", code="bad_request"
                     )
-                    raise BackendError(f"{name}: {why}", code="bad_request")
                 bitmaps.append(bitmap)
                 if kind == "audio":
                     # The header's claim was bounded (core.audio_check); what
@@ -238,6 +244,8 @@ def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
             text = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
             tokens.extend(text[k] for k in range(count.value))
             continue
+        if kind not in (mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE, mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
+            raise BackendError(f"libmtmd gave a chunk of type {kind}", code="internal")
         n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
         # One position per embedding: what the checked projectors make (an
         # audio chunk always: libmtmd's n_pos is its n_tokens); M-RoPE models
