@@ -1,10 +1,14 @@
 """An audio projector is checked from its header before libmtmd sees it.
 
 libmtmd's audio warm-up (3,000 mel frames through the whisper graph) runs
-inside ``mtmd_init_from_file``: a missing convolution, position table or
-layer-0 norm is a null dereference or a ``GGML_ASSERT`` abort — the process,
-not one load. Tried here: an ``ultravox`` stack factor that does not divide
-1,500 aborts the first encode (``expected output 187 tokens, got 188``).
+inside ``mtmd_init_from_file``; tried here on the tiny projector, each in a
+process of its own: without ``a.position_embd.weight`` or
+``a.blk.1.attn_q.weight`` the process dies of SIGSEGV; without
+``a.blk.0.ln1.bias``, or with an ``a.blk.0.attn_k.bias``, of a
+``GGML_ASSERT`` abort (whisper-enc.cpp); an ``ultravox`` stack factor that
+does not divide 1,500 aborts the first encode (``expected output 187
+tokens, got 188``); without a convolution or ``mm.a.norm_mid.weight``
+libmtmd's load fails cleanly.
 Each is refused by :func:`wsserver.backends.mmproj_audio.check_audio` (through
 ``check_projector``), by name; a server asked for such a model answers
 ``model_load_failed`` and serves on.
