@@ -31,6 +31,7 @@ from tiny_audio import AUDIO_TOKENS, sine_wav, write_tiny_audio_mmproj
 from tiny_images import solid_png
 from tiny_mmproj import write_tiny_mmproj
 
+from wsserver.backends.base import CancelEvent
 from wsserver.backends.llama import LlamaBackend
 from wsserver.backends.llama_chat import plain_chat_prompt
 from wsserver.core.chat_input import Message
@@ -126,6 +127,33 @@ def test_the_same_samples_are_the_same_key_and_a_reused_prefix_skips_the_encode(
     assert first == second and one.prompt_tokens == two.prompt_tokens
     assert after["images_encoded"] == before["images_encoded"]  # reused, not encoded
     assert after["images_reused"] - before["images_reused"] == 1
+
+
+def test_a_cancel_during_a_windows_encode_lands_before_its_embeddings_are_decoded(
+    hearing: LlamaBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = hearing.engine
+    assert engine is not None and engine.images is not None
+    images = engine.images
+    cancel = CancelEvent()
+    encode = images.encode
+    kinds: list[str] = []
+
+    def cancelled_meanwhile(span: Any) -> Any:
+        kinds.append(span.kind)
+        cancel.set()
+        return encode(span)
+
+    monkeypatch.setattr(images, "encode", cancelled_meanwhile)
+    decoded = engine.stats["prompt_tokens_decoded"]
+    messages = hearing_(sine_wav(330.0), words="Cancel the encode of")
+    outcome, _ = run(
+        hearing, hearing.prepare(request(None, messages=messages, max_tokens=4)), cancel=cancel
+    )
+    assert outcome is None and kinds == ["sound"]
+    assert engine.stats["prompt_tokens_decoded"] - decoded < WINDOW  # the text before it only
+    monkeypatch.undo()
+    assert answer(hearing, messages)[0].reason == "length"  # serving on
 
 
 def test_a_sound_that_does_not_decode_is_refused_naming_it(hearing: LlamaBackend) -> None:
