@@ -62,12 +62,19 @@ def mtmd_context(model_path: Path, mmproj_path: Path) -> Iterator[tuple[Any, Any
 
 
 def helper_greedy(
-    model_path: Path, mmproj_path: Path, prompt: str, images: Sequence[bytes], *, n: int = 8
+    model_path: Path,
+    mmproj_path: Path,
+    prompt: str,
+    images: Sequence[bytes],
+    *,
+    n: int = 8,
+    n_ctx: int = 512,
 ) -> HelperRun:
-    """``n`` greedy tokens after ``prompt`` (its markers replaced by ``images``)."""
+    """``n`` greedy tokens after ``prompt`` (its markers replaced by
+    ``images``: images or sounds, as libmtmd's helper tells them apart)."""
     with mtmd_context(model_path, mmproj_path) as (model, ctx):
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = 512
+        params.n_ctx = n_ctx
         params.n_batch = 512
         params.n_ubatch = 512
         params.n_threads = 1

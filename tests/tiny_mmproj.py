@@ -38,7 +38,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-__all__ = ["IMAGE_TOKENS", "write_tiny_mmproj"]
+__all__ = ["IMAGE_TOKENS", "add_tiny_vision", "write_tiny_mmproj"]
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -70,6 +70,48 @@ def write_tiny_mmproj(
     ``quantize`` stores the named tensors in those ggml types instead of F32.
     """
     path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name("wsserver-tiny-test-mmproj")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_tiny_vision(
+        writer,
+        text_width=text_width,
+        width=width,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_ff=n_ff,
+        seed=seed,
+        omit=omit,
+        projector_type=projector_type,
+        image_size=image_size,
+        patch_size=patch_size,
+        quantize=quantize,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def add_tiny_vision(
+    writer: gguf.GGUFWriter,
+    *,
+    text_width: int = 64,
+    width: int = 32,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_ff: int = 64,
+    seed: int = 4321,
+    omit: tuple[str, ...] = (),
+    projector_type: str = "mlp",
+    image_size: int = IMAGE_SIZE,
+    patch_size: int = PATCH_SIZE,
+    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> None:
+    """The tiny projector's metadata and tensors, into ``writer`` (see
+    :func:`write_tiny_mmproj`; ``tests/tiny_audio.py`` adds them beside an
+    audio encoder's)."""
     rng = np.random.default_rng(seed)
     n_patches = (image_size // patch_size) ** 2
     quantize = quantize or {}
@@ -77,9 +119,6 @@ def write_tiny_mmproj(
     def kept(name: str) -> bool:
         return not any(name.startswith(prefix) for prefix in omit)
 
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_name("wsserver-tiny-test-mmproj")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     scalars: list[tuple[str, object]] = [
         ("clip.has_vision_encoder", True),
         ("clip.has_audio_encoder", False),
@@ -145,9 +184,3 @@ def write_tiny_mmproj(
     tensor("mm.0.bias", (text_width,), 0.1)
     tensor("mm.2.weight", (text_width, text_width), 0.5)
     tensor("mm.2.bias", (text_width,), 0.1)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

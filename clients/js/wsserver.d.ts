@@ -40,6 +40,12 @@ export interface ChatMessage {
    * caller sent itself (docs/protocol.md, "Images").
    */
   images?: ImageInput[];
+  /**
+   * A user message's sounds (WAV, MP3 or FLAC files; a model served with an
+   * audio projector), read after its images, before its text: taken as
+   * `images` are (docs/protocol.md, "Audio").
+   */
+  audio?: ImageInput[];
 }
 
 /** An image of a message's `images`. */

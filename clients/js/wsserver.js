@@ -1617,7 +1617,7 @@ function clean(params) {
 }
 
 /**
- * `frame` with its messages' images in the wire's shape, and the binary
+ * `frame` with its messages' images (and `audio`) in the wire's shape, and the binary
  * frames to send before it (docs/protocol.md, "Images"): each image's bytes
  * as uploads — `<id>\n<bytes>` in pieces that fit `max_frame_bytes` — when
  * the server takes them, else base64 (a `Blob` then cannot be read at once:
@@ -1632,50 +1632,57 @@ function packImages(frame, limits, newId) {
   /** @type {(Blob | Uint8Array)[]} */
   const uploads = [];
   const messages = frame.messages;
-  if (!Array.isArray(messages) || !messages.some((m) => m && Array.isArray(m.images) && m.images.length)) {
+  const given = (/** @type {any} */ m, /** @type {string} */ key) => m && Array.isArray(m[key]) && m[key].length;
+  if (!Array.isArray(messages) || !messages.some((m) => given(m, "images") || given(m, "audio"))) {
     return { frame, uploads };
   }
   const upload = (limits?.max_upload_bytes ?? 0) > 0;
   const piece = Math.max(1, (limits?.max_frame_bytes ?? 1 << 20) - 65);
   const encoder = new TextEncoder();
+  /** @param {ImageInput} image @param {string} where @param {string} noun @returns {ImageInput} */
+  const pack = (image, where, noun) => {
+    if (typeof image === "string" || (image && typeof image === "object" && "upload" in image)) return image;
+    const isBlob = typeof Blob !== "undefined" && image instanceof Blob;
+    /** @type {Uint8Array | null} */
+    let bytes = null;
+    if (image instanceof ArrayBuffer) bytes = new Uint8Array(image);
+    else if (ArrayBuffer.isView(image)) bytes = new Uint8Array(image.buffer, image.byteOffset, image.byteLength);
+    else if (!isBlob) {
+      throw new TypeError(`${where}: ${noun} is a Blob, bytes, a base64 string or {upload}`);
+    }
+    if (!upload) {
+      if (!bytes) {
+        throw new TypeError(`${where}: this server takes no uploads; give ${noun} as bytes or base64, not a Blob`);
+      }
+      return toBase64(bytes);
+    }
+    const id = newId();
+    const head = encoder.encode(`${id}\n`);
+    const size = bytes ? bytes.byteLength : /** @type {Blob} */ (image).size;
+    for (let at = 0; at < size || at === 0; at += piece) {
+      if (bytes) {
+        const part = bytes.subarray(at, at + piece);
+        const data = new Uint8Array(head.byteLength + part.byteLength);
+        data.set(head);
+        data.set(part, head.byteLength);
+        uploads.push(data);
+      } else {
+        uploads.push(new Blob([head, /** @type {Blob} */ (image).slice(at, at + piece)]));
+      }
+      if (size === 0) break;
+    }
+    return { upload: id };
+  };
   const packedMessages = messages.map((message, index) => {
-    if (!message || !Array.isArray(message.images) || !message.images.length) return message;
-    const images = message.images.map((/** @type {ImageInput} */ image, /** @type {number} */ k) => {
-      if (typeof image === "string" || (image && typeof image === "object" && "upload" in image)) return image;
-      const isBlob = typeof Blob !== "undefined" && image instanceof Blob;
-      /** @type {Uint8Array | null} */
-      let bytes = null;
-      if (image instanceof ArrayBuffer) bytes = new Uint8Array(image);
-      else if (ArrayBuffer.isView(image)) bytes = new Uint8Array(image.buffer, image.byteOffset, image.byteLength);
-      else if (!isBlob) {
-        throw new TypeError(`messages[${index}].images[${k}]: an image is a Blob, bytes, a base64 string or {upload}`);
-      }
-      if (!upload) {
-        if (!bytes) {
-          throw new TypeError(
-            `messages[${index}].images[${k}]: this server takes no uploads; give the image as bytes or base64, not a Blob`,
-          );
-        }
-        return toBase64(bytes);
-      }
-      const id = newId();
-      const head = encoder.encode(`${id}\n`);
-      const size = bytes ? bytes.byteLength : /** @type {Blob} */ (image).size;
-      for (let at = 0; at < size || at === 0; at += piece) {
-        if (bytes) {
-          const part = bytes.subarray(at, at + piece);
-          const data = new Uint8Array(head.byteLength + part.byteLength);
-          data.set(head);
-          data.set(part, head.byteLength);
-          uploads.push(data);
-        } else {
-          uploads.push(new Blob([head, /** @type {Blob} */ (image).slice(at, at + piece)]));
-        }
-        if (size === 0) break;
-      }
-      return { upload: id };
-    });
-    return { ...message, images };
+    if (!given(message, "images") && !given(message, "audio")) return message;
+    const out = { ...message };
+    for (const key of ["images", "audio"]) {
+      if (!given(message, key)) continue;
+      out[key] = message[key].map((/** @type {ImageInput} */ item, /** @type {number} */ k) =>
+        pack(item, `messages[${index}].${key}[${k}]`, key === "audio" ? "a sound" : "an image"),
+      );
+    }
+    return out;
   });
   return { frame: { ...frame, messages: packedMessages }, uploads };
 }

@@ -367,11 +367,11 @@ class LlamaBackend(Backend):
         return self.chat.template is not None
 
     def input_modalities(self) -> tuple[str, ...]:
-        """Text, and what its projector really encodes (until it is loaded:
-        images if it has one — the load checks that it encodes them)."""
+        """Text, and what its projector really encodes (until it is loaded: images
+        and audio if it has one — the load and the tokenizing check that)."""
         if self.vision is not None:
             return self.vision.modalities
-        return ("text", "image") if self.mmproj else ("text",)
+        return ("text", "image", "audio") if self.mmproj else ("text",)
 
     # ------------------------------------------------------------ requests
 

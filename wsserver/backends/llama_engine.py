@@ -393,10 +393,10 @@ class BatchEngine:
         if self.images is None or job is None or job.seq is None or span is None:
             return None
         if job.embeddings is None:
-            self.watch.doing = (f"encoding an image ({span.n_tokens} embeddings)", job.request.id)
+            self.watch.doing = (f"encoding {span.kind} ({span.n_tokens} embeds)", job.request.id)
             job.embeddings = self.images.encode(span)
             if job.embeddings is None:
-                self._fail(job, "the image could not be encoded")
+                self._fail(job, f"the {span.kind} could not be encoded")
                 return 0
             self.stats["images_encoded"] += 1
         offset = job.fed - span.start
@@ -407,7 +407,7 @@ class BatchEngine:
                 return 0
             self.flag.lower()
             job.in_flight = True
-        self.watch.doing = (f"decoding {count} image embedding(s)", job.request.id)
+        self.watch.doing = (f"decoding {count} {span.kind} embedding(s)", job.request.id)
         status = self.images.decode(job.embeddings, offset, count, job.seq.index, job.fed)
         with self._cond:
             job.in_flight, aborted = False, self.flag.raised
@@ -422,7 +422,7 @@ class BatchEngine:
             self.stats["aborts"] += 1
             job.stats.aborted = job.cancelled
         else:
-            self._fail(job, "the model failed while reading an image")
+            self._fail(job, f"the model failed while reading a {span.kind}")
         return 0
 
     def _sample(self, job: Job, index: int) -> None:

@@ -10,6 +10,7 @@ image's positions at its marker.
 
 from __future__ import annotations
 
+from ..core.audio_check import is_audio
 from ..errors import BackendError
 from .llama_chat import LlamaChat
 from .llama_vision import ImageSpan, Vision
@@ -38,7 +39,12 @@ def render_prompt(
     images = [image for m in request.messages or () for image in m.images]
     if images:  # the fallback's BOS as a special token; a template writes its own
         if vision is None:
-            raise BackendError("image 0: this model takes no images", code="bad_request")
+            first = (
+                "audio 0: this model takes no audio"
+                if is_audio(images[0])
+                else ("image 0: this model takes no images")
+            )
+            raise BackendError(first, code="bad_request")
         tokens, media = vision.tokenize(text, images, add_special=fallback)
         return tokens, stops + more_stops, media
     if fallback:

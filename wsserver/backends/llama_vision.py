@@ -31,6 +31,14 @@ same picture after the same conversation is neither encoded nor decoded
 again. A match that ends inside an image is cut back to its start
 (:func:`.llama_sequences.whole_images`).
 
+A sound (a WAV, MP3 or FLAC file among a message's ``images``, told apart by
+its bytes as libmtmd's helper tells them: :func:`.audio_check.is_audio`) is
+decoded by miniaudio into 16 kHz samples — its length was bounded from its
+header first, and is again once decoded — and ``mtmd_tokenize`` makes a
+chunk of every 30 s window of its log-mel spectrogram, one position per
+embedding; its key hashes the decoded PCM samples, and every window of it
+carries that key. From there a window is an image to the engine.
+
 In the engine (:class:`ImageDecoder`, on its thread): when a sequence's
 prompt reaches an image, that step first encodes the image
 (``mtmd_encode_chunk``: the projector's graph, one native call no cancel
@@ -65,6 +73,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
 
+from ..core.audio_check import MAX_AUDIO_SECONDS, is_audio
 from ..errors import BackendError, ModelLoadError
 from .llama_context import log_bridge
 from .mmproj_check import Projector, ProjectorError, check_projector
@@ -81,11 +90,15 @@ __all__ = [
 
 
 def bitmap_key(bitmap: Any) -> bytes:
-    """A decoded bitmap's content key (hex sha256 of its size and pixels):
-    the id :meth:`Vision.tokenize` gives it, which libmtmd copies to its chunk."""
+    """A decoded bitmap's content key (hex sha256 of its size and pixels, or
+    of a sound's count of samples and its float PCM samples): the id
+    :meth:`Vision.tokenize` gives it, which libmtmd copies to its chunks."""
     nx, ny = mtmd.mtmd_bitmap_get_nx(bitmap), mtmd.mtmd_bitmap_get_ny(bitmap)
     size = mtmd.mtmd_bitmap_get_n_bytes(bitmap)
-    digest = hashlib.sha256(b"%d x %d pixels, %d bytes:" % (nx, ny, size))
+    if mtmd.mtmd_bitmap_is_audio(bitmap):
+        digest = hashlib.sha256(b"%d audio samples, %d bytes:" % (nx, size))
+    else:
+        digest = hashlib.sha256(b"%d x %d pixels, %d bytes:" % (nx, ny, size))
     data = mtmd.mtmd_bitmap_get_data(bitmap)
     if size and data:  # read in place (hashlib lets the GIL go for large buffers)
         digest.update(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint8 * size)).contents)
@@ -117,11 +130,14 @@ class ImageChunk:
 
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
-    """An image in a prompt: its first position and how many it takes."""
+    """An image (or a sound's 30 s window) in a prompt: its first position
+    and how many it takes."""
 
     start: int
     n_tokens: int
     chunk: ImageChunk
+    #: "image", or "sound" (an audio chunk), for what the engine says it does.
+    kind: str = "image"
 
 
 log = logging.getLogger("wsserver.llama.vision")
@@ -141,6 +157,8 @@ class Vision:
         #: and encoding (the engine) take turns.
         self.lock = threading.Lock()
         self._decoder: ImageDecoder | None = None
+        #: The rate libmtmd resamples sound to (Hz; 0: no audio encoder).
+        self.sample_rate = max(1, mtmd.mtmd_get_audio_sample_rate(ctx)) if projector.audio else 0
 
     def decoder(self, ctx: Any, n_batch: int) -> ImageDecoder:
         """The engine's decoder of this projector's images into ``ctx`` (freed with it)."""
@@ -155,15 +173,37 @@ class Vision:
         does not decode, or a prompt whose markers do not match its images."""
         bitmaps: list[Any] = []
         chunks = mtmd.mtmd_input_chunks_init()
+        counts, seconds = {"image": 0, "audio": 0}, 0.0
         try:
-            for index, data in enumerate(images):
+            for data in images:
+                kind = "audio" if is_audio(data) else "image"
+                name = f"{kind} {counts[kind]}"
+                counts[kind] += 1
+                if not (self.projector.audio if kind == "audio" else self.projector.vision):
+                    what = "audio" if kind == "audio" else "images"
+                    raise BackendError(
+                        f"{name}: this model takes no {what} (its projector has no "
+                        f"{'audio' if kind == 'audio' else 'vision'} encoder)",
+                        code="bad_request",
+                    )
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
                 if not bitmap:
+                    what = "sound" if kind == "audio" else "pixels"
                     raise BackendError(
-                        f"image {index}: its pixels could not be decoded", code="bad_request"
+                        f"{name}: its {what} could not be decoded", code="bad_request"
                     )
                 bitmaps.append(bitmap)
+                if kind == "audio":
+                    # The header's claim was bounded (core.audio_check); what
+                    # miniaudio made of the bytes is bounded again.
+                    seconds += mtmd.mtmd_bitmap_get_nx(bitmap) / self.sample_rate
+                    if seconds > MAX_AUDIO_SECONDS + 1:
+                        raise BackendError(
+                            f"{name}: the request's audio decodes to {seconds:.1f} s, over "
+                            f"{MAX_AUDIO_SECONDS} s",
+                            code="bad_request",
+                        )
                 mtmd.mtmd_bitmap_set_id(bitmap, bitmap_key(bitmap))
             given = mtmd.mtmd_input_text()
             encoded = text.encode("utf-8")
@@ -176,8 +216,8 @@ class Vision:
                 )
             if status != 0:
                 raise BackendError(
-                    f"the prompt's {len(images)} image(s) could not be placed (libmtmd: "
-                    f"{status}; did the chat template drop a message with an image?)",
+                    f"the prompt's {len(images)} image(s) and sound(s) could not be placed "
+                    f"(libmtmd: {status}; did the chat template drop a message with one?)",
                     code="bad_request",
                 )
             tokens, spans = _flatten(chunks)
@@ -234,21 +274,25 @@ def _flatten(chunks: Any) -> tuple[list[int], tuple[ImageSpan, ...]]:
                 )
             tokens.extend(pieces)
             continue
-        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-            raise BackendError("only images are taken, not audio", code="bad_request")
+        if kind not in (mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE, mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO):
+            raise BackendError(f"libmtmd gave a chunk of type {kind}", code="internal")
         n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
-        # One position per embedding: what the checked (llava) projectors
-        # make; M-RoPE models (Qwen2-VL) would differ and are not let through.
+        # One position per embedding: what the checked projectors make (an
+        # audio chunk always: libmtmd's n_pos is its n_tokens); M-RoPE models
+        # (Qwen2-VL) would differ and are not let through.
         assert mtmd.mtmd_input_chunk_get_n_pos(chunk) == n_tokens
         key = mtmd.mtmd_input_chunk_get_id(chunk)
         if not key:  # a libmtmd that does not carry the bitmap's id to its chunk
             raise BackendError("libmtmd gave an image's chunk no id", code="internal")
         owned = ImageChunk(mtmd.mtmd_input_chunk_copy(chunk))
-        spans.append(ImageSpan(len(tokens), n_tokens, owned))
+        sound = kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO
+        spans.append(ImageSpan(len(tokens), n_tokens, owned, "sound" if sound else "image"))
         tokens.extend([image_key(key)] * n_tokens)
     if spans and spans[-1].start + spans[-1].n_tokens == len(tokens):
         # The last position's logits start the answer: a prompt's end is text.
-        raise BackendError("the prompt ends with an image; add text after it", code="bad_request")
+        raise BackendError(
+            "the prompt ends with an image or a sound; add text after it", code="bad_request"
+        )
     return tokens, tuple(spans)
 
 
@@ -340,11 +384,17 @@ def load_vision(path: str | Path, context: Any, n_threads: int) -> Vision:
         mtmd.mtmd_free(ctx)
         raise
     log.info(
-        "projector %s (%s): %d-pixel images, %d tokens each%s",
+        "projector %s (%s): %s%s",
         path,
         projector.projector_type,
-        projector.image_size,
-        projector.image_tokens,
+        ", ".join(
+            (
+                [f"{projector.image_size}-pixel images, {projector.image_tokens} tokens each"]
+                if projector.vision
+                else []
+            )
+            + (["audio"] if projector.audio else [])
+        ),
         ", decoded whole (non-causal)" if vision.whole else "",
     )
     return vision

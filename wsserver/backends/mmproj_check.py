@@ -21,11 +21,14 @@ the vision metadata, a ViT layer, the ggml types) is :mod:`.mmproj_needs`.
 Any other type is refused by name: libmtmd knows some 60, and a type we have
 not read is one whose missing tensor we cannot rule out. The M-RoPE types
 (Qwen2-VL and its kin) are refused saying why: the engine writes one
-position a token, not their grid of positions.
+position a token, not their grid of positions. A file's audio encoder
+(``clip.has_audio_encoder``) is checked by :mod:`.mmproj_audio`; a projector
+may have either encoder or both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from .mmproj_needs import (
     vision_hparams,
     vit_layer,
 )
+from .mmproj_audio import check_audio
 from .mmproj_siglip import SIGLIP_TYPES, check_siglip
 
 __all__ = ["CHECKED_TYPES", "MAX_PATCHES", "Projector", "ProjectorError", "check_projector"]
@@ -118,7 +122,7 @@ def _llava(needs: Needs, text_width: int | None) -> Projector:
 
 
 def _projector_type(meta: dict[str, Any]) -> str:
-    for key in ("clip.projector_type", "clip.vision.projector_type", "clip.audio.projector_type"):
+    for key in ("clip.projector_type", "clip.vision.projector_type"):
         value = meta.get(key)
         if isinstance(value, str) and value:
             return value
@@ -129,7 +133,8 @@ def check_projector(path: str | Path, *, text_width: int | None = None) -> Proje
     """Check the projector at ``path`` (for a text model of ``text_width``).
 
     Raises :class:`ProjectorError` naming what is wrong: not a projector, a
-    type not checked here (by name), or every missing or misshapen piece.
+    type not checked here (by name), or every missing or misshapen piece —
+    of its vision encoder, its audio encoder (:mod:`.mmproj_audio`), or both.
     Blocking (reads the file's header).
     """
     try:
@@ -142,6 +147,12 @@ def check_projector(path: str | Path, *, text_width: int | None = None) -> Proje
     if meta.get("general.architecture") != "clip":
         arch = meta.get("general.architecture")
         raise ProjectorError(f"not a projector (general.architecture is {arch!r}, not 'clip')")
+    has_audio = meta.get("clip.has_audio_encoder") is True
+    heard = check_audio(header, text_width) if has_audio else None
+    if meta.get("clip.has_vision_encoder") is not True:
+        if heard is not None:
+            return Projector(heard[0], False, True, 0, 0, heard[1])
+        raise ProjectorError("metadata clip.has_vision_encoder is not true")
     kind = _projector_type(meta)
     if kind not in CHECKED_TYPES:
         mrope = "; its model places images at M-RoPE positions, which the engine does not write"
@@ -149,10 +160,8 @@ def check_projector(path: str | Path, *, text_width: int | None = None) -> Proje
             f"projector type {kind!r} is not one wsserver checks before loading "
             f"(it checks: {', '.join(CHECKED_TYPES)})" + (mrope if kind in _MROPE_TYPES else "")
         )
-    if meta.get("clip.has_audio_encoder") is True:
-        raise ProjectorError("it has an audio encoder: audio projectors are not checked yet")
-    if meta.get("clip.has_vision_encoder") is not True:
-        raise ProjectorError("metadata clip.has_vision_encoder is not true")
     if kind in SIGLIP_TYPES:
-        return check_siglip(Needs(header), kind, text_width)
-    return _llava(Needs(header), text_width)
+        projector = check_siglip(Needs(header), kind, text_width)
+    else:
+        projector = _llava(Needs(header), text_width)
+    return dataclasses.replace(projector, audio=has_audio)

@@ -61,7 +61,7 @@ class Projector:
     """What a checked projector is and takes."""
 
     projector_type: str
-    #: The modalities it encodes (an audio projector is not let through yet).
+    #: The modalities it encodes.
     vision: bool
     audio: bool
     #: The square side an image (or one of its slices) is resized to, and
@@ -77,7 +77,9 @@ class Projector:
     @property
     def image_tokens(self) -> int:
         """The embeddings one image slice becomes (an Idefics3 image is an
-        overview and up to a grid of slices, each of these)."""
+        overview and up to a grid of slices, each of these); 0 without vision."""
+        if not self.patch_size:
+            return 0
         return ((self.image_size // self.patch_size) // self.merge) ** 2
 
 

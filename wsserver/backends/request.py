@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.audio_check import is_audio
 from ..core.protocol import Generate, Message
 from ..core.sampling import SAMPLING_FIELDS, Sampling
 from ..errors import ProtocolError
@@ -97,16 +98,23 @@ class GenerationRequest:
 
 
 def check_images(frame: Generate, modalities: tuple[str, ...] | None, model: str) -> None:
-    """Refuse a request with images to a model that takes none, naming the first."""
-    if frame.messages is None or "image" in (modalities or ()):
+    """Refuse a request with images, or sounds, to a model that takes none,
+    naming the first (``image 0``, ``audio 0``: counted apart)."""
+    if frame.messages is None:
         return
-    before = 0
+    takes = modalities or ()
+    counts = {"image": 0, "audio": 0}
     for message in frame.messages:
-        if message.images:
-            raise ProtocolError(
-                "bad_request",
-                f"image {before}: model {model} takes no images (it is served without a "
-                "vision projector: docs/images.md)",
-                frame.id,
-            )
-        before += len(message.images)
+        for data in message.images:
+            kind = "audio" if is_audio(data) else "image"
+            if kind not in takes:
+                what, projector = (
+                    ("images", "a vision") if kind == "image" else ("audio", "an audio")
+                )
+                raise ProtocolError(
+                    "bad_request",
+                    f"{kind} {counts[kind]}: model {model} takes no {what} (it is served "
+                    f"without {projector} projector: docs/images.md)",
+                    frame.id,
+                )
+            counts[kind] += 1

@@ -67,8 +67,9 @@ RESERVED_TEMPLATE_NAMES: Final = frozenset(
 )
 
 Fail = Callable[[str], ProtocolError]
-#: Reads a message's ``images`` (the value and where it stands) into their bytes.
-ReadImages = Callable[[Any, str], tuple[bytes, ...]]
+#: Reads a message's ``images`` or ``audio`` (the value, where it stands, and
+#: which of the two) into their bytes.
+ReadImages = Callable[[Any, str, str], tuple[bytes, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,9 @@ class Message:
     #: An assistant's reasoning (its think block), None when it has none.
     reasoning: str | None = None
     #: The images of a user message, encoded (PNG, JPEG, GIF, BMP: checked,
-    #: :mod:`.images`), each at an :data:`~.images.IMAGE_MARKER` in ``content``.
+    #: :mod:`.images`), each at an :data:`~.images.IMAGE_MARKER` in ``content``;
+    #: its sounds (WAV, MP3, FLAC: :mod:`.audio_check`) are among them, at
+    #: their markers, told apart by their bytes as libmtmd tells them.
     images: tuple[bytes, ...] = dataclasses.field(default=(), repr=False)
     #: The ``http(s)`` image URLs among them, in order: each one's image is
     #: ``b""`` (no image is empty: that is refused) until the asyncio layer
@@ -169,12 +172,12 @@ def parse_messages(
 
 
 def _message(item: Any, where: str, fail: Fail, images: ReadImages | None) -> Message:
-    allowed = _MESSAGE_KEYS if images is None else _MESSAGE_KEYS | {"images"}
+    allowed = _MESSAGE_KEYS if images is None else _MESSAGE_KEYS | {"images", "audio"}
     if not isinstance(item, dict) or "role" not in item or not set(item) <= allowed:
         raise fail(
             f"{where} must be an object with 'role' and 'content' "
             "(and, as OpenAI's, 'tool_calls', 'tool_call_id', 'name'; 'reasoning'"
-            + ("; a user message's 'images')" if images is not None else ")")
+            + ("; a user message's 'images' and 'audio')" if images is not None else ")")
         )
     role = item["role"]
     # isinstance first: ``in`` on a frozenset hashes, and a list is unhashable.
@@ -206,10 +209,11 @@ def _message(item: Any, where: str, fail: Fail, images: ReadImages | None) -> Me
         if not isinstance(reasoning, str):
             raise fail(f"{where}.reasoning must be a string")
     read: tuple[bytes, ...] = ()
-    if images is not None and item.get("images") is not None:
-        if role != "user":
-            raise fail(f"{where}.images: only a user message carries images")
-        read = images(item["images"], f"{where}.images")
+    for key in ("images", "audio"):  # images first, then sounds, before the text
+        if images is not None and item.get(key) is not None:
+            if role != "user":
+                raise fail(f"{where}.{key}: only a user message carries {key}")
+            read += images(item[key], f"{where}.{key}", key)
     text = IMAGE_MARKER * len(read) + (content or "")
     # "" is no reasoning: a template would show an empty think block for it.
     return Message(role, text, calls, call_id, name, reasoning or None, read)

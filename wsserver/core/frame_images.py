@@ -8,6 +8,9 @@ Each entry of ``images`` is one of (docs/protocol.md, "Images"):
   binary frames before this request (:mod:`wsserver.core.uploads`), the
   cheap way for anything larger than a thumbnail.
 
+A message's ``audio`` takes the same three shapes (a ``data:audio/…``
+URL), each entry a WAV, MP3 or FLAC file; its sounds go after its images.
+
 Every image is then checked from its header and the request's images are
 bounded together (:class:`~wsserver.core.image_check.ImageBudget`); a
 refusal names the image by its index in the request and its place
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .image_check import MAX_IMAGES, ImageBudget
+from .image_check import MAX_AUDIO, MAX_IMAGES, ImageBudget
 from .uploads import Pending
 
 __all__ = ["FrameImages"]
@@ -31,12 +34,29 @@ class FrameImages:
         self.budget = budget
         self.pending = pending
 
-    def __call__(self, value: Any, where: str) -> tuple[bytes, ...]:
-        """One message's ``images`` (``where``: ``messages[i].images``)."""
+    def __call__(self, value: Any, where: str, kind: str = "images") -> tuple[bytes, ...]:
+        """One message's ``images`` or ``audio`` (``kind``; ``where``:
+        ``messages[i].images``)."""
         budget = self.budget
-        if not isinstance(value, list) or len(value) > MAX_IMAGES:
-            raise budget.fail(f"{where} must be a list of at most {MAX_IMAGES} images")
-        return tuple(self._one(item, f"{where}[{k}]") for k, item in enumerate(value))
+        most, noun = (MAX_IMAGES, "images") if kind == "images" else (MAX_AUDIO, "audio clips")
+        if not isinstance(value, list) or len(value) > most:
+            raise budget.fail(f"{where} must be a list of at most {most} {noun}")
+        one = self._one if kind == "images" else self._sound
+        return tuple(one(item, f"{where}[{k}]") for k, item in enumerate(value))
+
+    def _sound(self, item: Any, where: str) -> bytes:
+        budget = self.budget
+        if isinstance(item, str):
+            if item.startswith("data:"):
+                head, comma, payload = item.partition(",")
+                if not comma or not head.endswith(";base64"):
+                    raise budget.fail(
+                        f"audio {budget.sounds} ({where}): expected a data URL "
+                        "(data:audio/wav;base64,...)"
+                    )
+                item = payload
+            return budget.audio_from_base64(item, where)
+        return budget.take_audio(self._upload(item, where, f"audio {budget.sounds}"), where)
 
     def _one(self, item: Any, where: str) -> bytes:
         budget = self.budget
@@ -44,10 +64,16 @@ class FrameImages:
             if item.startswith("data:"):
                 return budget.from_url(item, where)
             return budget.from_base64(item, where)
+        return budget.take(self._upload(item, where, f"image {budget.count}"), where)
+
+    def _upload(self, item: Any, where: str, name: str) -> bytes:
+        """The bytes of the upload ``item`` names (``{"upload": "<id>"}``)."""
+        budget = self.budget
         upload = item.get("upload") if isinstance(item, dict) and len(item) == 1 else None
         if not isinstance(upload, str):
+            noun = "an image" if name.startswith("image") else "a sound"
             raise budget.fail(
-                f"image {budget.count} ({where}): an image is a base64 string, a data: URL, "
+                f"{name} ({where}): {noun} is a base64 string, a data: URL, "
                 'or {"upload": "<id>"} naming an upload sent in binary frames'
             )
         pending = self.pending
@@ -60,7 +86,6 @@ class FrameImages:
                 else "uploads are kept until the next generate or restart, which takes them all"
             )
             raise budget.fail(
-                f"image {budget.count} ({where}): no upload {upload[:64]!r} on this "
-                f"connection ({why})"
+                f"{name} ({where}): no upload {upload[:64]!r} on this connection ({why})"
             )
-        return budget.take(data, where)
+        return data

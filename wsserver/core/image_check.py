@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..errors import ProtocolError
+from .audio_check import MAX_AUDIO_SECONDS, PCM_BYTES_PER_SECOND, audio_length, is_audio
 
 __all__ = [
+    "MAX_AUDIO",
+    "MAX_DECODED_BYTES",
     "MAX_IMAGES",
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
@@ -49,6 +52,11 @@ MAX_IMAGE_SIDE: Final = 16384
 
 #: The longest image URL taken (as browsers and most servers bound a URL).
 MAX_URL_CHARS: Final = 8192
+#: Sound clips per request (each at a marker, like an image).
+MAX_AUDIO: Final = 8
+#: What a request's images and sounds may take decoded together: its
+#: images' pixels as RGB plus its sounds' samples (docs/images.md).
+MAX_DECODED_BYTES: Final = MAX_IMAGE_PIXELS * 3
 
 Fail = Callable[[str], ProtocolError]
 
@@ -131,6 +139,9 @@ class ImageBudget:
         self.count = 0
         self.bytes = 0
         self.pixels = 0
+        #: Sound clips, apart from images (``audio 0`` is the first clip).
+        self.sounds = 0
+        self.seconds = 0.0
 
     def from_base64(self, text: object, where: str) -> bytes:
         """An image given as base64 text (``where`` names its field)."""
@@ -198,15 +209,74 @@ class ImageBudget:
                 f"image {index} ({where}): its {kind} header claims {width}x{height} pixels; "
                 f"at most {MAX_IMAGE_PIXELS} pixels and {MAX_IMAGE_SIDE} a side are decoded"
             )
-        if self.pixels + width * height > MAX_IMAGE_PIXELS:
+        if (self.pixels + width * height) * 3 + self.seconds * PCM_BYTES_PER_SECOND > (
+            MAX_DECODED_BYTES
+        ):
             raise self.fail(
                 f"image {index} ({where}): the request's images claim more than "
-                f"{MAX_IMAGE_PIXELS} pixels together"
+                f"{MAX_IMAGE_PIXELS} pixels together (3 bytes a pixel, with its audio's "
+                f"samples at most {MAX_DECODED_BYTES} bytes)"
             )
         self.count += 1
         self.bytes += len(data)
         self.pixels += width * height
         return data
+
+    def audio_from_base64(self, text: object, where: str) -> bytes:
+        """A sound given as base64 text (``where`` names its field)."""
+        index = self.sounds
+        if not isinstance(text, str):
+            raise self.fail(f"audio {index} ({where}): base64 data must be a string")
+        self._audio_room(index, len(text) * 3 // 4)
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise self.fail(f"audio {index} ({where}): not valid base64") from None
+        return self.take_audio(data, where)
+
+    def take_audio(self, data: bytes, where: str) -> bytes:
+        """A sound's bytes: counted, its length read from its header and bounded
+        (:mod:`.audio_check`); its decoded samples count against the request's
+        decoded bytes beside its images' pixels."""
+        index = self.sounds
+        self._audio_room(index, len(data))
+        if not data:
+            raise self.fail(f"audio {index} ({where}): the audio is empty")
+        if not is_audio(data):
+            raise self.fail(
+                f"audio {index} ({where}): not a WAV, MP3 or FLAC file (or its header is cut short)"
+            )
+        left = MAX_AUDIO_SECONDS - self.seconds
+        length = audio_length(data, left)
+        if isinstance(length, str):
+            raise self.fail(f"audio {index} ({where}): {length}")
+        kind, seconds = length
+        if seconds > left:
+            # (An MP3's frames are counted until they pass what is left.)
+            claim = f"over {left:.1f} s" if kind == "mp3" else f"{seconds:.1f} s"
+            raise self.fail(
+                f"audio {index} ({where}): its {kind} header claims {claim}; a "
+                f"request's audio is at most {MAX_AUDIO_SECONDS} s together ({left:.1f} s left)"
+            )
+        decoded = self.pixels * 3 + (self.seconds + seconds) * PCM_BYTES_PER_SECOND
+        if decoded > MAX_DECODED_BYTES:
+            raise self.fail(
+                f"audio {index} ({where}): the request's images and audio decode to more than "
+                f"{MAX_DECODED_BYTES} bytes together"
+            )
+        self.sounds += 1
+        self.bytes += len(data)
+        self.seconds += seconds
+        return data
+
+    def _audio_room(self, index: int, size: int) -> None:
+        if index >= MAX_AUDIO:
+            raise self.fail(f"audio {index}: at most {MAX_AUDIO} audio clips per request")
+        if self.bytes + size > MAX_IMAGE_BYTES:
+            raise self.fail(
+                f"audio {index}: the request's images and audio exceed {MAX_IMAGE_BYTES} "
+                "bytes together"
+            )
 
     def _room(self, index: int, size: int) -> None:
         if index >= MAX_IMAGES:

@@ -15,7 +15,8 @@ messages the server reads (docs/protocol.md, "Images"):
   inside the frame.
 
 To pass a base64 string or a data URL as is, give ``{"base64": "…"}``; a
-plain ``str`` is a file path.
+plain ``str`` is a file path. A message's ``audio`` (WAV, MP3 or FLAC files,
+for a model served with an audio projector) is packed the same way.
 """
 
 from __future__ import annotations
@@ -61,30 +62,34 @@ def pack_images(
 ) -> tuple[list[dict[str, Any]] | None, list[bytes]]:
     """``messages`` with their images in the wire's shape, and the binary
     frames to send before the request (in order); ``new_id`` names uploads."""
-    if not messages or not any(isinstance(m, dict) and m.get("images") for m in messages):
+    if not messages or not any(
+        isinstance(m, dict) and (m.get("images") or m.get("audio")) for m in messages
+    ):
         return messages, []
     upload = limits is not None and limits.max_upload_bytes > 0
     piece = max(1, (limits.max_frame_bytes if limits is not None else 1 << 20) - _HEAD)
     frames: list[bytes] = []
     out = []
     for index, message in enumerate(messages):
-        images = message.get("images") if isinstance(message, dict) else None
-        if not images:
-            out.append(message)
-            continue
-        entries = []
-        for k, item in enumerate(images):
-            data = _image_bytes(item, f"messages[{index}].images[{k}]")
-            if data is None:
-                entries.append(_wire_entry(item))
-            elif upload:
-                upload_id = new_id()
-                head = upload_id.encode() + b"\n"
-                frames.extend(head + data[at : at + piece] for at in range(0, len(data), piece))
-                if not data:
-                    frames.append(head)  # the server says it is empty, naming it
-                entries.append({"upload": upload_id})
-            else:
-                entries.append(base64.b64encode(data).decode())
-        out.append({**message, "images": entries})
+        packed = dict(message) if isinstance(message, dict) else message
+        for key in ("images", "audio"):
+            given = message.get(key) if isinstance(message, dict) else None
+            if not given:
+                continue
+            entries = []
+            for k, item in enumerate(given):
+                data = _image_bytes(item, f"messages[{index}].{key}[{k}]")
+                if data is None:
+                    entries.append(_wire_entry(item))
+                elif upload:
+                    upload_id = new_id()
+                    head = upload_id.encode() + b"\n"
+                    frames.extend(head + data[at : at + piece] for at in range(0, len(data), piece))
+                    if not data:
+                        frames.append(head)  # the server says it is empty, naming it
+                    entries.append({"upload": upload_id})
+                else:
+                    entries.append(base64.b64encode(data).decode())
+            packed[key] = entries
+        out.append(packed)
     return out, frames

@@ -36,6 +36,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from ...core.audio_check import AUDIO_FORMATS, audio_format
 from ...core.images import IMAGE_MARKER, ImageBudget, ImageUrl, with_images
 from ...core.models import ModelInfo
 from ...core.protocol import Generate, Limits, parse_client_frame
@@ -310,6 +311,27 @@ class _Images:
         self.by_message.setdefault(index, []).append(data)
         return IMAGE_MARKER
 
+    def audio(self, part: dict[str, Any], index: int) -> str:
+        """An ``input_audio`` part (``{"data": base64, "format": "wav"|"mp3"}``,
+        also ``"flac"``): its sound kept at its place, as an image is."""
+        spec = part.get("input_audio")
+        where = f"messages[{index}].content"
+        at = f"audio {self.budget.sounds} ({where})"
+        if not isinstance(spec, dict) or set(spec) - {"data", "format"}:
+            raise _bad(f"{at}: input_audio must be {{'data': base64, 'format': 'wav'}}", "messages")
+        given = spec.get("format")
+        if given not in AUDIO_FORMATS:
+            raise _bad(f"{at}: input_audio.format must be one of wav, mp3, flac", "messages")
+        try:
+            data = self.budget.audio_from_base64(spec.get("data"), where)
+        except ProtocolError as exc:
+            raise _bad(exc.message, "messages") from None
+        found = audio_format(data)
+        if found != given:
+            raise _bad(f"{at}: input_audio.format is {given}, its bytes are {found}", "messages")
+        self.by_message.setdefault(index, []).append(data)
+        return IMAGE_MARKER
+
 
 def _messages(value: Any, images: _Images) -> Any:
     if not isinstance(value, list):
@@ -369,9 +391,13 @@ def _content(value: Any, index: int, images: _Images) -> Any:
         if isinstance(part, dict) and part.get("type") == "image_url":
             texts.append(images.part(part, index))
             continue
+        if isinstance(part, dict) and part.get("type") == "input_audio":
+            texts.append(images.audio(part, index))
+            continue
         if not isinstance(part, dict) or part.get("type") != "text":
             raise _bad(
-                f"messages[{index}].content: only text and image_url parts are supported",
+                f"messages[{index}].content: only text, image_url and input_audio parts "
+                "are supported",
                 "messages",
             )
         text = part.get("text")
