@@ -410,6 +410,8 @@ def _fitted(vision: Vision, context: Any) -> Vision:
             f"{where}: its text model places images at M-RoPE positions (Qwen2-VL, "
             "Qwen2.5-VL and the like), which the engine does not write"
         )
+    if not vision.projector.vision:  # an audio encoder alone: no image to place
+        return vision
     # One blank image through libmtmd's own preprocessing and tokenizer: the
     # markers it puts around an image are in the vocabulary, and how many
     # tokens its largest chunk takes (Gemma 3: every image alike).

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .gguf_meta import read_header
+from .mmproj_audio import check_audio
 from .mmproj_needs import (
     MAX_PATCHES,
     VISION,
@@ -43,7 +44,6 @@ from .mmproj_needs import (
     vision_hparams,
     vit_layer,
 )
-from .mmproj_audio import check_audio
 from .mmproj_siglip import SIGLIP_TYPES, check_siglip
 
 __all__ = ["CHECKED_TYPES", "MAX_PATCHES", "Projector", "ProjectorError", "check_projector"]
