@@ -252,6 +252,26 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
 
 
+async def refuses_to_load_then_serves(
+    server: Server, client: Wire, where: str, refusals: dict[str, str]
+) -> None:
+    """Each model of ``refusals`` (name: what its refusal must say) answers a
+    generate with ``model_load_failed`` naming ``where`` and that, and stays
+    unloaded; then the default model still answers — a bad model file costs
+    its load, not the server."""
+    hi = [{"role": "user", "content": "hi"}]
+    for name, said in refusals.items():
+        await client.send({"type": "generate", "id": name, "model": name, "messages": hi})
+        frames = await client.until(lambda f: f["type"] in ("error", "done"), units=30)
+        error = frames[-1]
+        assert (error["type"], error["code"]) == ("error", "model_load_failed")
+        assert where in error["message"] and said in error["message"]
+        assert server.models.models[name].state == "unloaded"
+    await client.send({"type": "generate", "id": "served", "messages": hi, "max_tokens": 4})
+    _, frames = await client.done("served")
+    assert frames[-1]["reason"] == "length"
+
+
 async def producers_joined(units: float = 10.0) -> None:
     """Join (a real join, not a sleep) every producer thread still running —
     a request whose answer is complete may still be letting its engine go."""

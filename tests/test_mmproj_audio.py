@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import TINY_MODEL, running_server, wire
+from conftest import TINY_MODEL, refuses_to_load_then_serves, running_server, wire
 from test_llama_backend import llama_config
 from test_ollama_http import async_client, host
 from tiny_audio import write_tiny_audio_mmproj
@@ -124,16 +124,12 @@ async def test_a_malformed_audio_projector_fails_its_models_load_and_the_server_
         ],
     )
     async with running_server(config) as server, wire(server) as client:
-        hi = [{"role": "user", "content": "hi"}]
-        for name, said in (("aborting", "stack_factor = 8"), ("missing", "a.blk.0.ln1.weight")):
-            await client.send({"type": "generate", "id": name, "model": name, "messages": hi})
-            frames = await client.until(lambda f: f["type"] in ("error", "done"), units=30)
-            error = frames[-1]
-            assert (error["type"], error["code"]) == ("error", "model_load_failed")
-            assert str(tmp_path) in error["message"] and said in error["message"]
-        await client.send({"type": "generate", "id": "t", "messages": hi, "max_tokens": 4})
-        _, frames = await client.done("t")
-        assert frames[-1]["reason"] == "length"
+        await refuses_to_load_then_serves(
+            server,
+            client,
+            str(tmp_path),
+            {"aborting": "stack_factor = 8", "missing": "a.blk.0.ln1.weight"},
+        )
 
 
 async def test_an_audio_model_says_it_takes_audio_everywhere_a_model_is_described(

@@ -19,7 +19,7 @@ import aiohttp
 import gguf
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, running_server, wire
+from conftest import TINY_MODEL, refuses_to_load_then_serves, running_server, wire
 from test_llama_backend import llama_config
 from test_ollama_http import async_client, host
 from tiny_gguf import write_tiny_gguf
@@ -147,17 +147,9 @@ async def test_a_malformed_projector_fails_its_models_load_and_the_server_serves
         ],
     )
     async with running_server(config) as server, wire(server) as client:
-        hi = [{"role": "user", "content": "hi"}]
-        for name, said in (("broken", "mm.2.weight"), ("unknown", "'qwen2vl_merger'")):
-            await client.send({"type": "generate", "id": name, "model": name, "messages": hi})
-            frames = await client.until(lambda f: f["type"] in ("error", "done"), units=30)
-            error = frames[-1]
-            assert (error["type"], error["code"]) == ("error", "model_load_failed")
-            assert str(tmp_path) in error["message"] and said in error["message"]
-            assert server.models.models[name].state == "unloaded"
-        await client.send({"type": "generate", "id": "t", "messages": hi, "max_tokens": 4})
-        _, frames = await client.done("t")
-        assert frames[-1]["reason"] == "length"
+        await refuses_to_load_then_serves(
+            server, client, str(tmp_path), {"broken": "mm.2.weight", "unknown": "'qwen2vl_merger'"}
+        )
 
 
 async def test_a_vision_model_says_it_takes_images_everywhere_a_model_is_described(

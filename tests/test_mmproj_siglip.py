@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import TINY_MODEL, running_server, wire
+from conftest import TINY_MODEL, refuses_to_load_then_serves, running_server, wire
 from test_llama_backend import llama_config
 from test_ollama_http import host
 from tiny_gguf import write_tiny_gguf
@@ -206,19 +206,15 @@ async def test_malformed_siglip_projectors_fail_their_loads_and_the_server_serve
         ],
     )
     async with running_server(config) as server, wire(server) as client:
-        hi = [{"role": "user", "content": "hi"}]
-        for name, said in (
-            ("gemma", "tensor v.blk.0.attn_q.weight"),
-            ("smol", "metadata clip.vision.projector.scale_factor"),
-        ):
-            await client.send({"type": "generate", "id": name, "model": name, "messages": hi})
-            frames = await client.until(lambda f: f["type"] in ("error", "done"), units=30)
-            error = frames[-1]
-            assert (error["type"], error["code"]) == ("error", "model_load_failed")
-            assert str(tmp_path) in error["message"] and said in error["message"]
-        await client.send({"type": "generate", "id": "t", "messages": hi, "max_tokens": 4})
-        _, frames = await client.done("t")
-        assert frames[-1]["reason"] == "length"
+        await refuses_to_load_then_serves(
+            server,
+            client,
+            str(tmp_path),
+            {
+                "gemma": "tensor v.blk.0.attn_q.weight",
+                "smol": "metadata clip.vision.projector.scale_factor",
+            },
+        )
 
 
 async def test_gemma3_and_idefics3_models_say_they_take_images(

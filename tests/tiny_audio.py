@@ -33,9 +33,8 @@ import io
 import wave
 from pathlib import Path
 
-import gguf
 import numpy as np
-from tiny_mmproj import add_tiny_vision
+from tiny_mmproj import TinyTensors, add_tiny_vision, clip_writer, finish
 
 __all__ = ["AUDIO_TOKENS", "sine_wav", "write_tiny_audio_mmproj"]
 
@@ -75,14 +74,8 @@ def write_tiny_audio_mmproj(
     and ``clip.audio.projector_type`` as mixed files have them.
     """
     path = Path(path)
-    rng = np.random.default_rng(seed)
-
-    def kept(name: str) -> bool:
-        return not any(name.startswith(prefix) for prefix in omit)
-
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_name("wsserver-tiny-test-audio-mmproj")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer = clip_writer(path, "wsserver-tiny-test-audio-mmproj")
+    out = TinyTensors(writer, np.random.default_rng(seed), omit)
     if with_vision:
         flags = ("clip.has_", "clip.projector_type")
         add_tiny_vision(writer, text_width=text_width, omit=flags)
@@ -102,65 +95,30 @@ def write_tiny_audio_mmproj(
         scalars.append(("clip.vision.projector_type", "mlp"))
     if projector_type == "ultravox":
         scalars.append(("clip.audio.projector.stack_factor", stack))
-    for key, value in scalars:
-        if not kept(key):
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, float(value))  # type: ignore[arg-type]
+    out.metadata(scalars)
 
-    def tensor(name: str, shape: tuple[int, ...], scale: float) -> None:
-        if kept(name):
-            writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
-
-    def norm(name: str, size: int, bias: bool = True) -> None:
-        if kept(name + ".weight"):
-            weight = 1.0 + 0.1 * rng.standard_normal(size)
-            writer.add_tensor(name + ".weight", weight.astype(np.float32))
-        if bias and kept(name + ".bias"):
-            writer.add_tensor(name + ".bias", np.zeros(size, dtype=np.float32))
-
-    tensor("a.conv1d.1.weight", (width, n_mel, 3), 0.3)
-    tensor("a.conv1d.1.bias", (width, 1), 0.05)
-    tensor("a.conv1d.2.weight", (width, width, 3), 0.2)
-    tensor("a.conv1d.2.bias", (width, 1), 0.05)
-    tensor("a.position_embd.weight", (positions, width), 0.3)
-    for layer in range(n_layer):
-        prefix = f"a.blk.{layer}"
-        for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensor(f"{prefix}.{part}.weight", (width, width), 0.3)
-            if part != "attn_k":
-                tensor(f"{prefix}.{part}.bias", (width,), 0.05)
-        norm(f"{prefix}.ln1", width)
-        norm(f"{prefix}.ln2", width)
-        tensor(f"{prefix}.ffn_up.weight", (n_ff, width), 0.3)
-        tensor(f"{prefix}.ffn_up.bias", (n_ff,), 0.05)
-        tensor(f"{prefix}.ffn_down.weight", (width, n_ff), 0.3)
-        tensor(f"{prefix}.ffn_down.bias", (width,), 0.05)
-    norm("a.post_ln", width)
+    out.tensor("a.conv1d.1.weight", (width, n_mel, 3), 0.3)
+    out.tensor("a.conv1d.1.bias", (width, 1), 0.05)
+    out.tensor("a.conv1d.2.weight", (width, width, 3), 0.2)
+    out.tensor("a.conv1d.2.bias", (width, 1), 0.05)
+    out.tensor("a.position_embd.weight", (positions, width), 0.3)
+    for layer in range(n_layer):  # a whisper encoder's attn_k has no bias
+        out.encoder_layer(f"a.blk.{layer}", width, n_ff, k_bias=False)
+    out.norm("a.post_ln", width)
     # Large enough that the sound's embeddings move the text model's output.
     if projector_type == "ultravox":
         stacked, hidden = width * stack, 64
-        norm("mm.a.norm_pre", stacked, bias=False)
-        tensor("mm.a.mlp.1.weight", (2 * hidden, stacked), 0.5)
-        norm("mm.a.norm_mid", hidden, bias=False)
-        tensor("mm.a.mlp.2.weight", (text_width, hidden), 0.8)
+        out.norm("mm.a.norm_pre", stacked, bias=False)
+        out.tensor("mm.a.mlp.1.weight", (2 * hidden, stacked), 0.5)
+        out.norm("mm.a.norm_mid", hidden, bias=False)
+        out.tensor("mm.a.mlp.2.weight", (text_width, hidden), 0.8)
     else:
-        tensor("mm.a.fc.weight", (text_width, width), 1.0)
-        tensor("mm.a.fc.bias", (text_width,), 0.1)
+        out.tensor("mm.a.fc.weight", (text_width, width), 1.0)
+        out.tensor("mm.a.fc.bias", (text_width,), 0.1)
     for name, shape in (extra or {}).items():
-        tensor(name, shape, 0.1)
+        out.tensor(name, shape, 0.1)
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def sine_wav(

@@ -38,12 +38,101 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-__all__ = ["IMAGE_TOKENS", "add_tiny_vision", "write_tiny_mmproj"]
+__all__ = [
+    "IMAGE_TOKENS",
+    "TinyTensors",
+    "add_tiny_vision",
+    "clip_writer",
+    "finish",
+    "write_tiny_mmproj",
+]
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
 #: Image tokens libmtmd makes of one image for this projector.
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+
+
+class TinyTensors:
+    """Metadata and seeded random tensors into a projector GGUF's writer,
+    leaving out every name that starts with one of ``omit`` (how the tests
+    build malformed projectors) and storing the names in ``quantize`` in
+    those ggml types: what every tiny projector builder here shares."""
+
+    def __init__(
+        self,
+        writer: gguf.GGUFWriter,
+        rng: np.random.Generator,
+        omit: tuple[str, ...] = (),
+        quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+    ) -> None:
+        self.writer, self.rng, self.omit = writer, rng, omit
+        self.quantize = quantize or {}
+
+    def kept(self, name: str) -> bool:
+        return not any(name.startswith(prefix) for prefix in self.omit)
+
+    def metadata(self, items: list[tuple[str, object]]) -> None:
+        for key, value in items:
+            if not self.kept(key):
+                continue
+            if isinstance(value, bool):
+                self.writer.add_bool(key, value)
+            elif isinstance(value, str):
+                self.writer.add_string(key, value)
+            elif isinstance(value, int):
+                self.writer.add_uint32(key, value)
+            elif isinstance(value, float):
+                self.writer.add_float32(key, value)
+            else:
+                self.writer.add_array(key, value)  # type: ignore[arg-type]
+
+    def tensor(self, name: str, shape: tuple[int, ...], scale: float) -> None:
+        if self.kept(name):
+            values = (self.rng.standard_normal(shape) * scale).astype(np.float32)
+            kind = self.quantize.get(name)
+            if kind is None:
+                self.writer.add_tensor(name, values)
+            else:
+                self.writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+    def norm(self, name: str, size: int, bias: bool = True) -> None:
+        if self.kept(name + ".weight"):
+            weight = 1.0 + 0.1 * self.rng.standard_normal(size)
+            self.writer.add_tensor(name + ".weight", weight.astype(np.float32))
+        if bias and self.kept(name + ".bias"):
+            self.writer.add_tensor(name + ".bias", np.zeros(size, dtype=np.float32))
+
+    def encoder_layer(self, prefix: str, width: int, n_ff: int, k_bias: bool = True) -> None:
+        """A transformer layer's attention, norms and feed-forward (a ViT's,
+        a whisper encoder's: whose ``attn_k`` has no bias)."""
+        for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            self.tensor(f"{prefix}.{part}.weight", (width, width), 0.3)
+            if k_bias or part != "attn_k":
+                self.tensor(f"{prefix}.{part}.bias", (width,), 0.05)
+        self.norm(f"{prefix}.ln1", width)
+        self.norm(f"{prefix}.ln2", width)
+        self.tensor(f"{prefix}.ffn_up.weight", (n_ff, width), 0.3)
+        self.tensor(f"{prefix}.ffn_up.bias", (n_ff,), 0.05)
+        self.tensor(f"{prefix}.ffn_down.weight", (width, n_ff), 0.3)
+        self.tensor(f"{prefix}.ffn_down.bias", (width,), 0.05)
+
+
+def clip_writer(path: Path, name: str) -> gguf.GGUFWriter:
+    """A projector GGUF's writer (architecture ``clip``, F32), named ``name``."""
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    """Write out what ``writer`` holds; ``path``."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_tiny_mmproj(
@@ -70,9 +159,7 @@ def write_tiny_mmproj(
     ``quantize`` stores the named tensors in those ggml types instead of F32.
     """
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_name("wsserver-tiny-test-mmproj")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer = clip_writer(path, "wsserver-tiny-test-mmproj")
     add_tiny_vision(
         writer,
         text_width=text_width,
@@ -87,11 +174,7 @@ def write_tiny_mmproj(
         patch_size=patch_size,
         quantize=quantize,
     )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 def add_tiny_vision(
@@ -112,12 +195,8 @@ def add_tiny_vision(
     """The tiny projector's metadata and tensors, into ``writer`` (see
     :func:`write_tiny_mmproj`; ``tests/tiny_audio.py`` adds them beside an
     audio encoder's)."""
-    rng = np.random.default_rng(seed)
+    out = TinyTensors(writer, np.random.default_rng(seed), omit, quantize)
     n_patches = (image_size // patch_size) ** 2
-    quantize = quantize or {}
-
-    def kept(name: str) -> bool:
-        return not any(name.startswith(prefix) for prefix in omit)
 
     scalars: list[tuple[str, object]] = [
         ("clip.has_vision_encoder", True),
@@ -135,52 +214,15 @@ def add_tiny_vision(
         ("clip.vision.image_mean", [0.5, 0.5, 0.5]),
         ("clip.vision.image_std", [0.5, 0.5, 0.5]),
     ]
-    for key, value in scalars:
-        if not kept(key):
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_array(key, value)  # type: ignore[arg-type]
+    out.metadata(scalars)
 
-    def tensor(name: str, shape: tuple[int, ...], scale: float) -> None:
-        if kept(name):
-            values = (rng.standard_normal(shape) * scale).astype(np.float32)
-            kind = quantize.get(name)
-            if kind is None:
-                writer.add_tensor(name, values)
-            else:
-                writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-
-    def norm(name: str, size: int) -> None:
-        if kept(name + ".weight"):
-            weight = 1.0 + 0.1 * rng.standard_normal(size)
-            writer.add_tensor(name + ".weight", weight.astype(np.float32))
-        if kept(name + ".bias"):
-            writer.add_tensor(name + ".bias", np.zeros(size, dtype=np.float32))
-
-    tensor("v.patch_embd.weight", (width, 3, patch_size, patch_size), 0.2)
-    tensor("v.patch_embd.bias", (width,), 0.1)
-    tensor("v.position_embd.weight", (n_patches, width), 0.5)
+    out.tensor("v.patch_embd.weight", (width, 3, patch_size, patch_size), 0.2)
+    out.tensor("v.patch_embd.bias", (width,), 0.1)
+    out.tensor("v.position_embd.weight", (n_patches, width), 0.5)
     for layer in range(n_layer):
-        prefix = f"v.blk.{layer}"
-        for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensor(f"{prefix}.{part}.weight", (width, width), 0.3)
-            tensor(f"{prefix}.{part}.bias", (width,), 0.05)
-        norm(f"{prefix}.ln1", width)
-        norm(f"{prefix}.ln2", width)
-        tensor(f"{prefix}.ffn_up.weight", (n_ff, width), 0.3)
-        tensor(f"{prefix}.ffn_up.bias", (n_ff,), 0.05)
-        tensor(f"{prefix}.ffn_down.weight", (width, n_ff), 0.3)
-        tensor(f"{prefix}.ffn_down.bias", (width,), 0.05)
+        out.encoder_layer(f"v.blk.{layer}", width, n_ff)
     # Large enough that the image's embeddings move the text model's output.
-    tensor("mm.0.weight", (text_width, width), 0.5)
-    tensor("mm.0.bias", (text_width,), 0.1)
-    tensor("mm.2.weight", (text_width, text_width), 0.5)
-    tensor("mm.2.bias", (text_width,), 0.1)
+    out.tensor("mm.0.weight", (text_width, width), 0.5)
+    out.tensor("mm.0.bias", (text_width,), 0.1)
+    out.tensor("mm.2.weight", (text_width, text_width), 0.5)
+    out.tensor("mm.2.bias", (text_width,), 0.1)

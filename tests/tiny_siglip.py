@@ -33,6 +33,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from tiny_mmproj import TinyTensors, clip_writer, finish
 
 __all__ = ["GEMMA3_TOKENS", "IDEFICS3_TILE_TOKENS", "IDEFICS3_TOKENS", "write_tiny_siglip"]
 
@@ -76,17 +77,10 @@ def write_tiny_siglip(
     stores the named tensors in those ggml types instead of F32.
     """
     path = Path(path)
-    rng = np.random.default_rng(seed)
     image_size, patch_size = _SIZES[kind], 8
     n_patches = (image_size // patch_size) ** 2
-    quantize = quantize or {}
-
-    def kept(name: str) -> bool:
-        return not any(name.startswith(prefix) for prefix in omit)
-
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_name(f"wsserver-tiny-test-{kind}")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer = clip_writer(path, f"wsserver-tiny-test-{kind}")
+    out = TinyTensors(writer, np.random.default_rng(seed), omit, quantize)
     scalars: list[tuple[str, object]] = [
         ("clip.has_vision_encoder", True),
         ("clip.has_audio_encoder", False),
@@ -109,65 +103,24 @@ def write_tiny_siglip(
         scalars.append(("clip.vision.preproc_image_size", 2 * image_size))
     meta = meta or {}
     scalars = [(key, value) for key, value in scalars if key not in meta] + list(meta.items())
-    for key, value in scalars:
-        if not kept(key):
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_array(key, value)  # type: ignore[arg-type]
+    out.metadata(scalars)
 
-    def tensor(name: str, shape: tuple[int, ...], scale: float) -> None:
-        if kept(name):
-            values = (rng.standard_normal(shape) * scale).astype(np.float32)
-            kind_ = quantize.get(name)
-            if kind_ is None:
-                writer.add_tensor(name, values)
-            else:
-                writer.add_tensor(name, gguf.quants.quantize(values, kind_), raw_dtype=kind_)
-
-    def norm(name: str, size: int) -> None:
-        if kept(name + ".weight"):
-            weight = 1.0 + 0.1 * rng.standard_normal(size)
-            writer.add_tensor(name + ".weight", weight.astype(np.float32))
-        if kept(name + ".bias"):
-            writer.add_tensor(name + ".bias", np.zeros(size, dtype=np.float32))
-
-    tensor("v.patch_embd.weight", (width, 3, patch_size, patch_size), 0.2)
-    tensor("v.patch_embd.bias", (width,), 0.1)
-    tensor("v.position_embd.weight", (n_patches, width), 0.5)
+    out.tensor("v.patch_embd.weight", (width, 3, patch_size, patch_size), 0.2)
+    out.tensor("v.patch_embd.bias", (width,), 0.1)
+    out.tensor("v.position_embd.weight", (n_patches, width), 0.5)
     for layer in range(n_layer):
-        prefix = f"v.blk.{layer}"
-        for part in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensor(f"{prefix}.{part}.weight", (width, width), 0.3)
-            tensor(f"{prefix}.{part}.bias", (width,), 0.05)
-        norm(f"{prefix}.ln1", width)
-        norm(f"{prefix}.ln2", width)
-        tensor(f"{prefix}.ffn_up.weight", (n_ff, width), 0.3)
-        tensor(f"{prefix}.ffn_up.bias", (n_ff,), 0.05)
-        tensor(f"{prefix}.ffn_down.weight", (width, n_ff), 0.3)
-        tensor(f"{prefix}.ffn_down.bias", (width,), 0.05)
-    norm("v.post_ln", width)
+        out.encoder_layer(f"v.blk.{layer}", width, n_ff)
+    out.norm("v.post_ln", width)
     # Large enough that the image's embeddings move the text model's output.
     if kind == "gemma3":
-        if kept("mm.soft_emb_norm.weight"):
-            weight = 1.0 + 0.1 * rng.standard_normal(width)
+        if out.kept("mm.soft_emb_norm.weight"):
+            weight = 1.0 + 0.1 * out.rng.standard_normal(width)
             writer.add_tensor("mm.soft_emb_norm.weight", weight.astype(np.float32))
-        tensor("mm.input_projection.weight", (width, text_width), 0.5)
+        out.tensor("mm.input_projection.weight", (width, text_width), 0.5)
     else:
         merged = width * (scale_factor or 1) ** 2
-        tensor("mm.model.fc.weight", (text_width, merged), 0.5)
+        out.tensor("mm.model.fc.weight", (text_width, merged), 0.5)
     for name, shape in (extra or {}).items():  # (whatever ``omit`` says)
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+        writer.add_tensor(name, (out.rng.standard_normal(shape) * 0.1).astype(np.float32))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
