@@ -25,7 +25,7 @@ import openai
 from conftest import TINY_MODEL, running_server, timeout
 from mtmd_reference import helper_greedy
 from test_anthropic_http import post
-from test_images_llama import helper_answer
+from test_images_llama import answer, helper_answer, looking_at
 from test_llama_backend import llama_config, loaded, request, run
 from tiny_audio import AUDIO_TOKENS, sine_wav, write_tiny_audio_mmproj
 from tiny_images import solid_png
@@ -60,14 +60,8 @@ def hearing(tiny_gguf: Path, mmproj: Path) -> Iterator[LlamaBackend]:
 
 
 def hearing_(*sounds: bytes, words: str = "Listen to") -> tuple[Message, ...]:
-    markers = " and ".join(IMAGE_MARKER for _ in sounds)
-    return (Message("user", f"{words} {markers} please", images=sounds),)
-
-
-def answer(backend: LlamaBackend, messages: tuple[Message, ...], n: int = 12) -> tuple[Any, str]:
-    prepared = backend.prepare(request(None, messages=messages, max_tokens=n))
-    outcome, sink = run(backend, prepared)
-    return outcome, "".join(sink.pieces)
+    """One user message asking about ``sounds`` (at their markers)."""
+    return looking_at(*sounds, words=words)
 
 
 # ---------------------------------------------------------------- the engine
