@@ -82,6 +82,8 @@ def test_the_formats_and_their_lengths() -> None:
         (wav(10, align=4), "frames are 4 bytes, not 2"),
         (flac(16000, 100, block=1), "blocks of 1 to 1 samples"),
         (b"RIFF\x04\x00\x00\x00WAVE", "without a data chunk"),
+        # Hostile: 2.6 million empty chunks in 20 MiB, read no further than 64.
+        (b"RIFF\x00\x00\x00\x00WAVE" + b"junk\x00\x00\x00\x00" * (20 << 17), "first 64 chunks"),
         (flac(0, 100), "does not say its sample rate and length"),
         (flac(16000, 0), "does not say its sample rate and length"),
         (b"fLaC" + b"\x01" + b"\x00" * 40, "without its STREAMINFO"),

@@ -10,7 +10,8 @@ is read here, before any decoder sees the bytes, and bounded
 (:data:`MAX_AUDIO_SECONDS`, in :class:`~.image_check.ImageBudget`):
 
 * WAV: its ``fmt`` chunk (PCM, IEEE float, A-law, μ-law) and its ``data``
-  chunk's size — which must be there, whole;
+  chunk's size — which must be there, whole, within the first
+  :data:`_MAX_WAV_CHUNKS` chunks;
 * MP3: every frame header walked (MPEG 1, 2 and 2.5, layers I to III),
   the samples of each counted at its rate; free-format streams (no bitrate
   in the header: their length cannot be read from headers) are refused, and
@@ -46,6 +47,10 @@ PCM_BYTES_PER_SECOND: Final = 16000 * 4
 
 #: Bytes an MP3 walk may skip outside frames (ID3v1/APE tags, junk).
 _MAX_SKIP: Final = 64 << 10
+#: Chunks read in a WAV (a real one has a handful: fmt, data, LIST, fact…):
+#: a 20 MiB file of empty 8-byte chunks would be 2.6 million of them, read
+#: on the event loop.
+_MAX_WAV_CHUNKS: Final = 64
 #: WAV format tags taken, and the sample sizes (bits) each is taken with.
 _WAV_FORMATS: Final = {1: (8, 16, 24, 32), 3: (32, 64), 6: (8,), 7: (8,)}
 
@@ -81,7 +86,9 @@ def audio_length(data: bytes, most: float) -> tuple[str, float] | str:
 
 def _wav(data: bytes) -> tuple[str, float] | str:
     at, fmt = 12, None
-    while at + 8 <= len(data):
+    for _ in range(_MAX_WAV_CHUNKS):
+        if at + 8 > len(data):
+            return "a WAV without a data chunk (or cut short)"
         chunk, size = data[at : at + 4], struct.unpack("<I", data[at + 4 : at + 8])[0]
         body = data[at + 8 : at + 8 + size]
         if chunk == b"fmt " and len(body) >= 16:
@@ -106,7 +113,7 @@ def _wav(data: bytes) -> tuple[str, float] | str:
                 return f"a WAV whose data chunk claims {size} bytes and holds {len(body)}"
             return "wav", size // align / rate
         at += 8 + size + (size & 1)
-    return "a WAV without a data chunk (or cut short)"
+    return f"a WAV without a data chunk in its first {_MAX_WAV_CHUNKS} chunks"
 
 
 def _flac(data: bytes) -> tuple[str, float] | str:
