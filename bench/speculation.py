@@ -9,7 +9,7 @@ again with a name changed, so the continuation repeats the listing (the
 work of code edits, rewrites and agents quoting their inputs) — and
 **prose**, a story's opening, where n-grams rarely repeat. Contenders, one
 server at a time, alternating round by round (``--repeats``, default 2):
-wsserver with ``speculative = "auto"`` and with it ``"off"`` (the default),
+wsserver with ``speculative = "auto"`` (the default) and with it ``"off"``,
 llama-server with no speculation and with ``--spec-type ngram-simple``,
 ``ngram-map-k`` and ``ngram-cache`` (its defaults otherwise;
 ``scripts/llama-tools`` builds it; without it its rows read "not measured").

@@ -8,6 +8,7 @@ tests/test_bench_smoke.py.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import analysis, embeddings, report, speculation  # noqa: E402
+from bench import analysis, embeddings, paired, report, speculation  # noqa: E402
 from bench.options import Options  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -211,6 +212,30 @@ def test_a_text_parts_where_it_first_differs() -> None:
     assert speculation._parted_at("abc", "abc") is None
     assert speculation._parted_at("abd", "abc") == 2
     assert speculation._parted_at("ab", "abc") == 2
+
+
+# ---------------------------------------------------------------- paired rounds
+
+
+def test_paired_rounds_alternate_who_goes_first_and_pair_the_figures() -> None:
+    """``bench.paired``: wsserver first in odd rounds, llama-server in even ones;
+    the summary reads each pair's ratio, not the sides' pooled figures."""
+    order: list[str] = []
+
+    async def side(name: str, value: float) -> float:
+        order.append(name)
+        return value
+
+    ours, peer = asyncio.run(
+        paired._alternate(3, lambda r: side("ours", 10.0 + r), lambda r: side("peer", 10.0))
+    )
+    assert order == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert ours == [10.0, 11.0, 12.0] and peer == [10.0, 10.0, 10.0]
+    faster = paired.pairs_summary([9.0, 11.0, 10.5], [10.0, 10.0, 10.0], higher_is_better=True)
+    assert "median of the pairs' ratios 1.050" in faster
+    assert "ratio of the medians 1.050" in faster and "ahead in 2 of 3" in faster
+    seconds = paired.pairs_summary([7.2, 7.4], [7.3, 7.1], higher_is_better=False)
+    assert "ahead in 1 of 2" in seconds  # fewer seconds is ahead
 
 
 # ---------------------------------------------------------------- the report
