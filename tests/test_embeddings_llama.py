@@ -422,17 +422,17 @@ async def test_rerank_scores_equal_llama_servers(tiny_reranker: Path) -> None:
         assert abs(score - theirs[index]) <= TOLERANCE, (index, score, theirs)
 
 
-def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
-    pooled_ggufs: dict[str, Path],
-) -> None:
-    """The steps of a long prompt take no embedding decode, but they take its
-    cancels: a cancelled embed ends while the prompt is still being read."""
+def _embed_beside_a_long_prompt(
+    model: Path, inputs: tuple[str, ...], *, cancel: bool
+) -> tuple[list[bool], Any]:
+    """A ~7,000-token prompt prefilled alone (~14 steps of 512 tokens); just
+    before its first chunk an embed of ``inputs`` arrives (``cancel``: and is
+    cancelled at once). Whether the prompt was still being prefilled when
+    the embed ended, and the embed's submission."""
     from wsserver.backends.base import GenerationRequest
     from wsserver.backends.llama_batching import prefilling
 
-    backend = LlamaBackend(
-        model=str(pooled_ggufs["mean"]), n_ctx=8192, parallel=2, n_threads=1, n_batch=512
-    )
+    backend = LlamaBackend(model=str(model), n_ctx=8192, parallel=2, n_threads=1, n_batch=512)
     backend.load()
     try:
         engine = backend.engine
@@ -440,19 +440,21 @@ def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
         prefilling_when_ended: list[bool] = []
         ended = threading.Event()
         embed_cancel = CancelEvent()
+        submissions: list[Any] = []
 
         def on_prefill(request_id: str, n: int) -> None:
-            # On the engine thread, before the prompt's first chunk (of ~14):
-            # an embed arrives and is cancelled at once.
-            request = door(backend).prepare(Embed(id="e", inputs=("hello world",) * 64))
+            # On the engine thread, before the prompt's first chunk.
+            request = door(backend).prepare(Embed(id="e", inputs=inputs))
             submission = door(backend).start(request, cancel=embed_cancel)
+            submissions.append(submission)
 
             def done() -> None:
                 prefilling_when_ended.append(prefilling(engine._jobs))
                 ended.set()
 
             submission.add_done_callback(done)
-            embed_cancel.set()
+            if cancel:
+                embed_cancel.set()
 
         backend.on_prefill = on_prefill
         prompt = GenerationRequest(
@@ -467,14 +469,40 @@ def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
             stop=(),
         )
         generation_cancel = CancelEvent()
-        sink = _NullSink()
-        backend.submit(prompt, slot=0, sink=sink, cancel=generation_cancel)
+        backend.submit(prompt, slot=0, sink=_NullSink(), cancel=generation_cancel)
         assert ended.wait(timeout(30))
-        assert prefilling_when_ended == [True]
         generation_cancel.set()
+        return prefilling_when_ended, submissions[0]
     finally:
         backend.on_prefill = None
         backend.close()
+
+
+def test_a_cancel_lets_go_within_a_step_while_a_prompt_is_prefilled(
+    pooled_ggufs: dict[str, Path],
+) -> None:
+    """The steps of a long prompt take no embedding decode, but they take its
+    cancels: a cancelled embed ends while the prompt is still being read."""
+    prefilling_when_ended, _ = _embed_beside_a_long_prompt(
+        pooled_ggufs["mean"], ("hello world",) * 64, cancel=True
+    )
+    assert prefilling_when_ended == [True]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_embedding_work_is_not_starved_while_a_prompt_is_prefilled(
+    pooled_ggufs: dict[str, Path], pooling: str
+) -> None:
+    """A prompt's steps go first, but waiting embedding work takes every
+    fifth (TURN_AFTER): an embed that arrives at a ~14-step prompt's first
+    chunk has its vectors while the prompt is still being read — before,
+    it waited for the whole prompt. Both embedders (pieces, whole inputs)."""
+    prefilling_when_ended, submission = _embed_beside_a_long_prompt(
+        pooled_ggufs[pooling], ("hello world", "pandas eat bamboo"), cancel=False
+    )
+    assert prefilling_when_ended == [True]
+    assert submission.error is None and submission.result is not None
+    assert len(submission.result.vectors) == 2
 
 
 class _NullSink:

@@ -71,6 +71,24 @@ def decoding(jobs: list[Job]) -> int:
     return sum(1 for j in jobs if j.next_token is not None and not j.waiting_room)
 
 
+def embed_room(
+    jobs: list[Job], budget: PrefillBudget, spent: float, turn: bool
+) -> tuple[bool, float | None]:
+    """Whether this step's embedding work decodes, and in what room (seconds;
+    None: nothing decodes beside it, so what one decode holds; 0: unmeasured,
+    the smallest piece). ``spent``: the step so far. While a prompt is
+    prefilled the step is the prompt's (a first token is someone's wait) but
+    on the work's ``turn`` (:attr:`.Embedder.turn_due`: the prompts' share
+    went to it this step); beside decoding streams, the room the budget
+    leaves less what the step overran their decode."""
+    n = decoding(jobs)
+    room = budget.room(n) if n else 0.0
+    left = room - max(0.0, spent - (budget.decode_time(n) or spent))
+    if (prefilling(jobs) and not turn) or (room > 0 and left <= 0):
+        return False, None
+    return True, (max(left, 0.0) if n else None)
+
+
 def draft_for(job: Job, room: int | None = None) -> list[int]:
     """The draft ``job`` decodes beside its next token this step (empty: none):
     none while close-tag tokens are due (they are written, not sampled), none
@@ -223,9 +241,12 @@ class Batcher:
         #: and the bench.
         self.step_log: deque[tuple[int, int, int, float, int]] = deque(maxlen=log_size)
 
-    def plan(self, jobs: list[Job], used: int = 0, drafts: bool = True) -> StepPlan:
-        """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
-        return plan_step(jobs, self.budget, self.batch, used, drafts)
+    def plan(
+        self, jobs: list[Job], used: int = 0, drafts: bool = True, *, prompts: bool = True
+    ) -> StepPlan:
+        """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`);
+        ``prompts`` False: no prompt tokens this step (embedding work's turn)."""
+        return plan_step(jobs, self.budget, self.batch, used if prompts else 1 << 30, drafts)
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its

@@ -81,12 +81,16 @@ from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaModel
 
-__all__ = ["MAX_SEQUENCES", "EmbedJob", "Embedder"]
+__all__ = ["MAX_SEQUENCES", "TURN_AFTER", "EmbedJob", "Embedder"]
 
 log = logging.getLogger("wsserver.llama")
 
 #: Inputs in one decode at most (llama.cpp allows 256 sequences).
 MAX_SEQUENCES: Final = 64
+#: While prompts are prefilled back to back, waiting embedding work takes
+#: every fifth step (the prompts' share goes to it): prompts first, but the
+#: work is not starved (docs/embeddings.md).
+TURN_AFTER: Final = 4
 
 
 @dataclass(eq=False)
@@ -148,6 +152,8 @@ class Embedder(EmbedDoor):
         #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
         #: decoding beside it), the seconds it was priced at or -1, seconds).
         self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
+        #: Steps in a row that passed its waiting work over (:attr:`turn_due`).
+        self.passed_over = 0
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
         self.on_decode: Callable[[list[str]], None] | None = None
@@ -209,6 +215,13 @@ class Embedder(EmbedDoor):
 
     # ------------------------------------------------------------ engine side
 
+    @property
+    def turn_due(self) -> bool:
+        """Whether waiting work takes the next step from prompts being prefilled
+        back to back: it was passed over :data:`TURN_AFTER` steps in a row
+        (:func:`.llama_batching.embed_room`). It waits; it does not starve."""
+        return self.passed_over >= TURN_AFTER
+
     def runnable(self) -> bool:
         """Work to do (called under the engine's condition)."""
         return bool(self._incoming or self._jobs)
@@ -225,6 +238,7 @@ class Embedder(EmbedDoor):
         for job in list(self._jobs):
             if job.cancelled:
                 self._leave(job)
+        self.passed_over = self.passed_over + 1 if self._jobs and not decode else 0
         if not self._jobs or not decode:
             return
         if self._ctx is None:  # prepared before an unload's close: not made yet

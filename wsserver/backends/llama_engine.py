@@ -59,7 +59,7 @@ import llama_cpp
 from ..core.logprobs import TokenLogprob
 from ..errors import BackendError
 from .base import CancelEvent, GenerationRequest, Outcome, Sink, Submission
-from .llama_batching import Batcher, decoding, prefilling, verify
+from .llama_batching import Batcher, decoding, embed_room, verify
 from .llama_choices import Choices
 from .llama_context import AbortFlag, quiet_errors
 from .llama_embed import Embedder
@@ -314,14 +314,12 @@ class BatchEngine:
     def _embed_step(self, spent: float) -> None:
         """Embedding work (:mod:`.llama_embed`): cancels, inputs in the room ``spent`` left."""
         assert self.embedder is not None
-        n, budget = decoding(self._jobs), self.batcher.budget
-        room = budget.room(n) if n else 0.0  # (0: unmeasured, the smallest piece)
-        left = room - max(0.0, spent - (budget.decode_time(n) or spent))
-        if prefilling(self._jobs) or (room > 0 and left <= 0):
+        go, room = embed_room(self._jobs, self.batcher.budget, spent, self.embedder.turn_due)
+        if not go:
             self.embedder.step(None, decode=False)  # its cancels still go at once
             return
         self.watch.doing = ("embedding inputs", "")
-        self.embedder.step(max(left, 0.0) if n else None)
+        self.embedder.step(room)
 
     # ------------------------------------------------------------ one step
 
@@ -333,7 +331,8 @@ class BatchEngine:
         with self._cond:
             self.flag.lower()
             embedding = self.embedder is not None and self.embedder.runnable()  # takes the room
-            step = self.batcher.plan(self._jobs, image or 0, not embedding)  # drafts would
+            turn = embedding and self.embedder is not None and self.embedder.turn_due  # no prompt
+            step = self.batcher.plan(self._jobs, image or 0, not embedding, prompts=not turn)
         plan = step.parts
         if not plan:
             return
