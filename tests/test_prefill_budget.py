@@ -210,3 +210,32 @@ def test_drafts_beside_others_fit_in_the_gap_and_one_stream_drafts_freely() -> N
     assert budget.draft_rows(4) == 6  # 120 ms at 20 ms a token
     # The budget off (a fixed chunk a step): no time bound on drafts either.
     assert PrefillBudget(0.0, n_batch=512).draft_rows(3) is None
+
+
+def test_embedding_work_gets_its_turn_from_prompts_and_keeps_the_room_otherwise() -> None:
+    """``embed_room``: while a prompt is prefilled, embedding work decodes only
+    on its turn — then at least its smallest piece, even after an overrun (so
+    the prompts it held up are held up once); beside decoding streams alone it
+    takes the room the budget leaves, and nothing after an overrun."""
+    from types import SimpleNamespace
+
+    from wsserver.backends.llama_batching import embed_room
+
+    budget = PrefillBudget(2.0, n_batch=512, gap_s=200 * MS)
+    budget.observe(3, 0, 50 * MS)  # three streams' decode-only step
+    stream = SimpleNamespace(
+        next_token=1, waiting_room=False, fed=5, prompt=[0] * 5, cancelled=False
+    )
+    prompt = SimpleNamespace(
+        next_token=None, waiting_room=False, fed=0, prompt=[0] * 900, cancelled=False
+    )
+    beside, with_prompt = [stream] * 3, [stream, stream, stream, prompt]
+    room = budget.room(3)
+    assert room > 0
+    assert embed_room(beside, budget, 50 * MS, turn=False) == (True, pytest.approx(room))
+    assert embed_room(beside, budget, 50 * MS + room + MS, turn=False) == (False, None)
+    assert embed_room(with_prompt, budget, 50 * MS, turn=False) == (False, None)
+    assert embed_room(with_prompt, budget, 50 * MS, turn=True) == (True, pytest.approx(room))
+    assert embed_room(with_prompt, budget, 50 * MS + room + MS, turn=True) == (True, 0.0)
+    assert embed_room([prompt], budget, 0.0, turn=False) == (False, None)
+    assert embed_room([prompt], budget, 0.0, turn=True) == (True, None)  # a whole decode

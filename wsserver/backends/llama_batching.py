@@ -80,11 +80,13 @@ def embed_room(
     prefilled the step is the prompt's (a first token is someone's wait) but
     on the work's ``turn`` (:attr:`.Embedder.turn_due`: the prompts' share
     went to it this step); beside decoding streams, the room the budget
-    leaves less what the step overran their decode."""
+    leaves less what the step overran their decode (on a turn, at least the
+    smallest piece: the prompts it held up are held up once, not again)."""
     n = decoding(jobs)
     room = budget.room(n) if n else 0.0
     left = room - max(0.0, spent - (budget.decode_time(n) or spent))
-    if (prefilling(jobs) and not turn) or (room > 0 and left <= 0):
+    held = prefilling(jobs)
+    if (held and not turn) or (not held and room > 0 and left <= 0):
         return False, None
     return True, (max(left, 0.0) if n else None)
 
