@@ -107,20 +107,26 @@ def draft_for(job: Job, room: int | None = None) -> list[int]:
 
 
 def plan_step(
-    jobs: list[Job], budget: PrefillBudget, batch: Batch, used: int = 0, drafts: bool = True
+    jobs: list[Job],
+    budget: PrefillBudget,
+    batch: Batch,
+    used: int = 0,
+    drafts: bool = True,
+    prompts: bool = True,
 ) -> StepPlan:
     """Choose each of ``jobs``' part of the next step and put it in ``batch``
     (cleared first); ``jobs`` in admission order; ``used``: prompt positions
     the step already took (an image's embeddings), out of its share;
     ``drafts``: whether speculating sequences may draft (not while embedding
-    work waits to take the step's room). A job with prompt tokens
+    work waits to take the step's room); ``prompts``: whether prompts get
+    their share (not on embedding work's turn, :func:`embed_room`). A job with prompt tokens
     in the step is marked ``in_flight`` (a cancel then aborts the decode).
     Called under the engine's condition: cancels change ``jobs`` meanwhile."""
     batch.clear()
     decoding = [j for j in jobs if j.next_token is not None and not j.outbox and not j.waiting_room]
     # Each sequence's part of the step: its next token, or a chunk of its prompt.
     parts: list[tuple[Job, int]] = [(job, 1) for job in decoding]
-    share = left = max(0, budget.share(len(decoding)) - used) if prefilling(jobs) else 0
+    share = left = max(0, budget.share(len(decoding)) - used) if prompts and prefilling(jobs) else 0
     first_chunks: list[Job] = []
     for job in jobs:
         # Up to the next image: the engine decodes its embeddings apart.
@@ -246,9 +252,8 @@ class Batcher:
     def plan(
         self, jobs: list[Job], used: int = 0, drafts: bool = True, *, prompts: bool = True
     ) -> StepPlan:
-        """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`);
-        ``prompts`` False: no prompt tokens this step (embedding work's turn)."""
-        return plan_step(jobs, self.budget, self.batch, used if prompts else 1 << 30, drafts)
+        """The next step's plan, its tokens put in :attr:`batch` (see :func:`plan_step`)."""
+        return plan_step(jobs, self.budget, self.batch, used, drafts, prompts)
 
     def observe(self, step: StepPlan, seconds: float) -> None:
         """``step`` lasted ``seconds``, from its first token delivered to its

@@ -152,7 +152,8 @@ class Embedder(EmbedDoor):
         #: The latest decodes: (inputs, tokens, the room it was given or -1 (none
         #: decoding beside it), the seconds it was priced at or -1, seconds).
         self.step_log: deque[tuple[int, int, float, float, float]] = deque(maxlen=1024)
-        #: Steps in a row that passed its waiting work over (:attr:`turn_due`).
+        #: Steps in a row that passed its waiting work over — a prompt's, or one
+        #: with no room left beside the streams (:attr:`turn_due`).
         self.passed_over = 0
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
