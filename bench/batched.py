@@ -64,16 +64,26 @@ async def ws_aggregate(model: str, threads: int, n: int, **extra: Any) -> dict[s
     return out
 
 
+#: llama-server's ``/completion`` body for section 10's streams.
+PEER_BODY = {"n_predict": TOKENS, "temperature": 0, "cache_prompt": False}
+
+
+async def peer_at_once(port: int, prompts: list[str]) -> tuple[list[Stream], float]:
+    """llama-server's side of :func:`~bench.wsload.at_once`: a ``/completion``
+    per prompt, all at once; their streams, and when they were started."""
+    t0 = now()
+    runs = await asyncio.gather(
+        *(llama_completion(port, {"prompt": p, **PEER_BODY}) for p in prompts)
+    )
+    return list(runs), t0
+
+
 async def server_aggregate(tools: Path, model: str, threads: int, n: int) -> dict[str, Any]:
     """llama-server as a user runs it: its defaults (flash attention ``auto``)."""
     args = ("-np", n, "-c", N_CTX * n, "-t", threads)
-    body = {"n_predict": TOKENS, "temperature": 0, "cache_prompt": False}
     async with llama_server(tools / "llama-server", model, *args) as peer:
-        await llama_completion(peer.port, {"prompt": "Warm up.", **body})
-        t0 = now()
-        runs = await asyncio.gather(
-            *(llama_completion(peer.port, {"prompt": p, **body}) for p in distinct(n, "ls"))
-        )
+        await llama_completion(peer.port, {"prompt": "Warm up.", **PEER_BODY})
+        runs, t0 = await peer_at_once(peer.port, distinct(n, "ls"))
     # Timed from the response's head, as llama-server's streams always were here.
     ttft = median(1000 * (r.first - r.head) for r in runs if r.first is not None and r.head)
     return {**aggregate(runs, t0, to_end=True), "ttft_ms": ttft}

@@ -127,7 +127,7 @@ async def _scenario(stream: Streamer, text: str, prompt_tokens: Callable[[Stream
     return _summary(others, long.sent, long.first, prompt_tokens(long))
 
 
-async def _wsserver(model: str, threads: int, extra: dict[str, Any], text: str) -> Any:
+async def scenario_wsserver(model: str, threads: int, extra: dict[str, Any], text: str) -> Any:
     settings = {"n_ctx": N_CTX, "unpaced": True, **extra}
     async with llama_wsserver(model, threads=threads, parallel=4, **settings) as server:
 
@@ -138,7 +138,7 @@ async def _wsserver(model: str, threads: int, extra: dict[str, Any], text: str) 
         return await _scenario(stream, text, lambda r: int(r.final["usage"]["prompt_tokens"]))
 
 
-async def _llama_server(tools: Path, model: str, threads: int, text: str) -> Any:
+async def scenario_llama_server(tools: Path, model: str, threads: int, text: str) -> Any:
     body = {"temperature": 0, "cache_prompt": False}
     args = ("-np", 4, "-c", N_CTX * 4, "-t", threads)
     async with llama_server(tools / "llama-server", model, *args) as peer:
@@ -179,9 +179,9 @@ async def run(opts: Options) -> dict[str, Any]:
                 opts.log(f"  {n}-token prompt, round {r + 1}: {name}")
                 if extra is None:
                     assert tools is not None
-                    row = await _llama_server(tools, model, threads, texts[n])
+                    row = await scenario_llama_server(tools, model, threads, texts[n])
                 else:
-                    row = await _wsserver(model, threads, extra, texts[n])
+                    row = await scenario_wsserver(model, threads, extra, texts[n])
                 rounds[name].setdefault(n, []).append(row)
     table = [
         {"contender": name, "prompt": n, **_median(rows)}

@@ -46,12 +46,12 @@ from typing import Any
 import aiohttp
 
 from . import freeze
-from .batched import N_CTX, TOKENS
+from .batched import N_CTX, PEER_BODY, TOKENS, peer_at_once
 from .contenders import InProcess, llama_completion
 from .lineup import distinct, long_prompt
 from .options import Options
 from .servers import Child, ServerProcess, llama_model, llama_server, llama_wsserver, tools_for
-from .timing import aggregate, now
+from .timing import aggregate
 from .wsload import at_once, generate_frame, timed_alone
 
 __all__ = ["pairs_summary"]
@@ -90,20 +90,15 @@ async def _decode_pairs(
     ours: ServerProcess, peer: Child, n: int, rounds: int
 ) -> tuple[list[float], list[float]]:
     """``rounds`` pairs of N streams (new prompts each round) on two running servers."""
-    body = {"n_predict": TOKENS, "temperature": 0, "cache_prompt": False}
     await timed_alone(ours.url, generate_frame("warm", "Warm up.", 8))
-    await llama_completion(peer.port, {"prompt": "Warm up.", **body, "n_predict": 8})
+    await llama_completion(peer.port, {"prompt": "Warm up.", **PEER_BODY, "n_predict": 8})
 
     async def ws(r: int) -> float:
         runs, t0 = await at_once(ours.url, distinct(n, f"ws{r}"), TOKENS)
         return float(aggregate(runs, t0)["tok_s"])
 
     async def ls(r: int) -> float:
-        t0 = now()
-        prompts = distinct(n, f"ls{r}")
-        runs = await asyncio.gather(
-            *(llama_completion(peer.port, {"prompt": p, **body}) for p in prompts)
-        )
+        runs, t0 = await peer_at_once(peer.port, distinct(n, f"ls{r}"))
         return float(aggregate(runs, t0, to_end=True)["tok_s"])
 
     return await _alternate(rounds, ws, ls)
@@ -164,11 +159,11 @@ async def freeze_ttft(opts: Options, tools: Path, rounds: int, settings: dict[st
     rows: dict[str, list[dict[str, Any]]] = {"ours": [], "peer": []}
 
     async def ws(_: int) -> float:
-        rows["ours"].append(await freeze._wsserver(model, threads, settings, text))
+        rows["ours"].append(await freeze.scenario_wsserver(model, threads, settings, text))
         return float(rows["ours"][-1]["ttft_ms"]) / 1000
 
     async def ls(_: int) -> float:
-        rows["peer"].append(await freeze._llama_server(tools, model, threads, text))
+        rows["peer"].append(await freeze.scenario_llama_server(tools, model, threads, text))
         return float(rows["peer"][-1]["ttft_ms"]) / 1000
 
     a, b = await _alternate(rounds, ws, ls)

@@ -88,6 +88,8 @@ def markdown(
         ".venv/bin/python -m bench --sections throughput cancel --baseline HEAD~1 --out /tmp/ab.md",
         "# section 12 (the sampler chain, JSON schemas) against the server before a change:",
         ".venv/bin/python -m bench --sections structured --baseline REF --merge",
+        "# decode, a prompt alone, the freeze: both servers up, the same work in turns (pairs):",
+        ".venv/bin/python -m bench.paired decode   # or ingest, freeze; --set KEY=VALUE for an A/B",
         "```",
         "",
         f"This run: `{meta['command']}`"
