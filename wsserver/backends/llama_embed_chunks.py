@@ -19,6 +19,10 @@ llama.cpp would: **mean** (the sum of the positions' vectors over their
 count, in float64) or **last** (the last position's). Encoders (non-causal
 attention) and cls or rank pooling keep the whole-input decoder.
 
+Each decode ends at those hidden states, before the output head, once a
+first check on this context showed that changes nothing
+(:mod:`.llama_hidden`): on the default model, half of a decode's time.
+
 A decode aborted by a cancel removes the cut input's new cells (its sum is
 only added to after a decode succeeds); a NaN among several inputs keeps
 nothing of the decode and runs them again one at a time, as the whole-input
@@ -34,6 +38,7 @@ import llama_cpp
 import numpy as np
 
 from .llama_embed import MAX_SEQUENCES, Embedder, EmbedJob
+from .llama_hidden import HiddenStop
 
 __all__ = ["PIECE_TOKENS", "ChunkedEmbedder", "chunked"]
 
@@ -41,6 +46,8 @@ __all__ = ["PIECE_TOKENS", "ChunkedEmbedder", "chunked"]
 PIECE_TOKENS: Final = 128
 #: Tokens of a first piece beside streams, before a token's cost is measured.
 _FIRST_PIECE: Final = 16
+#: Tokens :meth:`.HiddenStop.check` decodes (twice), from the first input waiting.
+_CHECK_TOKENS: Final = 4
 
 
 def chunked(pooling: int, causal: bool) -> bool:
@@ -80,6 +87,8 @@ class ChunkedEmbedder(Embedder):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # Every position's vector is the final norm's output, before the head.
+        self.hidden = HiddenStop()
         self._carry: _Carry | None = None
         #: The sequences the last decode used (cleared before the next, but the carry's).
         self._used: set[int] = set()
@@ -101,6 +110,8 @@ class ChunkedEmbedder(Embedder):
         # Unmeasured beside streams: one input's first piece prices the decodes.
         unmeasured = room_s is not None and not self.cost.measured
         most = 1 if self._solo > 0 or unmeasured else MAX_SEQUENCES
+        if self.hidden is not None and not self.hidden.checked and self._carry is None:
+            self.hidden.check(self._check_decode)
         pieces = self._pieces(self._budget(room_s), most)
         if not pieces:
             return
@@ -144,6 +155,27 @@ class ChunkedEmbedder(Embedder):
             part = rows[row : row + piece.end - piece.start].astype(np.float64)
             row += piece.end - piece.start
             self._take(piece, part)
+
+    def _check_decode(self) -> Any:
+        """For :meth:`.HiddenStop.check`: the first waiting input's first few
+        tokens decoded from an empty cache, their rows (None: it failed)."""
+        job = next(j for j in self._jobs if j.done < len(j.tokens))
+        tokens = job.tokens[job.done][:_CHECK_TOKENS]
+        batch = self._batch
+        for pos, token in enumerate(tokens):
+            batch.token[pos] = token
+            batch.pos[pos] = pos
+            batch.n_seq_id[pos] = 1
+            batch.seq_id[pos][0] = 0
+            batch.logits[pos] = True
+        batch.n_tokens = len(tokens)
+        memory = llama_cpp.llama_get_memory(self._ctx)
+        llama_cpp.llama_memory_clear(memory, True)
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        rows = llama_cpp.llama_get_embeddings(self._ctx) if status == 0 else None
+        got = None if not rows else np.ctypeslib.as_array(rows, shape=(len(tokens), self.n_embd))
+        llama_cpp.llama_memory_clear(memory, True)
+        return None if got is None else got.copy()
 
     def _budget(self, room_s: float | None) -> int:
         """Tokens this decode takes: what one holds, or the room's worth."""
