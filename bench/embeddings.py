@@ -90,8 +90,10 @@ async def embed(session: aiohttp.ClientSession, base: str, inputs: list[str]) ->
     async with session.post(
         base + "/v1/embeddings", json={"input": inputs, "encoding_format": "float"}
     ) as response:
-        body = await response.json()
+        head = time.perf_counter()
+        raw = await response.read()
     elapsed = time.perf_counter() - started
+    body = json.loads(raw)
     if response.status != 200:
         raise RuntimeError(f"{base}: {response.status} {body}")
     tokens = int(body["usage"]["prompt_tokens"])
@@ -102,6 +104,9 @@ async def embed(session: aiohttp.ClientSession, base: str, inputs: list[str]) ->
         "tokens_s": tokens / elapsed,
         "tokens": tokens,
         "vectors": vectors,
+        # From the answer's head to its last byte (a send buffer smaller than
+        # two segments took seconds here on loopback: WholeAnswerBuffer).
+        "body_ms": 1000 * (started + elapsed - head),
     }
 
 
@@ -210,6 +215,7 @@ async def run(opts: Options, long_chars: int = 0) -> dict[str, Any]:
                     "tokens_s": median(r["tokens_s"] for r in done),
                     "tokens": done[0]["tokens"],
                     "rounds_inputs_s": [r["inputs_s"] for r in done],
+                    "body_ms": median(r["body_ms"] for r in done),
                 }
                 if done
                 else None
@@ -288,8 +294,9 @@ def render(result: dict[str, Any]) -> str:
         "as unit vectors (llama-server normalises its own).",
         "",
         "| inputs | wsserver inputs/s | llama-server inputs/s | **ratio** | wsserver tokens/s "
-        "| llama-server tokens/s | max \\|Δ\\| of unit vectors |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| llama-server tokens/s | answer's body, head to last byte: ms, wsserver / llama-server "
+        "| max \\|Δ\\| of unit vectors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         ours, peer = r["ours"] or {}, r["peer"] or {}
@@ -297,7 +304,8 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['workload']} | {fmt(ours.get('inputs_s'))} | {fmt(peer.get('inputs_s'))} "
             f"| **{fmt(r['ratio'], 2, TIMES)}** | {fmt(ours.get('tokens_s'), 0)} "
-            f"| {fmt(peer.get('tokens_s'), 0)} | {diff} |"
+            f"| {fmt(peer.get('tokens_s'), 0)} "
+            f"| {fmt(ours.get('body_ms'), 0)} / {fmt(peer.get('body_ms'), 0)} | {diff} |"
         )
     if all(r["peer"] is None for r in result["rows"]):
         lines += ["", "llama-server: not measured (run scripts/llama-tools once)."]

@@ -44,8 +44,18 @@ def embeddings_result(ratios: dict[str, float | None]) -> dict[str, Any]:
     """Section 18's result with these workloads' ratios (None: llama-server not measured)."""
     rows = []
     for name, r in ratios.items():
-        ours = {"inputs_s": 10.0, "tokens_s": 150.0, "tokens": 15, "rounds_inputs_s": [10.0]}
-        peer = None if r is None else {**ours, "inputs_s": 10.0 / r, "rounds_inputs_s": [10 / r]}
+        ours = {
+            "inputs_s": 10.0,
+            "tokens_s": 150.0,
+            "tokens": 15,
+            "rounds_inputs_s": [10.0],
+            "body_ms": 8.0,
+        }
+        peer = (
+            None
+            if r is None
+            else {**ours, "inputs_s": 10.0 / r, "rounds_inputs_s": [10 / r], "body_ms": 2.0}
+        )
         rows.append(
             {
                 "workload": name,
@@ -91,9 +101,10 @@ def test_section_18_renders_the_tables_the_hand_text_had() -> None:
     text = embeddings.render(result)
     assert (
         "| inputs | wsserver inputs/s | llama-server inputs/s | **ratio** | wsserver tokens/s "
-        "| llama-server tokens/s | max \\|Δ\\| of unit vectors |"
+        "| llama-server tokens/s | answer's body, head to last byte: ms, wsserver / llama-server "
+        "| max \\|Δ\\| of unit vectors |"
     ) in text
-    assert "| 512 short | 10.0 | 10.1 | **0.99\u00d7** | 150 | 150 | 1.7e-02 |" in text
+    assert "| 512 short | 10.0 | 10.1 | **0.99\u00d7** | 150 | 150 | 8 / 2 | 1.7e-02 |" in text
     assert "| 8 long inputs/s" not in text  # the targets' rows name the workload once each
     assert (
         "| embeddings, 8 long: inputs/s >= 1.0\u00d7 llama-server's | 0.81\u00d7 | **no** |" in text
@@ -106,7 +117,7 @@ def test_section_18_renders_the_tables_the_hand_text_had() -> None:
     assert "worst gap 164\u2013230 ms" in headline
     # Without llama-server: its columns are dashes and the reason is said.
     alone = embeddings.render(embeddings_result(dict.fromkeys(FULL)))
-    assert "| 1 short | 10.0 | - | **-** | 150 | - | - |" in alone
+    assert "| 1 short | 10.0 | - | **-** | 150 | - | 8 / - | - |" in alone
     assert "llama-server: not measured" in alone
 
 

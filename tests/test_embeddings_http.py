@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import socket
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -330,3 +331,40 @@ async def test_embedding_requests_are_counted_by_how_they_ended() -> None:
         assert ended("embed", "error") == 1.0
         assert ended("rerank", "complete") == 1.0
         assert registry.get_sample_value("wsserver_embedding_request_seconds_count") == 3.0
+
+
+async def test_a_large_answer_has_room_for_two_segments_and_the_next_the_configured_buffer() -> (
+    None
+):
+    """A whole answer larger than ``server.sndbuf``: on loopback (segments of
+    32 KiB and more) a 16 KiB buffer sends one segment at a time, each after
+    the client's delayed ACK — a 6 MB answer took 3 s (WholeAnswerBuffer,
+    docs/benchmarks.md section 18). It goes out with room for two segments;
+    the next answer on the connection, a stream, gets the configured size."""
+    with socket.socket() as scratch:  # what Linux makes of the configured size
+        scratch.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        configured = scratch.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    inputs = [f"input number {i}" for i in range(2000)]
+    async with (
+        running_server(make_config(server__sndbuf=16384)) as server,
+        aiohttp.ClientSession() as session,
+    ):
+        url = f"http://127.0.0.1:{server.port}/v1"
+        body = {"input": inputs, "encoding_format": "float"}
+        async with session.post(url + "/embeddings", json=body) as response:
+            answer = await response.json()
+        assert response.status == 200 and len(answer["data"]) == len(inputs)
+        assert answer["data"][1999]["embedding"] == vector(inputs[1999])
+        (connection,) = server.api.live.values()
+        sock = connection._transport.get_extra_info("socket")
+        segment = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+        assert 2 * segment > 16384, "loopback's segments are larger than the buffer"
+        assert connection.out.send_buffer.widened
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * segment
+        stream = {"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 5, "stream": True}
+        async with session.post(url + "/completions", json=stream) as response:
+            events = [line async for line in response.content if line.startswith(b"data:")]
+        assert events[-1].strip() == b"data: [DONE]"
+        assert server.api.live == {connection.conn_id: connection}, "the same connection"
+        assert not connection.out.send_buffer.widened
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == configured

@@ -33,6 +33,7 @@ from ..errors import refusal_headers
 from ..logs import ConnectionLog
 from .drain import DrainWatch
 from .http_route import Headers
+from .listener import WholeAnswerBuffer
 
 __all__ = ["HttpOut"]
 
@@ -49,10 +50,14 @@ class HttpOut:
         *,
         log: ConnectionLog,
         send_timeout: float,
+        sndbuf: int = 0,
     ) -> None:
         self._h11 = h11_connection
         self._log = log
         self._send_timeout = send_timeout
+        self._sndbuf = sndbuf
+        #: The socket's send buffer, widened for a large whole answer (tests).
+        self.send_buffer = WholeAnswerBuffer(None, sndbuf)
         self._transport: asyncio.Transport | None = None
         self._watch: DrainWatch | None = None
         self._lost = False
@@ -72,6 +77,7 @@ class HttpOut:
         """The connection is made: write to ``transport``, judge waits with ``watch``."""
         self._transport = transport
         self._watch = watch
+        self.send_buffer = WholeAnswerBuffer(transport.get_extra_info("socket"), self._sndbuf)
 
     @property
     def lost(self) -> bool:
@@ -102,7 +108,9 @@ class HttpOut:
         self._writable.set()
 
     def release(self) -> None:
-        """The connection is no longer ours (lost, or handed over): its timers stop."""
+        """The connection is no longer ours (lost, or handed over): its timers
+        stop, its send buffer is the configured size (a WebSocket's streams)."""
+        self.send_buffer.restore()
         if self._close_deadline is not None:
             self._close_deadline.cancel()
             self._close_deadline = None
@@ -112,6 +120,7 @@ class HttpOut:
     # ------------------------------------------------------------ the Responder
 
     def start(self, status: int, headers: Headers) -> None:
+        self.send_buffer.restore()
         reason = _PHRASES.get(status) or HTTPStatus(status).phrase.encode("ascii")
         self._write(h11.Response(status_code=status, headers=_encode(headers), reason=reason))
 
@@ -140,6 +149,7 @@ class HttpOut:
         self.start(status, all_headers)
         request = self.request
         if request is None or request.method != b"HEAD":
+            self.send_buffer.widen(len(body))
             self.send(body)  # a HEAD gets the headers of the answer only
         self.end()
 

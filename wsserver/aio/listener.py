@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.typing import Subprotocol
 
 from ..security import select_subprotocol
 
-__all__ = ["make_listening_socket", "select_ws_subprotocol"]
+__all__ = ["WholeAnswerBuffer", "make_listening_socket", "select_ws_subprotocol"]
 
 
 def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket:
@@ -38,6 +40,54 @@ def make_listening_socket(host: str, port: int, *, sndbuf: int) -> socket.socket
         sock.close()
         raise
     return sock
+
+
+class WholeAnswerBuffer:
+    """An accepted socket's send buffer, widened to two segments while it
+    sends an answer that is whole in memory.
+
+    The small ``server.sndbuf`` is for streams: a slow reader fills it, and
+    the wait reaches the request's pump. For a large answer sent at once it
+    is a trap on loopback, where a segment is 32 KiB or more: a buffer that
+    cannot hold two segments sends one at a time, and the receiver's TCP
+    acknowledges a lone segment only after its delayed-ACK timer (~40 ms on
+    Linux) — measured, a 6 MB ``/v1/embeddings`` answer took 3.0 s from its
+    head to its last byte, at 16 KiB (32 KiB effective), and 2-4 ms with 64
+    KiB (2026-12-04; llama-server, autotuned: 2 ms). The answer's bytes are
+    in memory already, so the kernel holding up to two segments of them
+    instead of asyncio's buffer adds nothing; the next answer on the
+    connection (a stream, perhaps) gets the configured size back first.
+    With ``sndbuf = 0`` (the kernel's autotuning) nothing is touched: setting
+    a size would turn the autotuning off.
+    """
+
+    def __init__(self, sock: Any, sndbuf: int) -> None:
+        # asyncio's TransportSocket (its socket's options), or None
+        self._sock = sock
+        self._sndbuf = sndbuf
+        #: Whether the buffer is widened now (tests).
+        self.widened = False
+
+    def widen(self, size: int) -> None:
+        """``size`` bytes go out whole next: at least two segments' room if
+        they are more than the configured buffer holds."""
+        if self._sock is None or self._sndbuf <= 0 or self.widened or size <= self._sndbuf:
+            return
+        try:
+            segments = 2 * self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+            if segments > self._sndbuf:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, segments)
+                self.widened = True
+        except OSError:  # not TCP, or closed: the configured size stays
+            pass
+
+    def restore(self) -> None:
+        """The configured size again (before the next answer starts)."""
+        if not self.widened or self._sock is None:
+            return
+        self.widened = False
+        with contextlib.suppress(OSError):  # closed: nothing to restore
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
 
 
 def select_ws_subprotocol(

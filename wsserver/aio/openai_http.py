@@ -123,7 +123,12 @@ class HttpConnection(asyncio.Protocol):
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=16384)
         config = self._services.config
         #: The write side: every answer goes out through it.
-        self.out = HttpOut(self._h11, log=self.log, send_timeout=config.server.send_timeout_s)
+        self.out = HttpOut(
+            self._h11,
+            log=self.log,
+            send_timeout=config.server.send_timeout_s,
+            sndbuf=config.server.sndbuf,
+        )
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self.peer = "?"
