@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
 from typing import Any
 
 from conftest import FAKE_MODEL, running_server, wire
@@ -156,3 +157,31 @@ async def test_a_fifth_embed_at_once_is_refused_busy() -> None:
         await ws.send({"type": "embed", "id": "next", "input": "abcd"})
         frames = await ws.until(ended("next"))
         assert frames[-1]["reason"] == "complete"
+
+
+async def test_a_large_embed_done_has_room_for_two_segments_and_a_streams_frames_do_not() -> None:
+    """A message larger than ``server.sndbuf`` (a 2,000-input ``embed_done``)
+    is written with room for two TCP segments — below that, on loopback,
+    each send waits for the client's delayed ACK (WholeAnswerBuffer) — and
+    the next message, a stream's, restores the configured size before it is
+    written: a resumable stream's replay tail counts on it."""
+    with socket.socket() as scratch:  # what Linux makes of the configured size
+        scratch.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        configured = scratch.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    inputs = [f"input number {i}" for i in range(2000)]
+    async with running_server(server__sndbuf=16384) as server, wire(server) as ws:
+        await ws.send({"type": "embed", "id": "big", "input": inputs})
+        (done,) = [f for f in await ws.until(ended("big")) if f.get("id") == "big"]
+        assert done["reason"] == "complete"
+        assert done["data"][1999] == floats_of(fake_vector(inputs[1999]))
+        (connection,) = server.connections.values()
+        sock = connection.ws.transport.get_extra_info("socket")
+        segment = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+        assert 2 * segment > 16384, "loopback's segments are larger than the buffer"
+        assert connection.sender.send_buffer.widened
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * segment
+        await ws.send({"type": "generate", "id": "g", "prompt": "hi", "max_tokens": 3})
+        text, frames = await ws.done("g")
+        assert text and frames[-1]["type"] == "done"
+        assert not connection.sender.send_buffer.widened
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == configured

@@ -9,6 +9,14 @@ by its progress — the same watchdog as over HTTP.
 
 The dialect renders (a protocol frame serialized, a Responses event as JSON);
 the sender only moves the bytes, as one text message each.
+
+**A large message** (an ``embed_done`` with its vectors) is written with the
+socket's send buffer widened to two TCP segments, as a whole HTTP answer is
+(:class:`~wsserver.aio.listener.WholeAnswerBuffer`: below two segments each
+send waits for the client's delayed ACK — on loopback ~2 MB/s). The next
+message restores ``server.sndbuf`` before it is written, so a stream's frames
+never enter a widened buffer: what the kernel may hold of them stays within
+twice ``sndbuf``, which a resumable stream's replay tail counts on.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 
 from ..errors import WireLost
 from .drain import DrainWatch
+from .listener import WholeAnswerBuffer
 
 __all__ = ["Sender"]
 
@@ -27,9 +36,11 @@ __all__ = ["Sender"]
 class Sender:
     """Sends text messages to one client, watching its progress while it reads slowly."""
 
-    def __init__(self, websocket: ServerConnection, watch: DrainWatch) -> None:
+    def __init__(self, websocket: ServerConnection, watch: DrainWatch, *, sndbuf: int = 0) -> None:
         self._ws = websocket
         self.watch = watch
+        #: The socket's send buffer, widened for one large message (tests).
+        self.send_buffer = WholeAnswerBuffer(websocket.transport.get_extra_info("socket"), sndbuf)
 
     async def send(self, data: bytes) -> None:
         """Send one message (UTF-8 JSON, sent as text); raises
@@ -38,6 +49,8 @@ class Sender:
         websockets' ``ConnectionClosed`` stops here, and the driver above knows
         no transport."""
         interval = self.watch.interval
+        self.send_buffer.restore()
+        self.send_buffer.widen(len(data))
         try:
             async with asyncio.timeout(interval):
                 await self._ws.send(data, text=True)

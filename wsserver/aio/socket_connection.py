@@ -153,7 +153,7 @@ class SocketConnection:
             request_id=self._active_id,
         )
         #: The one sender: every message to the client goes through it.
-        self.sender = Sender(websocket, self._watch)
+        self.sender = Sender(websocket, self._watch, sndbuf=config.server.sndbuf)
         limits = config.limits
         self._frame_limiter = FrameLimiter(
             rate=limits.frames_per_s,
