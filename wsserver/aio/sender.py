@@ -14,9 +14,11 @@ the sender only moves the bytes, as one text message each.
 socket's send buffer widened to two TCP segments, as a whole HTTP answer is
 (:class:`~wsserver.aio.listener.WholeAnswerBuffer`: below two segments each
 send waits for the client's delayed ACK — on loopback ~2 MB/s). The next
-message restores ``server.sndbuf`` before it is written, so a stream's frames
-never enter a widened buffer: what the kernel may hold of them stays within
-twice ``sndbuf``, which a resumable stream's replay tail counts on.
+message restores ``server.sndbuf`` before it is written, so no message after
+a large one enters a widened buffer: beyond that one message (which, if a
+stream's, is within the output ceiling) the kernel holds at most twice
+``sndbuf`` — the bound a resumable stream's replay tail is sized on
+(:func:`~wsserver.aio.peer.resume_tail_bytes`).
 """
 
 from __future__ import annotations
