@@ -60,7 +60,7 @@ class HiddenStop:
         self.checked = False
         #: Whether the last armed decode reached the node and stopped there.
         self.stopped = False
-        #: Decodes that stopped before the head (for tests and ``/metrics``).
+        #: Decodes that stopped before the head (tests).
         self.count = 0
         # Kept here: the context calls it for as long as it lives.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._call)
@@ -94,6 +94,9 @@ class HiddenStop:
         if self.armed:
             log.info("embedding decodes stop at the hidden states: the output head is not computed")
         else:
-            why = "no such node" if not reached else "not the same vectors"
+            if whole is None or cut is None:
+                why = "a decode of the check failed"
+            else:
+                why = "no such node" if not reached else "not the same vectors"
             log.info("embedding decodes compute the whole graph (%s)", why)
         return self.armed
