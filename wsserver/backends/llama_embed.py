@@ -75,10 +75,9 @@ from ..errors import ProtocolError
 from ..logs import context
 from .base import CancelEvent
 from .embed_door import EmbedDoor, EmbedSubmission
-from .llama_context import AbortFlag
+from .llama_context import AbortFlag, Batch
 from .llama_embed_cost import EmbedCost
 from .llama_embed_inputs import POOLING_NAMES, gguf_pooling, prepare_inputs
-from .llama_hidden import HiddenStop
 
 if TYPE_CHECKING:
     from llama_cpp._internals import LlamaModel
@@ -140,7 +139,7 @@ class Embedder(EmbedDoor):
         self._incoming: list[EmbedJob] = []
         self._jobs: deque[EmbedJob] = deque()
         self._ctx: Any = None
-        self._batch: Any = None
+        self._batch: Any = None  # a Batch while the context is open
         #: Held while the context is made or freed (a worker thread, the unload).
         self._open_lock = threading.Lock()
         self._closed = False
@@ -160,8 +159,6 @@ class Embedder(EmbedDoor):
         #: Called on the engine thread just before each decode, with the ids of
         #: the requests in it (tests); quick, must not raise.
         self.on_decode: Callable[[list[str]], None] | None = None
-        #: Ends decodes before the output head, where that is checked safe (:mod:`.llama_hidden`).
-        self.hidden: HiddenStop | None = None
 
     @property
     def kind(self) -> str:
@@ -287,16 +284,11 @@ class Embedder(EmbedDoor):
         flag = self._flag
         assert ctx is not None and flag is not None
         batch = self._batch
-        n = 0
+        batch.clear()
         for seq, (job, index) in enumerate(picked):
             for pos, token in enumerate(job.tokens[index]):
-                batch.token[n] = token
-                batch.pos[n] = pos
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = seq
-                batch.logits[n] = True  # every token is an output when embedding
-                n += 1
-        batch.n_tokens = n
+                batch.add(token, pos, seq, True)  # every token is an output when embedding
+        n = batch.n
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         jobs = [job for job, _ in picked]
         if not self._run_decode(jobs, len(picked), n, room_s):
@@ -355,7 +347,7 @@ class Embedder(EmbedDoor):
             self.on_decode([job.request.id for job in jobs])
         priced = None if room_s is None else self.cost.price(n)
         started = time.perf_counter()
-        status = llama_cpp.llama_decode(ctx, self._batch)
+        status = llama_cpp.llama_decode(ctx, self._batch.ready())
         seconds = time.perf_counter() - started
         with self._cond:
             for job in jobs:
@@ -444,6 +436,10 @@ class Embedder(EmbedDoor):
         """The pooling the context is made with: the model's, llama.cpp pools."""
         return self.pooling
 
+    def _eval_callback(self) -> Any:
+        """The context's evaluation callback (``cb_eval``), if any: none here."""
+        return None
+
     def _ensure_open(self) -> None:
         """Make the context once (a worker thread's first ``prepare``); never
         after :meth:`close`."""
@@ -471,13 +467,14 @@ class Embedder(EmbedDoor):
         params.n_threads = self._n_threads
         params.n_threads_batch = self._n_threads
         params.no_perf = True
-        if self.hidden is not None:
-            params.cb_eval = self.hidden.callback
+        callback = self._eval_callback()
+        if callback is not None:
+            params.cb_eval = callback
         ctx = llama_cpp.llama_init_from_model(self._model, params)
         if ctx is None:
             raise RuntimeError("llama_init_from_model failed")
         self._ctx = ctx
-        self._batch = llama_cpp.llama_batch_init(self.decode_tokens(), 0, 1)
+        self._batch = Batch(self.decode_tokens())
         self._flag = AbortFlag(ctx, native=self._native_abort)
         log.info(
             "embedding context ready: %s pooling, inputs of up to %d tokens, %d dimensions",
@@ -492,7 +489,7 @@ class Embedder(EmbedDoor):
         with self._open_lock:  # not while a worker thread makes it
             self._closed = True
             if self._batch is not None:
-                llama_cpp.llama_batch_free(self._batch)
+                self._batch.free()
                 self._batch = None
             if self._ctx is not None:
                 llama_cpp.llama_free(self._ctx)

@@ -106,11 +106,14 @@ class ChunkedEmbedder(Embedder):
     def _context_pooling(self) -> int:
         return int(llama_cpp.LLAMA_POOLING_TYPE_NONE)
 
+    def _eval_callback(self) -> Any:
+        return self.hidden.callback
+
     def _work(self, room_s: float | None) -> None:
         # Unmeasured beside streams: one input's first piece prices the decodes.
         unmeasured = room_s is not None and not self.cost.measured
         most = 1 if self._solo > 0 or unmeasured else MAX_SEQUENCES
-        if self.hidden is not None and not self.hidden.checked and self._carry is None:
+        if not self.hidden.checked and self._carry is None:
             self.hidden.check(self._check_decode)
         pieces = self._pieces(self._budget(room_s), most)
         if not pieces:
@@ -125,16 +128,13 @@ class ChunkedEmbedder(Embedder):
             for seq in self._used - {self._carry.seq}:
                 llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
         self._used = {piece.seq for piece in pieces}
-        batch, n = self._batch, 0
+        batch = self._batch
+        batch.clear()
         for piece in pieces:
+            tokens = piece.job.tokens[piece.index]
             for pos in range(piece.start, piece.end):
-                batch.token[n] = piece.job.tokens[piece.index][pos]
-                batch.pos[n] = pos
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = piece.seq
-                batch.logits[n] = True
-                n += 1
-        batch.n_tokens = n
+                batch.add(tokens[pos], pos, piece.seq, True)
+        n = batch.n
         jobs = [piece.job for piece in pieces]
         if not self._run_decode(jobs, len(pieces), n, room_s):
             self._undo(pieces)
@@ -162,16 +162,12 @@ class ChunkedEmbedder(Embedder):
         job = next(j for j in self._jobs if j.done < len(j.tokens))
         tokens = job.tokens[job.done][:_CHECK_TOKENS]
         batch = self._batch
+        batch.clear()
         for pos, token in enumerate(tokens):
-            batch.token[pos] = token
-            batch.pos[pos] = pos
-            batch.n_seq_id[pos] = 1
-            batch.seq_id[pos][0] = 0
-            batch.logits[pos] = True
-        batch.n_tokens = len(tokens)
+            batch.add(token, pos, 0, True)
         memory = llama_cpp.llama_get_memory(self._ctx)
         llama_cpp.llama_memory_clear(memory, True)
-        status = llama_cpp.llama_decode(self._ctx, batch)
+        status = llama_cpp.llama_decode(self._ctx, batch.ready())
         rows = llama_cpp.llama_get_embeddings(self._ctx) if status == 0 else None
         got = None if not rows else np.ctypeslib.as_array(rows, shape=(len(tokens), self.n_embd))
         llama_cpp.llama_memory_clear(memory, True)

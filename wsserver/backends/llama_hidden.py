@@ -58,9 +58,7 @@ class HiddenStop:
         self.armed = False
         #: Whether :meth:`check` has decided ``armed``.
         self.checked = False
-        #: Whether the last armed decode reached the node and stopped there.
-        self.stopped = False
-        #: Decodes that stopped before the head (tests).
+        #: Decodes that stopped before the head (the check's; tests).
         self.count = 0
         # Kept here: the context calls it for as long as it lives.
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._call)
@@ -69,7 +67,6 @@ class HiddenStop:
         if ask:  # wanted: the hidden states, when armed
             return self.armed and _get_name(tensor) == HIDDEN_NODE
         # It was computed and is in place: stop (llama.cpp reads it as the embeddings).
-        self.stopped = True
         self.count += 1
         return False
 
@@ -79,9 +76,9 @@ class HiddenStop:
         if the decode failed), once whole and once armed."""
         self.armed = False
         whole = decode()
-        self.armed, self.stopped = True, False
+        self.armed, before = True, self.count
         cut = decode()
-        reached = self.stopped
+        reached = self.count > before
         self.armed = bool(
             reached
             and whole is not None
