@@ -340,13 +340,17 @@ async def test_a_large_answer_has_room_for_two_segments_and_the_next_the_configu
     32 KiB and more) a 16 KiB buffer sends one segment at a time, each after
     the client's delayed ACK — a 6 MB answer took 3 s (WholeAnswerBuffer,
     docs/benchmarks.md section 18). It goes out with room for two segments;
-    the next answer on the connection, a stream, gets the configured size."""
+    the next answer on the connection, a stream, gets the configured size;
+    and a large non-streamed completion (the exchange's whole answer) is
+    widened as well."""
     with socket.socket() as scratch:  # what Linux makes of the configured size
         scratch.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
         configured = scratch.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     inputs = [f"input number {i}" for i in range(2000)]
     async with (
-        running_server(make_config(server__sndbuf=16384)) as server,
+        running_server(
+            make_config(server__sndbuf=16384, backend__fake__tokens_per_s=1e6)
+        ) as server,
         aiohttp.ClientSession() as session,
     ):
         url = f"http://127.0.0.1:{server.port}/v1"
@@ -368,3 +372,9 @@ async def test_a_large_answer_has_room_for_two_segments_and_the_next_the_configu
         assert server.api.live == {connection.conn_id: connection}, "the same connection"
         assert not connection.out.send_buffer.widened
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == configured
+        whole = {"model": FAKE_MODEL, "prompt": "hi", "max_tokens": 20000}
+        async with session.post(url + "/completions", json=whole) as response:
+            text = await response.read()
+        assert response.status == 200 and len(text) > 2 * 16384
+        assert connection.out.send_buffer.widened
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * segment

@@ -55,9 +55,8 @@ class HttpOut:
         self._h11 = h11_connection
         self._log = log
         self._send_timeout = send_timeout
-        self._sndbuf = sndbuf
         #: The socket's send buffer, widened for a large whole answer (tests).
-        self.send_buffer = WholeAnswerBuffer(None, sndbuf)
+        self.send_buffer = WholeAnswerBuffer(sndbuf)
         self._transport: asyncio.Transport | None = None
         self._watch: DrainWatch | None = None
         self._lost = False
@@ -77,7 +76,7 @@ class HttpOut:
         """The connection is made: write to ``transport``, judge waits with ``watch``."""
         self._transport = transport
         self._watch = watch
-        self.send_buffer = WholeAnswerBuffer(transport.get_extra_info("socket"), self._sndbuf)
+        self.send_buffer.sock = transport.get_extra_info("socket")
 
     @property
     def lost(self) -> bool:
@@ -120,7 +119,13 @@ class HttpOut:
     # ------------------------------------------------------------ the Responder
 
     def start(self, status: int, headers: Headers) -> None:
+        # An answer whole in memory declares its length (a stream does not):
+        # room for two segments while it goes out; the next answer's head
+        # brings the configured size back (WholeAnswerBuffer).
         self.send_buffer.restore()
+        request = self.request
+        if request is None or request.method != b"HEAD":
+            self.send_buffer.widen(_declared_length(headers))
         reason = _PHRASES.get(status) or HTTPStatus(status).phrase.encode("ascii")
         self._write(h11.Response(status_code=status, headers=_encode(headers), reason=reason))
 
@@ -149,7 +154,6 @@ class HttpOut:
         self.start(status, all_headers)
         request = self.request
         if request is None or request.method != b"HEAD":
-            self.send_buffer.widen(len(body))
             self.send(body)  # a HEAD gets the headers of the answer only
         self.end()
 
@@ -207,6 +211,14 @@ class HttpOut:
         """Drop the connection now."""
         if self._transport is not None:
             self._transport.abort()
+
+
+def _declared_length(headers: Headers) -> int:
+    """The ``Content-Length`` a head declares (0: none, a stream's)."""
+    for name, value in headers:
+        if name.lower() == "content-length" and value.isdigit():
+            return int(value)
+    return 0
 
 
 def _encode(headers: Headers) -> list[tuple[bytes, bytes]]:

@@ -61,33 +61,33 @@ class WholeAnswerBuffer:
     a size would turn the autotuning off.
     """
 
-    def __init__(self, sock: Any, sndbuf: int) -> None:
-        # asyncio's TransportSocket (its socket's options), or None
-        self._sock = sock
+    def __init__(self, sndbuf: int, sock: Any = None) -> None:
         self._sndbuf = sndbuf
+        #: asyncio's TransportSocket (its socket's options); None until connected.
+        self.sock = sock
         #: Whether the buffer is widened now (tests).
         self.widened = False
 
     def widen(self, size: int) -> None:
         """``size`` bytes go out whole next: at least two segments' room if
         they are more than the configured buffer holds."""
-        if self._sock is None or self._sndbuf <= 0 or self.widened or size <= self._sndbuf:
+        if self.sock is None or self._sndbuf <= 0 or self.widened or size <= self._sndbuf:
             return
         try:
-            segments = 2 * self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+            segments = 2 * self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
             if segments > self._sndbuf:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, segments)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, segments)
                 self.widened = True
         except OSError:  # not TCP, or closed: the configured size stays
             pass
 
     def restore(self) -> None:
         """The configured size again (before the next answer starts)."""
-        if not self.widened or self._sock is None:
+        if not self.widened or self.sock is None:
             return
         self.widened = False
         with contextlib.suppress(OSError):  # closed: nothing to restore
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
 
 
 def select_ws_subprotocol(

@@ -42,7 +42,7 @@ class Sender:
         self._ws = websocket
         self.watch = watch
         #: The socket's send buffer, widened for one large message (tests).
-        self.send_buffer = WholeAnswerBuffer(websocket.transport.get_extra_info("socket"), sndbuf)
+        self.send_buffer = WholeAnswerBuffer(sndbuf, websocket.transport.get_extra_info("socket"))
 
     async def send(self, data: bytes) -> None:
         """Send one message (UTF-8 JSON, sent as text); raises
