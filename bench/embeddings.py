@@ -93,7 +93,8 @@ async def embed(session: aiohttp.ClientSession, base: str, inputs: list[str]) ->
     ) as response:
         head = time.perf_counter()
         raw = await response.read()
-    elapsed = time.perf_counter() - started
+    end = time.perf_counter()
+    elapsed = end - started
     body = json.loads(raw)
     if response.status != 200:
         raise RuntimeError(f"{base}: {response.status} {body}")
@@ -107,7 +108,7 @@ async def embed(session: aiohttp.ClientSession, base: str, inputs: list[str]) ->
         "vectors": vectors,
         # From the answer's head to its last byte (a send buffer smaller than
         # two segments took seconds here on loopback: WholeAnswerBuffer).
-        "body_ms": 1000 * (started + elapsed - head),
+        "body_ms": 1000 * (end - head),
     }
 
 
